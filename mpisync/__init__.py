@@ -1,0 +1,30 @@
+"""mpisync: synchronous parameter-server training for PyTorch on MPI."""
+from __future__ import annotations
+
+from . import placement
+from .errors import (
+                     ClosedError,
+                     ConfigError,
+                     ModelMismatchError,
+                     PeerError,
+                     ProtocolError,
+                     StallError,
+                     WorldTooSmallError,
+)
+from .optimizer import SyncReplicasOptimizer
+from .ps_ranks import Cluster, init
+
+__all__ = [
+                     "ClosedError",
+                     "Cluster",
+                     "ConfigError",
+                     "ModelMismatchError",
+                     "PeerError",
+                     "ProtocolError",
+                     "StallError",
+                     "SyncReplicasOptimizer",
+                     "WorldTooSmallError",
+                     "init",
+                     "placement",
+]
+__version__ = "0.1.0"

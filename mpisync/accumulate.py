@@ -1,0 +1,251 @@
+"""Accumulators and staleness: which gradients a step takes, and their reduction (no MPI)."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+__all__ = ["REDUCTIONS", "Action", "ShardAccumulator", "StepCoordinator"]
+
+REDUCTIONS = ("mean", "sum")
+
+
+@dataclass(frozen=True)
+class Action:
+    """Something the coordinator's caller must send.
+
+    kind is one of:
+      "decide"   step ``step`` is complete: every ps applies the gradients counted in
+                 ``taken`` (per worker), then sends the new parameters to ``workers``;
+      "token"    send token GO(``step``) to ``workers`` (their parameters are on the way);
+      "reply"    every ps sends its current parameters to ``workers`` now, and the
+                 coordinator sends them token GO(``step``);
+      "grant"    send token GO(``step``) without parameters: compute another gradient on
+                 the same parameters;
+      "stop"     send token STOP(``step``) to ``workers``;
+      "shutdown" every worker has closed: stop the ps ranks.
+    """
+
+    kind: str
+    step: int
+    workers: tuple[int, ...] = ()
+    taken: tuple[int, ...] = ()
+
+
+@dataclass
+class StepRecord:
+    """Which workers' gradients one global step took, and which arrived too late."""
+
+    step: int
+    taken: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+
+
+class StepCoordinator:
+    """The token barrier's bookkeeping, as TensorFlow's chief queue runner keeps it.
+
+    Invariant: the parameters on every ps are at version ``global_step`` except while
+    ``applying``. A step takes the first ``replicas_to_aggregate`` gradients computed at
+    ``global_step`` in arrival order; any gradient computed at an older step, or arriving
+    after the step closed, is dropped and recorded. Every push is answered by exactly one
+    token, and a worker holding a token is "computing". Each step hands out at most
+    ``num_tokens`` extra tokens for the same step (TensorFlow's ``num_tokens`` beyond one
+    per worker), so by default no worker runs ahead.
+    """
+
+    def __init__(self, num_workers: int, replicas_to_aggregate: int, num_tokens: int = 0,
+                 global_step: int = 0):
+        if replicas_to_aggregate < 1:
+            raise ValueError(f"replicas_to_aggregate must be >= 1, got {replicas_to_aggregate}")
+        needed = replicas_to_aggregate - num_workers
+        if num_tokens < max(0, needed):
+            raise ValueError(
+                f"num_tokens={num_tokens} is too few: each step needs {replicas_to_aggregate} "
+                f"gradients from {num_workers} workers, so num_tokens must be >= {needed}")
+        self.num_workers = num_workers
+        self.replicas_to_aggregate = replicas_to_aggregate
+        self.num_tokens = num_tokens
+        self.global_step = global_step
+        self.applying = False
+        self.stopped = False
+        self.taken = [0] * num_workers
+        self.num_taken = 0
+        self.pool = num_tokens
+        self.waiting: list[int] = []       # pushed; token comes when the step is applied
+        self.late: list[int] = []          # pushed while applying; reply after it
+        self.computing: set[int] = set()   # holds a token, will push (or close)
+        self.closed: set[int] = set()
+        self.records: dict[int, StepRecord] = {}
+        self.taken_total = [0] * num_workers
+        self.dropped_total = [0] * num_workers
+
+    # -- events -------------------------------------------------------------------------
+    def start(self) -> list[Action]:
+        """Every worker needs the initial parameters and its first token."""
+        self.computing = set(range(self.num_workers))
+        return [Action("reply", self.global_step, tuple(range(self.num_workers)))]
+
+    def push(self, worker: int, step: int) -> list[Action]:
+        """Worker ``worker`` pushed a gradient computed at ``step``."""
+        if worker not in self.computing:
+            raise RuntimeError(f"worker {worker} pushed without holding a token")
+        self.computing.discard(worker)
+        if step > self.global_step:
+            raise RuntimeError(f"worker {worker} pushed step {step} ahead of global step "
+                               f"{self.global_step}")
+        if self.stopped:
+            self._record(step).dropped.append(worker)
+            self.dropped_total[worker] += 1
+            return [Action("stop", self.global_step, (worker,))]
+        if step == self.global_step and not self.applying:
+            self.taken[worker] += 1
+            self.num_taken += 1
+            self.taken_total[worker] += 1
+            self._record(step).taken.append(worker)
+            if self.num_taken == self.replicas_to_aggregate:
+                self.applying = True
+                workers = tuple(sorted(self.waiting + [worker]))
+                self.waiting = []
+                return [Action("decide", step, workers, tuple(self.taken))]
+            if self.pool > 0:
+                self.pool -= 1
+                self.computing.add(worker)
+                return [Action("grant", step, (worker,))]
+            self.waiting.append(worker)
+            return self._check_stall()
+        # stale: computed at an older step, or arrived after its step closed
+        self._record(step).dropped.append(worker)
+        self.dropped_total[worker] += 1
+        if self.applying:
+            self.late.append(worker)
+            return []
+        self.computing.add(worker)
+        return [Action("reply", self.global_step, (worker,))]
+
+    def applied(self, decided_workers: tuple[int, ...]) -> list[Action]:
+        """Every ps applied the step; ``decided_workers`` already have their parameters."""
+        if not self.applying:
+            raise RuntimeError("applied() without a step being applied")
+        self.applying = False
+        self.global_step += 1
+        self.taken = [0] * self.num_workers
+        self.num_taken = 0
+        self.pool = self.num_tokens
+        actions = []
+        if decided_workers:
+            actions.append(Action("token", self.global_step, decided_workers))
+            self.computing.update(decided_workers)
+        if self.late:
+            late, self.late = tuple(sorted(self.late)), []
+            actions.append(Action("reply", self.global_step, late))
+            self.computing.update(late)
+        return actions + self._check_stall() + self._check_shutdown()
+
+    def resync(self, worker: int) -> list[Action]:
+        """Worker ``worker`` gives up its token (state was loaded) and needs the current one."""
+        if self.applying or self.num_taken:
+            raise RuntimeError(f"worker {worker} resynced while step {self.global_step} "
+                               f"already holds gradients")
+        self.computing.add(worker)
+        return [Action("reply", self.global_step, (worker,))]
+
+    def close(self, worker: int) -> list[Action]:
+        """Worker ``worker`` closed: it holds a token and will push no more."""
+        self.computing.discard(worker)
+        self.closed.add(worker)
+        return self._check_stall() + self._check_shutdown()
+
+    # -- helpers ------------------------------------------------------------------------
+    def _record(self, step: int) -> StepRecord:
+        rec = self.records.get(step)
+        if rec is None:
+            rec = self.records[step] = StepRecord(step)
+        return rec
+
+    def _check_stall(self) -> list[Action]:
+        """No open worker can push for this step any more: the training is over."""
+        if self.applying or self.computing or not self.waiting:
+            return []
+        self.stopped = True
+        waiting, self.waiting = tuple(sorted(self.waiting)), []
+        return [Action("stop", self.global_step, waiting)]
+
+    def _check_shutdown(self) -> list[Action]:
+        if self.applying or len(self.closed) < self.num_workers:
+            return []
+        return [Action("shutdown", self.global_step)]
+
+    def stats(self) -> dict:
+        """A plain-data snapshot: totals, per worker, and per step."""
+        return {
+            "global_step": self.global_step,
+            "steps": self.global_step,
+            "gradients_applied": sum(self.taken_total),
+            "gradients_dropped": sum(self.dropped_total),
+            "taken_per_worker": list(self.taken_total),
+            "dropped_per_worker": list(self.dropped_total),
+            "per_step": [
+                {"step": r.step, "taken": list(r.taken), "dropped": list(r.dropped)}
+                for r in sorted(self.records.values(), key=lambda r: r.step)
+            ],
+            "stopped": self.stopped,
+        }
+
+
+class ShardAccumulator:
+    """One ps rank's received gradients, held by step until the coordinator decides.
+
+    Like TensorFlow's ConditionalAccumulator: a gradient computed at a step older than
+    the shard's ``global_step`` is stale and refused; ``take`` reduces the chosen
+    gradients (MEAN or SUM) in a fixed order (worker index, then arrival), so the result
+    does not depend on arrival timing. Buffers are the caller's; they are handed back.
+    """
+
+    def __init__(self, reduction: str = "mean", global_step: int = 0):
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self.reduction = reduction
+        self.global_step = global_step
+        self._held: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+        self.dropped = 0
+
+    def offer(self, worker: int, step: int, item) -> bool:
+        """Hold ``item`` (a received gradient) for ``step``; False if it is stale."""
+        if step < self.global_step:
+            self.dropped += 1
+            return False
+        self._held[step][worker].append(item)
+        return True
+
+    def ready(self, step: int, taken: tuple[int, ...]) -> bool:
+        """True when every gradient that ``taken`` names for ``step`` has arrived."""
+        held = self._held.get(step, {})
+        return all(len(held.get(w, ())) >= n for w, n in enumerate(taken) if n)
+
+    def chosen(self, step: int, taken: tuple[int, ...]) -> list:
+        """The items ``taken`` names, in reduction order: worker index, then arrival."""
+        held = self._held[step]
+        return [item for w, n in enumerate(taken) for item in held[w][:n]]
+
+    def advance(self, step: int) -> list:
+        """Step ``step`` is applied: return every item held for steps <= ``step``."""
+        self.global_step = step + 1
+        freed = []
+        for s in [s for s in self._held if s <= step]:
+            for items in self._held.pop(s).values():
+                freed.extend(items)
+        return freed
+
+    def reduce(self, regions_out, regions_in_list, count: int) -> None:
+        """Sum ``regions_in_list`` into ``regions_out`` region by region; MEAN divides by count.
+
+        Args:
+          regions_out: list of tensors (one per dtype region) receiving the result.
+          regions_in_list: one list of tensors per chosen gradient, in reduction order.
+          count: the number of gradients taken (the divisor for MEAN).
+        """
+        for r, out in enumerate(regions_out):
+            out.copy_(regions_in_list[0][r])
+            for regions_in in regions_in_list[1:]:
+                out.add_(regions_in[r])
+            if self.reduction == "mean" and count > 1:
+                out.div_(count)

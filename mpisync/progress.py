@@ -1,0 +1,75 @@
+"""Waiting on MPI requests without hanging: backoff polling, stall timeouts, peer failures."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+from mpi4py import MPI
+
+from .errors import PeerError, StallError
+from .wire import Tag
+
+__all__ = ["DEFAULT_TIMEOUT", "Poller"]
+
+DEFAULT_TIMEOUT = float(os.environ.get("MPISYNC_TIMEOUT", "600"))
+_SPIN = int(os.environ.get("MPISYNC_POLL_SPIN", "200"))
+_MAX_SLEEP = float(os.environ.get("MPISYNC_POLL_MAX_SLEEP", "0.0005"))
+
+
+class Poller:
+    """Tests requests until they complete, sleeping more the longer nothing happens.
+
+    Busy polling steals CPU from ranks that share a core, so after ``_SPIN`` empty
+    tests it sleeps, doubling up to ``_MAX_SLEEP``. While it waits it watches for a
+    failure notice from any rank (raising ``PeerError``) and raises ``StallError``
+    when nothing completes within ``timeout`` seconds.
+    """
+
+    def __init__(self, comm: MPI.Comm, timeout: float, label: str):
+        self.comm = comm
+        self.timeout = timeout
+        self.label = label
+        self._idle = 0
+
+    def idle(self) -> None:
+        """Called after a poll found nothing: spin, then sleep with backoff."""
+        self._idle += 1
+        if self._idle > _SPIN:
+            time.sleep(min(_MAX_SLEEP, 1e-5 * (1 << min(self._idle - _SPIN, 10))))
+        if self._idle % 64 == 0:
+            self.check_peer_error()
+
+    def busy(self) -> None:
+        """Called after a poll found work."""
+        self._idle = 0
+
+    def check_peer_error(self) -> None:
+        """Raise ``PeerError`` if another rank announced a failure."""
+        status = MPI.Status()
+        if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=Tag.ERROR, status=status):
+            notice = self.comm.recv(source=status.Get_source(), tag=Tag.ERROR)
+            raise PeerError(f"{self.label}: stopping because {notice}")
+
+    def wait_all(self, reqs: list[MPI.Request], what: Callable[[], str]) -> None:
+        """Wait for every request in ``reqs``; ``what()`` describes them for a stall error."""
+        start = time.monotonic()
+        while not MPI.Request.Testall(reqs):
+            self.idle()
+            if time.monotonic() - start > self.timeout:
+                raise StallError(f"{self.label}: {what()} did not arrive within "
+                                 f"{self.timeout:g} s (MPISYNC_TIMEOUT)")
+        self.busy()
+
+    def wait_message(self, source: int, tag: int, what: Callable[[], str]):
+        """Receive one pickled message (off the step's path)."""
+        start = time.monotonic()
+        while True:
+            msg = self.comm.improbe(source=source, tag=tag)
+            if msg is not None:
+                self.busy()
+                return msg.recv()
+            self.idle()
+            if time.monotonic() - start > self.timeout:
+                raise StallError(f"{self.label}: {what()} did not arrive within "
+                                 f"{self.timeout:g} s (MPISYNC_TIMEOUT)")

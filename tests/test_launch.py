@@ -1,0 +1,270 @@
+"""One-process tests of the launch helper: command lines and argument parsing, no MPI job."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from mpisync.launch import (
+    NUM_PS_ENV,
+    detect_mpi_flavor,
+    find_mpiexec,
+    mpiexec_command,
+    parse_args,
+    run_command,
+)
+
+PROG = ["python", "train.py", "--epochs", "2"]
+
+
+# --- mpiexec_command: Open MPI ---------------------------------------------------------
+
+
+def test_openmpi_plain():
+    cmd = mpiexec_command(PROG, 3, 2, mpiexec="mpirun", flavor="openmpi")
+    assert cmd == ["mpirun", "-n", "5", "-x", f"{NUM_PS_ENV}=2", *PROG]
+
+
+def test_openmpi_root_oversubscribe_hosts_env_extra():
+    cmd = mpiexec_command(
+        PROG,
+        2,
+        1,
+        mpiexec="/opt/ompi/bin/mpirun",
+        flavor="openmpi",
+        hosts="a:2,b:1",
+        env={"OMP_NUM_THREADS": "1"},
+        extra=["--bind-to", "none"],
+        as_root=True,
+        oversubscribe=True,
+    )
+    assert cmd == [
+        "/opt/ompi/bin/mpirun", "-n", "3",
+        "--allow-run-as-root", "--oversubscribe",
+        "-H", "a:2,b:1",
+        "-x", f"{NUM_PS_ENV}=1", "-x", "OMP_NUM_THREADS=1",
+        "--bind-to", "none",
+        *PROG,
+    ]  # fmt: skip
+
+
+def test_openmpi_flags_only_when_asked():
+    cmd = mpiexec_command(PROG, 1, 1, flavor="openmpi", as_root=False, oversubscribe=False)
+    assert "--allow-run-as-root" not in cmd
+    assert "--oversubscribe" not in cmd
+    assert "-H" not in cmd
+
+
+# --- mpiexec_command: MPICH / Intel (Hydra) -----------------------------------------------
+
+
+@pytest.mark.parametrize("flavor", ["mpich", "intel"])
+def test_hydra_plain(flavor):
+    cmd = mpiexec_command(PROG, 4, 2, flavor=flavor)
+    assert cmd == ["mpiexec", "-n", "6", "-genv", NUM_PS_ENV, "2", *PROG]
+
+
+@pytest.mark.parametrize("flavor", ["mpich", "intel"])
+def test_hydra_hosts_env_and_no_openmpi_flags(flavor):
+    cmd = mpiexec_command(
+        PROG,
+        2,
+        2,
+        flavor=flavor,
+        hosts="n1,n2",
+        env={"A": "x y"},
+        as_root=True,
+        oversubscribe=True,
+    )
+    assert cmd == [
+        "mpiexec", "-n", "4",
+        "-hosts", "n1,n2",
+        "-genv", NUM_PS_ENV, "2", "-genv", "A", "x y",
+        *PROG,
+    ]  # fmt: skip
+
+
+def test_default_flavor_is_mpich():
+    assert mpiexec_command(["p"], 1, 1)[:3] == ["mpiexec", "-n", "2"]
+    assert "-genv" in mpiexec_command(["p"], 1, 1)
+
+
+def test_num_ps_always_passed_and_argv_last():
+    for flavor in ("openmpi", "mpich"):
+        cmd = mpiexec_command(["prog", "-n", "7"], 1, 3, flavor=flavor)
+        assert cmd[-3:] == ["prog", "-n", "7"]
+        assert any(NUM_PS_ENV in part for part in cmd)
+
+
+def test_env_may_repeat_the_same_num_ps():
+    cmd = mpiexec_command(["p"], 1, 2, flavor="openmpi", env={NUM_PS_ENV: "2"})
+    assert cmd.count(f"{NUM_PS_ENV}=2") == 1
+
+
+def test_argv_not_mutated():
+    argv = ["p", "x"]
+    extra = ["--foo"]
+    mpiexec_command(argv, 1, 1, extra=extra)
+    assert argv == ["p", "x"] and extra == ["--foo"]
+
+
+# --- mpiexec_command: validation -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, -1])
+def test_bad_num_workers(workers):
+    with pytest.raises(ValueError, match=f"num_workers must be >= 1, got {workers}"):
+        mpiexec_command(PROG, workers, 1)
+
+
+@pytest.mark.parametrize("num_ps", [0, -3])
+def test_bad_num_ps(num_ps):
+    with pytest.raises(ValueError, match=f"num_ps must be >= 1, got {num_ps}"):
+        mpiexec_command(PROG, 1, num_ps)
+
+
+@pytest.mark.parametrize("value", [1.0, "2", True])
+def test_count_must_be_int(value):
+    with pytest.raises(TypeError, match="num_workers must be an int"):
+        mpiexec_command(PROG, value, 1)
+
+
+def test_empty_argv():
+    with pytest.raises(ValueError, match="argv is empty"):
+        mpiexec_command([], 1, 1)
+
+
+def test_unknown_flavor():
+    with pytest.raises(ValueError, match="flavor must be one of"):
+        mpiexec_command(PROG, 1, 1, flavor="unknown")
+
+
+def test_conflicting_num_ps_in_env():
+    with pytest.raises(ValueError, match=f"{NUM_PS_ENV}=3 but num_ps is 2"):
+        mpiexec_command(PROG, 1, 2, env={NUM_PS_ENV: "3"})
+
+
+@pytest.mark.parametrize("key", ["", "A=B"])
+def test_bad_env_name(key):
+    with pytest.raises(ValueError, match="bad environment variable name"):
+        mpiexec_command(PROG, 1, 1, env={key: "1"})
+
+
+# --- argument parsing ----------------------------------------------------------------------
+
+
+def test_parse_with_double_dash():
+    ns = parse_args(["--workers", "2", "--ps", "1", "--", "python", "t.py", "--ps", "9", "--"])
+    assert (ns.workers, ns.ps) == (2, 1)
+    assert ns.program == ["python", "t.py", "--ps", "9", "--"]
+    assert ns.hosts is None and ns.mpiexec is None and ns.timeout is None
+    assert ns.flavor == "auto"
+
+
+def test_parse_all_options():
+    ns = parse_args(
+        [
+            "--workers=4", "--ps=2", "--hosts", "a:3,b:3", "--mpiexec", "/x/mpirun",
+            "--timeout", "90", "--flavor", "openmpi", "--", "prog",
+        ]
+    )  # fmt: skip
+    assert (ns.workers, ns.ps, ns.hosts, ns.mpiexec) == (4, 2, "a:3,b:3", "/x/mpirun")
+    assert ns.timeout == 90.0 and ns.flavor == "openmpi" and ns.program == ["prog"]
+
+
+def test_parse_without_double_dash():
+    ns = parse_args(["--workers", "1", "--ps", "1", "python", "t.py", "--lr", "0.1"])
+    assert ns.program == ["python", "t.py", "--lr", "0.1"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--workers", "2", "--ps", "1"],  # no program
+        ["--workers", "2", "--ps", "1", "--"],  # empty program
+        ["--ps", "1", "--", "p"],  # --workers missing
+        ["--workers", "2", "--", "p"],  # --ps missing
+        ["--workers", "0", "--ps", "1", "--", "p"],
+        ["--workers", "2", "--ps", "-1", "--", "p"],
+        ["--workers", "two", "--ps", "1", "--", "p"],
+        ["--workers", "2", "--ps", "1", "--timeout", "0", "--", "p"],
+        ["--workers", "2", "--ps", "1", "--flavor", "lam", "--", "p"],
+        ["--workers", "2", "--ps", "1", "stray", "--", "p"],
+    ],
+)
+def test_parse_errors(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+# --- finding and identifying mpiexec ------------------------------------------------------
+
+
+def test_find_mpiexec_order(tmp_path):
+    assert find_mpiexec("/given", environ={"MPIEXEC": "/env"}) == "/given"
+    assert find_mpiexec(None, environ={"MPIEXEC": "/env"}) == "/env"
+
+
+def test_detect_flavor_of_missing_program(tmp_path):
+    assert detect_mpi_flavor(str(tmp_path / "no-such-mpiexec")) == "unknown"
+
+
+def _fake_mpiexec(tmp_path, text):
+    path = tmp_path / "mpiexec"
+    path.write_text(f"#!/bin/sh\necho '{text}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "text, flavor",
+    [
+        ("mpirun (Open MPI) 4.1.5", "openmpi"),
+        ("HYDRA build details:", "mpich"),
+        ("Intel(R) MPI Library for Linux* OS, Version 2021.10", "intel"),
+        ("something else", "unknown"),
+    ],
+)
+def test_detect_flavor_from_version_text(tmp_path, text, flavor):
+    assert detect_mpi_flavor(_fake_mpiexec(tmp_path, text)) == flavor
+
+
+def test_detect_flavor_of_venv_mpiexec():
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.access(mpiexec, os.X_OK):
+        pytest.skip(f"no mpiexec beside {sys.executable}")
+    assert detect_mpi_flavor(mpiexec) == "mpich"
+
+
+# --- running ---------------------------------------------------------------------------------
+
+
+def test_run_command_passes_exit_status():
+    assert run_command([sys.executable, "-c", "raise SystemExit(3)"]) == 3
+
+
+def _alive(pid):
+    """True if ``pid`` runs (a zombie waiting to be reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_run_command_timeout_kills_group(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    code = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(60)\n"
+    )
+    assert run_command([sys.executable, "-c", code], timeout=2) == 124
+    grandchild = int(pid_file.read_text())
+    assert not _alive(grandchild)

@@ -1,0 +1,411 @@
+"""One-process tests for mpisync.placement: strategies, validation, determinism, printing."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # lets a bare `pytest` find the package without installing it
+    sys.path.insert(0, str(ROOT))
+
+placement = importlib.import_module("mpisync.placement")
+STRATEGIES = placement.STRATEGIES
+Plan = placement.Plan
+plan = placement.plan
+round_robin = placement.round_robin
+greedy = placement.greedy
+greedy_sorted = placement.greedy_sorted
+
+SIZES = [400, 100, 100, 300, 50]
+NAMES = ["embed", "fc1.w", "fc1.b", "fc2.w", "fc2.b"]
+
+
+def tf_greedy_reference(sizes: list[int], num_ps: int) -> list[int]:
+    """TensorFlow contrib's GreedyLoadBalancingStrategy.__call__, line for line."""
+    ps_loads = np.zeros(num_ps)
+    owners = []
+    for size in sizes:
+        task = int(np.argmin(ps_loads))
+        ps_loads[task] += size
+        owners.append(task)
+    return owners
+
+
+def optimum_max_load(sizes: list[int], num_ps: int) -> int:
+    """Smallest possible max load, by brute force over every assignment."""
+    best = sum(sizes)
+    for owners in itertools.product(range(num_ps), repeat=len(sizes)):
+        loads = [0] * num_ps
+        for size, owner in zip(sizes, owners):
+            loads[owner] += size
+        best = min(best, max(loads))
+    return best
+
+
+# --- the strategies, worked by hand -------------------------------------------------------
+
+
+def test_public_api() -> None:
+    assert set(placement.__all__) == {
+        "Plan",
+        "plan",
+        "STRATEGIES",
+        "round_robin",
+        "greedy",
+        "greedy_sorted",
+    }
+    assert STRATEGIES == ("greedy_sorted", "greedy", "round_robin")
+    assert plan(NAMES, SIZES, 2).strategy == "greedy_sorted"
+
+
+@pytest.mark.parametrize(
+    ("num_ps", "expected"),
+    [(1, [0, 0, 0, 0, 0]), (2, [0, 1, 0, 1, 0]), (3, [0, 1, 2, 0, 1]), (7, [0, 1, 2, 3, 4])],
+)
+def test_round_robin_matches_tensorflow(num_ps: int, expected: list[int]) -> None:
+    # replica_device_setter's _RoundRobinStrategy: the i-th variable goes to ps i % num_ps.
+    assert round_robin(SIZES, num_ps) == expected
+    assert list(plan(NAMES, SIZES, num_ps, "round_robin").owners) == expected
+
+
+@pytest.mark.parametrize(
+    ("sizes", "num_ps", "expected"),
+    [
+        # loads 400|0 -> 400|100 -> 400|200 -> 400|500 -> 450|500
+        (SIZES, 2, [0, 1, 1, 1, 0]),
+        # loads 400|0|0 -> 400|100|0 -> 400|100|100 -> tie 1,2 gives 1: 400|400|100 -> 2
+        (SIZES, 3, [0, 1, 2, 1, 2]),
+        # every load ties at the start: lowest index first
+        ([10, 10, 10, 10], 2, [0, 1, 0, 1]),
+        # zero-byte parameters leave every load at 0, so all go to ps 0 (np.argmin)
+        ([0, 0, 0], 2, [0, 0, 0]),
+        ([5, 0, 0, 5], 2, [0, 1, 1, 1]),
+        ([], 3, []),
+    ],
+)
+def test_greedy_matches_tensorflow(sizes: list[int], num_ps: int, expected: list[int]) -> None:
+    assert greedy(sizes, num_ps) == expected
+    assert tf_greedy_reference(sizes, num_ps) == expected
+    names = [f"p{i}" for i in range(len(sizes))]
+    assert list(plan(names, sizes, num_ps, "greedy").owners) == expected
+
+
+@pytest.mark.parametrize(
+    ("sizes", "num_ps", "expected"),
+    [
+        # sorted 400(0) 300(3) 100(1) 100(2) 50(4): 400|0, 400|300, 400|400, 500|400, 500|450
+        (SIZES, 2, [0, 1, 0, 1, 1]),
+        # 400|0|0, 400|300|0, 400|300|100, 400|300|200, 400|300|250
+        (SIZES, 3, [0, 2, 2, 1, 2]),
+        # equal sizes keep creation order, so this is round-robin
+        ([7, 7, 7, 7, 7], 2, [0, 1, 0, 1, 0]),
+        # smallest first in creation order still gets placed last
+        ([1, 2, 3], 2, [1, 1, 0]),
+    ],
+)
+def test_greedy_sorted_by_hand(sizes: list[int], num_ps: int, expected: list[int]) -> None:
+    assert greedy_sorted(sizes, num_ps) == expected
+
+
+def test_greedy_matches_tensorflow_reference_on_random_instances() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        sizes = [rng.choice([0, 1, 4, 8, rng.randint(0, 1000)]) for _ in range(rng.randint(0, 30))]
+        num_ps = rng.randint(1, 6)
+        assert greedy(sizes, num_ps) == tf_greedy_reference(sizes, num_ps), (sizes, num_ps)
+
+
+def test_greedy_sorted_is_within_four_thirds_of_optimum() -> None:
+    rng = random.Random(20240501)
+    for _ in range(200):
+        sizes = [rng.randint(1, 100) for _ in range(rng.randint(1, 8))]
+        num_ps = rng.randint(2, 3)
+        lpt = plan([f"p{i}" for i in range(len(sizes))], sizes, num_ps).max_load_bytes
+        opt = optimum_max_load(sizes, num_ps)
+        assert lpt >= opt, (sizes, num_ps, lpt, opt)  # sanity: nothing beats the optimum
+        assert 3 * lpt <= 4 * opt, (sizes, num_ps, lpt, opt)
+        # Graham's tighter bound for LPT: (4/3 - 1/(3m)) * optimum
+        assert 3 * num_ps * lpt <= (4 * num_ps - 1) * opt, (sizes, num_ps, lpt, opt)
+
+
+def test_greedy_sorted_beats_creation_order_greedy_here() -> None:
+    sizes = [1, 1, 2]  # greedy: 1|1 then 3|1; sorted: 2|0, 2|1, 2|2
+    assert plan(["a", "b", "c"], sizes, 2, "greedy").max_load_bytes == 3
+    assert plan(["a", "b", "c"], sizes, 2).max_load_bytes == 2
+
+
+# --- callable strategies ------------------------------------------------------------------
+
+
+def test_callable_strategy_gets_loads_so_far_in_creation_order() -> None:
+    calls = []
+
+    def last_least_loaded(name: str, nbytes: int, ps_bytes: tuple[int, ...]) -> int:
+        calls.append((name, nbytes, ps_bytes))
+        low = min(ps_bytes)
+        return max(i for i, load in enumerate(ps_bytes) if load == low)
+
+    p = plan(NAMES, SIZES, 2, last_least_loaded)
+    assert p.strategy == "last_least_loaded"
+    assert p.owners == (1, 0, 0, 0, 1)
+    assert calls == [
+        ("embed", 400, (0, 0)),
+        ("fc1.w", 100, (0, 400)),
+        ("fc1.b", 100, (100, 400)),
+        ("fc2.w", 300, (200, 400)),
+        ("fc2.b", 50, (500, 400)),
+    ]
+
+
+def test_callable_strategy_may_return_numpy_integer() -> None:
+    p = plan(NAMES, SIZES, 3, lambda name, nbytes, loads: np.argmin(loads))
+    assert p.owners == tuple(greedy(SIZES, 3))
+    assert all(type(owner) is int for owner in p.owners)
+    assert p.strategy == "<lambda>"
+
+
+@pytest.mark.parametrize("bad", [2, -1, 1.0, True, None, "0"])
+def test_callable_strategy_out_of_range_raises(bad: object) -> None:
+    def broken(name: str, nbytes: int, ps_bytes: tuple[int, ...]) -> int:
+        return 0 if name != "fc1.b" else bad  # type: ignore[return-value]
+
+    with pytest.raises(ValueError) as info:
+        plan(NAMES, SIZES, 2, broken)
+    message = str(info.value)
+    assert "'fc1.b'" in message
+    assert repr(bad) in message
+    assert "range(2)" in message
+    assert "broken" in message
+
+
+def test_module_functions_passed_as_strategy_act_as_their_names() -> None:
+    for name in STRATEGIES:
+        fn = getattr(placement, name)
+        assert plan(NAMES, SIZES, 3, fn) == plan(NAMES, SIZES, 3, name)
+
+
+# --- validation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("num_ps", "error", "shown"),
+    [
+        (0, ValueError, "0"),
+        (-2, ValueError, "-2"),
+        (2.0, TypeError, "2.0"),
+        ("2", TypeError, "'2'"),
+        (True, TypeError, "True"),
+        (None, TypeError, "None"),
+    ],
+)
+def test_bad_num_ps(num_ps: object, error: type[Exception], shown: str) -> None:
+    for call in (
+        lambda: plan(NAMES, SIZES, num_ps),
+        lambda: round_robin(SIZES, num_ps),
+        lambda: greedy(SIZES, num_ps),
+        lambda: greedy_sorted(SIZES, num_ps),
+    ):
+        with pytest.raises(error, match="num_ps") as info:
+            call()
+        assert shown in str(info.value)
+
+
+def test_duplicate_name() -> None:
+    with pytest.raises(ValueError, match="unique") as info:
+        plan(["a", "fc.w", "b", "fc.w"], [1, 2, 3, 4], 2)
+    assert "'fc.w'" in str(info.value)
+    assert "1 and 3" in str(info.value)
+
+
+@pytest.mark.parametrize("bad_name", [3, None, b"w"])
+def test_name_not_str(bad_name: object) -> None:
+    with pytest.raises(TypeError, match="str") as info:
+        plan(["a", bad_name], [1, 2], 2)
+    assert repr(bad_name) in str(info.value)
+
+
+def test_names_as_a_single_string() -> None:
+    with pytest.raises(TypeError, match="'abc'"):
+        plan("abc", [1, 2, 3], 2)
+
+
+def test_length_mismatch() -> None:
+    with pytest.raises(ValueError, match="3 names but 2 sizes"):
+        plan(["a", "b", "c"], [1, 2], 2)
+    with pytest.raises(ValueError, match="2 names but 3 sizes"):
+        plan(["a", "b"], [1, 2, 3], 2)
+
+
+@pytest.mark.parametrize(
+    ("size", "error", "shown"),
+    [
+        (-5, ValueError, "-5"),
+        (1.5, TypeError, "1.5"),
+        (2.0, TypeError, "2.0"),
+        ("8", TypeError, "'8'"),
+        (None, TypeError, "None"),
+        (False, TypeError, "False"),
+    ],
+)
+def test_bad_size(size: object, error: type[Exception], shown: str) -> None:
+    with pytest.raises(error) as info:
+        plan(["a", "b"], [4, size], 2)
+    assert shown in str(info.value)
+    assert "'b'" in str(info.value)  # plan() names the parameter
+    for fn in (round_robin, greedy, greedy_sorted):
+        with pytest.raises(error) as info:
+            fn([4, size], 2)
+        assert shown in str(info.value)
+        assert "sizes_bytes[1]" in str(info.value)
+
+
+def test_numpy_integer_sizes_are_accepted() -> None:
+    p = plan(["a", "b"], np.array([3, 5], dtype=np.int64), 2)
+    assert p.sizes_bytes == (3, 5)
+    assert all(type(size) is int for size in p.sizes_bytes)
+
+
+def test_unknown_strategy_name() -> None:
+    with pytest.raises(ValueError) as info:
+        plan(NAMES, SIZES, 2, "lpt")
+    assert "'lpt'" in str(info.value)
+    for name in STRATEGIES:
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [3, None, ["greedy"]])
+def test_strategy_of_wrong_type(bad: object) -> None:
+    with pytest.raises(TypeError, match="strategy") as info:
+        plan(NAMES, SIZES, 2, bad)
+    assert repr(bad) in str(info.value)
+
+
+def test_plan_constructed_directly_is_checked() -> None:
+    assert Plan(("a",), (1,), (1,), 2, "manual").owner("a") == 1
+    with pytest.raises(ValueError, match="range\\(2\\)"):
+        Plan(("a",), (1,), (2,), 2, "manual")
+    with pytest.raises(ValueError, match="owners"):
+        Plan(("a", "b"), (1, 2), (0,), 2, "manual")
+    with pytest.raises(ValueError, match="unique"):
+        Plan(("a", "a"), (1, 2), (0, 1), 2, "manual")
+
+
+# --- the Plan object ----------------------------------------------------------------------
+
+
+def test_plan_accessors() -> None:
+    p = plan(NAMES, SIZES, 2)
+    assert p.names == tuple(NAMES)
+    assert p.sizes_bytes == tuple(SIZES)
+    assert p.owners == (0, 1, 0, 1, 1)
+    assert p.num_ps == 2
+    assert p.ps_bytes == (500, 450)
+    assert p.max_load_bytes == 500
+    assert p.owner("fc2.w") == 1
+    assert p.names_on(0) == ["embed", "fc1.b"]
+    assert p.names_on(1) == ["fc1.w", "fc2.w", "fc2.b"]
+    with pytest.raises(KeyError, match="'nope'"):
+        p.owner("nope")
+    with pytest.raises(ValueError, match="range\\(2\\)"):
+        p.names_on(2)
+
+
+def test_empty_plan_and_more_ps_than_parameters() -> None:
+    for strategy in STRATEGIES:
+        empty = plan([], [], 3, strategy)
+        assert empty.owners == ()
+        assert empty.ps_bytes == (0, 0, 0)
+        assert empty.max_load_bytes == 0
+        assert empty.names_on(2) == []
+        assert "0 parameters" in empty.table()
+    wide = plan(["a", "b"], [5, 5], 4)
+    assert wide.ps_bytes == (5, 5, 0, 0)
+
+
+def test_same_inputs_same_plan_whatever_the_container() -> None:
+    a = plan(NAMES, SIZES, 3)
+    b = plan(tuple(NAMES), iter(SIZES), 3)
+    c = plan((n for n in NAMES), np.array(SIZES), 3)
+    assert a == b == c
+    assert hash(a) == hash(b)
+    assert a.digest() == b.digest() == c.digest()
+
+
+def test_digest() -> None:
+    p = plan(NAMES, SIZES, 2, "greedy_sorted")
+    assert p.digest() == plan(list(NAMES), list(SIZES), 2).digest()
+    assert len(p.digest()) == 16
+    int(p.digest(), 16)
+    # a different assignment of the same parameters
+    rr = plan(NAMES, SIZES, 2, "round_robin")
+    assert rr.owners != p.owners
+    assert rr.digest() != p.digest()
+    # different sizes, names or num_ps with the same owners
+    assert plan(NAMES, [*SIZES[:-1], 51], 2).digest() != p.digest()
+    assert plan([*NAMES[:-1], "fc3.b"], SIZES, 2).digest() != p.digest()
+    assert Plan(p.names, p.sizes_bytes, p.owners, 3, p.strategy).digest() != p.digest()
+    # the digest identifies the assignment, not the strategy that produced it
+    same = Plan(p.names, p.sizes_bytes, p.owners, p.num_ps, "hand-made")
+    assert same.digest() == p.digest()
+
+
+def test_table() -> None:
+    p = plan(NAMES, SIZES, 3)
+    text = p.table()
+    assert str(p) == text
+    assert p.digest() in text
+    assert "greedy_sorted" in text
+    for name, size, owner in zip(p.names, p.sizes_bytes, p.owners):
+        assert any(line.split() == [name, str(size), str(owner)] for line in text.splitlines())
+    total = sum(p.ps_bytes)
+    for ps, load in enumerate(p.ps_bytes):
+        share = f"{100 * load / total:.1f}%"
+        assert any(line.split() == [str(ps), str(load), share] for line in text.splitlines())
+    assert any(line.split() == ["total", str(total)] for line in text.splitlines())
+
+
+# --- determinism across processes ---------------------------------------------------------
+
+_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from mpisync.placement import STRATEGIES, plan
+names = [f"layer{i}.{kind}" for i in range(40) for kind in ("weight", "bias")]
+sizes = [((i * 7919) % 1000) * 4 for i in range(len(names))]
+for strategy in STRATEGIES:
+    p = plan(names, sizes, 3, strategy)
+    print(strategy, p.digest(), p.owners)
+"""
+
+
+def _child_output(hash_seed: str) -> str:
+    env = dict(os.environ, PYTHONHASHSEED=hash_seed)
+    result = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(ROOT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_plan_is_the_same_across_processes_and_hash_seeds() -> None:
+    outputs = {seed: _child_output(seed) for seed in ("0", "1", "987654321")}
+    assert len(set(outputs.values())) == 1, outputs
+    lines = outputs["0"].splitlines()
+    assert [line.split()[0] for line in lines] == list(STRATEGIES)
+    names = [f"layer{i}.{kind}" for i in range(40) for kind in ("weight", "bias")]
+    sizes = [((i * 7919) % 1000) * 4 for i in range(len(names))]
+    assert lines[0].split()[1] == plan(names, sizes, 3).digest()
