@@ -1,0 +1,42 @@
+"""Shared by the test programs: seeded data, the model, and result printing."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+FEATURES, CLASSES = 10, 3
+
+
+def dataset(n: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded classification problem: a random linear teacher plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, FEATURES, generator=g)
+    teacher = torch.randn(FEATURES, CLASSES, generator=g)
+    y = (x @ teacher + 0.3 * torch.randn(n, CLASSES, generator=g)).argmax(1)
+    return x, y
+
+
+def model(hidden: int = 32, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, CLASSES))
+
+
+def make_optimizer(name: str, params, lr: float | None = None) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr or 0.1, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr or 0.01)
+    raise ValueError(name)
+
+
+def emit(**record) -> None:
+    """One record of JSON for the test: a line in this process's file under RESULT_DIR."""
+    line = json.dumps(record)
+    out = os.environ.get("RESULT_DIR")
+    if out:
+        with open(os.path.join(out, f"{os.getpid()}.jsonl"), "a") as f:
+            f.write(line + "\n")
+    print("RESULT " + line, flush=True)

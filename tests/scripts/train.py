@@ -1,0 +1,87 @@
+"""Training under test: N workers with batch B, or (--single) one process with batch N*B."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import dataset, emit, make_optimizer, model
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--single", type=int, default=0, help="run alone as N workers' big batch")
+    p.add_argument("--opt", default="sgd")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--sched", default="")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--dump", default="")
+    p.add_argument("--num-ps", type=int, default=None)
+    p.add_argument("--placement", default="greedy_sorted")
+    return p.parse_args()
+
+
+def batches(n_workers: int, batch: int, steps: int):
+    x, y = dataset(n_workers * batch * steps)
+    for t in range(steps):
+        lo = t * n_workers * batch
+        yield x[lo:lo + n_workers * batch], y[lo:lo + n_workers * batch]
+
+
+def scheduler(opt, name):
+    if name == "steplr":
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
+    return None
+
+
+def single(args) -> None:
+    net = model()
+    opt = make_optimizer(args.opt, net.parameters())
+    sched = scheduler(opt, args.sched)
+    for xb, yb in batches(args.single, args.batch, args.steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(xb), yb).backward()
+        opt.step()
+        if sched:
+            sched.step()
+    torch.save({"params": dict(net.named_parameters()), "state": opt.state_dict()}, args.dump)
+
+
+def distributed(args) -> None:
+    import mpisync
+
+    cluster = mpisync.init(num_ps=args.num_ps)
+    if cluster.is_ps:
+        stats = cluster.serve()
+        emit(role="ps", ps=cluster.ps_index, global_step=stats["global_step"])
+        return
+    net = model()
+    opt = mpisync.SyncReplicasOptimizer(
+        make_optimizer(args.opt, net.parameters()), named_parameters=net.named_parameters(),
+        cluster=cluster, deterministic=args.deterministic, placement=args.placement)
+    sched = scheduler(opt, args.sched)
+    w, b = cluster.worker_index, args.batch
+    start = time.perf_counter()
+    for xb, yb in batches(cluster.num_workers, b, args.steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(xb[w * b:(w + 1) * b]), yb[w * b:(w + 1) * b]) \
+            .backward()
+        opt.step()
+        if sched:
+            sched.step()
+    elapsed = time.perf_counter() - start
+    state = opt.state_dict()
+    if cluster.is_chief and args.dump:
+        torch.save({"params": dict(net.named_parameters()), "state": state}, args.dump)
+    stats = opt.stats
+    opt.close()
+    emit(role="worker", worker=w, global_step=opt.global_step, plan=opt.plan.digest(),
+         lr=opt.param_groups[0]["lr"], elapsed=elapsed,
+         applied=stats["gradients_applied"], dropped=stats["gradients_dropped"],
+         checksum=float(sum(p.detach().double().sum() for p in net.parameters())))
+
+
+if __name__ == "__main__":
+    a = parse()
+    single(a) if a.single else distributed(a)

@@ -1,0 +1,83 @@
+"""N workers with batch B equal one process with batch N*B: parameters, state, schedules."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from mpi_helpers import SCRIPTS, run_mpi
+
+WORKERS, BATCH, STEPS = 3, 16, 30
+
+
+def reference(tmp_path, opt: str, sched: str = "") -> dict:
+    out = tmp_path / f"single-{opt}-{sched}.pt"
+    subprocess.run([sys.executable, str(SCRIPTS / "train.py"), "--single", str(WORKERS),
+                    "--opt", opt, "--steps", str(STEPS), "--batch", str(BATCH),
+                    "--sched", sched, "--dump", str(out)], check=True, timeout=120)
+    return torch.load(out)
+
+
+def distributed(tmp_path, opt: str, *extra, ps: int = 1, name: str = "dist") -> tuple[dict, list]:
+    out = tmp_path / f"{name}-{opt}.pt"
+    run = run_mpi("train.py", WORKERS, ps, ["--opt", opt, "--steps", STEPS, "--batch", BATCH,
+                                            "--dump", out, *extra])
+    return torch.load(out), run.results
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].detach() - b[k].detach()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_workers_equal_one_big_batch(tmp_path, opt):
+    ref = reference(tmp_path, opt)
+    dist, results = distributed(tmp_path, opt)
+    assert max_diff(ref["params"], dist["params"]) <= 1e-5
+    workers = [r for r in results if r["role"] == "worker"]
+    assert len(workers) == WORKERS
+    assert {r["global_step"] for r in workers} == {STEPS}
+    assert {r["applied"] for r in workers} == {WORKERS * STEPS}
+    assert {r["dropped"] for r in workers} == {0}
+    # every worker ends with the same parameters
+    assert len({r["checksum"] for r in workers}) == 1
+
+
+def test_state_dict_matches_plain_optimizer(tmp_path):
+    """Keys, shapes and values of the consolidated state equal torch's own (Adam moments)."""
+    ref = reference(tmp_path, "adam")["state"]
+    got = distributed(tmp_path, "adam", "--num-ps", 2, ps=2)[0]["state"]
+    assert got["mpisync"]["global_step"] == STEPS
+    assert got["param_groups"] == ref["param_groups"]
+    assert got["state"].keys() == ref["state"].keys()
+    for i, st in ref["state"].items():
+        assert got["state"][i].keys() == st.keys()
+        for k, v in st.items():
+            assert got["state"][i][k].shape == v.shape, (i, k)
+            assert torch.allclose(got["state"][i][k], v, atol=1e-5, rtol=0), (i, k)
+
+
+def test_steplr_on_the_wrapper_follows_single_process(tmp_path):
+    ref = reference(tmp_path, "sgd", "steplr")
+    dist, results = distributed(tmp_path, "sgd", "--sched", "steplr")
+    assert max_diff(ref["params"], dist["params"]) <= 1e-5
+    # 30 steps with StepLR(7, 0.5): the lr was halved four times, on every worker
+    assert {r["lr"] for r in results if r["role"] == "worker"} == {0.1 * 0.5 ** 4}
+    assert dist["state"]["param_groups"][0]["lr"] == ref["state"]["param_groups"][0]["lr"]
+
+
+def test_deterministic_runs_are_bitwise_identical(tmp_path):
+    a, _ = distributed(tmp_path, "adam", "--deterministic", "--num-ps", 2, ps=2, name="a")
+    b, _ = distributed(tmp_path, "adam", "--deterministic", "--num-ps", 2, ps=2, name="b")
+    for k in a["params"]:
+        assert torch.equal(a["params"][k], b["params"][k]), k
+
+
+@pytest.mark.parametrize("placement", ["round_robin", "greedy", "greedy_sorted"])
+def test_plan_is_identical_on_every_rank(tmp_path, placement):
+    _, results = distributed(tmp_path, "sgd", "--num-ps", 2, "--placement", placement, ps=2,
+                             name=placement)
+    digests = {r["plan"] for r in results if r["role"] == "worker"}
+    assert len(digests) == 1
