@@ -166,6 +166,15 @@ class StepCoordinator:
         if self.applying or self.computing or not self.waiting:
             return []
         self.stopped = True
+        # the gradients this step took will never be applied: count them as dropped
+        rec = self._record(self.global_step)
+        rec.dropped.extend(rec.taken)
+        rec.taken = []
+        for w, n in enumerate(self.taken):
+            self.taken_total[w] -= n
+            self.dropped_total[w] += n
+        self.taken = [0] * self.num_workers
+        self.num_taken = 0
         waiting, self.waiting = tuple(sorted(self.waiting)), []
         return [Action("stop", self.global_step, waiting)]
 

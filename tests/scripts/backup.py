@@ -1,0 +1,63 @@
+"""Backup workers and token counts: one worker may sleep; every push is logged."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import dataset, emit, make_optimizer, model
+
+import mpisync
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--replicas", type=int, required=True)
+    p.add_argument("--num-tokens", type=int, default=None)
+    p.add_argument("--laggard", type=int, default=-1)
+    p.add_argument("--sleep-at", type=int, default=3)
+    p.add_argument("--sleep", type=float, default=2.0)
+    p.add_argument("--after", type=int, default=10, help="steps to go on after the drop")
+    p.add_argument("--steps", type=int, default=20, help="without a laggard: stop here")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    cluster = mpisync.init()
+    if cluster.is_ps:
+        emit(role="ps", ps=cluster.ps_index, stats=cluster.serve())
+        return
+    net = model()
+    opt = mpisync.SyncReplicasOptimizer(
+        make_optimizer("sgd", net.parameters()), named_parameters=net.named_parameters(),
+        replicas_to_aggregate=args.replicas, num_tokens=args.num_tokens)
+    w = cluster.worker_index
+    x, y = dataset(512, seed=w)
+    pushes, drop_seen_at = [], None
+    while not opt.stopped and len(pushes) < 5000:
+        if w == args.laggard and len(pushes) == args.sleep_at:
+            time.sleep(args.sleep)
+        i = len(pushes) % 32
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x[i * 16:(i + 1) * 16]),
+                                          y[i * 16:(i + 1) * 16]).backward()
+        before = opt.global_step
+        opt.step()
+        pushes.append([before, opt.global_step])
+        if args.laggard < 0:
+            if opt.global_step >= args.steps:
+                break
+        elif w != args.laggard:
+            if drop_seen_at is None:
+                if opt.stats["dropped_per_worker"][args.laggard] > 0:
+                    drop_seen_at = opt.global_step
+            elif opt.global_step >= drop_seen_at + args.after:
+                break
+    opt.close()
+    emit(role="worker", worker=w, pushes=pushes, stopped=opt.stopped,
+         global_step=opt.global_step)
+
+
+if __name__ == "__main__":
+    main()
