@@ -60,7 +60,8 @@ class StepCoordinator:
         if num_tokens < max(0, needed):
             raise ValueError(
                 f"num_tokens={num_tokens} is too few: each step needs {replicas_to_aggregate} "
-                f"gradients from {num_workers} workers, so num_tokens must be >= {needed}")
+                f"gradients from {num_workers} workers, so num_tokens must be >= "
+                f"{max(0, needed)}")
         self.num_workers = num_workers
         self.replicas_to_aggregate = replicas_to_aggregate
         self.num_tokens = num_tokens
@@ -88,10 +89,10 @@ class StepCoordinator:
         """Worker ``worker`` pushed a gradient computed at ``step``."""
         if worker not in self.computing:
             raise RuntimeError(f"worker {worker} pushed without holding a token")
-        self.computing.discard(worker)
         if step > self.global_step:
             raise RuntimeError(f"worker {worker} pushed step {step} ahead of global step "
                                f"{self.global_step}")
+        self.computing.discard(worker)
         if self.stopped:
             self._record(step).dropped.append(worker)
             self.dropped_total[worker] += 1
@@ -166,7 +167,14 @@ class StepCoordinator:
         if self.applying or self.computing or not self.waiting:
             return []
         self.stopped = True
-        # the gradients this step took will never be applied: count them as dropped
+        self._discard_step()
+        waiting, self.waiting = tuple(sorted(self.waiting)), []
+        return [Action("stop", self.global_step, waiting)]
+
+    def _discard_step(self) -> None:
+        """The current step will never be applied: count what it took as dropped."""
+        if not self.num_taken:
+            return
         rec = self._record(self.global_step)
         rec.dropped.extend(rec.taken)
         rec.taken = []
@@ -175,12 +183,11 @@ class StepCoordinator:
             self.dropped_total[w] += n
         self.taken = [0] * self.num_workers
         self.num_taken = 0
-        waiting, self.waiting = tuple(sorted(self.waiting)), []
-        return [Action("stop", self.global_step, waiting)]
 
     def _check_shutdown(self) -> list[Action]:
         if self.applying or len(self.closed) < self.num_workers:
             return []
+        self._discard_step()
         return [Action("shutdown", self.global_step)]
 
     def stats(self) -> dict:

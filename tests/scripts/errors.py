@@ -1,0 +1,54 @@
+"""Programs that go wrong on purpose, one per --case."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import dataset, emit, make_optimizer, model
+
+import mpisync
+
+
+def train(opt, net, steps: int, w: int) -> None:
+    x, y = dataset(64, seed=w)
+    for i in range(steps):
+        if opt.stopped:
+            break
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x[:16]), y[:16]).backward()
+        if CASE == "raise" and w == 1 and i == 5:
+            raise ValueError("boom on purpose in user code")
+        opt.step()
+
+
+def main() -> None:
+    global CASE
+    p = argparse.ArgumentParser()
+    p.add_argument("--case", required=True)
+    p.add_argument("--num-ps", type=int, default=None)
+    args = p.parse_args()
+    CASE = args.case
+    cluster = mpisync.init(num_ps=args.num_ps)
+    if cluster.is_ps:
+        if CASE == "raise_ps":
+            raise RuntimeError("boom on purpose on a ps rank")
+        stats = cluster.serve()
+        emit(role="ps", ps=cluster.ps_index, global_step=stats["global_step"])
+        return
+    w = cluster.worker_index
+    net = model(hidden=33 if (CASE == "mismatch" and w == 1) else 32)
+    opt = mpisync.SyncReplicasOptimizer(
+        make_optimizer("sgd", net.parameters()), named_parameters=net.named_parameters(),
+        replicas_to_aggregate=0 if CASE == "replicas0" else None)
+    steps = 5 if (CASE == "chief_first" and cluster.is_chief) else 20
+    train(opt, net, steps, w)
+    if CASE != "exit_without_close":
+        opt.close()
+    if CASE == "step_after_close" and w == 1:
+        opt.step()
+    emit(role="worker", worker=w, global_step=opt.global_step, stopped=opt.stopped)
+
+
+CASE = ""
+if __name__ == "__main__":
+    main()
