@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # lets a bare `pytest` find the package without installing it
-    sys.path.insert(0, str(ROOT))
-
-accumulate = importlib.import_module("mpisync.accumulate")
-Action = accumulate.Action
-ShardAccumulator = accumulate.ShardAccumulator
-StepCoordinator = accumulate.StepCoordinator
-REDUCTIONS = accumulate.REDUCTIONS
+from mpisync.accumulate import REDUCTIONS, Action, ShardAccumulator, StepCoordinator
 
 
 def decide(step, workers, taken):
