@@ -12,7 +12,9 @@ from .wire import Tag
 
 __all__ = ["DEFAULT_TIMEOUT", "Poller"]
 
-DEFAULT_TIMEOUT = float(os.environ.get("MPISYNC_TIMEOUT", "600"))
+DEFAULT_TIMEOUT = float(os.environ.get("MPISYNC_TIMEOUT", "1800"))
+SETUP_TIMEOUT = float(os.environ.get("MPISYNC_SETUP_TIMEOUT", "3600"))
+STALL_WARNING = float(os.environ.get("MPISYNC_STALL_WARNING", "60"))
 _SPIN = int(os.environ.get("MPISYNC_POLL_SPIN", "200"))
 _MAX_SLEEP = float(os.environ.get("MPISYNC_POLL_MAX_SLEEP", "0.0005"))
 
@@ -61,8 +63,10 @@ class Poller:
                                  f"{self.timeout:g} s (MPISYNC_TIMEOUT)")
         self.busy()
 
-    def wait_message(self, source: int, tag: int, what: Callable[[], str]):
+    def wait_message(self, source: int, tag: int, what: Callable[[], str],
+                     timeout: float | None = None):
         """Receive one pickled message (off the step's path)."""
+        timeout = self.timeout if timeout is None else timeout
         start = time.monotonic()
         while True:
             msg = self.comm.improbe(source=source, tag=tag)
@@ -70,6 +74,6 @@ class Poller:
                 self.busy()
                 return msg.recv()
             self.idle()
-            if time.monotonic() - start > self.timeout:
+            if time.monotonic() - start > timeout:
                 raise StallError(f"{self.label}: {what()} did not arrive within "
-                                 f"{self.timeout:g} s (MPISYNC_TIMEOUT)")
+                                 f"{timeout:g} s")

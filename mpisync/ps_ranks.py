@@ -102,7 +102,9 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
             ``MPISYNC_NUM_PS`` environment variable, else 1.
         comm: the communicator to split; default ``MPI.COMM_WORLD``.
         timeout: seconds any wait may last before the job is declared stalled;
-            default ``MPISYNC_TIMEOUT`` or 600.
+            default ``MPISYNC_TIMEOUT`` or 1800 (the first setup waits up to
+            ``MPISYNC_SETUP_TIMEOUT``, 3600); ps 0 warns every ``MPISYNC_STALL_WARNING``
+            seconds (60) that nothing arrived, naming the workers it waits for.
         abort_on_error: install an exception hook that reports an uncaught exception
             with this rank's name, tells the other ranks, and aborts the whole job, so
             that one failing rank never leaves the others waiting.

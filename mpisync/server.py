@@ -1,6 +1,7 @@
 """The ps serve loop: hold a shard, reduce the taken gradients, apply, send parameters back."""
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -9,7 +10,7 @@ from mpi4py import MPI
 
 from .accumulate import Action, ShardAccumulator, StepCoordinator
 from .errors import ConfigError, ProtocolError, StallError
-from .progress import Poller
+from .progress import SETUP_TIMEOUT, STALL_WARNING, Poller
 from .wire import PARAM_HEADER_BYTES, TOKEN_WORDS, GradHeader, Kind, Tag, build_layouts, tensor_view
 
 __all__ = ["Server"]
@@ -36,7 +37,8 @@ class Server:
     def from_setup(cls, cluster) -> Server:
         """Receive the chief's setup message; raise its error on this rank if it sent one."""
         poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label)
-        kind, payload = poller.wait_message(0, Tag.SETUP, lambda: "the chief's model setup")
+        kind, payload = poller.wait_message(0, Tag.SETUP, lambda: "the chief's model setup",
+                                            timeout=max(SETUP_TIMEOUT, cluster.timeout))
         if kind == "error":
             exc_type, text = payload
             raise exc_type(f"{cluster.label}: setup failed: {text}")
@@ -120,6 +122,7 @@ class Server:
         self.bytes_in = 0
         self.bytes_out = 0
         self.last_progress = time.monotonic()
+        self.next_warning = STALL_WARNING
 
     # -- buffers ------------------------------------------------------------------------
     def _post(self, w: int) -> None:
@@ -169,11 +172,17 @@ class Server:
                 self._progress()
                 poller.busy()
                 self.last_progress = time.monotonic()
+                self.next_warning = STALL_WARNING
             else:
                 poller.idle()
-                if time.monotonic() - self.last_progress > poller.timeout:
+                idle_s = time.monotonic() - self.last_progress
+                if idle_s > poller.timeout:
                     raise StallError(f"{self.cluster.label}: no message for {poller.timeout:g} s "
                                      f"(MPISYNC_TIMEOUT); {self._describe_wait()}")
+                if idle_s > self.next_warning:
+                    self.next_warning += STALL_WARNING
+                    print(f"[mpisync] {self.cluster.label}: nothing arrived for {idle_s:.0f} s; "
+                          f"{self._describe_wait()}", file=sys.stderr, flush=True)
         self._finish()
         return self.coord.stats() if self.coord else {"global_step": self.global_step}
 

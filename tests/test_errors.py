@@ -7,9 +7,9 @@ import pytest
 from mpi_helpers import run_mpi
 
 
-def failing(case: str, workers: int = 2, ps: int = 1, *args) -> str:
+def failing(case: str, workers: int = 2, ps: int = 1, *args, env=None) -> str:
     run = run_mpi("errors.py", workers, ps, ["--case", case, *args], timeout=30,
-                  expect_ok=False)
+                  expect_ok=False, env=env)
     assert run.returncode != 0, run.output
     return run.output
 
@@ -70,3 +70,11 @@ def test_worker_that_exits_without_close_still_ends_cleanly():
     run = run_mpi("errors.py", 2, 2, ["--case", "exit_without_close", "--num-ps", 2],
                   timeout=60)
     assert {r["global_step"] for r in run.ps()} == {20}
+
+
+def test_a_stalled_worker_ends_the_job_with_a_message_naming_it():
+    out = failing("stall", env={"MPISYNC_TIMEOUT": "5", "MPISYNC_STALL_WARNING": "2"})
+    assert re.search(r"ps 0 \(rank 2[^)]*\): nothing arrived for \d+ s; .*computing: \[1\]",
+                     out), out
+    assert re.search(r"ps 0 \(rank 2[^)]*\): StallError: .*no message for 5 s", out), out
+    assert "workers still computing: [1]" in out, out

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from common import dataset, emit, make_optimizer, model
@@ -18,6 +19,8 @@ def train(opt, net, steps: int, w: int) -> None:
         torch.nn.functional.cross_entropy(net(x[:16]), y[:16]).backward()
         if CASE == "raise" and w == 1 and i == 5:
             raise ValueError("boom on purpose in user code")
+        if CASE == "stall" and w == 1 and i == 5:
+            time.sleep(30)
         opt.step()
 
 
