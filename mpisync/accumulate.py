@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import torch
+
 __all__ = ["REDUCTIONS", "Action", "ShardAccumulator", "StepCoordinator"]
 
 REDUCTIONS = ("mean", "sum")
@@ -260,8 +262,11 @@ class ShardAccumulator:
           count: the number of gradients taken (the divisor for MEAN).
         """
         for r, out in enumerate(regions_out):
-            out.copy_(regions_in_list[0][r])
-            for regions_in in regions_in_list[1:]:
+            if len(regions_in_list) == 1:
+                out.copy_(regions_in_list[0][r])
+            else:      # two passes over memory for the first pair, not three
+                torch.add(regions_in_list[0][r], regions_in_list[1][r], out=out)
+            for regions_in in regions_in_list[2:]:
                 out.add_(regions_in[r])
             if self.reduction == "mean" and count > 1:
                 out.div_(count)

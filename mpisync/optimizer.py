@@ -38,8 +38,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
     coordinator (ps 0) then hands out the token: the new global step. ``step()`` returns
     once this worker holds the token and the parameters of that step.
 
-    The model's parameters and gradients become views into the fused buffers, so the
-    pull lands in the model directly and ``backward()`` writes into the send buffer.
+    The model's parameters become views into the fused receive buffers, so the pull
+    lands in the model directly; after ``zero_grad(set_to_none=False)`` the gradients
+    are views into the send buffers too, so ``backward()`` writes what ``step()`` sends.
     Construction, ``state_dict()``, ``load_state_dict()`` and ``close()`` must be called
     on every worker; ``step()`` too (a worker that skips it holds a step up).
 
@@ -214,9 +215,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                                        tag=Tag.PARAMS),
             })
         self._grad_views = [p.grad for p in self._params]
-        self._has_grad = np.zeros(len(self._params), np.uint8)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._mark(i))
-                       for i, p in enumerate(self._params)]
+        self._has_grad = np.ones(len(self._params), np.uint8)
         self._token = np.zeros(TOKEN_WORDS, np.int64)
         self._token_req = comm.Recv_init([self._token, MPI.BYTE],
                                          source=cluster.coordinator_rank, tag=Tag.TOKEN)
@@ -230,15 +229,6 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 return i
         raise ValueError("parameter not in named_parameters")
 
-    def _mark(self, i: int):
-        flags = None
-
-        def hook(_p):
-            nonlocal flags
-            flags = self._has_grad if flags is None else flags
-            flags[i] = 1
-        return hook
-
     def _spec_for(self, j: int) -> dict:
         layout = self._layouts[j]
         data = np.zeros(layout.nbytes, np.uint8)
@@ -248,20 +238,25 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
 
     # -- the step -----------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients in place (they live in the send buffers).
+        """Reset the gradients, with torch's meaning of ``set_to_none``.
 
-        With ``set_to_none=True`` (torch's default) a parameter that then receives no
-        gradient is skipped by the optimizer on the ps, exactly as if its ``.grad`` were
-        None; its ``.grad`` attribute still shows zeros.
+        ``set_to_none=False`` zeroes the fused send buffers in place and keeps ``.grad``
+        pointing into them, so ``backward()`` writes straight into what ``step()`` sends:
+        no copy at all. With ``set_to_none=True`` (torch's default) ``.grad`` becomes None,
+        a parameter that then gets no gradient is skipped on the ps exactly as torch
+        would, and ``step()`` copies each new gradient into the send buffer once.
         """
         self._check_open("zero_grad")
-        for i, p in enumerate(self._params):
-            if p.grad is None or p.grad.data_ptr() != self._grad_views[i].data_ptr():
-                p.grad = self._grad_views[i]
+        if set_to_none:
+            for p in self._params:
+                p.grad = None
+            return
+        for p, view in zip(self._params, self._grad_views):
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
         for shard in self._shards:
             for region in shard["regions"]:
                 region.zero_()
-        self._has_grad[:] = 0 if set_to_none else 1
 
     def step(self, closure: Callable | None = None):
         """Push this worker's gradients, wait for the token, pull the new parameters.
@@ -289,20 +284,22 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         return loss
 
     def _gather_grads(self) -> None:
-        """Make sure every gradient is in its send buffer (normally it already is)."""
+        """Put every gradient in its send buffer and note which parameters have one."""
+        has = self._has_grad
         for i, p in enumerate(self._params):
             g, view = p.grad, self._grad_views[i]
             if g is None:
-                if self._has_grad[i]:
-                    view.zero_()
-                    self._has_grad[i] = 0
-            elif g.data_ptr() != view.data_ptr():
+                if has[i]:
+                    view.zero_()       # absent: zeros, so the other workers' sum is exact
+                    has[i] = 0
+                continue
+            if g.data_ptr() != view.data_ptr():
                 if g.is_sparse:
                     raise TypeError(f"{self.cluster.label}: parameter {self._names[i]!r} has "
                                     f"a sparse gradient; use nn.Embedding(sparse=False)")
                 view.copy_(g)          # deliberate: the gradient was made outside our buffer
                 p.grad = view
-                self._has_grad[i] = 1
+            has[i] = 1
 
     def _pull(self, poller: Poller) -> None:
         """Wait for the token; with it come the parameters of the new global step."""
@@ -417,8 +414,6 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                                                       lambda: "the final statistics")
         for req in self._sends + self._recvs + [self._token_req]:
             req.Free()
-        for h in self._hooks:
-            h.remove()
         self._closed = True
 
     def _atexit(self) -> None:

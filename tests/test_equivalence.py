@@ -31,10 +31,12 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].detach() - b[k].detach()).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adam"])
-def test_workers_equal_one_big_batch(tmp_path, opt):
+@pytest.mark.parametrize("opt,extra", [("sgd", ()), ("adam", ()),
+                                       ("adam", ("--zero-in-place",))],
+                         ids=["sgd", "adam", "adam-zero-copy-grads"])
+def test_workers_equal_one_big_batch(tmp_path, opt, extra):
     ref = reference(tmp_path, opt)
-    dist, results = distributed(tmp_path, opt)
+    dist, results = distributed(tmp_path, opt, *extra)
     assert max_diff(ref["params"], dist["params"]) <= 1e-5
     workers = [r for r in results if r["role"] == "worker"]
     assert len(workers) == WORKERS
@@ -81,3 +83,10 @@ def test_plan_is_identical_on_every_rank(tmp_path, placement):
                              name=placement)
     digests = {r["plan"] for r in results if r["role"] == "worker"}
     assert len(digests) == 1
+
+
+def test_parameter_without_gradient_is_skipped_like_torch():
+    """Adam skips a parameter whose .grad is None: its moments and step count stay put."""
+    run = run_mpi("unused.py", 1, 2, ["mpi"], env={"MPISYNC_NUM_PS": "2"})
+    (w,) = run.by_worker().values()
+    assert w["values"] == pytest.approx(w["reference"], abs=1e-6)

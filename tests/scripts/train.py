@@ -19,6 +19,8 @@ def parse():
     p.add_argument("--dump", default="")
     p.add_argument("--num-ps", type=int, default=None)
     p.add_argument("--placement", default="greedy_sorted")
+    p.add_argument("--zero-in-place", action="store_true",
+                   help="zero_grad(set_to_none=False): gradients stay in the send buffers")
     return p.parse_args()
 
 
@@ -64,7 +66,7 @@ def distributed(args) -> None:
     w, b = cluster.worker_index, args.batch
     start = time.perf_counter()
     for xb, yb in batches(cluster.num_workers, b, args.steps):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=not args.zero_in_place)
         torch.nn.functional.cross_entropy(net(xb[w * b:(w + 1) * b]), yb[w * b:(w + 1) * b]) \
             .backward()
         opt.step()
