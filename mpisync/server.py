@@ -112,6 +112,7 @@ class Server:
                 r.Start()
             self.acks = 0
             self.decided: tuple[int, ...] = ()
+            self.deferred: list[tuple[int, tuple]] = []
             self.token_buf = np.zeros(TOKEN_WORDS, np.int64)
         else:
             self.ctl_req = self.comm.Recv_init([self.ctl_buf, MPI.BYTE], source=coord_rank,
@@ -236,6 +237,9 @@ class Server:
         if self.acks == self.cluster.num_ps:
             self.acks = 0
             self._do(self.coord.applied(self.decided))
+            deferred, self.deferred = self.deferred, []
+            for w, req in deferred:
+                self._on_request(w, req)
 
     def _progress(self) -> None:
         """Work through the ordered control queue as far as the arrived gradients allow."""
@@ -341,13 +345,14 @@ class Server:
 
     def _on_request(self, w: int, req: tuple) -> None:
         what = req[0]
+        if what != "stats" and self.coord.applying:
+            self.deferred.append((w, req))   # answered at version global_step, after the apply
+            return
         if what == "stats":
             self._reply_stats(w)
         elif what == "resync":
             self._do(self.coord.resync(w))
         elif what == "state":
-            if self.coord.applying:
-                raise ProtocolError("state requested while a step is being applied")
             self._ctl(Kind.STATE, self.coord.global_step, arg=w)
         elif what == "load":
             pieces, global_step = req[1], req[2]

@@ -19,6 +19,8 @@ def parse():
     p.add_argument("--sleep", type=float, default=2.0)
     p.add_argument("--after", type=int, default=10, help="steps to go on after the drop")
     p.add_argument("--steps", type=int, default=20, help="without a laggard: stop here")
+    p.add_argument("--state-every", type=int, default=0,
+                   help="the chief reads opt.state_dict() every N pushes meanwhile")
     return p.parse_args()
 
 
@@ -45,6 +47,10 @@ def main() -> None:
         before = opt.global_step
         opt.step()
         pushes.append([before, opt.global_step])
+        if args.state_every and cluster.is_chief and len(pushes) % args.state_every == 0:
+            state = opt.state_dict()
+            assert state["mpisync"]["global_step"] >= opt.global_step
+            assert len(state["state"]) == len(list(net.parameters()))
         if args.laggard < 0:
             if opt.global_step >= args.steps:
                 break
