@@ -90,3 +90,19 @@ def test_parameter_without_gradient_is_skipped_like_torch():
     run = run_mpi("unused.py", 1, 2, ["mpi"], env={"MPISYNC_NUM_PS": "2"})
     (w,) = run.by_worker().values()
     assert w["values"] == pytest.approx(w["reference"], abs=1e-6)
+
+
+def test_checkpoint_restore_continues_the_same_trajectory(tmp_path):
+    """15 steps, save params and consolidated state, restore in a new job, 15 more steps."""
+    ref = reference(tmp_path, "adam")
+    half = tmp_path / "half.pt"
+    run_mpi("train.py", WORKERS, 2, ["--opt", "adam", "--steps", STEPS, "--stop", 15,
+                                     "--batch", BATCH, "--dump", half, "--num-ps", 2])
+    resumed = tmp_path / "resumed.pt"
+    run = run_mpi("train.py", WORKERS, 2, ["--opt", "adam", "--steps", STEPS, "--batch", BATCH,
+                                           "--start", 15, "--resume", half, "--dump", resumed,
+                                           "--num-ps", 2])
+    assert {r["global_step"] for r in run.results if r["role"] == "worker"} == {STEPS}
+    got = torch.load(resumed)
+    assert max_diff(ref["params"], got["params"]) <= 1e-5
+    assert got["state"]["state"][0]["step"] == ref["state"]["state"][0]["step"]

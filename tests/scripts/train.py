@@ -19,14 +19,17 @@ def parse():
     p.add_argument("--dump", default="")
     p.add_argument("--num-ps", type=int, default=None)
     p.add_argument("--placement", default="greedy_sorted")
+    p.add_argument("--start", type=int, default=0, help="skip this many global batches")
+    p.add_argument("--stop", type=int, default=None, help="stop before this global batch")
+    p.add_argument("--resume", default="", help="a --dump file to restore from")
     p.add_argument("--zero-in-place", action="store_true",
                    help="zero_grad(set_to_none=False): gradients stay in the send buffers")
     return p.parse_args()
 
 
-def batches(n_workers: int, batch: int, steps: int):
+def batches(n_workers: int, batch: int, steps: int, start: int = 0, stop: int | None = None):
     x, y = dataset(n_workers * batch * steps)
-    for t in range(steps):
+    for t in range(start, steps if stop is None else stop):
         lo = t * n_workers * batch
         yield x[lo:lo + n_workers * batch], y[lo:lo + n_workers * batch]
 
@@ -59,13 +62,20 @@ def distributed(args) -> None:
         emit(role="ps", ps=cluster.ps_index, global_step=stats["global_step"])
         return
     net = model()
+    saved = torch.load(args.resume) if args.resume else None
+    if saved:
+        with torch.no_grad():
+            for name, p in net.named_parameters():
+                p.copy_(saved["params"][name])
     opt = mpisync.SyncReplicasOptimizer(
         make_optimizer(args.opt, net.parameters()), named_parameters=net.named_parameters(),
         cluster=cluster, deterministic=args.deterministic, placement=args.placement)
+    if saved:
+        opt.load_state_dict(saved["state"])
     sched = scheduler(opt, args.sched)
     w, b = cluster.worker_index, args.batch
     start = time.perf_counter()
-    for xb, yb in batches(cluster.num_workers, b, args.steps):
+    for xb, yb in batches(cluster.num_workers, b, args.steps, args.start, args.stop):
         opt.zero_grad(set_to_none=not args.zero_in_place)
         torch.nn.functional.cross_entropy(net(xb[w * b:(w + 1) * b]), yb[w * b:(w + 1) * b]) \
             .backward()
