@@ -78,12 +78,6 @@ class ShardLayout:
     regions: tuple[tuple[torch.dtype, int, int], ...]  # (dtype, offset, nbytes), contiguous
     nbytes: int
 
-    def index(self, name: str) -> int:
-        for i, e in enumerate(self.entries):
-            if e.name == name:
-                return i
-        raise KeyError(name)
-
 
 def build_layouts(
     names: list[str],
