@@ -179,12 +179,13 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                                       cluster.num_ps)
         self._schema = HyperSchema.from_groups(optimizer.param_groups)
         index = {n: i for i, n in enumerate(self._names)}
+        name_of = {id(p): n for n, p in zip(self._names, self._params)}
         self._spec = {
             "names": self._names, "shapes": shapes, "dtypes": dtypes,
             "owners": self.plan.owners, "schema": self._schema,
             "opt_cls": type(optimizer), "opt_kwargs": _init_kwargs(optimizer),
             "groups": [({k: v for k, v in g.items() if k != "params"},
-                        [self._names[self._index_of(p)] for p in g["params"]])
+                        [name_of[id(p)] for p in g["params"]])
                        for g in optimizer.param_groups],
             "replicas_to_aggregate": R, "num_tokens": num_tokens, "reduction": reduction,
             "deterministic": deterministic, "global_step": 0,
@@ -223,11 +224,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._recvs = [s["recv"] for s in self._shards]
         self._bytes_per_ps = [s["gbuf"].nbytes for s in self._shards]
 
-    def _index_of(self, p) -> int:
-        for i, q in enumerate(self._params):
-            if q is p:
-                return i
-        raise ValueError("parameter not in named_parameters")
+    def _group_order(self) -> list[str]:
+        """Parameter names in param-group order: how torch numbers them in a state_dict."""
+        name_of = {id(p): n for n, p in zip(self._names, self._params)}
+        return [name_of[id(p)] for g in self.param_groups for p in g["params"]]
 
     def _spec_for(self, j: int) -> dict:
         layout = self._layouts[j]
@@ -273,10 +273,13 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             return loss
         self._gather_grads()
         seq = self._seq = self._seq + 1
+        hyper = self._shards[0]["hyper"]
+        self._schema.encode(self.param_groups, hyper)     # once, then copied to each shard
         for shard in self._shards:
             f = shard["fields"]
             f[0], f[1], f[2], f[3] = Kind.GRAD, self.global_step, self.cluster.worker_index, seq
-            self._schema.encode(self.param_groups, shard["hyper"])
+            if shard["hyper"] is not hyper:
+                shard["hyper"][:] = hyper
             np.take(self._has_grad, shard["idx"], out=shard["mask"])
         MPI.Prequest.Startall(self._sends)
         self._pull(self._poller)
@@ -366,7 +369,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             by_name.update(self._poller.wait_message(self.cluster.ps_rank(j), Tag.INFO,
                                                      lambda j=j: f"optimizer state from ps {j}"))
         local = torch.optim.Optimizer.state_dict(self._opt)
-        order = [self._names[self._index_of(p)] for g in self.param_groups for p in g["params"]]
+        order = self._group_order()
         local["state"] = {i: by_name[n] for i, n in enumerate(order) if n in by_name}
         local["mpisync"] = {"global_step": self.global_step, "plan": self.plan.digest()}
         return local
@@ -384,7 +387,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         step = state_dict.get("mpisync", {}).get("global_step", self.global_step)
-        order = [self._names[self._index_of(p)] for g in self.param_groups for p in g["params"]]
+        order = self._group_order()
         if self.cluster.is_chief:
             pieces = [{"state": {}, "param_groups": groups, "global_step": step}
                       for _ in range(self.cluster.num_ps)]
