@@ -255,17 +255,24 @@ def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _kill_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 5.0) -> None:
-    """Send ``sig`` to the job's process group, then SIGKILL what is left after ``grace``."""
-    for signum, wait in ((sig, grace), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """Send ``sig`` to the job's process group, then SIGKILL what is left.
+
+    The launcher gets ``grace`` seconds to exit after ``sig``; whatever is still in its
+    group afterwards (a rank that ignored the signal, an orphaned grandchild) is killed.
+    """
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 def _exit_code(returncode: int) -> int:

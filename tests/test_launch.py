@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -267,4 +268,7 @@ def test_run_command_timeout_kills_group(tmp_path):
     )
     assert run_command([sys.executable, "-c", code], timeout=2) == 124
     grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10  # a killed process needs a moment to go
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not _alive(grandchild)
