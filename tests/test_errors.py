@@ -78,3 +78,10 @@ def test_a_stalled_worker_ends_the_job_with_a_message_naming_it():
                      out), out
     assert re.search(r"ps 0 \(rank 2[^)]*\): StallError: .*no message for 5 s", out), out
     assert "workers still computing: [1]" in out, out
+
+
+@pytest.mark.parametrize("case", ["killed", "killed_ps"])
+def test_a_rank_that_dies_ends_the_whole_job(case):
+    # SIGKILL leaves no excepthook and no MPI_Abort: the launcher must end the others
+    out = failing(case, 2, 2, "--num-ps", 2)
+    assert re.search(r"signal 9|Killed", out), out

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import threading
 import time
 
 import torch
@@ -21,6 +24,8 @@ def train(opt, net, steps: int, w: int) -> None:
             raise ValueError("boom on purpose in user code")
         if CASE == "stall" and w == 1 and i == 5:
             time.sleep(30)
+        if CASE == "killed" and w == 1 and i == 5:
+            os.kill(os.getpid(), signal.SIGKILL)  # dies at once: no excepthook, no atexit
         opt.step()
 
 
@@ -35,6 +40,8 @@ def main() -> None:
     if cluster.is_ps:
         if CASE == "raise_ps":
             raise RuntimeError("boom on purpose on a ps rank")
+        if CASE == "killed_ps" and cluster.ps_index == 1:  # dies while serving
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
         stats = cluster.serve()
         emit(role="ps", ps=cluster.ps_index, global_step=stats["global_step"])
         return
@@ -44,6 +51,8 @@ def main() -> None:
         make_optimizer("sgd", net.parameters()), named_parameters=net.named_parameters(),
         replicas_to_aggregate=0 if CASE == "replicas0" else None)
     steps = 5 if (CASE == "chief_first" and cluster.is_chief) else 20
+    if CASE == "killed_ps":
+        steps = 10**6  # still training when the ps dies
     train(opt, net, steps, w)
     if CASE != "exit_without_close":
         opt.close()
