@@ -13,7 +13,7 @@ from mpi4py import MPI
 from . import placement as placement_mod
 from .accumulate import REDUCTIONS
 from .errors import ClosedError, ConfigError, ModelMismatchError, ProtocolError
-from .progress import Poller
+from .progress import Poller, spin_seconds
 from .wire import (
     PARAM_HEADER_BYTES,
     TOKEN_WORDS,
@@ -83,7 +83,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         named = list(named_parameters)
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        poller = self._poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label)
+        poller = self._poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label,
+                        spin_seconds(cluster.oversubscribed))
         W = cluster.num_workers
         R = W if replicas_to_aggregate is None else replicas_to_aggregate
         total = W if total_num_replicas is None else total_num_replicas

@@ -15,36 +15,52 @@ __all__ = ["DEFAULT_TIMEOUT", "Poller"]
 DEFAULT_TIMEOUT = float(os.environ.get("MPISYNC_TIMEOUT", "1800"))
 SETUP_TIMEOUT = float(os.environ.get("MPISYNC_SETUP_TIMEOUT", "3600"))
 STALL_WARNING = float(os.environ.get("MPISYNC_STALL_WARNING", "60"))
-_SPIN = int(os.environ.get("MPISYNC_POLL_SPIN", "200"))
 _MAX_SLEEP = float(os.environ.get("MPISYNC_POLL_MAX_SLEEP", "0.0005"))
+SPIN_DEDICATED = 0.005       # seconds of busy polling when every rank has a core of its own
+SPIN_SHARED = 0.0001         # when ranks share cores, spinning steals from the rank awaited
+
+
+def spin_seconds(oversubscribed: bool) -> float:
+    """How long a wait polls without sleeping; ``MPISYNC_POLL_SPIN_US`` overrides."""
+    env = os.environ.get("MPISYNC_POLL_SPIN_US")
+    if env is not None:
+        return float(env) * 1e-6
+    return SPIN_SHARED if oversubscribed else SPIN_DEDICATED
 
 
 class Poller:
     """Tests requests until they complete, sleeping more the longer nothing happens.
 
-    Busy polling steals CPU from ranks that share a core, so after ``_SPIN`` empty
-    tests it sleeps, doubling up to ``_MAX_SLEEP``. While it waits it watches for a
+    Busy polling steals CPU from ranks that share a core, so after ``spin`` seconds
+    without progress it sleeps, doubling from 10 us up to ``MPISYNC_POLL_MAX_SLEEP``. While it waits it watches for a
     failure notice from any rank (raising ``PeerError``) and raises ``StallError``
     when nothing completes within ``timeout`` seconds.
     """
 
-    def __init__(self, comm: MPI.Comm, timeout: float, label: str):
+    def __init__(self, comm: MPI.Comm, timeout: float, label: str, spin: float = SPIN_SHARED):
         self.comm = comm
         self.timeout = timeout
         self.label = label
+        self.spin = spin
         self._idle = 0
+        self._idle_since = 0.0
+        self._sleeps = 0
 
     def idle(self) -> None:
         """Called after a poll found nothing: spin, then sleep with backoff."""
         self._idle += 1
-        if self._idle > _SPIN:
-            time.sleep(min(_MAX_SLEEP, 1e-5 * (1 << min(self._idle - _SPIN, 10))))
+        if self._idle == 1:
+            self._idle_since = time.perf_counter()
+        elif self._sleeps or time.perf_counter() - self._idle_since > self.spin:
+            self._sleeps += 1
+            time.sleep(min(_MAX_SLEEP, 1e-5 * (1 << min(self._sleeps, 10))))
         if self._idle % 64 == 0:
             self.check_peer_error()
 
     def busy(self) -> None:
         """Called after a poll found work."""
         self._idle = 0
+        self._sleeps = 0
 
     def check_peer_error(self) -> None:
         """Raise ``PeerError`` if another rank announced a failure."""

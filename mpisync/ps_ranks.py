@@ -30,6 +30,20 @@ def comm_split(comm: MPI.Comm, num_ps: int) -> tuple[MPI.Comm, MPI.Comm]:
     return part, MPI.COMM_NULL
 
 
+def _host_load(comm: MPI.Comm) -> tuple[int, int]:
+    """(ranks of ``comm`` on this host, cores those ranks may run on together)."""
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        try:
+            mine = sorted(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            mine = list(range(os.cpu_count() or 1))
+        cores = set().union(*local.allgather(mine))
+        return local.Get_size(), len(cores)
+    finally:
+        local.Free()
+
+
 class Cluster:
     """One rank's view of the job: its role, its index in that role, its communicators.
 
@@ -52,7 +66,13 @@ class Cluster:
         self.host = socket.gethostname()
         self.p2p_comm = comm.Dup()
         self.worker_comm, self.ps_comm = comm_split(comm, num_ps)
+        self.local_ranks, self.local_cores = _host_load(comm)
         self.stats: dict | None = None
+
+    @property
+    def oversubscribed(self) -> bool:
+        """More ranks on this host than cores they may run on: waits must not spin long."""
+        return self.local_ranks > self.local_cores
 
     def ps_rank(self, ps_index: int) -> int:
         """World rank of ps ``ps_index``."""

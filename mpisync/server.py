@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from .accumulate import Action, ShardAccumulator, StepCoordinator
 from .errors import ConfigError, ProtocolError, StallError
-from .progress import SETUP_TIMEOUT, STALL_WARNING, Poller
+from .progress import SETUP_TIMEOUT, STALL_WARNING, Poller, spin_seconds
 from .wire import PARAM_HEADER_BYTES, TOKEN_WORDS, GradHeader, Kind, Tag, build_layouts, tensor_view
 
 __all__ = ["Server"]
@@ -36,7 +36,8 @@ class Server:
     @classmethod
     def from_setup(cls, cluster) -> Server:
         """Receive the chief's setup message; raise its error on this rank if it sent one."""
-        poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label)
+        poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label,
+                        spin_seconds(cluster.oversubscribed))
         kind, payload = poller.wait_message(0, Tag.SETUP, lambda: "the chief's model setup",
                                             timeout=max(SETUP_TIMEOUT, cluster.timeout))
         if kind == "error":
