@@ -1,0 +1,21 @@
+"""Each rank reports what init() found out about its host and how long its waits spin."""
+from __future__ import annotations
+
+import os
+
+from common import emit, make_optimizer, model
+
+import mpisync
+
+cluster = mpisync.init()
+if cluster.is_ps:
+    cluster.serve()
+    spin = None
+else:
+    net = model()
+    opt = mpisync.SyncReplicasOptimizer(make_optimizer("sgd", net.parameters()),
+                                        named_parameters=net.named_parameters())
+    spin = opt._poller.spin
+    opt.close()
+emit(rank=cluster.rank, local_ranks=cluster.local_ranks, local_cores=cluster.local_cores,
+     oversubscribed=cluster.oversubscribed, affinity=sorted(os.sched_getaffinity(0)), spin=spin)
