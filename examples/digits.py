@@ -9,7 +9,9 @@ or with more ranks, e.g. ``--workers 3 --ps 2``. Every worker builds the same mo
 the same seed and reads its own shard of each global batch: each epoch is one permutation,
 identical on every worker, cut into global batches of ``batch_size * num_workers``
 samples, and worker ``i`` takes the ``i``-th slice. The chief (worker 0) logs, evaluates
-on the held-out test set at the end and exits non-zero if the accuracy is below 0.9.
+on the held-out test set at the end and exits non-zero if the accuracy is below 0.9. It
+also evaluates the moving averages of the parameters that the ps ranks keep
+(``--ema-decay``, with TensorFlow's ``num_updates`` warm-up).
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     parser.add_argument("--replicas-to-aggregate", type=int, default=None,
                         help="gradients averaged per step (default: all workers)")
+    parser.add_argument("--ema-decay", type=float, default=0.99,
+                        help="moving average of the parameters kept on the ps ranks (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50, help="steps between log lines")
     return parser.parse_args()
@@ -65,7 +69,8 @@ def train(args, cluster) -> None:
     opt = mpisync.SyncReplicasOptimizer(
         torch.optim.Adam(model.parameters(), lr=args.lr),
         named_parameters=model.named_parameters(),
-        replicas_to_aggregate=args.replicas_to_aggregate, cluster=cluster)
+        replicas_to_aggregate=args.replicas_to_aggregate, cluster=cluster,
+        ema_decay=args.ema_decay or None, ema_num_updates=True)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     B, W, me = args.batch_size, cluster.num_workers, cluster.worker_index
@@ -101,15 +106,24 @@ def train(args, cluster) -> None:
         if opt.stopped:
             break
 
-    accuracy = None
-    if cluster.is_chief:                      # the model holds the newest pulled parameters
+    def evaluate() -> float:
         with torch.no_grad():
-            accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+            return (model(x_test).argmax(1) == y_test).float().mean().item()
+
+    accuracy = averaged_accuracy = None
+    if cluster.is_chief:                      # the model holds the newest pulled parameters
+        accuracy = evaluate()
+        if args.ema_decay:
+            with opt.averaged():              # ... and here their moving averages
+                averaged_accuracy = evaluate()
     opt.close()
     if not cluster.is_chief:
         return
     stats = opt.stats
     print(f"test accuracy: {accuracy:.3f}")
+    if averaged_accuracy is not None:
+        print(f"test accuracy of the moving averages (decay {args.ema_decay}): "
+              f"{averaged_accuracy:.3f}")
     print(f"training took {time.perf_counter() - start:.2f} s; global_step {stats['global_step']}, "
           f"gradients_applied {stats['gradients_applied']}, "
           f"gradients_dropped {stats['gradients_dropped']}, "

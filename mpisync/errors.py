@@ -13,9 +13,18 @@ __all__ = [
 
 
 class _Collective:
-    """Mixin: raised identically on every rank, so no rank needs to abort the job."""
+    """Mixin for errors that every rank may raise alike.
+
+    ``collective`` is True when every rank raises the error, so no rank needs to abort
+    the job; an error raised on one rank only makes the job end (see ``mpisync.init``).
+    """
 
     collective = True
+
+    def __init__(self, *args, collective: bool | None = None):
+        super().__init__(*args)
+        if collective is not None:
+            self.collective = collective
 
 
 class WorldTooSmallError(_Collective, ValueError):
@@ -23,7 +32,9 @@ class WorldTooSmallError(_Collective, ValueError):
 
 
 class ConfigError(_Collective, ValueError):
-    """An argument is invalid; every rank of the job raises it."""
+    """An argument is invalid; collective when every rank of the job raises it."""
+
+    collective = False
 
 
 class ModelMismatchError(_Collective, ValueError):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import time
 from collections.abc import Iterable
 from typing import Callable
@@ -60,6 +61,11 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         reduction: ``"mean"`` (default: equal to training on the combined batch) or ``"sum"``.
         deterministic: also make torch's kernels deterministic on every rank; gradients
             are always reduced in worker order, so strict-sync runs repeat bitwise.
+        ema_decay: keep an exponential moving average of every floating-point parameter on
+            the ps ranks, updated after each applied step (``average = decay * average +
+            (1 - decay) * parameter``); read it with ``averages()`` or ``averaged()``.
+        ema_num_updates: use ``min(ema_decay, (1 + t) / (10 + t))`` after the t-th step, as
+            TensorFlow's ``ExponentialMovingAverage(decay, num_updates=global_step)``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -68,7 +74,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                  total_num_replicas: int | None = None,
                  num_tokens: int | None = None,
                  placement: str | Callable = "greedy_sorted",
-                 cluster=None, reduction: str = "mean", deterministic: bool = False):
+                 cluster=None, reduction: str = "mean", deterministic: bool = False,
+                 ema_decay: float | None = None, ema_num_updates: bool = False):
         from .ps_ranks import _current
         cluster = _current if cluster is None else cluster
         if cluster is None:
@@ -79,6 +86,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                                f"ps ranks call cluster.serve()")
         self.cluster = cluster
         self._closed = False
+        self._averaged = False
         self._opt = optimizer
         named = list(named_parameters)
         self._names = [n for n, _ in named]
@@ -91,7 +99,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
 
         error = None
         try:
-            self._validate(optimizer, named, R, total, num_tokens, reduction, placement)
+            self._validate(optimizer, named, R, total, num_tokens, reduction, placement,
+                           ema_decay)
         except (ValueError, TypeError) as exc:
             error = str(exc)
         summary = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
@@ -99,14 +108,15 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         failure = _first_failure(gathered)
         if failure is None:
             self._setup(optimizer, R, placement, reduction, deterministic,
-                        max(0, R - total) if num_tokens is None else num_tokens)
+                        max(0, R - total) if num_tokens is None else num_tokens,
+                        ema_decay, ema_num_updates)
         if cluster.is_chief:
             for j in range(cluster.num_ps):
                 payload = ("error", failure) if failure else ("spec", self._spec_for(j))
                 cluster.p2p_comm.send(payload, dest=cluster.ps_rank(j), tag=Tag.SETUP)
         if failure is not None:
             exc_type, text = failure
-            raise exc_type(f"{cluster.label}: {text}")
+            raise exc_type(f"{cluster.label}: {text}", collective=True)
 
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups    # shared: schedulers edit them
@@ -122,7 +132,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
 
     # -- set-up -------------------------------------------------------------------------
     @staticmethod
-    def _validate(optimizer, named, R, total, num_tokens, reduction, placement) -> None:
+    def _validate(optimizer, named, R, total, num_tokens, reduction, placement,
+                  ema_decay) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -145,6 +156,11 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"num_tokens={num_tokens} is too few: each step needs {R} gradients from "
                     f"{total} workers, so num_tokens must be >= {R - total}")
+        if ema_decay is not None:
+            if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)):
+                raise TypeError(f"ema_decay must be a float, got {ema_decay!r}")
+            if not 0.0 <= ema_decay < 1.0:
+                raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay}")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         if not (callable(placement) or placement in placement_mod.STRATEGIES):
@@ -168,7 +184,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             raise ValueError(f"the optimizer holds {len(in_opt - ids)} parameter(s) that are "
                              f"not in named_parameters")
 
-    def _setup(self, optimizer, R, placement, reduction, deterministic, num_tokens) -> None:
+    def _setup(self, optimizer, R, placement, reduction, deterministic, num_tokens,
+               ema_decay, ema_num_updates) -> None:
         cluster = self.cluster
         if deterministic:
             torch.use_deterministic_algorithms(True)
@@ -190,6 +207,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                        for g in optimizer.param_groups],
             "replicas_to_aggregate": R, "num_tokens": num_tokens, "reduction": reduction,
             "deterministic": deterministic, "global_step": 0,
+            "ema_decay": None if ema_decay is None else float(ema_decay),
+            "ema_num_updates": bool(ema_num_updates),
         }
         comm = cluster.p2p_comm
         self._shards = []
@@ -266,6 +285,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         complete) it does nothing. Returns the closure's loss, if a closure is given.
         """
         self._check_open("step")
+        if self._averaged:
+            raise RuntimeError(f"{self.cluster.label}: step() inside averaged(): the model "
+                               f"holds the moving averages there, not the parameters")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -357,28 +379,38 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                      bytes_per_ps=list(self._bytes_per_ps))
         return stats
 
+    def _from_every_ps(self, what: str, describe: str) -> list:
+        """Ask ps 0 for ``what``; every ps answers with its piece, at one global step."""
+        self._request(what)
+        return [self._poller.wait_message(self.cluster.ps_rank(j), Tag.INFO,
+                                          lambda j=j: f"{describe} from ps {j}")
+                for j in range(self.cluster.num_ps)]
+
     def state_dict(self) -> dict:
         """The optimizer state of the whole model, as a plain torch optimizer would hold it.
 
         Same schema as ``torch.optim.Optimizer.state_dict()`` (parameters numbered in
-        param-group order), plus an ``"mpisync"`` entry with the global step.
+        param-group order), plus an ``"mpisync"`` entry with the global step, the plan's
+        digest and, with ``ema_decay``, the moving averages (``{name: tensor}``).
         """
         self._check_open("state_dict")
-        self._request("state")
-        by_name = {}
-        for j in range(self.cluster.num_ps):
-            by_name.update(self._poller.wait_message(self.cluster.ps_rank(j), Tag.INFO,
-                                                     lambda j=j: f"optimizer state from ps {j}"))
+        by_name, averages = {}, {}
+        for state, avg in self._from_every_ps("state", "optimizer state"):
+            by_name.update(state)
+            averages.update(avg)
         local = torch.optim.Optimizer.state_dict(self._opt)
         order = self._group_order()
         local["state"] = {i: by_name[n] for i, n in enumerate(order) if n in by_name}
         local["mpisync"] = {"global_step": self.global_step, "plan": self.plan.digest()}
+        if self._spec["ema_decay"] is not None:
+            local["mpisync"]["averages"] = {n: averages[n] for n in self._names if n in averages}
         return local
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a consolidated state (from ``state_dict()`` or a plain torch optimizer).
 
-        Call on every worker, before training continues.
+        Call on every worker, before training continues. Moving averages missing from
+        ``state_dict`` restart from the current parameters.
         """
         self._check_open("load_state_dict")
         groups = state_dict["param_groups"]
@@ -387,14 +419,17 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                              f"the optimizer {len(self.param_groups)}")
         for group, saved in zip(self.param_groups, groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
-        step = state_dict.get("mpisync", {}).get("global_step", self.global_step)
+        extra = state_dict.get("mpisync", {})
+        step = extra.get("global_step", self.global_step)
         order = self._group_order()
         if self.cluster.is_chief:
-            pieces = [{"state": {}, "param_groups": groups, "global_step": step}
+            pieces = [{"state": {}, "averages": {}, "param_groups": groups, "global_step": step}
                       for _ in range(self.cluster.num_ps)]
             for i, st in state_dict["state"].items():
                 name = order[int(i)]
                 pieces[self.plan.owner(name)]["state"][name] = st
+            for name, value in extra.get("averages", {}).items():
+                pieces[self.plan.owner(name)]["averages"][name] = value
             self._request("load", pieces, step)
             err = self._poller.wait_message(self.cluster.coordinator_rank, Tag.INFO,
                                             lambda: "ps 0's answer to load_state_dict")
@@ -404,6 +439,48 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._poller.wait_all([barrier], lambda: "every worker's load_state_dict()")
         self._request("resync")
         self._pull(self._poller)
+
+    def averages(self) -> dict[str, torch.Tensor]:
+        """The moving averages of the floating-point parameters, ``{name: tensor}``.
+
+        They are those of the newest global step, in ``named_parameters`` order, pulled
+        from the ps ranks (copies). Any single worker may call it, for example the chief
+        before it evaluates; the others keep training meanwhile.
+
+        Raises:
+            ConfigError: the optimizer was created without ``ema_decay``.
+        """
+        self._check_open("averages")
+        if self._spec["ema_decay"] is None:
+            raise ConfigError(f"{self.cluster.label}: averages() needs a "
+                              f"SyncReplicasOptimizer created with ema_decay")
+        got = {}
+        for part in self._from_every_ps("averages", "parameter averages"):
+            got.update(part)
+        return {n: got[n] for n in self._names if n in got}
+
+    @contextlib.contextmanager
+    def averaged(self):
+        """Within the block the model's parameters hold their moving averages.
+
+        For evaluation: ``with opt.averaged(): accuracy = evaluate(model)``. The parameters
+        are restored when the block ends; ``step()`` inside it is an error. Yields what
+        ``averages()`` returns.
+        """
+        averages = self.averages()
+        pairs = [(p, averages[n]) for n, p in zip(self._names, self._params) if n in averages]
+        with torch.no_grad():
+            saved = [p.detach().clone() for p, _ in pairs]
+            for p, avg in pairs:
+                p.copy_(avg)
+        self._averaged = True
+        try:
+            yield averages
+        finally:
+            self._averaged = False
+            with torch.no_grad():
+                for (p, _), old in zip(pairs, saved):
+                    p.copy_(old)
 
     def close(self) -> None:
         """Leave the job: the ps ranks stop once every worker closed. Call on every worker."""

@@ -42,7 +42,7 @@ class Server:
                                             timeout=max(SETUP_TIMEOUT, cluster.timeout))
         if kind == "error":
             exc_type, text = payload
-            raise exc_type(f"{cluster.label}: setup failed: {text}")
+            raise exc_type(f"{cluster.label}: setup failed: {text}", collective=True)
         return cls(cluster, payload, poller)
 
     def __init__(self, cluster, spec: dict, poller: Poller):
@@ -81,6 +81,8 @@ class Server:
                       for hyper, members in spec["groups"]]
             self.optimizer = spec["opt_cls"](groups, **spec["opt_kwargs"])
         self.name_of = {id(p): e.name for e, p in zip(layout.entries, self.params)}
+        self.averages = _MovingAverages(spec.get("ema_decay"), spec.get("ema_num_updates"),
+                                        pt[PARAM_HEADER_BYTES:], layout)
 
         self.global_step = spec["global_step"]
         self.acc = ShardAccumulator(spec["reduction"], self.global_step)
@@ -266,7 +268,9 @@ class Server:
             elif kind == Kind.SHUTDOWN:
                 self.shutdown = True
             elif kind == Kind.STATE:
-                self.comm.send(self._state(), dest=arg, tag=Tag.INFO)
+                self.comm.send((self._state(), self.averages.values()), dest=arg, tag=Tag.INFO)
+            elif kind == Kind.AVERAGES:
+                self.comm.send(self.averages.values(), dest=arg, tag=Tag.INFO)
             elif kind == Kind.LOAD:
                 self._load(self.comm.recv(source=self.cluster.coordinator_rank,
                                           tag=Tag.CTL_OBJ))
@@ -288,6 +292,7 @@ class Server:
             self.poller.wait_all(self.sends_active, lambda: "parameter sends to workers")
             self.sends_active = []
             self.optimizer.step()
+            self.averages.update(step + 1)
         self.global_step = step + 1
         self._set_version()
         self._release(self.acc.advance(step))
@@ -355,6 +360,8 @@ class Server:
             self._do(self.coord.resync(w))
         elif what == "state":
             self._ctl(Kind.STATE, self.coord.global_step, arg=w)
+        elif what == "averages":
+            self._ctl(Kind.AVERAGES, self.coord.global_step, arg=w)
         elif what == "load":
             pieces, global_step = req[1], req[2]
             c = self.coord
@@ -390,19 +397,60 @@ class Server:
 
     def _load(self, piece: dict) -> None:
         """Load optimizer state for this shard's parameters (``{name: state}``)."""
-        if self.optimizer is None:
-            return
-        sd = self.optimizer.state_dict()
-        index = {}
-        i = 0
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                index[self.name_of[id(p)]] = i
-                i += 1
-        sd["state"] = {index[n]: s for n, s in piece["state"].items()}
-        for group, saved in zip(sd["param_groups"], piece["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        self.optimizer.load_state_dict(sd)
+        if self.optimizer is not None:
+            sd = self.optimizer.state_dict()
+            order = [self.name_of[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+            index = {name: i for i, name in enumerate(order)}
+            sd["state"] = {index[n]: s for n, s in piece["state"].items()}
+            for group, saved in zip(sd["param_groups"], piece["param_groups"]):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            self.optimizer.load_state_dict(sd)
+        self.averages.load(piece.get("averages"))
         self.global_step = piece["global_step"]
         self.acc.global_step = self.global_step
         self._set_version()
+
+
+class _MovingAverages:
+    """Exponential moving averages of one shard's floating-point parameters.
+
+    ``average = decay * average + (1 - decay) * parameter`` after every applied step, over
+    each fused region of the shard at once. With ``num_updates`` the decay is
+    ``min(decay, (1 + t) / (10 + t))`` after the t-th update, as TensorFlow's
+    ``ExponentialMovingAverage(decay, num_updates=global_step)`` does. The averages start
+    equal to the parameters. Without a decay every method does nothing.
+    """
+
+    def __init__(self, decay: float | None, num_updates: bool, params: torch.Tensor,
+                 layout) -> None:
+        self.decay = decay
+        self.num_updates = bool(num_updates)
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.views: dict[str, torch.Tensor] = {}
+        if decay is None or not layout.entries:
+            return
+        buf = params[:layout.nbytes].clone()
+        self.pairs = [(tensor_view(buf, 0, d, off, n), tensor_view(params, 0, d, off, n))
+                      for d, off, n in layout.regions if d.is_floating_point]
+        self.views = {e.name: tensor_view(buf, 0, e.dtype, e.offset, e.nbytes, e.shape)
+                      for e in layout.entries if e.dtype.is_floating_point}
+
+    def update(self, t: int) -> None:
+        if not self.pairs:
+            return
+        decay = min(self.decay, (1 + t) / (10 + t)) if self.num_updates else self.decay
+        for average, param in self.pairs:
+            average.lerp_(param, 1.0 - decay)
+
+    def values(self) -> dict[str, torch.Tensor]:
+        """``{name: average}``, copies."""
+        return {name: v.clone() for name, v in self.views.items()}
+
+    def load(self, saved: dict | None) -> None:
+        """Restore saved averages; parameters without a saved one restart from the parameter."""
+        if not self.pairs:
+            return
+        for average, param in self.pairs:
+            average.copy_(param)
+        for name, value in (saved or {}).items():
+            self.views[name].copy_(value)

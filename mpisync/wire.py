@@ -52,6 +52,7 @@ class Kind:
     SHUTDOWN = 8    # ctl: every worker has closed
     STATE = 9       # ctl: send your optimizer state to worker X
     LOAD = 10       # ctl: a pickled optimizer state follows; load it
+    AVERAGES = 11   # ctl: send your parameters' moving averages to worker X
 
 
 def _align(n: int) -> int:

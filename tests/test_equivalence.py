@@ -11,11 +11,12 @@ from mpi_helpers import SCRIPTS, run_mpi
 WORKERS, BATCH, STEPS = 3, 16, 30
 
 
-def reference(tmp_path, opt: str, sched: str = "") -> dict:
+def reference(tmp_path, opt: str, sched: str = "", *extra) -> dict:
     out = tmp_path / f"single-{opt}-{sched}.pt"
     subprocess.run([sys.executable, str(SCRIPTS / "train.py"), "--single", str(WORKERS),
                     "--opt", opt, "--steps", str(STEPS), "--batch", str(BATCH),
-                    "--sched", sched, "--dump", str(out)], check=True, timeout=120)
+                    "--sched", sched, "--dump", str(out), *map(str, extra)], check=True,
+                   timeout=120)
     return torch.load(out)
 
 
@@ -94,15 +95,30 @@ def test_parameter_without_gradient_is_skipped_like_torch():
 
 def test_checkpoint_restore_continues_the_same_trajectory(tmp_path):
     """15 steps, save params and consolidated state, restore in a new job, 15 more steps."""
-    ref = reference(tmp_path, "adam")
+    ema = ["--ema", 0.9, "--ema-num-updates"]
+    ref = reference(tmp_path, "adam", "", *ema)
     half = tmp_path / "half.pt"
     run_mpi("train.py", WORKERS, 2, ["--opt", "adam", "--steps", STEPS, "--stop", 15,
-                                     "--batch", BATCH, "--dump", half, "--num-ps", 2])
+                                     "--batch", BATCH, "--dump", half, "--num-ps", 2, *ema])
     resumed = tmp_path / "resumed.pt"
     run = run_mpi("train.py", WORKERS, 2, ["--opt", "adam", "--steps", STEPS, "--batch", BATCH,
                                            "--start", 15, "--resume", half, "--dump", resumed,
-                                           "--num-ps", 2])
+                                           "--num-ps", 2, *ema])
     assert {r["global_step"] for r in run.results if r["role"] == "worker"} == {STEPS}
     got = torch.load(resumed)
     assert max_diff(ref["params"], got["params"]) <= 1e-5
+    assert max_diff(ref["averages"], got["averages"]) <= 1e-5   # the averages came back too
     assert got["state"]["state"][0]["step"] == ref["state"]["state"][0]["step"]
+
+
+@pytest.mark.parametrize("extra", [(), ("--ema-num-updates",)], ids=["fixed", "num-updates"])
+def test_moving_averages_on_the_ps_follow_single_process(tmp_path, extra):
+    ref = reference(tmp_path, "adam", "", "--ema", 0.9, *extra)
+    dist, results = distributed(tmp_path, "adam", "--ema", 0.9, *extra, "--num-ps", 2, ps=2)
+    assert max_diff(ref["averages"], dist["averages"]) <= 1e-5
+    # the averages are not the parameters: they lag behind them
+    assert max_diff(dist["params"], dist["averages"]) > 1e-3
+    assert dist["state"]["mpisync"]["averages"].keys() == ref["averages"].keys()
+    assert max_diff(dist["state"]["mpisync"]["averages"], dist["averages"]) == 0
+    (chief,) = [r for r in results if r.get("worker") == 0]
+    assert chief["averaged_ok"] is True    # averaged() swapped them in, then restored

@@ -30,6 +30,26 @@ def test_replicas_to_aggregate_below_one_fails_on_every_rank():
                          r"got 0", out), (who, out)
 
 
+def test_ema_decay_out_of_range_fails_on_every_rank():
+    out = failing("ema_bad")
+    for who in ("worker 0 (rank 0", "worker 1 (rank 1", "ps 0 (rank 2"):
+        assert re.search(re.escape(who) + r".*ConfigError.*ema_decay must be in \[0, 1\), "
+                         r"got 1\.0", out), (who, out)
+
+
+def test_averages_without_ema_decay_ends_the_job_naming_the_rank():
+    # raised on one worker only: the others must not wait for it
+    out = failing("averages_without_ema")
+    assert re.search(r"worker 1 \(rank 1[^)]*\): ConfigError: .*averages\(\) needs a "
+                     r"SyncReplicasOptimizer created with ema_decay", out), out
+
+
+def test_step_inside_averaged_is_a_clear_error():
+    out = failing("step_in_averaged")
+    assert re.search(r"worker 0 \(rank 0[^)]*\): RuntimeError: .*step\(\) inside "
+                     r"averaged\(\)", out), out
+
+
 def test_workers_with_different_models_fail_on_every_rank():
     out = failing("mismatch")
     msg = "worker 1 (rank 1) has parameter #0 = '0.weight' shape [33, 10]"

@@ -21,3 +21,6 @@ def test_digits_example_reaches_accuracy_and_prints_statistics():
     accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out).group(1))
     assert accuracy >= 0.9, out
     assert "gradients_applied" in out, out
+    averaged = float(re.search(r"test accuracy of the moving averages \(decay 0.99\): ([0-9.]+)",
+                               out).group(1))
+    assert averaged >= 0.9, out

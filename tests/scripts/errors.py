@@ -49,7 +49,13 @@ def main() -> None:
     net = model(hidden=33 if (CASE == "mismatch" and w == 1) else 32)
     opt = mpisync.SyncReplicasOptimizer(
         make_optimizer("sgd", net.parameters()), named_parameters=net.named_parameters(),
-        replicas_to_aggregate=0 if CASE == "replicas0" else None)
+        replicas_to_aggregate=0 if CASE == "replicas0" else None,
+        ema_decay={"ema_bad": 1.0, "step_in_averaged": 0.5}.get(CASE))
+    if CASE == "averages_without_ema" and w == 1:
+        opt.averages()
+    if CASE == "step_in_averaged" and w == 0:
+        with opt.averaged():
+            opt.step()
     steps = 5 if (CASE == "chief_first" and cluster.is_chief) else 20
     if CASE == "killed_ps":
         steps = 10**6  # still training when the ps dies

@@ -22,6 +22,8 @@ def parse():
     p.add_argument("--start", type=int, default=0, help="skip this many global batches")
     p.add_argument("--stop", type=int, default=None, help="stop before this global batch")
     p.add_argument("--resume", default="", help="a --dump file to restore from")
+    p.add_argument("--ema", type=float, default=None, help="ema_decay")
+    p.add_argument("--ema-num-updates", action="store_true")
     p.add_argument("--zero-in-place", action="store_true",
                    help="zero_grad(set_to_none=False): gradients stay in the send buffers")
     return p.parse_args()
@@ -44,13 +46,19 @@ def single(args) -> None:
     net = model()
     opt = make_optimizer(args.opt, net.parameters())
     sched = scheduler(opt, args.sched)
-    for xb, yb in batches(args.single, args.batch, args.steps):
+    averages = {n: p.detach().clone() for n, p in net.named_parameters()}
+    for t, (xb, yb) in enumerate(batches(args.single, args.batch, args.steps), start=1):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(net(xb), yb).backward()
         opt.step()
+        if args.ema is not None:    # TensorFlow's ExponentialMovingAverage, by hand
+            decay = min(args.ema, (1 + t) / (10 + t)) if args.ema_num_updates else args.ema
+            for n, p in net.named_parameters():
+                averages[n].lerp_(p.detach(), 1.0 - decay)
         if sched:
             sched.step()
-    torch.save({"params": dict(net.named_parameters()), "state": opt.state_dict()}, args.dump)
+    torch.save({"params": dict(net.named_parameters()), "state": opt.state_dict(),
+                "averages": averages}, args.dump)
 
 
 def distributed(args) -> None:
@@ -69,7 +77,8 @@ def distributed(args) -> None:
                 p.copy_(saved["params"][name])
     opt = mpisync.SyncReplicasOptimizer(
         make_optimizer(args.opt, net.parameters()), named_parameters=net.named_parameters(),
-        cluster=cluster, deterministic=args.deterministic, placement=args.placement)
+        cluster=cluster, deterministic=args.deterministic, placement=args.placement,
+        ema_decay=args.ema, ema_num_updates=args.ema_num_updates)
     if saved:
         opt.load_state_dict(saved["state"])
     sched = scheduler(opt, args.sched)
@@ -84,13 +93,22 @@ def distributed(args) -> None:
             sched.step()
     elapsed = time.perf_counter() - start
     state = opt.state_dict()
+    averaged_ok = None
+    if args.ema is not None and cluster.is_chief:
+        before = {n: p.detach().clone() for n, p in net.named_parameters()}
+        with opt.averaged() as averages:
+            inside = {n: p.detach().clone() for n, p in net.named_parameters()}
+        averaged_ok = (all(torch.equal(inside[n], averages[n]) for n in inside)
+                       and all(torch.equal(p, before[n]) for n, p in net.named_parameters()))
     if cluster.is_chief and args.dump:
-        torch.save({"params": dict(net.named_parameters()), "state": state}, args.dump)
+        torch.save({"params": dict(net.named_parameters()), "state": state,
+                    "averages": opt.averages() if args.ema is not None else None}, args.dump)
     stats = opt.stats
     opt.close()
     emit(role="worker", worker=w, global_step=opt.global_step, plan=opt.plan.digest(),
          lr=opt.param_groups[0]["lr"], elapsed=elapsed,
          applied=stats["gradients_applied"], dropped=stats["gradients_dropped"],
+         averaged_ok=averaged_ok,
          checksum=float(sum(p.detach().double().sum() for p in net.parameters())))
 
 
