@@ -413,10 +413,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         ``state_dict`` restart from the current parameters.
         """
         self._check_open("load_state_dict")
+        self._check_state(state_dict)
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"{self.cluster.label}: state has {len(groups)} param groups, "
-                             f"the optimizer {len(self.param_groups)}")
         for group, saved in zip(self.param_groups, groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         extra = state_dict.get("mpisync", {})
@@ -439,6 +437,41 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._poller.wait_all([barrier], lambda: "every worker's load_state_dict()")
         self._request("resync")
         self._pull(self._poller)
+
+    def _check_state(self, state_dict: dict) -> None:
+        """Refuse a state that does not fit this model, before anything is changed or sent.
+
+        Every worker checks the same state, so every worker raises the same ConfigError.
+        """
+        def fail(what: str):
+            raise ConfigError(f"{self.cluster.label}: load_state_dict(): {what}",
+                              collective=True)
+
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or not isinstance(state_dict.get("state"), dict):
+            fail("expected a dict with 'state' and 'param_groups', as state_dict() returns")
+        if len(groups) != len(self.param_groups):
+            fail(f"the state has {len(groups)} param groups, the optimizer "
+                 f"{len(self.param_groups)}")
+        for g, (mine, saved) in enumerate(zip(self.param_groups, groups)):
+            if len(saved.get("params", ())) != len(mine["params"]):
+                fail(f"param group {g} has {len(saved.get('params', ()))} parameters in the "
+                     f"state, {len(mine['params'])} in the optimizer")
+        order = self._group_order()
+        shape_of = {n: tuple(p.shape) for n, p in zip(self._names, self._params)}
+        for i, st in state_dict["state"].items():
+            if not 0 <= int(i) < len(order):
+                fail(f"state for parameter #{i}, but the optimizer has {len(order)}")
+            name = order[int(i)]
+            for key, value in st.items():
+                if torch.is_tensor(value) and value.dim() > 0 \
+                        and tuple(value.shape) != shape_of[name]:
+                    fail(f"state {key!r} of parameter #{i} ({name!r}) has shape "
+                         f"{list(value.shape)}, the parameter {list(shape_of[name])}")
+        for name, value in state_dict.get("mpisync", {}).get("averages", {}).items():
+            if name not in shape_of or tuple(value.shape) != shape_of[name]:
+                fail(f"moving average {name!r} with shape {list(value.shape)} does not match "
+                     f"a parameter of the model")
 
     def averages(self) -> dict[str, torch.Tensor]:
         """The moving averages of the floating-point parameters, ``{name: tensor}``.

@@ -50,6 +50,16 @@ def test_step_inside_averaged_is_a_clear_error():
                      r"averaged\(\)", out), out
 
 
+def test_a_state_that_does_not_fit_is_refused_and_loses_nothing():
+    run = run_mpi("errors.py", 2, 1, ["--case", "bad_state"], timeout=60)
+    for w in (0, 1):
+        assert re.search(rf"caught: worker {w} \(rank {w}[^)]*\): load_state_dict\(\): state "
+                         r"'momentum_buffer' of parameter #0 \('0.weight'\) has shape \[3, 3\], "
+                         r"the parameter \[32, 10\]", run.output), run.output
+    assert {r["global_step"] for r in run.by_worker().values()} == {25}
+    assert run.ps()[0]["global_step"] == 25
+
+
 def test_workers_with_different_models_fail_on_every_rank():
     out = failing("mismatch")
     msg = "worker 1 (rank 1) has parameter #0 = '0.weight' shape [33, 10]"

@@ -60,6 +60,14 @@ def main() -> None:
     if CASE == "killed_ps":
         steps = 10**6  # still training when the ps dies
     train(opt, net, steps, w)
+    if CASE == "bad_state":         # refused on every worker; training goes on untouched
+        bad = opt.state_dict()
+        bad["state"][0]["momentum_buffer"] = torch.zeros(3, 3)
+        try:
+            opt.load_state_dict(bad)
+        except mpisync.ConfigError as exc:
+            print(f"caught: {exc}", flush=True)
+        train(opt, net, 5, w)
     if CASE != "exit_without_close":
         opt.close()
     if CASE == "step_after_close" and w == 1:
