@@ -92,7 +92,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         poller = self._poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label,
-                        spin_seconds(cluster.oversubscribed))
+                                       spin_seconds(cluster.oversubscribed))
         W = cluster.num_workers
         R = W if replicas_to_aggregate is None else replicas_to_aggregate
         total = W if total_num_replicas is None else total_num_replicas
