@@ -52,12 +52,25 @@ class StepCoordinator:
     token, and a worker holding a token is "computing". Each step hands out at most
     ``num_tokens`` extra tokens for the same step (TensorFlow's ``num_tokens`` beyond one
     per worker), so by default no worker runs ahead.
+
+    With ``asynchronous`` every gradient is its own step, applied in arrival order
+    whatever step it was computed at (TensorFlow's asynchronous training), and nothing is
+    dropped. ``max_staleness=k`` bounds it: a worker that has had more than k gradients
+    applied beyond the slowest open worker gets its next token only once that worker
+    catches up (or closes).
     """
 
     def __init__(self, num_workers: int, replicas_to_aggregate: int, num_tokens: int = 0,
-                 global_step: int = 0):
+                 global_step: int = 0, asynchronous: bool = False,
+                 max_staleness: int | None = None):
         if replicas_to_aggregate < 1:
             raise ValueError(f"replicas_to_aggregate must be >= 1, got {replicas_to_aggregate}")
+        if asynchronous and (replicas_to_aggregate != 1 or num_tokens):
+            raise ValueError("asynchronous mode applies each gradient alone: "
+                             "replicas_to_aggregate must be 1 and num_tokens 0")
+        if max_staleness is not None and (not asynchronous or max_staleness < 0):
+            raise ValueError(f"max_staleness={max_staleness} needs asynchronous mode and "
+                             f"must be >= 0")
         needed = replicas_to_aggregate - num_workers
         if num_tokens < max(0, needed):
             raise ValueError(
@@ -80,6 +93,10 @@ class StepCoordinator:
         self.records: dict[int, StepRecord] = {}
         self.taken_total = [0] * num_workers
         self.dropped_total = [0] * num_workers
+        self.asynchronous = asynchronous
+        self.max_staleness = max_staleness
+        self.queue: list[int] = []         # async: pushed while applying, in arrival order
+        self.held: set[int] = set()        # async: applied, token withheld (staleness bound)
 
     # -- events -------------------------------------------------------------------------
     def start(self) -> list[Action]:
@@ -95,6 +112,11 @@ class StepCoordinator:
             raise RuntimeError(f"worker {worker} pushed step {step} ahead of global step "
                                f"{self.global_step}")
         self.computing.discard(worker)
+        if self.asynchronous:
+            if self.applying:
+                self.queue.append(worker)
+                return []
+            return self._decide_alone(worker)
         if self.stopped:
             self._record(step).dropped.append(worker)
             self.dropped_total[worker] += 1
@@ -141,6 +163,10 @@ class StepCoordinator:
             late, self.late = tuple(sorted(self.late)), []
             actions.append(Action("reply", self.global_step, late))
             self.computing.update(late)
+        if self.asynchronous:
+            actions += self._release_held()
+            if self.queue:
+                actions += self._decide_alone(self.queue.pop(0))
         return actions + self._check_stall() + self._check_shutdown()
 
     def resync(self, worker: int) -> list[Action]:
@@ -155,9 +181,36 @@ class StepCoordinator:
         """Worker ``worker`` closed: it holds a token and will push no more."""
         self.computing.discard(worker)
         self.closed.add(worker)
-        return self._check_stall() + self._check_shutdown()
+        released = self._release_held() if not self.applying else []
+        return released + self._check_stall() + self._check_shutdown()
 
     # -- helpers ------------------------------------------------------------------------
+    def _decide_alone(self, worker: int) -> list[Action]:
+        """Async: the next step is this worker's gradient alone."""
+        self.applying = True
+        self.taken_total[worker] += 1
+        self._record(self.global_step).taken.append(worker)
+        taken = tuple(int(w == worker) for w in range(self.num_workers))
+        if self._too_far_ahead(worker):
+            self.held.add(worker)
+            return [Action("decide", self.global_step, (), taken)]
+        return [Action("decide", self.global_step, (worker,), taken)]
+
+    def _too_far_ahead(self, worker: int) -> bool:
+        if self.max_staleness is None:
+            return False
+        open_counts = [n for w, n in enumerate(self.taken_total) if w not in self.closed]
+        return self.taken_total[worker] - min(open_counts) > self.max_staleness
+
+    def _release_held(self) -> list[Action]:
+        """Async: hand the current parameters to held workers back within the bound."""
+        free = tuple(sorted(w for w in self.held if not self._too_far_ahead(w)))
+        if not free:
+            return []
+        self.held.difference_update(free)
+        self.computing.update(free)
+        return [Action("reply", self.global_step, free)]
+
     def _record(self, step: int) -> StepRecord:
         rec = self.records.get(step)
         if rec is None:
@@ -218,17 +271,22 @@ class ShardAccumulator:
     does not depend on arrival timing. Buffers are the caller's; they are handed back.
     """
 
-    def __init__(self, reduction: str = "mean", global_step: int = 0):
+    def __init__(self, reduction: str = "mean", global_step: int = 0,
+                 asynchronous: bool = False):
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         self.reduction = reduction
         self.global_step = global_step
+        self.asynchronous = asynchronous
         self._held: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
         self.dropped = 0
 
     def offer(self, worker: int, step: int, item) -> bool:
-        """Hold ``item`` (a received gradient) for ``step``; False if it is stale."""
-        if step < self.global_step:
+        """Hold ``item`` (a received gradient) for ``step``; False if it is stale.
+
+        In asynchronous mode nothing is stale: a step takes each worker's oldest held items.
+        """
+        if step < self.global_step and not self.asynchronous:
             self.dropped += 1
             return False
         self._held[step][worker].append(item)
@@ -236,22 +294,39 @@ class ShardAccumulator:
 
     def ready(self, step: int, taken: tuple[int, ...]) -> bool:
         """True when every gradient that ``taken`` names for ``step`` has arrived."""
-        held = self._held.get(step, {})
-        return all(len(held.get(w, ())) >= n for w, n in enumerate(taken) if n)
+        return all(len(self._items(step, w)) >= n for w, n in enumerate(taken) if n)
 
     def chosen(self, step: int, taken: tuple[int, ...]) -> list:
         """The items ``taken`` names, in reduction order: worker index, then arrival."""
-        held = self._held[step]
-        return [item for w, n in enumerate(taken) for item in held[w][:n]]
+        return [item for w, n in enumerate(taken) if n for item in self._items(step, w)[:n]]
 
-    def advance(self, step: int) -> list:
-        """Step ``step`` is applied: return every item held for steps <= ``step``."""
+    def advance(self, step: int, taken: tuple[int, ...] = ()) -> list:
+        """Step ``step`` is applied: return the items it no longer needs.
+
+        Synchronous: every item held for steps <= ``step``. Asynchronous: the items
+        ``taken`` named.
+        """
         self.global_step = step + 1
         freed = []
+        if self.asynchronous:
+            for w, n in enumerate(taken):
+                for _ in range(n):
+                    s = min(s for s, held in self._held.items() if held.get(w))
+                    freed.append(self._held[s][w].pop(0))
+            for s in [s for s, held in self._held.items() if not any(held.values())]:
+                del self._held[s]
+            return freed
         for s in [s for s in self._held if s <= step]:
             for items in self._held.pop(s).values():
                 freed.extend(items)
         return freed
+
+    def _items(self, step: int, worker: int) -> list:
+        """``worker``'s items for ``step``; asynchronous: all of them, oldest step first."""
+        if not self.asynchronous:
+            held = self._held.get(step)
+            return held.get(worker, []) if held else []
+        return [item for s in sorted(self._held) for item in self._held[s].get(worker, ())]
 
     def reduce(self, regions_out, regions_in_list, count: int) -> None:
         """Sum ``regions_in_list`` into ``regions_out`` region by region; MEAN divides by count.

@@ -66,6 +66,12 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             (1 - decay) * parameter``); read it with ``averages()`` or ``averaged()``.
         ema_num_updates: use ``min(ema_decay, (1 + t) / (10 + t))`` after the t-th step, as
             TensorFlow's ``ExponentialMovingAverage(decay, num_updates=global_step)``.
+        asynchronous: asynchronous training instead: the ps ranks apply every gradient as
+            its own step, in arrival order, whatever step it was computed at, and send the
+            pushing worker the new parameters at once. ``replicas_to_aggregate`` is 1.
+        max_staleness: with ``asynchronous``, a worker may be at most this many applied
+            gradients ahead of the slowest worker that has not closed; beyond that its
+            ``step()`` waits for the slowest to catch up (default: unbounded).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -75,7 +81,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                  num_tokens: int | None = None,
                  placement: str | Callable = "greedy_sorted",
                  cluster=None, reduction: str = "mean", deterministic: bool = False,
-                 ema_decay: float | None = None, ema_num_updates: bool = False):
+                 ema_decay: float | None = None, ema_num_updates: bool = False,
+                 asynchronous: bool = False, max_staleness: int | None = None):
         from .ps_ranks import _current
         cluster = _current if cluster is None else cluster
         if cluster is None:
@@ -94,13 +101,15 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         poller = self._poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label,
                                        spin_seconds(cluster.oversubscribed))
         W = cluster.num_workers
-        R = W if replicas_to_aggregate is None else replicas_to_aggregate
+        R = replicas_to_aggregate
+        if R is None:
+            R = 1 if asynchronous else W
         total = W if total_num_replicas is None else total_num_replicas
 
         error = None
         try:
             self._validate(optimizer, named, R, total, num_tokens, reduction, placement,
-                           ema_decay)
+                           ema_decay, asynchronous, max_staleness)
         except (ValueError, TypeError) as exc:
             error = str(exc)
         summary = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
@@ -109,7 +118,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if failure is None:
             self._setup(optimizer, R, placement, reduction, deterministic,
                         max(0, R - total) if num_tokens is None else num_tokens,
-                        ema_decay, ema_num_updates)
+                        ema_decay, ema_num_updates, asynchronous, max_staleness)
         if cluster.is_chief:
             for j in range(cluster.num_ps):
                 payload = ("error", failure) if failure else ("spec", self._spec_for(j))
@@ -133,7 +142,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
     # -- set-up -------------------------------------------------------------------------
     @staticmethod
     def _validate(optimizer, named, R, total, num_tokens, reduction, placement,
-                  ema_decay) -> None:
+                  ema_decay, asynchronous, max_staleness) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -156,6 +165,20 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"num_tokens={num_tokens} is too few: each step needs {R} gradients from "
                     f"{total} workers, so num_tokens must be >= {R - total}")
+        if asynchronous and R != 1:
+            raise ValueError(f"asynchronous mode applies each gradient alone: "
+                             f"replicas_to_aggregate must be 1 (or unset), got {R}")
+        if asynchronous and num_tokens:
+            raise ValueError(f"asynchronous mode hands out one token per applied gradient: "
+                             f"num_tokens must be unset, got {num_tokens}")
+        if max_staleness is not None:
+            if not asynchronous:
+                raise ValueError("max_staleness bounds asynchronous training: pass "
+                                 "asynchronous=True with it")
+            if isinstance(max_staleness, bool) or not isinstance(max_staleness, int):
+                raise TypeError(f"max_staleness must be an int, got {max_staleness!r}")
+            if max_staleness < 0:
+                raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         if ema_decay is not None:
             if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)):
                 raise TypeError(f"ema_decay must be a float, got {ema_decay!r}")
@@ -185,7 +208,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                              f"not in named_parameters")
 
     def _setup(self, optimizer, R, placement, reduction, deterministic, num_tokens,
-               ema_decay, ema_num_updates) -> None:
+               ema_decay, ema_num_updates, asynchronous, max_staleness) -> None:
         cluster = self.cluster
         if deterministic:
             torch.use_deterministic_algorithms(True)
@@ -209,6 +232,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             "deterministic": deterministic, "global_step": 0,
             "ema_decay": None if ema_decay is None else float(ema_decay),
             "ema_num_updates": bool(ema_num_updates),
+            "asynchronous": bool(asynchronous), "max_staleness": max_staleness,
         }
         comm = cluster.p2p_comm
         self._shards = []

@@ -85,11 +85,13 @@ class Server:
                                         pt[PARAM_HEADER_BYTES:], layout)
 
         self.global_step = spec["global_step"]
-        self.acc = ShardAccumulator(spec["reduction"], self.global_step)
+        asynchronous = spec.get("asynchronous", False)
+        self.acc = ShardAccumulator(spec["reduction"], self.global_step, asynchronous)
         self.coord = None
         if self.is_coordinator:
             self.coord = StepCoordinator(self.W, spec["replicas_to_aggregate"],
-                                         spec["num_tokens"], self.global_step)
+                                         spec["num_tokens"], self.global_step, asynchronous,
+                                         spec.get("max_staleness"))
         self._set_version()
 
         # receive slots per worker (persistent), param sends per worker (persistent)
@@ -295,7 +297,7 @@ class Server:
             self.averages.update(step + 1)
         self.global_step = step + 1
         self._set_version()
-        self._release(self.acc.advance(step))
+        self._release(self.acc.advance(step, taken))
 
     def _send_params(self, workers) -> None:
         for w in np.flatnonzero(workers):

@@ -767,3 +767,93 @@ def test_reduce_of_chosen_is_independent_of_offer_order():
             assert torch.equal(out[r], torch.stack([g[r] for g in order_in]).mean(0))
         results.append(out)
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+# -- asynchronous mode ---------------------------------------------------------------------
+def async_started(num_workers, max_staleness=None):
+    c = StepCoordinator(num_workers, 1, 0, 0, asynchronous=True, max_staleness=max_staleness)
+    assert c.start() == [reply(0, range(num_workers))]
+    return c
+
+
+def one_hot(worker, n):
+    return tuple(int(w == worker) for w in range(n))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"replicas_to_aggregate": 2}, "replicas_to_aggregate must be 1"),
+    ({"num_tokens": 1}, "num_tokens 0"),
+    ({"max_staleness": -1}, "max_staleness=-1"),
+])
+def test_async_arguments_are_checked(kwargs, match):
+    args = {"num_workers": 2, "replicas_to_aggregate": 1, "num_tokens": 0,
+            "asynchronous": True, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        StepCoordinator(**args)
+
+
+def test_max_staleness_needs_async():
+    with pytest.raises(ValueError, match="needs asynchronous mode"):
+        StepCoordinator(2, 2, max_staleness=1)
+
+
+def test_async_applies_each_gradient_alone_in_arrival_order():
+    c = async_started(3)
+    assert c.push(2, 0) == [decide(0, [2], one_hot(2, 3))]
+    assert c.push(0, 0) == []                     # queued behind the step being applied
+    assert c.push(1, 0) == []
+    assert c.applied((2,)) == [token(1, [2]), decide(1, [0], one_hot(0, 3))]
+    assert c.applied((0,)) == [token(2, [0]), decide(2, [1], one_hot(1, 3))]
+    assert c.push(2, 1) == []                     # stale by 2 steps: applied, not dropped
+    assert c.applied((1,)) == [token(3, [1]), decide(3, [2], one_hot(2, 3))]
+    assert c.applied((2,)) == [token(4, [2])]
+    st = c.stats()
+    assert [r["taken"] for r in st["per_step"]] == [[2], [0], [1], [2]]
+    assert st["gradients_applied"] == 4 and st["gradients_dropped"] == 0
+    assert c.computing == {0, 1, 2}
+
+
+def test_async_bounded_staleness_holds_the_fast_worker_until_the_slowest_catches_up():
+    c = async_started(2, max_staleness=1)
+    assert c.push(0, 0) == [decide(0, [0], (1, 0))]       # worker 0 is 1 ahead: allowed
+    assert c.applied((0,)) == [token(1, [0])]
+    assert c.push(0, 1) == [decide(1, [], (1, 0))]        # 2 ahead: no parameters, no token
+    assert c.applied(()) == []
+    assert c.held == {0} and c.computing == {1}
+    assert c.push(1, 0) == [decide(2, [1], (0, 1))]       # the slowest pushes a stale one
+    assert c.applied((1,)) == [token(3, [1]), reply(3, [0])]   # 2 - 1 <= 1: released
+    assert c.held == set() and c.computing == {0, 1}
+
+
+def test_async_bound_with_zero_staleness_is_lock_step():
+    c = async_started(2, max_staleness=0)
+    assert c.push(1, 0) == [decide(0, [], (0, 1))]
+    assert c.applied(()) == []
+    assert c.push(0, 0) == [decide(1, [0], (1, 0))]
+    assert c.applied((0,)) == [token(2, [0]), reply(2, [1])]
+
+
+def test_async_close_of_the_slowest_releases_the_held():
+    c = async_started(2, max_staleness=0)
+    c.push(0, 0)
+    c.applied(())
+    assert c.held == {0}
+    assert c.close(1) == [reply(1, [0])]
+    c.push(0, 1)
+    assert c.applied((0,)) == [token(2, [0])]             # alone now: never held
+    assert c.close(0) == [shutdown(2)]
+
+
+def test_async_accumulator_takes_the_oldest_gradient_of_each_worker():
+    acc = ShardAccumulator("mean", global_step=5, asynchronous=True)
+    assert acc.offer(1, 2, "w1-old")                       # stale: still held
+    assert acc.offer(0, 5, "w0")
+    assert acc.offer(1, 5, "w1-new")
+    assert not acc.ready(5, (0, 0, 1))
+    assert acc.ready(5, (1, 0, 0)) and acc.ready(5, (0, 1, 0))
+    assert acc.chosen(5, (0, 1, 0)) == ["w1-old"]
+    assert acc.advance(5, (0, 1, 0)) == ["w1-old"]
+    assert acc.chosen(6, (0, 1, 0)) == ["w1-new"]
+    assert acc.advance(6, (0, 1, 0)) == ["w1-new"]
+    assert acc.advance(7, (1, 0, 0)) == ["w0"]
+    assert not acc.ready(8, (1, 0, 0))

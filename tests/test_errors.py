@@ -30,6 +30,18 @@ def test_replicas_to_aggregate_below_one_fails_on_every_rank():
                          r"got 0", out), (who, out)
 
 
+@pytest.mark.parametrize("case, message", [
+    ("async_replicas", "asynchronous mode applies each gradient alone: "
+                       + "replicas_to_aggregate must be 1 (or unset), got 2"),
+    ("staleness_without_async", "max_staleness bounds asynchronous training"),
+])
+def test_async_arguments_fail_on_every_rank(case, message):
+    out = failing(case)
+    for who in ("worker 0 (rank 0", "worker 1 (rank 1", "ps 0 (rank 2"):
+        assert re.search(re.escape(who) + r".*ConfigError.*" + re.escape(message), out), (
+            who, out)
+
+
 def test_ema_decay_out_of_range_fails_on_every_rank():
     out = failing("ema_bad")
     for who in ("worker 0 (rank 0", "worker 1 (rank 1", "ps 0 (rank 2"):

@@ -49,7 +49,9 @@ def main() -> None:
     net = model(hidden=33 if (CASE == "mismatch" and w == 1) else 32)
     opt = mpisync.SyncReplicasOptimizer(
         make_optimizer("sgd", net.parameters()), named_parameters=net.named_parameters(),
-        replicas_to_aggregate=0 if CASE == "replicas0" else None,
+        replicas_to_aggregate={"replicas0": 0, "async_replicas": 2}.get(CASE),
+        asynchronous=CASE == "async_replicas",
+        max_staleness=1 if CASE == "staleness_without_async" else None,
         ema_decay={"ema_bad": 1.0, "step_in_averaged": 0.5}.get(CASE))
     if CASE == "averages_without_ema" and w == 1:
         opt.averages()
