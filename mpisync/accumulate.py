@@ -279,6 +279,7 @@ class ShardAccumulator:
         self.global_step = global_step
         self.asynchronous = asynchronous
         self._held: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+        self._fifo: dict[int, list] = defaultdict(list)    # async: per worker, oldest first
         self.dropped = 0
 
     def offer(self, worker: int, step: int, item) -> bool:
@@ -286,7 +287,10 @@ class ShardAccumulator:
 
         In asynchronous mode nothing is stale: a step takes each worker's oldest held items.
         """
-        if step < self.global_step and not self.asynchronous:
+        if self.asynchronous:
+            self._fifo[worker].append(item)
+            return True
+        if step < self.global_step:
             self.dropped += 1
             return False
         self._held[step][worker].append(item)
@@ -310,11 +314,8 @@ class ShardAccumulator:
         freed = []
         if self.asynchronous:
             for w, n in enumerate(taken):
-                for _ in range(n):
-                    s = min(s for s, held in self._held.items() if held.get(w))
-                    freed.append(self._held[s][w].pop(0))
-            for s in [s for s, held in self._held.items() if not any(held.values())]:
-                del self._held[s]
+                freed.extend(self._fifo[w][:n])
+                del self._fifo[w][:n]
             return freed
         for s in [s for s in self._held if s <= step]:
             for items in self._held.pop(s).values():
@@ -322,11 +323,11 @@ class ShardAccumulator:
         return freed
 
     def _items(self, step: int, worker: int) -> list:
-        """``worker``'s items for ``step``; asynchronous: all of them, oldest step first."""
-        if not self.asynchronous:
-            held = self._held.get(step)
-            return held.get(worker, []) if held else []
-        return [item for s in sorted(self._held) for item in self._held[s].get(worker, ())]
+        """``worker``'s items for ``step``; asynchronous: all of them, oldest first."""
+        if self.asynchronous:
+            return self._fifo[worker]
+        held = self._held.get(step)
+        return held.get(worker, []) if held else []
 
     def reduce(self, regions_out, regions_in_list, count: int) -> None:
         """Sum ``regions_in_list`` into ``regions_out`` region by region; MEAN divides by count.
