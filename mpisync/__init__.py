@@ -3,28 +3,29 @@ from __future__ import annotations
 
 from . import placement
 from .errors import (
-                     ClosedError,
-                     ConfigError,
-                     ModelMismatchError,
-                     PeerError,
-                     ProtocolError,
-                     StallError,
-                     WorldTooSmallError,
+    ClosedError,
+    ConfigError,
+    ModelMismatchError,
+    PeerError,
+    ProtocolError,
+    StallError,
+    WorldTooSmallError,
 )
 from .optimizer import SyncReplicasOptimizer
-from .ps_ranks import Cluster, init
+from .ps_ranks import Cluster, RankLayout, init
 
 __all__ = [
-                     "ClosedError",
-                     "Cluster",
-                     "ConfigError",
-                     "ModelMismatchError",
-                     "PeerError",
-                     "ProtocolError",
-                     "StallError",
-                     "SyncReplicasOptimizer",
-                     "WorldTooSmallError",
-                     "init",
-                     "placement",
+    "ClosedError",
+    "Cluster",
+    "ConfigError",
+    "ModelMismatchError",
+    "PeerError",
+    "ProtocolError",
+    "RankLayout",
+    "StallError",
+    "SyncReplicasOptimizer",
+    "WorldTooSmallError",
+    "init",
+    "placement",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

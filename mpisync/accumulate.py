@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .wire import Kind
+
 __all__ = ["REDUCTIONS", "Action", "ShardAccumulator", "StepCoordinator"]
 
 REDUCTIONS = ("mean", "sum")
@@ -15,19 +17,21 @@ REDUCTIONS = ("mean", "sum")
 class Action:
     """Something the coordinator's caller must send.
 
-    kind is one of:
-      "decide"   step ``step`` is complete: every ps applies the gradients counted in
-                 ``taken`` (per worker), then sends the new parameters to ``workers``;
-      "token"    send token GO(``step``) to ``workers`` (their parameters are on the way);
-      "reply"    every ps sends its current parameters to ``workers`` now, and the
-                 coordinator sends them token GO(``step``);
-      "grant"    send token GO(``step``) without parameters: compute another gradient on
-                 the same parameters;
-      "stop"     send token STOP(``step``) to ``workers``;
-      "shutdown" every worker has closed: stop the ps ranks.
+    ``kind`` is a ``wire.Kind``, the same word the message carries:
+      DECIDE    step ``step`` is complete: every ps applies the gradients counted in
+                ``taken`` (per worker), then sends the new parameters to ``workers``;
+      GO        send token GO(``step``) to ``workers`` (their parameters are on the way);
+      REPLY     every ps sends its current parameters to ``workers`` now, and the
+                coordinator sends them token GO(``step``);
+      GRANT     send token GRANT(``step``): compute another gradient on the same
+                parameters;
+      STOP      send token STOP(``step``) to ``workers``;
+      LOAD      every open worker (``workers``) asked to load a state: load it on every
+                ps, then call ``loaded()``;
+      SHUTDOWN  every worker has closed: stop the ps ranks.
     """
 
-    kind: str
+    kind: Kind
     step: int
     workers: tuple[int, ...] = ()
     taken: tuple[int, ...] = ()
@@ -63,20 +67,7 @@ class StepCoordinator:
     def __init__(self, num_workers: int, replicas_to_aggregate: int, num_tokens: int = 0,
                  global_step: int = 0, asynchronous: bool = False,
                  max_staleness: int | None = None):
-        if replicas_to_aggregate < 1:
-            raise ValueError(f"replicas_to_aggregate must be >= 1, got {replicas_to_aggregate}")
-        if asynchronous and (replicas_to_aggregate != 1 or num_tokens):
-            raise ValueError("asynchronous mode applies each gradient alone: "
-                             "replicas_to_aggregate must be 1 and num_tokens 0")
-        if max_staleness is not None and (not asynchronous or max_staleness < 0):
-            raise ValueError(f"max_staleness={max_staleness} needs asynchronous mode and "
-                             f"must be >= 0")
-        needed = replicas_to_aggregate - num_workers
-        if num_tokens < max(0, needed):
-            raise ValueError(
-                f"num_tokens={num_tokens} is too few: each step needs {replicas_to_aggregate} "
-                f"gradients from {num_workers} workers, so num_tokens must be >= "
-                f"{max(0, needed)}")
+        # the arguments were validated once, in mpisync.spec
         self.num_workers = num_workers
         self.replicas_to_aggregate = replicas_to_aggregate
         self.num_tokens = num_tokens
@@ -91,8 +82,11 @@ class StepCoordinator:
         self.computing: set[int] = set()   # holds a token, will push (or close)
         self.closed: set[int] = set()
         self.records: dict[int, StepRecord] = {}
-        self.taken_total = [0] * num_workers
+        self.taken_total = [0] * num_workers      # taken, the open step included
+        self.applied_total = [0] * num_workers    # taken by steps that were applied
         self.dropped_total = [0] * num_workers
+        self.decided: tuple[int, ...] = ()        # taken counts of the step being applied
+        self.loading: set[int] = set()            # asked to load a state, waiting for all
         self.asynchronous = asynchronous
         self.max_staleness = max_staleness
         self.queue: list[int] = []         # async: pushed while applying, in arrival order
@@ -102,7 +96,7 @@ class StepCoordinator:
     def start(self) -> list[Action]:
         """Every worker needs the initial parameters and its first token."""
         self.computing = set(range(self.num_workers))
-        return [Action("reply", self.global_step, tuple(range(self.num_workers)))]
+        return [Action(Kind.REPLY, self.global_step, tuple(range(self.num_workers)))]
 
     def push(self, worker: int, step: int) -> list[Action]:
         """Worker ``worker`` pushed a gradient computed at ``step``."""
@@ -120,7 +114,7 @@ class StepCoordinator:
         if self.stopped:
             self._record(step).dropped.append(worker)
             self.dropped_total[worker] += 1
-            return [Action("stop", self.global_step, (worker,))]
+            return [Action(Kind.STOP, self.global_step, (worker,))]
         if step == self.global_step and not self.applying:
             self.taken[worker] += 1
             self.num_taken += 1
@@ -130,11 +124,12 @@ class StepCoordinator:
                 self.applying = True
                 workers = tuple(sorted(self.waiting + [worker]))
                 self.waiting = []
-                return [Action("decide", step, workers, tuple(self.taken))]
+                self.decided = tuple(self.taken)
+                return [Action(Kind.DECIDE, step, workers, self.decided)]
             if self.pool > 0:
                 self.pool -= 1
                 self.computing.add(worker)
-                return [Action("grant", step, (worker,))]
+                return [Action(Kind.GRANT, step, (worker,))]
             self.waiting.append(worker)
             return self._check_stall()
         # stale: computed at an older step, or arrived after its step closed
@@ -144,24 +139,26 @@ class StepCoordinator:
             self.late.append(worker)
             return []
         self.computing.add(worker)
-        return [Action("reply", self.global_step, (worker,))]
+        return [Action(Kind.REPLY, self.global_step, (worker,))]
 
     def applied(self, decided_workers: tuple[int, ...]) -> list[Action]:
         """Every ps applied the step; ``decided_workers`` already have their parameters."""
         if not self.applying:
             raise RuntimeError("applied() without a step being applied")
         self.applying = False
+        for w, n in enumerate(self.decided):
+            self.applied_total[w] += n
         self.global_step += 1
         self.taken = [0] * self.num_workers
         self.num_taken = 0
         self.pool = self.num_tokens
         actions = []
         if decided_workers:
-            actions.append(Action("token", self.global_step, decided_workers))
+            actions.append(Action(Kind.GO, self.global_step, decided_workers))
             self.computing.update(decided_workers)
         if self.late:
             late, self.late = tuple(sorted(self.late)), []
-            actions.append(Action("reply", self.global_step, late))
+            actions.append(Action(Kind.REPLY, self.global_step, late))
             self.computing.update(late)
         if self.asynchronous:
             actions += self._release_held()
@@ -169,20 +166,39 @@ class StepCoordinator:
                 actions += self._decide_alone(self.queue.pop(0))
         return actions + self._check_stall() + self._check_shutdown()
 
-    def resync(self, worker: int) -> list[Action]:
-        """Worker ``worker`` gives up its token (state was loaded) and needs the current one."""
+    def load(self, worker: int) -> list[Action]:
+        """Worker ``worker`` asks to load a state; LOAD once every open worker asked.
+
+        Every worker gives up its token until the state is loaded, so no gradient can
+        reach a step before all of them hold the loaded one.
+        """
         if self.applying or self.num_taken:
-            raise RuntimeError(f"worker {worker} resynced while step {self.global_step} "
-                               f"already holds gradients")
-        self.computing.add(worker)
-        return [Action("reply", self.global_step, (worker,))]
+            raise RuntimeError(f"worker {worker} called load_state_dict() while step "
+                               f"{self.global_step} already holds gradients")
+        self.computing.discard(worker)
+        self.loading.add(worker)
+        return self._check_load()
+
+    def loaded(self, global_step: int) -> list[Action]:
+        """Every ps loaded the state at ``global_step``: the loading workers get it."""
+        workers, self.loading = tuple(sorted(self.loading)), set()
+        self.global_step = global_step
+        self.computing.update(workers)
+        return [Action(Kind.REPLY, global_step, workers)]
+
+    def _check_load(self) -> list[Action]:
+        open_workers = set(range(self.num_workers)) - self.closed
+        if not self.loading or not self.loading >= open_workers:
+            return []
+        return [Action(Kind.LOAD, self.global_step, tuple(sorted(self.loading)))]
 
     def close(self, worker: int) -> list[Action]:
         """Worker ``worker`` closed: it holds a token and will push no more."""
         self.computing.discard(worker)
         self.closed.add(worker)
+        self.loading.discard(worker)
         released = self._release_held() if not self.applying else []
-        return released + self._check_stall() + self._check_shutdown()
+        return released + self._check_load() + self._check_stall() + self._check_shutdown()
 
     # -- helpers ------------------------------------------------------------------------
     def _decide_alone(self, worker: int) -> list[Action]:
@@ -191,10 +207,11 @@ class StepCoordinator:
         self.taken_total[worker] += 1
         self._record(self.global_step).taken.append(worker)
         taken = tuple(int(w == worker) for w in range(self.num_workers))
+        self.decided = taken
         if self._too_far_ahead(worker):
             self.held.add(worker)
-            return [Action("decide", self.global_step, (), taken)]
-        return [Action("decide", self.global_step, (worker,), taken)]
+            return [Action(Kind.DECIDE, self.global_step, (), taken)]
+        return [Action(Kind.DECIDE, self.global_step, (worker,), taken)]
 
     def _too_far_ahead(self, worker: int) -> bool:
         if self.max_staleness is None:
@@ -209,7 +226,7 @@ class StepCoordinator:
             return []
         self.held.difference_update(free)
         self.computing.update(free)
-        return [Action("reply", self.global_step, free)]
+        return [Action(Kind.REPLY, self.global_step, free)]
 
     def _record(self, step: int) -> StepRecord:
         rec = self.records.get(step)
@@ -219,12 +236,12 @@ class StepCoordinator:
 
     def _check_stall(self) -> list[Action]:
         """No open worker can push for this step any more: the training is over."""
-        if self.applying or self.computing or not self.waiting:
+        if self.applying or self.computing or self.loading or not self.waiting:
             return []
         self.stopped = True
         self._discard_step()
         waiting, self.waiting = tuple(sorted(self.waiting)), []
-        return [Action("stop", self.global_step, waiting)]
+        return [Action(Kind.STOP, self.global_step, waiting)]
 
     def _discard_step(self) -> None:
         """The current step will never be applied: count what it took as dropped."""
@@ -243,16 +260,23 @@ class StepCoordinator:
         if self.applying or len(self.closed) < self.num_workers:
             return []
         self._discard_step()
-        return [Action("shutdown", self.global_step)]
+        return [Action(Kind.SHUTDOWN, self.global_step)]
 
     def stats(self) -> dict:
-        """A plain-data snapshot: totals, per worker, and per step."""
+        """A plain-data snapshot: totals, per worker, and per step.
+
+        ``gradients_applied`` and ``taken_per_worker`` count the gradients of applied steps
+        only; ``gradients_pending`` those that the open step holds (applied with it, or
+        counted as dropped if it never completes). ``per_step`` lists every step that took
+        or dropped a gradient, the open one included.
+        """
         return {
             "global_step": self.global_step,
             "steps": self.global_step,
-            "gradients_applied": sum(self.taken_total),
+            "gradients_applied": sum(self.applied_total),
+            "gradients_pending": sum(self.taken_total) - sum(self.applied_total),
             "gradients_dropped": sum(self.dropped_total),
-            "taken_per_worker": list(self.taken_total),
+            "taken_per_worker": list(self.applied_total),
             "dropped_per_worker": list(self.dropped_total),
             "per_step": [
                 {"step": r.step, "taken": list(r.taken), "dropped": list(r.dropped)}
@@ -273,8 +297,6 @@ class ShardAccumulator:
 
     def __init__(self, reduction: str = "mean", global_step: int = 0,
                  asynchronous: bool = False):
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         self.reduction = reduction
         self.global_step = global_step
         self.asynchronous = asynchronous
@@ -329,14 +351,17 @@ class ShardAccumulator:
         held = self._held.get(step)
         return held.get(worker, []) if held else []
 
-    def reduce(self, regions_out, regions_in_list, count: int) -> None:
+    def reduce(self, regions_out, regions_in_list, count: int,
+               reduction: str | None = None) -> None:
         """Sum ``regions_in_list`` into ``regions_out`` region by region; MEAN divides by count.
 
         Args:
           regions_out: list of tensors (one per dtype region) receiving the result.
           regions_in_list: one list of tensors per chosen gradient, in reduction order.
           count: the number of gradients taken (the divisor for MEAN).
+          reduction: overrides the accumulator's own reduction.
         """
+        mean = (reduction or self.reduction) == "mean"
         for r, out in enumerate(regions_out):
             if len(regions_in_list) == 1:
                 out.copy_(regions_in_list[0][r])
@@ -344,7 +369,7 @@ class ShardAccumulator:
                 torch.add(regions_in_list[0][r], regions_in_list[1][r], out=out)
             for regions_in in regions_in_list[2:]:
                 out.add_(regions_in[r])
-            if self.reduction == "mean" and count > 1:
+            if mean and count > 1:
                 if count & (count - 1) == 0:
                     out.mul_(1.0 / count)   # exact for a power of two, and 3x faster than div
                 else:

@@ -1,4 +1,4 @@
-"""Roles: split the MPI world into ps and worker communicators; failure handling; serve()."""
+"""Roles: the rank layout, the communicators, failure handling, and the ps serve loop."""
 from __future__ import annotations
 
 import os
@@ -6,26 +6,104 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
 from .errors import WorldTooSmallError
+from .guard import GuardedComm
 from .progress import DEFAULT_TIMEOUT
 from .wire import Tag
 
-__all__ = ["Cluster", "comm_split", "init"]
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["LAYOUTS", "Cluster", "RankLayout", "comm_split", "init"]
+
+#: Ways to pick the ps ranks (``MPISYNC_PS_LAYOUT``).
+LAYOUTS = ("last", "per_node")
 
 
-def comm_split(comm: MPI.Comm, num_ps: int) -> tuple[MPI.Comm, MPI.Comm]:
-    """Split ``comm`` into (worker_comm, ps_comm); the last ``num_ps`` ranks are ps ranks.
+@dataclass(frozen=True)
+class RankLayout:
+    """Which world ranks are workers and which are ps ranks, built once.
+
+    Workers are numbered by rank (worker 0, the chief, is the lowest worker rank); ps
+    ranks likewise, and ps 0 is the coordinator, which runs the token barrier.
+    """
+
+    worker_ranks: tuple[int, ...]
+    ps_ranks: tuple[int, ...]
+
+    @staticmethod
+    def last(size: int, num_ps: int) -> RankLayout:
+        """The last ``num_ps`` ranks serve; the others are workers (rank 0 the chief)."""
+        return RankLayout(tuple(range(size - num_ps)), tuple(range(size - num_ps, size)))
+
+    @staticmethod
+    def per_node(hosts: Sequence[str], num_ps: int) -> RankLayout:
+        """One ps per node first: each node's highest rank in turn, nodes in rank order.
+
+        ``hosts[r]`` names the node of rank ``r``. With more ps ranks than nodes the
+        choice goes round again (each node's next-highest rank).
+        """
+        nodes: dict[str, list[int]] = {}
+        for rank, host in enumerate(hosts):
+            nodes.setdefault(host, []).append(rank)
+        stacks = [sorted(ranks) for ranks in nodes.values()]
+        chosen: list[int] = []
+        while len(chosen) < num_ps:
+            for stack in stacks:
+                if stack and len(chosen) < num_ps:
+                    chosen.append(stack.pop())
+        ps = tuple(sorted(chosen))
+        return RankLayout(tuple(r for r in range(len(hosts)) if r not in ps), ps)
+
+    @staticmethod
+    def choose(hosts: Sequence[str], num_ps: int, environ: Mapping[str, str]) -> RankLayout:
+        """The layout ``MPISYNC_PS_LAYOUT`` asks for (``last``, the default, or ``per_node``)."""
+        how = environ.get("MPISYNC_PS_LAYOUT", "last")
+        if how not in LAYOUTS:
+            raise ValueError(f"MPISYNC_PS_LAYOUT={how!r}; expected one of {LAYOUTS}")
+        if how == "per_node":
+            return RankLayout.per_node(hosts, num_ps)
+        return RankLayout.last(len(hosts), num_ps)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.worker_ranks)
+
+    @property
+    def num_ps(self) -> int:
+        return len(self.ps_ranks)
+
+    @property
+    def chief_rank(self) -> int:
+        return self.worker_ranks[0]
+
+    @property
+    def coordinator_rank(self) -> int:
+        """The rank that runs the token barrier: ps 0, always in its serve loop."""
+        return self.ps_ranks[0]
+
+    def role(self, rank: int) -> tuple[str, int]:
+        """``("worker", index)`` or ``("ps", index)`` of world rank ``rank``."""
+        if rank in self.ps_ranks:
+            return "ps", self.ps_ranks.index(rank)
+        return "worker", self.worker_ranks.index(rank)
+
+
+def comm_split(comm: MPI.Comm, layout: RankLayout) -> tuple[MPI.Comm, MPI.Comm]:
+    """Split ``comm`` into (worker_comm, ps_comm) by role, each ordered by index.
 
     Call on every rank of ``comm``. On a worker the ps communicator is ``MPI.COMM_NULL``
     and on a ps rank the worker communicator is; the caller frees what it gets.
     """
-    num_workers = comm.Get_size() - num_ps
-    is_ps = comm.Get_rank() >= num_workers
-    part = comm.Split(1 if is_ps else 0, comm.Get_rank())
-    if is_ps:
+    role, index = layout.role(comm.Get_rank())
+    part = comm.Split(1 if role == "ps" else 0, index)
+    if role == "ps":
         return MPI.COMM_NULL, part
     return part, MPI.COMM_NULL
 
@@ -47,27 +125,57 @@ def _host_load(comm: MPI.Comm) -> tuple[int, int]:
 class Cluster:
     """One rank's view of the job: its role, its index in that role, its communicators.
 
-    Ranks ``0 .. num_workers-1`` are workers (rank 0 is the chief); the last ``num_ps``
-    ranks are parameter servers. ``p2p_comm`` is a private duplicate of the world
-    communicator that carries all of mpisync's own traffic.
+    ``p2p_comm`` is a private duplicate of the world communicator that carries all of
+    mpisync's own traffic. ``close()`` (or leaving a ``with`` block) frees the
+    communicators it created.
     """
 
-    def __init__(self, comm: MPI.Comm, num_ps: int, timeout: float):
+    def __init__(self, comm: MPI.Comm, layout: RankLayout, timeout: float):
         self.comm = comm
+        self.layout = layout
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.num_ps = num_ps
-        self.num_workers = self.size - num_ps
-        self.is_ps = self.rank >= self.num_workers
-        self.ps_index = self.rank - self.num_workers if self.is_ps else None
-        self.worker_index = None if self.is_ps else self.rank
+        self.num_ps = layout.num_ps
+        self.num_workers = layout.num_workers
+        role, index = layout.role(self.rank)
+        self.is_ps = role == "ps"
+        self.ps_index = index if self.is_ps else None
+        self.worker_index = None if self.is_ps else index
         self.is_chief = self.worker_index == 0
         self.timeout = timeout
         self.host = socket.gethostname()
         self.p2p_comm = comm.Dup()
-        self.worker_comm, self.ps_comm = comm_split(comm, num_ps)
+        self._worker_comm, self.ps_comm = comm_split(comm, layout)
         self.local_ranks, self.local_cores = _host_load(comm)
-        self.stats: dict | None = None
+        self.stats: dict | list | None = None
+        self.optimizers: list = []       # this worker's optimizers, in creation order
+        self.closed = False
+        self._guarded = None
+
+    @property
+    def worker_comm(self) -> MPI.Comm:
+        """The workers' communicator, for the user's own collectives between workers.
+
+        Its collectives refuse to start while an optimizer with backup workers,
+        ``num_tokens`` or asynchronous mode is open on this worker: workers then run
+        different numbers of steps, and a collective could wait forever for a worker
+        blocked in ``step()``. Close the optimizer on every worker first.
+        """
+        if self._worker_comm == MPI.COMM_NULL:
+            return MPI.COMM_NULL
+        if self._guarded is None:
+            self._guarded = GuardedComm(self._worker_comm, self._check_collective)
+        return self._guarded
+
+    def _check_collective(self, method: str) -> None:
+        for opt in self.optimizers:
+            reason = opt._collective_hazard()
+            if reason:
+                raise RuntimeError(
+                    f"{self.label}: worker_comm.{method}() while {reason}: workers run "
+                    f"different numbers of steps, so a worker still inside step() could wait "
+                    f"forever for a step this worker will not join. End training with "
+                    f"opt.close() on every worker, then use worker_comm")
 
     @property
     def oversubscribed(self) -> bool:
@@ -76,12 +184,15 @@ class Cluster:
 
     def ps_rank(self, ps_index: int) -> int:
         """World rank of ps ``ps_index``."""
-        return self.num_workers + ps_index
+        return self.layout.ps_ranks[ps_index]
+
+    def worker_rank(self, worker_index: int) -> int:
+        """World rank of worker ``worker_index``."""
+        return self.layout.worker_ranks[worker_index]
 
     @property
     def coordinator_rank(self) -> int:
-        """The rank that runs the token barrier: ps 0, always in its serve loop."""
-        return self.num_workers
+        return self.layout.coordinator_rank
 
     @property
     def label(self) -> str:
@@ -89,21 +200,45 @@ class Cluster:
         role = f"ps {self.ps_index}" if self.is_ps else f"worker {self.worker_index}"
         return f"{role} (rank {self.rank} on {self.host})"
 
-    def serve(self) -> dict:
-        """Run this ps rank until every worker has closed; return the final step statistics.
+    def serve(self) -> dict | list[dict]:
+        """Run this ps rank until the workers closed every optimizer; return the statistics.
 
         Blocks. Call on every ps rank (workers call ``SyncReplicasOptimizer.close()``).
+        Returns the final step statistics of the optimizer it served, or a list of them
+        in creation order when the workers ran several optimizers side by side. A program
+        that creates optimizers one after another calls ``serve()`` once for each.
 
         Raises:
-            RuntimeError: on a worker rank.
+            RuntimeError: on a worker rank, or after ``close()``.
         """
         if not self.is_ps:
             raise RuntimeError(f"{self.label}: serve() is for ps ranks; workers train and "
                                f"then call opt.close()")
-        from .server import Server  # late: the server pulls in torch
+        self._check_open("serve")
+        from .ps.loop import serve  # late: the ps side pulls in torch
 
-        self.stats = Server.from_setup(self).run()
+        self.stats = serve(self)
         return self.stats
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{self.label}: {what}() after cluster.close()")
+
+    def close(self) -> None:
+        """Free the communicators this cluster created. Call on every rank, at the end."""
+        if self.closed or MPI.Is_finalized():
+            return
+        self.closed = True
+        for comm in (self.p2p_comm, self._worker_comm, self.ps_comm):
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
 
     def __repr__(self) -> str:
         return (f"Cluster({self.label}, num_workers={self.num_workers}, "
@@ -118,8 +253,9 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
     """Split the MPI world into ps ranks and workers. Call on every rank.
 
     Args:
-        num_ps: number of parameter-server ranks (the last ones); default: the
-            ``MPISYNC_NUM_PS`` environment variable, else 1.
+        num_ps: number of parameter-server ranks; default: the ``MPISYNC_NUM_PS``
+            environment variable, else 1. They are the last ranks, or with
+            ``MPISYNC_PS_LAYOUT=per_node`` one per node first.
         comm: the communicator to split; default ``MPI.COMM_WORLD``.
         timeout: seconds any wait may last before the job is declared stalled;
             default ``MPISYNC_TIMEOUT`` or 1800 (the first setup waits up to
@@ -148,7 +284,9 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
             f"rank {comm.Get_rank()}: num_ps={num_ps} needs 1 <= num_ps < world size; found "
             f"{size} MPI ranks but {num_ps} ps ranks and at least one worker need "
             f"{max(num_ps, 1) + 1}")
-    _current = Cluster(comm, num_ps, DEFAULT_TIMEOUT if timeout is None else float(timeout))
+    hosts = comm.allgather(socket.gethostname())
+    layout = RankLayout.choose(hosts, num_ps, os.environ)
+    _current = Cluster(comm, layout, DEFAULT_TIMEOUT if timeout is None else float(timeout))
     return _current
 
 
@@ -167,7 +305,7 @@ def _install_excepthook() -> None:
         if getattr(exc, "collective", False) or not MPI.Is_initialized() or MPI.Is_finalized():
             return  # raised on every rank alike: let each exit on its own
         from .errors import PeerError
-        if cluster is not None and not isinstance(exc, PeerError):
+        if cluster is not None and not cluster.closed and not isinstance(exc, PeerError):
             _notify_peers(cluster, f"{label} failed: {exc_type.__name__}: {exc}")
             time.sleep(1.0)  # give the peers a moment to print why they stop
         MPI.COMM_WORLD.Abort(1)

@@ -1,6 +1,7 @@
-"""Wire format: message tags, fixed headers and the fused per-ps buffer layouts."""
+"""Wire format: tags, the one vocabulary of message kinds, headers and fused buffer layouts."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,9 +10,10 @@ import torch
 __all__ = [
     "ALIGN",
     "PARAM_HEADER_BYTES",
+    "TOKEN_WORDS",
+    "Control",
     "Entry",
     "GradHeader",
-    "HyperSchema",
     "Kind",
     "ShardLayout",
     "Tag",
@@ -20,39 +22,65 @@ __all__ = [
 ]
 
 ALIGN = 64
-PARAM_HEADER_BYTES = 64   # int64[8]: kind, version, ...
-TOKEN_WORDS = 4           # int64[4]: kind, global_step, params_follow, unused
+PARAM_HEADER_BYTES = 64   # int64[8]: kind, global step, ...
+TOKEN_WORDS = 4           # int64[4]: kind, global step, argument, unused
+NOTICE_WORDS = 4          # int64[4]: kind, step, sender, flags
 
 
 class Tag:
-    """MPI tags on mpisync's private communicator."""
+    """MPI tags on mpisync's private communicator.
 
-    SETUP = 11      # pickled: chief -> ps (spec or error)
-    GRAD = 12       # fused gradients (or a bare header for CLOSE): worker -> ps
-    PARAMS = 13     # fused parameters: ps -> worker
-    TOKEN = 14      # int64[4]: coordinator -> worker
-    CTL = 15        # int64[4 + 2W]: coordinator -> ps
-    ACK = 16        # int64[2]: ps -> coordinator, "step applied"
-    REQ = 17        # pickled request: worker -> coordinator
-    INFO = 18       # pickled reply: ps -> worker
+    ``SETUP`` and ``ERROR`` are the job's; every other tag belongs to one optimizer:
+    ``Tag.of(Tag.GRAD, opt_id)``, so that several optimizers train side by side.
+    """
+
+    SETUP = 11      # pickled: chief -> ps (spec or error), then raw initial parameters
     ERROR = 19      # pickled failure notice: any rank -> any rank
-    CTL_OBJ = 20    # pickled payload following a CTL message
+    GRAD = 0        # fused gradients, or a bare header (CLOSE): worker -> ps
+    ASSIGN = 1      # parameters written on a worker between steps: worker -> ps
+    PARAMS = 2      # fused parameters: ps -> worker
+    TOKEN = 3       # int64[4]: coordinator -> worker
+    CTL = 4         # Control words: coordinator -> ps
+    CTL_OBJ = 5     # pickled payload following a Control message
+    NOTICE = 6      # int64[4]: ps -> coordinator ("step applied")
+    REQ = 7         # pickled request: worker -> coordinator
+    INFO = 8        # pickled reply: ps -> worker
+    HYPER = 9       # int64 words: worker -> coordinator, the hyper-parameters of a step
+    INIT = 10       # raw initial parameters: chief -> ps
+    _BASE, _STRIDE = 32, 16
+
+    @classmethod
+    def of(cls, tag: int, opt_id: int) -> int:
+        """The tag of ``tag`` for optimizer ``opt_id``."""
+        return cls._BASE + cls._STRIDE * opt_id + tag
 
 
-class Kind:
-    """Message kinds, in the first int64 of every header."""
+class Kind(enum.IntEnum):
+    """Every message kind, from the coordinator's decisions to the headers on the wire."""
 
-    GRAD = 1
-    CLOSE = 2
-    PARAMS = 3
-    GO = 4          # token: compute a gradient at `global_step`
-    STOP = 5        # token: training is over (no step can complete any more)
-    DECIDE = 6      # ctl: apply step with these taken counts, then send params
-    REPLY = 7       # ctl: send current params to these workers now
-    SHUTDOWN = 8    # ctl: every worker has closed
-    STATE = 9       # ctl: send your optimizer state to worker X
-    LOAD = 10       # ctl: a pickled optimizer state follows; load it
-    AVERAGES = 11   # ctl: send your parameters' moving averages to worker X
+    GRAD = 1        # worker -> ps: gradients of a step
+    CLOSE = 2       # worker -> ps: this worker leaves
+    PARAMS = 3      # ps -> worker: parameters of a global step
+    GO = 4          # token: parameters of `step` are on the way; compute at `step`
+    GRANT = 5       # token: compute another gradient on the parameters you hold
+    STOP = 6        # token: training is over, no step can complete any more
+    DECIDE = 7      # ctl: apply `step` with the taken gradients, then send parameters
+    REPLY = 8       # ctl: send the current parameters to these workers now
+    SHUTDOWN = 9    # ctl: every worker has closed
+    STATE = 10      # ctl / request: send your optimizer state to worker `arg`
+    AVERAGES = 11   # ctl / request: send your moving averages to worker `arg`
+    LOAD = 12       # ctl / request: load the state that follows
+    STATS = 13      # request: the step statistics
+    APPLIED = 14    # notice: ps -> coordinator, `step` is applied
+    PUSHED = 15     # notice: the coordinator's shard got a gradient
+    CLOSED = 16     # notice: the coordinator's shard got a CLOSE
+    HYPER = 17      # token: send the hyper-parameters for step `step` / their reply
+    ASSIGN = 18     # worker -> ps: parameters written on the worker
+
+
+#: Flags in a gradient header.
+FLAG_ASSIGN = 1       # an ASSIGN message with this push's written parameters was sent first
+FLAG_SCHEDULED = 2    # the hyper-parameters follow the global step (async: ask for them)
 
 
 def _align(n: int) -> int:
@@ -61,7 +89,7 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class Entry:
-    """One parameter inside a fused buffer's data region."""
+    """One tensor inside a fused buffer's data region."""
 
     name: str
     shape: tuple[int, ...]
@@ -72,44 +100,58 @@ class Entry:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """The data region of one ps rank's fused buffer: entries grouped by dtype."""
+    """The data region of one ps rank's fused buffer.
+
+    Parameters first, then buffers (BatchNorm statistics that travel with them); each
+    part has one contiguous, 64-byte aligned region per dtype.
+    """
 
     ps: int
     entries: tuple[Entry, ...]
-    regions: tuple[tuple[torch.dtype, int, int], ...]  # (dtype, offset, nbytes), contiguous
+    regions: tuple[tuple[torch.dtype, int, int], ...]        # parameters: (dtype, offset, nbytes)
+    buffer_entries: tuple[Entry, ...]
+    buffer_regions: tuple[tuple[torch.dtype, int, int], ...]
     nbytes: int
 
+    @property
+    def all_entries(self) -> tuple[Entry, ...]:
+        return self.entries + self.buffer_entries
 
-def build_layouts(
-    names: list[str],
-    shapes: list[tuple[int, ...]],
-    dtypes: list[torch.dtype],
-    owners: tuple[int, ...],
-    num_ps: int,
-) -> list[ShardLayout]:
-    """Lay out each ps rank's parameters: one contiguous region per dtype, 64-byte aligned.
 
-    Every rank calls this with the same inputs and gets the same layouts.
+def _pack(items: list[tuple[str, tuple[int, ...], torch.dtype]], offset: int):
+    """Entries and per-dtype regions for ``items`` from ``offset`` on; returns the end."""
+    entries, regions = [], []
+    for dname in sorted({str(d) for _, _, d in items}):
+        start = offset
+        dtype = None
+        for name, shape, d in items:
+            if str(d) != dname:
+                continue
+            dtype = d
+            nbytes = int(np.prod(shape, dtype=np.int64)) * d.itemsize if shape else d.itemsize
+            entries.append(Entry(name, tuple(shape), d, offset, nbytes))
+            offset += nbytes
+        regions.append((dtype, start, offset - start))
+        offset = _align(offset)
+    return tuple(entries), tuple(regions), offset
+
+
+def build_layouts(names: list[str], shapes: list[tuple[int, ...]], dtypes: list[torch.dtype],
+                  owners: tuple[int, ...], num_ps: int,
+                  buffers: tuple[tuple[str, tuple[int, ...], torch.dtype, int], ...] = (),
+                  ) -> list[ShardLayout]:
+    """Lay out each ps rank's tensors: one contiguous region per dtype, 64-byte aligned.
+
+    ``buffers`` are ``(name, shape, dtype, ps)``. Every rank calls this with the same
+    inputs and gets the same layouts.
     """
     layouts = []
     for ps in range(num_ps):
-        mine = [i for i, o in enumerate(owners) if o == ps]
-        order = sorted({str(dtypes[i]) for i in mine})
-        entries, regions, offset = [], [], 0
-        for dname in order:
-            start = offset
-            dtype = None
-            for i in mine:
-                if str(dtypes[i]) != dname:
-                    continue
-                dtype = dtypes[i]
-                numel = int(np.prod(shapes[i], dtype=np.int64)) if shapes[i] else 1
-                nbytes = numel * dtype.itemsize
-                entries.append(Entry(names[i], tuple(shapes[i]), dtype, offset, nbytes))
-                offset += nbytes
-            regions.append((dtype, start, offset - start))
-            offset = _align(offset)
-        layouts.append(ShardLayout(ps, tuple(entries), tuple(regions), offset))
+        mine = [(n, s, d) for n, s, d, o in zip(names, shapes, dtypes, owners) if o == ps]
+        entries, regions, offset = _pack(mine, 0)
+        theirs = [(n, s, d) for n, s, d, o in buffers if o == ps]
+        bentries, bregions, offset = _pack(theirs, offset)
+        layouts.append(ShardLayout(ps, entries, regions, bentries, bregions, offset))
     return layouts
 
 
@@ -121,98 +163,72 @@ def tensor_view(buf: torch.Tensor, base: int, dtype: torch.dtype, offset: int, n
     return t if shape is None else t.view(shape)
 
 
-@dataclass(frozen=True)
-class HyperSchema:
-    """Which numeric hyper-parameters of which param group travel in each gradient header.
-
-    Each slot is (group index, key, kind, width) with kind "f" (float), "i" (int),
-    "b" (bool) or "t" (tuple of floats). Other values (None, strings) must not change.
-    """
-
-    slots: tuple[tuple[int, str, str, int], ...]
-    fixed: tuple[tuple[int, str, object], ...]
-
-    @staticmethod
-    def from_groups(groups: list[dict]) -> HyperSchema:
-        slots, fixed = [], []
-        for gi, group in enumerate(groups):
-            for key in sorted(k for k in group if k != "params"):
-                v = group[key]
-                if isinstance(v, bool):
-                    slots.append((gi, key, "b", 1))
-                elif isinstance(v, int):
-                    slots.append((gi, key, "i", 1))
-                elif isinstance(v, float):
-                    slots.append((gi, key, "f", 1))
-                elif (isinstance(v, tuple) and v
-                      and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)):
-                    slots.append((gi, key, "t", len(v)))
-                else:
-                    fixed.append((gi, key, v))
-        return HyperSchema(tuple(slots), tuple(fixed))
-
-    @property
-    def width(self) -> int:
-        return sum(s[3] for s in self.slots)
-
-    def encode(self, groups: list[dict], out: np.ndarray) -> None:
-        """Write the groups' values into the float64 array ``out``; raise if a fixed one changed."""
-        pos = 0
-        for gi, key, kind, width in self.slots:
-            v = groups[gi][key]
-            if kind == "t":
-                if not isinstance(v, tuple) or len(v) != width:
-                    raise TypeError(f"param_groups[{gi}][{key!r}] must stay a tuple of "
-                                    f"{width} numbers, found {v!r}")
-                out[pos:pos + width] = v
-            else:
-                if isinstance(v, torch.Tensor):
-                    v = v.item()
-                if not isinstance(v, (int, float)):
-                    raise TypeError(f"param_groups[{gi}][{key!r}] must stay a number, "
-                                    f"found {v!r}")
-                out[pos] = v
-            pos += width
-        for gi, key, v in self.fixed:
-            if groups[gi].get(key, v) is not v and groups[gi].get(key) != v:
-                raise TypeError(f"param_groups[{gi}][{key!r}] changed from {v!r} to "
-                                f"{groups[gi][key]!r}; only numeric hyper-parameters may "
-                                f"change during training")
-
-    def decode(self, values: np.ndarray, groups: list[dict]) -> None:
-        """Set the groups' hyper-parameters from ``values`` (the inverse of ``encode``)."""
-        pos = 0
-        for gi, key, kind, width in self.slots:
-            if kind == "t":
-                groups[gi][key] = tuple(float(x) for x in values[pos:pos + width])
-            elif kind == "b":
-                groups[gi][key] = bool(values[pos])
-            elif kind == "i":
-                groups[gi][key] = int(values[pos])
-            else:
-                groups[gi][key] = float(values[pos])
-            pos += width
-
-
 class GradHeader:
     """Layout of the header that leads every gradient message to one ps rank.
 
-    int64[8] fields (kind, step, worker, seq, ...), then the hyper-parameters as
-    float64, then one byte per entry of the shard: 1 if that gradient is present.
+    int64[8] fields (kind, step, worker, seq, flags, ...), then, on the message to the
+    coordinating ps only, the hyper-parameters (int64 words, then one uint8 type code
+    each), then one byte per parameter of the shard: 1 if its gradient is present.
     """
 
     FIELDS = 8
 
     def __init__(self, hyper_width: int, num_entries: int):
         self.hyper_offset = 8 * self.FIELDS
-        self.mask_offset = self.hyper_offset + 8 * hyper_width
+        self.codes_offset = self.hyper_offset + 8 * hyper_width
+        self.mask_offset = self.codes_offset + hyper_width
         self.nbytes = _align(self.mask_offset + num_entries)
         self.hyper_width = hyper_width
         self.num_entries = num_entries
 
-    def views(self, buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(int64 fields, float64 hyper-parameters, uint8 mask) views into ``buf``."""
+    def views(self, buf: np.ndarray):
+        """(int64 fields, int64 hyper words, uint8 codes, uint8 mask) views into ``buf``."""
         fields = buf[:self.hyper_offset].view(np.int64)
-        hyper = buf[self.hyper_offset:self.mask_offset].view(np.float64)
+        words = buf[self.hyper_offset:self.codes_offset].view(np.int64)
+        codes = buf[self.codes_offset:self.mask_offset]
         mask = buf[self.mask_offset:self.mask_offset + self.num_entries]
-        return fields, hyper, mask
+        return fields, words, codes, mask
+
+
+class Control:
+    """Layout of a coordinator -> ps message: int64 words.
+
+    ``[kind, step, arg, has_obj, taken[W], workers[W], hyper words[H], codes (H bytes)]``:
+    ``taken`` counts each worker's gradients in a DECIDE, ``workers`` flags who gets
+    parameters, and the hyper-parameters are those the step applies.
+    """
+
+    def __init__(self, num_workers: int, hyper_width: int):
+        self.num_workers = num_workers
+        self.hyper_width = hyper_width
+        self.taken_at = 4
+        self.workers_at = 4 + num_workers
+        self.hyper_at = 4 + 2 * num_workers
+        self.codes_at = self.hyper_at + hyper_width
+        self.words = self.codes_at + (hyper_width + 7) // 8
+
+    def new(self, kind: int, step: int, arg: int = 0, taken=(), workers=(), hyper=None,
+            has_obj: bool = False) -> np.ndarray:
+        msg = np.zeros(self.words, np.int64)
+        msg[0], msg[1], msg[2], msg[3] = kind, step, arg, int(has_obj)
+        if len(taken):
+            msg[self.taken_at:self.workers_at] = taken
+        for w in workers:
+            msg[self.workers_at + w] = 1
+        if hyper is not None:
+            words, codes = hyper
+            msg[self.hyper_at:self.codes_at] = words
+            self.codes(msg)[:] = codes
+        return msg
+
+    def taken(self, msg: np.ndarray) -> tuple[int, ...]:
+        return tuple(int(x) for x in msg[self.taken_at:self.workers_at])
+
+    def workers(self, msg: np.ndarray) -> np.ndarray:
+        return np.flatnonzero(msg[self.workers_at:self.hyper_at])
+
+    def hyper(self, msg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return msg[self.hyper_at:self.codes_at], self.codes(msg)
+
+    def codes(self, msg: np.ndarray) -> np.ndarray:
+        return msg[self.codes_at:].view(np.uint8)[:self.hyper_width]

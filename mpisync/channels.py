@@ -1,0 +1,278 @@
+"""The worker's transport: one channel per route kind."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .errors import ProtocolError
+from .progress import Poller
+from .spec import JobSpec
+from .wire import (
+    FLAG_ASSIGN,
+    PARAM_HEADER_BYTES,
+    TOKEN_WORDS,
+    GradHeader,
+    Kind,
+    ShardLayout,
+    Tag,
+    tensor_view,
+)
+
+__all__ = ["DenseChannel", "ReplicatedChannel"]
+
+
+class _Shard:
+    """This worker's side of one ps rank: the fused send and receive buffers."""
+
+    __slots__ = ("abuf", "assign_req", "buffer_pairs", "codes", "fields", "gbuf", "header",
+                 "idx", "mask", "pbuf", "pfields", "recv", "regions", "send", "words")
+
+    def __init__(self, header: GradHeader, layout: ShardLayout):
+        self.header = header
+        self.gbuf = np.zeros(header.nbytes + layout.nbytes, np.uint8)
+        self.pbuf = np.zeros(PARAM_HEADER_BYTES + layout.nbytes, np.uint8)
+        self.fields, self.words, self.codes, self.mask = header.views(self.gbuf)
+        self.pfields = self.pbuf[:PARAM_HEADER_BYTES].view(np.int64)
+        gt, pt = torch.from_numpy(self.gbuf), torch.from_numpy(self.pbuf)
+        self.regions = [tensor_view(gt, header.nbytes, d, off, n) for d, off, n in layout.regions]
+        # buffers travel both ways at the same offsets: pushed from gbuf, pulled into pbuf
+        self.buffer_pairs = [(tensor_view(gt, header.nbytes, d, off, n),
+                              tensor_view(pt, PARAM_HEADER_BYTES, d, off, n))
+                             for d, off, n in layout.buffer_regions]
+        self.abuf = None
+        self.assign_req = None
+        self.idx = np.zeros(0, np.int64)
+
+
+class DenseChannel:
+    """Parameters that live whole on one ps rank (route ``dense_ps``), and module buffers.
+
+    Per ps rank, one fused gradient buffer (a header, then every gradient it owns) and one
+    fused parameter buffer, allocated once. The model's parameters become views into the
+    parameter buffers, so the pull lands in the model; after ``zero_grad(set_to_none=False)``
+    the gradients are views into the gradient buffers, so ``backward()`` writes what the
+    push sends. A push is one persistent send per ps; the token from the coordinator says
+    whether parameters follow.
+    """
+
+    def __init__(self, spec: JobSpec, layouts: list[ShardLayout], cluster,
+                 params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                 poller: Poller):
+        self.spec = spec
+        self.cluster = cluster
+        self.poller = poller
+        self.comm = comm = cluster.p2p_comm
+        self.label = cluster.label
+        self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.GRAD, Tag.ASSIGN, Tag.PARAMS,
+                                                           Tag.TOKEN, Tag.INIT, Tag.HYPER,
+                                                           Tag.INFO)}
+        self.names = list(spec.names)
+        self.params = [params[n] for n in self.names]
+        index = {n: i for i, n in enumerate(self.names)}
+        self.place: list[tuple[int, int]] = [(0, 0)] * len(self.names)   # (ps, entry)
+        self.shards: list[_Shard] = []
+        self.pviews: list[torch.Tensor] = [None] * len(self.names)
+        self.gviews: list[torch.Tensor] = [None] * len(self.names)
+        for j, layout in enumerate(layouts):
+            shard = _Shard(GradHeader(spec.hyper.width if j == 0 else 0, len(layout.entries)),
+                           layout)
+            self._bind(j, shard, layout, index, buffers)
+            rank = cluster.ps_rank(j)
+            shard.send = comm.Send_init([shard.gbuf, MPI.BYTE], dest=rank, tag=self.tags[Tag.GRAD])
+            shard.recv = comm.Recv_init([shard.pbuf, MPI.BYTE], source=rank,
+                                        tag=self.tags[Tag.PARAMS])
+            self.shards.append(shard)
+        self.has_grad = np.zeros(len(self.names), np.uint8)
+        self.token = np.zeros(TOKEN_WORDS, np.int64)
+        self.token_req = comm.Recv_init([self.token, MPI.BYTE], source=cluster.coordinator_rank,
+                                        tag=self.tags[Tag.TOKEN])
+        self.sends = [s.send for s in self.shards]
+        self.recvs = [s.recv for s in self.shards]
+        self.bytes_per_ps = [s.gbuf.nbytes for s in self.shards]
+        self.pending: list[MPI.Request] = []
+
+    def _bind(self, j: int, shard: _Shard, layout: ShardLayout, index: dict,
+              buffers: dict[str, torch.Tensor]) -> None:
+        """Make the model's tensors views into this shard's buffers (values copied in)."""
+        gt, pt = torch.from_numpy(shard.gbuf), torch.from_numpy(shard.pbuf)
+        idx = []
+        for k, e in enumerate(layout.entries):
+            i = index[e.name]
+            p = self.params[i]
+            pview = tensor_view(pt, PARAM_HEADER_BYTES, e.dtype, e.offset, e.nbytes, e.shape)
+            gview = tensor_view(gt, shard.header.nbytes, e.dtype, e.offset, e.nbytes, e.shape)
+            pview.copy_(p.detach())
+            torch._C.TensorBase.data.__set__(p, pview)   # the pull lands in the model
+            if p.grad is not None:                        # a gradient made before wrapping
+                gview.copy_(p.grad)
+                p.grad = gview
+            self.pviews[i], self.gviews[i] = pview, gview
+            self.place[i] = (j, k)
+            idx.append(i)
+        shard.idx = np.array(idx, np.int64)
+        for e in layout.buffer_entries:
+            b = buffers[e.name]
+            view = tensor_view(pt, PARAM_HEADER_BYTES, e.dtype, e.offset, e.nbytes, e.shape)
+            view.copy_(b)
+            b.data = view
+
+    # -- set-up ---------------------------------------------------------------------------
+    def send_initial(self) -> None:
+        """The chief's parameters and buffers become every ps rank's (call on the chief)."""
+        reqs = [self.comm.Isend([s.pbuf[PARAM_HEADER_BYTES:], MPI.BYTE],
+                                dest=self.cluster.ps_rank(j), tag=self.tags[Tag.INIT])
+                for j, s in enumerate(self.shards)]
+        self.poller.wait_all(reqs, lambda: "the initial parameters reaching the ps ranks")
+
+    # -- the step -------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool) -> None:
+        """torch's ``zero_grad``: a gradient that is None stays None."""
+        if set_to_none:
+            for p in self.params:
+                p.grad = None
+            return
+        for p, view in zip(self.params, self.gviews):
+            if p.grad is not None and p.grad is not view:
+                p.grad = view               # the fused buffer, zeroed below: no copy later
+        for shard in self.shards:
+            for region in shard.regions:
+                region.zero_()
+        self.has_grad[:] = 0
+
+    def gather(self) -> None:
+        """Put every gradient in its send buffer and note which parameters have one."""
+        has = self.has_grad
+        for i, p in enumerate(self.params):
+            g, view = p.grad, self.gviews[i]
+            if g is None:
+                if has[i]:
+                    view.zero_()       # absent: zeros, so the other workers' sum is exact
+                    has[i] = 0
+                continue
+            if g is not view:
+                if g.layout is not torch.strided:
+                    raise TypeError(f"{self.label}: parameter {self.names[i]!r} has a sparse "
+                                    f"gradient ({g.layout}); mpisync sends dense gradients "
+                                    f"only: use nn.Embedding(sparse=False) / "
+                                    f"nn.EmbeddingBag(sparse=False)")
+                if g.data_ptr() != view.data_ptr():
+                    view.copy_(g)      # deliberate: the gradient was made outside our buffer
+                p.grad = view
+            has[i] = 1
+
+    def push(self, step: int, worker: int, seq: int, flags: int, written: list[int]) -> None:
+        """Send this worker's gradients (and first what it wrote) to every ps rank."""
+        assigned = self._assign(written, step, worker, seq) if written else ()
+        for j, shard in enumerate(self.shards):
+            f = shard.fields
+            f[0], f[1], f[2], f[3] = Kind.GRAD, step, worker, seq
+            f[4] = flags | (FLAG_ASSIGN if j in assigned else 0)
+            np.take(self.has_grad, shard.idx, out=shard.mask)
+            for out, current in shard.buffer_pairs:
+                out.copy_(current)     # deliberate: the buffers' values travel with the step
+        MPI.Prequest.Startall(self.sends)
+
+    def _assign(self, written: list[int], step: int, worker: int, seq: int) -> set[int]:
+        """Send the parameters written since the last step to their ps ranks."""
+        by_ps: dict[int, list[int]] = {}
+        for i in written:
+            j, k = self.place[i]
+            by_ps.setdefault(j, []).append(k)
+        for j, entries in by_ps.items():
+            shard = self.shards[j]
+            if shard.abuf is None:
+                shard.abuf = np.zeros_like(shard.gbuf)
+            fields, _, _, mask = shard.header.views(shard.abuf)
+            fields[0], fields[1], fields[2], fields[3] = Kind.ASSIGN, step, worker, seq
+            mask[:] = 0
+            mask[entries] = 1
+            shard.abuf[shard.header.nbytes:] = shard.pbuf[PARAM_HEADER_BYTES:]
+            self.pending.append(self.comm.Isend([shard.abuf, MPI.BYTE],
+                                                dest=self.cluster.ps_rank(j),
+                                                tag=self.tags[Tag.ASSIGN]))
+        return set(by_ps)
+
+    def pull(self, on_hyper: Callable[[int], tuple[np.ndarray, np.ndarray]] | None
+             ) -> tuple[int, int, float]:
+        """Wait for the token and, with it, the parameters; (kind, step, seconds waited).
+
+        A HYPER token (asynchronous mode) asks for the hyper-parameters of the step that
+        applies this worker's gradient: ``on_hyper(step)`` gives them, and the wait goes on.
+        """
+        start = time.perf_counter()
+        poller = self.poller
+        self.token_req.Start()
+        MPI.Prequest.Startall(self.recvs)
+        while True:
+            poller.wait_all([self.token_req], lambda: "the token")
+            kind, step = int(self.token[0]), int(self.token[1])
+            if kind != Kind.HYPER:
+                break
+            self._send_hyper(step, on_hyper(step))
+            self.token_req.Start()
+        if kind == Kind.GO:
+            poller.wait_all(self.recvs, lambda: f"the parameters of step {step}")
+            for j, shard in enumerate(self.shards):
+                if shard.pfields[1] != step:
+                    raise ProtocolError(f"{self.label}: ps {j} sent parameters of step "
+                                        f"{int(shard.pfields[1])} with token {step}")
+        else:
+            for r in self.recvs:
+                r.Cancel()
+            MPI.Request.Waitall(self.recvs)
+            if kind not in (Kind.GRANT, Kind.STOP):
+                raise ProtocolError(f"{self.label}: unknown token kind {kind}")
+        poller.wait_all(self.sends + self.pending, lambda: "gradient sends")
+        self.pending = []
+        return kind, step, time.perf_counter() - start
+
+    def _send_hyper(self, step: int, hyper: tuple[np.ndarray, np.ndarray]) -> None:
+        words, codes = hyper
+        width = len(words)
+        msg = np.zeros(1 + width + (width + 7) // 8, np.int64)
+        msg[0] = step
+        msg[1:1 + width] = words
+        msg[1 + width:].view(np.uint8)[:width] = codes
+        self.comm.Send([msg, MPI.BYTE], dest=self.cluster.coordinator_rank,
+                       tag=self.tags[Tag.HYPER])
+
+    @property
+    def hyper_out(self) -> tuple[np.ndarray, np.ndarray]:
+        """Where this worker's hyper-parameters go: the header of the message to ps 0."""
+        return self.shards[0].words, self.shards[0].codes
+
+    def close(self, global_step: int, worker: int) -> dict:
+        """Leave: tell every ps; return the final statistics once every worker closed."""
+        bye = np.zeros(8, np.int64)
+        bye[0], bye[1], bye[2] = Kind.CLOSE, global_step, worker
+        for j in range(len(self.shards)):
+            self.comm.Send([bye, MPI.BYTE], dest=self.cluster.ps_rank(j), tag=self.tags[Tag.GRAD])
+        stats = self.poller.wait_message(self.cluster.coordinator_rank, self.tags[Tag.INFO],
+                                         lambda: "the final statistics (every worker's close)")
+        for req in self.sends + self.recvs + [self.token_req]:
+            req.Free()
+        return stats
+
+
+class ReplicatedChannel:
+    """Parameters no optimizer group holds: the chief's values, broadcast once."""
+
+    def __init__(self, worker_comm: MPI.Comm, tensors: list[torch.Tensor]):
+        self.worker_comm = worker_comm
+        self.tensors = tensors
+
+    def setup(self) -> None:
+        """Every worker takes the chief's values (collective over the workers)."""
+        with torch.no_grad():
+            for t in self.tensors:
+                data = t.detach()
+                if data.is_contiguous():
+                    self.worker_comm.Bcast([data.numpy().view(np.uint8), MPI.BYTE], root=0)
+                else:
+                    buf = data.contiguous()
+                    self.worker_comm.Bcast([buf.numpy().view(np.uint8), MPI.BYTE], root=0)
+                    data.copy_(buf)

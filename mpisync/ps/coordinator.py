@@ -1,0 +1,236 @@
+"""The coordinator on ps 0: the step decisions of ``accumulate`` turned into messages."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from ..accumulate import Action, StepCoordinator
+from ..errors import ConfigError, ProtocolError
+from ..progress import Poller
+from ..spec import JobSpec
+from ..wire import FLAG_SCHEDULED, NOTICE_WORDS, TOKEN_WORDS, Control, Kind, Tag
+
+__all__ = ["Coordinator"]
+
+
+class Coordinator:
+    """Decides which gradients each step takes and hands out the tokens.
+
+    It hears of every push and close from the shard server on its own rank (every
+    worker pushes to every ps, so ps 0 sees every push), of applied steps from every ps,
+    and of requests from the workers. Its decisions go to every shard server as control
+    messages in one order (to its own through ``local``, a queue it never waits on) and
+    to the workers as tokens. A step's hyper-parameters travel in its DECIDE: those of
+    the lowest-index worker taken; in asynchronous mode, when that worker's schedule
+    follows the global step and its gradient is applied at a later step than it saw,
+    the worker is asked for the values at the step of application first.
+    """
+
+    def __init__(self, spec: JobSpec, worker_ranks: tuple[int, ...],
+                 ps_ranks: tuple[int, ...], comm: MPI.Comm, poller: Poller, label: str,
+                 local: Callable[[np.ndarray, object], None]):
+        self.spec = spec
+        self.worker_ranks = worker_ranks
+        self.ps_ranks = ps_ranks
+        self.comm = comm
+        self.poller = poller
+        self.label = label
+        self.local = local
+        self.W = spec.num_workers
+        self.steps = StepCoordinator(self.W, spec.replicas_to_aggregate, spec.num_tokens,
+                                     spec.global_step, spec.asynchronous, spec.max_staleness)
+        self.control = Control(self.W, spec.hyper.width)
+        self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.TOKEN, Tag.CTL, Tag.CTL_OBJ,
+                                                           Tag.NOTICE, Tag.REQ, Tag.INFO,
+                                                           Tag.HYPER)}
+        self.notice_bufs = [np.zeros(NOTICE_WORDS, np.int64) for _ in ps_ranks[1:]]
+        self.notice_reqs = [comm.Recv_init([buf, MPI.BYTE], source=r, tag=self.tags[Tag.NOTICE])
+                            for buf, r in zip(self.notice_bufs, ps_ranks[1:])]
+        for req in self.notice_reqs:
+            req.Start()
+        self.token_buf = np.zeros(TOKEN_WORDS, np.int64)
+        width = spec.hyper.width
+        self.hyper = [(np.zeros(width, np.int64), np.zeros(width, np.uint8))
+                      for _ in range(self.W)]
+        self.pushed_at = [0] * self.W       # the step each worker's last gradient was computed at
+        self.scheduled = [False] * self.W   # its schedule follows the global step
+        self.hyper_buf = np.zeros(1 + width + (width + 7) // 8, np.int64)
+        self.hyper_req = None               # async: waiting for a worker's hyper-parameters
+        self.parked: Action | None = None   # ... for this DECIDE
+        self.acks = 0
+        self.decided: tuple[int, ...] = ()
+        self.deferred: list[tuple[int, tuple]] = []
+        self.load_pieces = None
+        self.handlers = {Kind.DECIDE: self._decide, Kind.GO: self._go, Kind.REPLY: self._reply,
+                         Kind.GRANT: self._grant, Kind.STOP: self._stop,
+                         Kind.LOAD: self._load, Kind.SHUTDOWN: self._shutdown}
+        self.finished = False
+
+    # -- events ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._emit(self.steps.start())
+
+    def on_notice(self, notice) -> None:
+        """A notice from a shard server: PUSHED / CLOSED (own rank), APPLIED (any ps)."""
+        kind = notice[0]
+        if kind == Kind.PUSHED:
+            _, w, step, flags, words, codes = notice
+            self.hyper[w][0][:] = words
+            self.hyper[w][1][:] = codes
+            self.pushed_at[w] = step
+            self.scheduled[w] = bool(flags & FLAG_SCHEDULED)
+            self._emit(self.steps.push(w, step))
+        elif kind == Kind.CLOSED:
+            self._emit(self.steps.close(notice[1]))
+        elif kind == Kind.APPLIED:
+            self._on_applied()
+        else:
+            raise ProtocolError(f"{self.label}: unknown notice {kind}")
+
+    def poll(self) -> bool:
+        """APPLIED notices from the other ps ranks, requests, awaited hyper-parameters."""
+        progressed = False
+        for buf, req in zip(self.notice_bufs, self.notice_reqs):
+            if req.Test():
+                req.Start()
+                self.on_notice((int(buf[0]), int(buf[1]), int(buf[2])))
+                progressed = True
+        status = MPI.Status()
+        msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=self.tags[Tag.REQ], status=status)
+        if msg is not None:
+            self._on_request(self.worker_ranks.index(status.Get_source()), msg.recv())
+            progressed = True
+        if self.hyper_req is not None and self.hyper_req.Test():
+            self.hyper_req = None
+            self._on_hyper()
+            progressed = True
+        return progressed
+
+    def _on_applied(self) -> None:
+        self.acks += 1
+        if self.acks < len(self.ps_ranks):
+            return
+        self.acks = 0
+        self._emit(self.steps.applied(self.decided))
+        deferred, self.deferred = self.deferred, []
+        for w, req in deferred:
+            self._on_request(w, req)
+
+    # -- decisions into messages ----------------------------------------------------------
+    def _emit(self, actions: list[Action]) -> None:
+        for a in actions:
+            self.handlers[a.kind](a)
+
+    def _to_shards(self, msg: np.ndarray, obj_for=None) -> None:
+        """One control message to every shard server, in order (payload per ps optional)."""
+        for j, rank in enumerate(self.ps_ranks):
+            obj = None if obj_for is None else obj_for[j]
+            if j == 0:
+                self.local(msg, obj)
+                continue
+            self.comm.Send([msg, MPI.BYTE], dest=rank, tag=self.tags[Tag.CTL])
+            if obj_for is not None:
+                self.comm.send(obj, dest=rank, tag=self.tags[Tag.CTL_OBJ])
+
+    def _token(self, kind: int, step: int, workers, arg: int = 0) -> None:
+        tok = self.token_buf
+        tok[0], tok[1], tok[2] = kind, step, arg
+        for w in workers:
+            self.comm.Send([tok, MPI.BYTE], dest=self.worker_ranks[w], tag=self.tags[Tag.TOKEN])
+
+    def _decide(self, a: Action) -> None:
+        self.decided = a.workers
+        first = min(w for w, n in enumerate(a.taken) if n)
+        if self.spec.asynchronous and self.scheduled[first] and self.pushed_at[first] != a.step:
+            self.parked = a          # its values at this step: ask the worker
+            self.hyper_req = self.comm.Irecv([self.hyper_buf, MPI.BYTE],
+                                             source=self.worker_ranks[first],
+                                             tag=self.tags[Tag.HYPER])
+            self._token(Kind.HYPER, a.step, (first,))
+            return
+        self._to_shards(self.control.new(Kind.DECIDE, a.step, taken=a.taken, workers=a.workers,
+                                         hyper=self.hyper[first]))
+
+    def _on_hyper(self) -> None:
+        a, self.parked = self.parked, None
+        width = self.spec.hyper.width
+        if int(self.hyper_buf[0]) != a.step:
+            raise ProtocolError(f"{self.label}: hyper-parameters for step "
+                                f"{int(self.hyper_buf[0])}, asked for step {a.step}")
+        words = self.hyper_buf[1:1 + width]
+        codes = self.hyper_buf[1 + width:].view(np.uint8)[:width]
+        self._to_shards(self.control.new(Kind.DECIDE, a.step, taken=a.taken, workers=a.workers,
+                                         hyper=(words, codes)))
+
+    def _go(self, a: Action) -> None:
+        self._token(Kind.GO, a.step, a.workers)
+
+    def _reply(self, a: Action) -> None:
+        self._to_shards(self.control.new(Kind.REPLY, a.step, workers=a.workers))
+        self._token(Kind.GO, a.step, a.workers)
+
+    def _grant(self, a: Action) -> None:
+        self._token(Kind.GRANT, a.step, a.workers)
+
+    def _stop(self, a: Action) -> None:
+        self._token(Kind.STOP, a.step, a.workers)
+
+    def _load(self, a: Action) -> None:
+        pieces, step = self.load_pieces
+        self.load_pieces = None
+        self._to_shards(self.control.new(Kind.LOAD, step, has_obj=True), pieces)
+        for w in a.workers:
+            self.comm.send(None, dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
+        self._emit(self.steps.loaded(step))
+
+    def _shutdown(self, a: Action) -> None:
+        self._to_shards(self.control.new(Kind.SHUTDOWN, a.step))
+        stats = self.stats()
+        for rank in self.worker_ranks:       # every worker's close() waits for these
+            self.comm.send(stats, dest=rank, tag=self.tags[Tag.INFO])
+        self.finished = True
+
+    # -- requests -------------------------------------------------------------------------
+    def _on_request(self, w: int, req: tuple) -> None:
+        kind = req[0]
+        if kind == Kind.STATS:
+            self.comm.send(self.stats(), dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
+        elif self.steps.applying:
+            self.deferred.append((w, req))   # answered at version global_step, after the apply
+        elif kind in (Kind.STATE, Kind.AVERAGES):
+            self._to_shards(self.control.new(kind, self.steps.global_step, arg=w))
+        elif kind == Kind.LOAD:
+            self._on_load_request(w, req[1])
+        else:
+            raise ProtocolError(f"{self.label}: unknown request {kind!r} from worker {w}")
+
+    def _on_load_request(self, w: int, payload) -> None:
+        if payload is not None:
+            self.load_pieces = payload
+        try:
+            actions = self.steps.load(w)
+        except RuntimeError as exc:
+            self.comm.send(ConfigError(f"{self.label}: {exc}; call load_state_dict() on every "
+                                       f"worker at the same point, before training or between "
+                                       f"two steps"),
+                           dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
+            return
+        self._emit(actions)
+
+    def stats(self) -> dict:
+        return self.steps.stats()
+
+    def describe_wait(self) -> str:
+        c = self.steps
+        return (f"global step {c.global_step} has {c.num_taken} of {c.replicas_to_aggregate} "
+                f"gradients; workers still computing: {sorted(c.computing)}, closed: "
+                f"{sorted(c.closed)}")
+
+    def finish(self) -> None:
+        for req in self.notice_reqs:
+            if req.Test() is False:
+                req.Cancel()
+                req.Wait()
+            req.Free()

@@ -1,0 +1,387 @@
+"""The shard server: one ps rank's slices of one optimizer; reduce, apply, send, answer."""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..accumulate import ShardAccumulator
+from ..errors import ProtocolError
+from ..progress import Poller
+from ..spec import JobSpec
+from ..wire import (
+    FLAG_ASSIGN,
+    PARAM_HEADER_BYTES,
+    Control,
+    GradHeader,
+    Kind,
+    ShardLayout,
+    Tag,
+    build_layouts,
+    tensor_view,
+)
+from .averages import MovingAverages
+
+__all__ = ["ShardServer", "layouts_of"]
+
+
+def layouts_of(spec: JobSpec) -> list[ShardLayout]:
+    """Every ps rank's layout for ``spec`` (the same on every rank)."""
+    return build_layouts(list(spec.names), list(spec.shapes), list(spec.dtypes), spec.owners,
+                         spec.num_ps, spec.buffers)
+
+
+class _Slot:
+    """A receive buffer for one worker's gradients, with its persistent request."""
+
+    __slots__ = ("assign", "buf", "buffers", "codes", "fields", "mask", "regions", "req",
+                 "waiting", "words", "worker")
+
+    def __init__(self, comm, worker: int, rank: int, tag: int, header: GradHeader,
+                 layout: ShardLayout):
+        self.worker = worker
+        self.buf = np.zeros(header.nbytes + layout.nbytes, np.uint8)
+        self.req = comm.Recv_init([self.buf, MPI.BYTE], source=rank, tag=tag)
+        self.fields, self.words, self.codes, self.mask = header.views(self.buf)
+        t = torch.from_numpy(self.buf)
+        self.regions = [tensor_view(t, header.nbytes, d, off, n) for d, off, n in layout.regions]
+        self.buffers = [tensor_view(t, header.nbytes, d, off, n)
+                        for d, off, n in layout.buffer_regions]
+        self.assign = None       # the ASSIGN message that goes with this gradient
+        self.waiting = False     # its ASSIGN message has not arrived yet
+
+
+class ShardServer:
+    """One ps rank's part of one optimizer: its parameters, their optimizer and averages.
+
+    Receives every worker's gradients (a persistent receive per worker), holds them by
+    step, and works through the coordinator's control messages in order, each with its
+    handler: DECIDE (reduce the taken gradients in worker order, apply, send the new
+    parameters), REPLY, STATE, AVERAGES, LOAD, SHUTDOWN. It never calls the
+    coordinator: ``poll()`` returns what the coordinator must hear of (pushes and closes,
+    on the coordinator's own rank) and ``progress()`` the APPLIED notices.
+    """
+
+    def __init__(self, spec: JobSpec, ps_index: int, worker_ranks: tuple[int, ...],
+                 coordinator_rank: int, comm: MPI.Comm, poller: Poller, label: str,
+                 with_hyper: bool):
+        self.spec = spec
+        self.ps_index = ps_index
+        self.worker_ranks = worker_ranks
+        self.comm = comm
+        self.poller = poller
+        self.label = label
+        self.W = spec.num_workers
+        self.notify = with_hyper           # the coordinator lives on this rank
+        if spec.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.layout = layout = layouts_of(spec)[ps_index]
+        self.header = GradHeader(spec.hyper.width if with_hyper else 0, len(layout.entries))
+        self.msg_nbytes = self.header.nbytes + layout.nbytes
+        self.control = Control(self.W, spec.hyper.width)
+        self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.GRAD, Tag.ASSIGN, Tag.PARAMS,
+                                                           Tag.CTL, Tag.CTL_OBJ, Tag.INFO,
+                                                           Tag.INIT)}
+        self._build_tensors(layout)
+        self.acc = ShardAccumulator(spec.reduction, spec.global_step, spec.asynchronous)
+        self.global_step = spec.global_step
+        self._set_version()
+        self.free: list[list[_Slot]] = [[] for _ in range(self.W)]
+        self.posted: list[_Slot | None] = [None] * self.W
+        for w in range(self.W):
+            self._post(w)
+        self.param_sends = [comm.Send_init([self.param_buf, MPI.BYTE], dest=r,
+                                           tag=self.tags[Tag.PARAMS]) for r in worker_ranks]
+        self.sends_active: list[MPI.Request] = []
+        self.assigns: list[deque] = [deque() for _ in range(self.W)]   # arrived, unclaimed
+        self.claims: list[deque] = [deque() for _ in range(self.W)]    # slots waiting
+        self.queue: deque = deque()
+        self.ctl_req = None
+        if not self.notify:
+            self.ctl_buf = np.zeros(self.control.words, np.int64)
+            self.ctl_req = comm.Recv_init([self.ctl_buf, MPI.BYTE], source=coordinator_rank,
+                                          tag=self.tags[Tag.CTL])
+            self.ctl_req.Start()
+        self.coordinator_rank = coordinator_rank
+        self.handlers = {Kind.DECIDE: self._on_decide, Kind.REPLY: self._on_reply,
+                         Kind.SHUTDOWN: self._on_shutdown, Kind.STATE: self._on_state,
+                         Kind.AVERAGES: self._on_averages, Kind.LOAD: self._on_load}
+        self.closed = [False] * self.W
+        self.shutdown = False
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    def _build_tensors(self, layout: ShardLayout) -> None:
+        """The parameter buffer (sent to the workers as is), its views and the optimizer."""
+        self.param_buf = np.zeros(PARAM_HEADER_BYTES + layout.nbytes, np.uint8)
+        self.param_fields = self.param_buf[:PARAM_HEADER_BYTES].view(np.int64)
+        pt = torch.from_numpy(self.param_buf)
+        self.data = pt[PARAM_HEADER_BYTES:]
+        self.params = [torch.nn.Parameter(tensor_view(pt, PARAM_HEADER_BYTES, e.dtype, e.offset,
+                                                      e.nbytes, e.shape),
+                                          requires_grad=e.dtype.is_floating_point)
+                       for e in layout.entries]
+        self.param_views = [p.detach() for p in self.params]
+        self.buffer_regions = [tensor_view(pt, PARAM_HEADER_BYTES, d, off, n)
+                               for d, off, n in layout.buffer_regions]
+        self.grad_buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        self.grads = [tensor_view(self.grad_buf, 0, e.dtype, e.offset, e.nbytes, e.shape)
+                      for e in layout.entries]
+        self.grad_regions = [tensor_view(self.grad_buf, 0, d, off, n)
+                             for d, off, n in layout.regions]
+        self.optimizer = self.spec.recipe.build(
+            {e.name: p for e, p in zip(layout.entries, self.params)})
+        self.name_of = {id(p): e.name for e, p in zip(layout.entries, self.params)}
+        self.averages = MovingAverages(self.spec.ema_decay, self.spec.ema_num_updates,
+                                       self.data, layout)
+
+    def receive_initial(self, chief_rank: int, piece: dict | None) -> None:
+        """Take the chief's initial parameters (and an optimizer state it already had)."""
+        req = self.comm.Irecv([self.param_buf[PARAM_HEADER_BYTES:], MPI.BYTE],
+                              source=chief_rank, tag=self.tags[Tag.INIT])
+        self.poller.wait_all([req], lambda: "the chief's initial parameters")
+        if piece is not None:
+            self._load(piece)
+        self.averages.load(None)
+
+    @property
+    def done(self) -> bool:
+        return self.shutdown and all(self.closed)
+
+    # -- receiving ------------------------------------------------------------------------
+    def _post(self, w: int) -> None:
+        slot = self.free[w].pop() if self.free[w] else _Slot(
+            self.comm, w, self.worker_ranks[w], self.tags[Tag.GRAD], self.header, self.layout)
+        slot.assign, slot.waiting = None, False
+        slot.req.Start()
+        self.posted[w] = slot
+
+    def _release(self, slots) -> None:
+        for slot in slots:
+            slot.assign = None
+            self.free[slot.worker].append(slot)
+
+    def poll(self) -> tuple[bool, list[tuple]]:
+        """Receive what arrived: (anything arrived, notices for the coordinator on this rank)."""
+        notices: list[tuple] = []
+        progressed = False
+        status = MPI.Status()
+        for w in range(self.W):
+            slot = self.posted[w]
+            if slot is not None and slot.req.Test(status):
+                self.posted[w] = None
+                self._on_message(slot, status.Get_count(MPI.BYTE), notices)
+                progressed = True
+        msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=self.tags[Tag.ASSIGN], status=status)
+        if msg is not None:
+            self._on_assign(msg, status)
+            progressed = True
+        if self.ctl_req is not None and self.ctl_req.Test():
+            ctl = self.ctl_buf.copy()        # tiny; frees the buffer for the next one
+            self.ctl_req.Start()
+            obj = None
+            if ctl[3]:
+                obj = self.poller.wait_message(self.coordinator_rank, self.tags[Tag.CTL_OBJ],
+                                               lambda: "a control payload from ps 0")
+            self.queue.append((ctl, obj))
+            progressed = True
+        return progressed, notices
+
+    def _on_message(self, slot: _Slot, nbytes: int, notices: list) -> None:
+        kind, step, w = int(slot.fields[0]), int(slot.fields[1]), slot.worker
+        self.bytes_in += nbytes
+        if kind == Kind.CLOSE:
+            self.closed[w] = True
+            self._release([slot])
+            notices.append((Kind.CLOSED, w, step))
+            return
+        if kind != Kind.GRAD or nbytes != self.msg_nbytes:
+            raise ProtocolError(f"{self.label}: worker {w} sent kind {kind} with {nbytes} "
+                                f"bytes, expected a gradient of {self.msg_nbytes}")
+        self._post(w)
+        flags = int(slot.fields[4])
+        if flags & FLAG_ASSIGN:
+            if self.assigns[w]:
+                slot.assign = self.assigns[w].popleft()
+            else:
+                slot.waiting = True
+                self.claims[w].append(slot)
+        if self.notify:
+            notices.append((Kind.PUSHED, w, step, flags, slot.words.copy(), slot.codes.copy()))
+        if not self.acc.offer(w, step, slot):
+            self._release([slot])
+
+    def _on_assign(self, msg, status: MPI.Status) -> None:
+        """Parameters a worker wrote between steps: they go with its next gradient."""
+        buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+        msg.Recv([buf, MPI.BYTE])
+        w = self.worker_ranks.index(status.Get_source())
+        if buf.nbytes != self.header.nbytes + self.layout.nbytes:
+            raise ProtocolError(f"{self.label}: worker {w} sent an assignment of {buf.nbytes} "
+                                f"bytes, expected {self.header.nbytes + self.layout.nbytes}")
+        if self.claims[w]:
+            slot = self.claims[w].popleft()
+            slot.assign, slot.waiting = buf, False
+        else:
+            self.assigns[w].append(buf)
+
+    def enqueue(self, ctl: np.ndarray, obj=None) -> None:
+        """A control message from the coordinator on this rank."""
+        self.queue.append((ctl, obj))
+
+    # -- the control queue ----------------------------------------------------------------
+    def progress(self) -> list[np.ndarray]:
+        """Handle control messages in order while they can be; return APPLIED notices."""
+        applied: list[np.ndarray] = []
+        while self.queue:
+            ctl, obj = self.queue[0]
+            handler = self.handlers.get(int(ctl[0]))
+            if handler is None:
+                raise ProtocolError(f"{self.label}: unknown control message {int(ctl[0])}")
+            if not handler(ctl, obj, applied):
+                break
+            self.queue.popleft()
+        return applied
+
+    def _on_decide(self, ctl, obj, applied) -> bool:
+        step, taken = int(ctl[1]), self.control.taken(ctl)
+        if not self.acc.ready(step, taken):
+            return False
+        chosen = self.acc.chosen(step, taken)
+        if any(s.waiting for s in chosen):
+            return False
+        self._apply(step, chosen, self.control.hyper(ctl))
+        self._release(self.acc.advance(step, taken))
+        self._send_params(self.control.workers(ctl))
+        applied.append(np.array([Kind.APPLIED, step, self.ps_index, 0], np.int64))
+        return True
+
+    def _on_reply(self, ctl, obj, applied) -> bool:
+        self._send_params(self.control.workers(ctl))
+        return True
+
+    def _on_shutdown(self, ctl, obj, applied) -> bool:
+        self.shutdown = True
+        return True
+
+    def _on_state(self, ctl, obj, applied) -> bool:
+        self.comm.send((self._state(), self.averages.values()),
+                       dest=self.worker_ranks[int(ctl[2])], tag=self.tags[Tag.INFO])
+        return True
+
+    def _on_averages(self, ctl, obj, applied) -> bool:
+        self.comm.send(self.averages.values(), dest=self.worker_ranks[int(ctl[2])],
+                       tag=self.tags[Tag.INFO])
+        return True
+
+    def _on_load(self, ctl, obj, applied) -> bool:
+        self._load(obj)
+        return True
+
+    # -- applying -------------------------------------------------------------------------
+    def _apply(self, step: int, chosen: list[_Slot], hyper) -> None:
+        """Writes, then the reduced gradients with the step's hyper-parameters, then averages."""
+        if step != self.global_step:
+            raise ProtocolError(f"{self.label}: asked to apply step {step} at version "
+                                f"{self.global_step}")
+        # the parameters are the send buffer: finish sending the old ones first
+        self.poller.wait_all(self.sends_active, lambda: "parameter sends to workers")
+        self.sends_active = []
+        self._assign(chosen)
+        if self.optimizer is not None:
+            self.acc.reduce(self.grad_regions, [s.regions for s in chosen], len(chosen))
+            present = np.bitwise_or.reduce([s.mask for s in chosen])
+            for p, g, has in zip(self.params, self.grads, present):
+                p.grad = g if has else None
+            self.spec.hyper.decode(*hyper, self.optimizer.param_groups)
+            self.optimizer.step()
+        self._update_buffers(chosen)
+        self.averages.update(step + 1)
+        self.global_step = step + 1
+        self._set_version()
+
+    def _assign(self, chosen: list[_Slot]) -> None:
+        """Each written parameter takes the value of the lowest-index worker that wrote it."""
+        done = set()
+        for slot in chosen:                 # worker order, then arrival
+            if slot.assign is None:
+                continue
+            mask = self.header.views(slot.assign)[3]
+            data = torch.from_numpy(slot.assign)
+            for i in np.flatnonzero(mask):
+                if i in done:
+                    continue
+                e = self.layout.entries[i]
+                self.param_views[i].copy_(
+                    tensor_view(data, self.header.nbytes, e.dtype, e.offset, e.nbytes, e.shape))
+                done.add(i)
+
+    def _update_buffers(self, chosen: list[_Slot]) -> None:
+        """Module buffers: the lowest-index worker's values, or their mean ("mean")."""
+        mean = self.spec.buffer_mode == "mean" and len(chosen) > 1
+        for r, out in enumerate(self.buffer_regions):
+            if mean and out.dtype.is_floating_point:
+                self.acc.reduce([out], [[s.buffers[r]] for s in chosen], len(chosen),
+                                reduction="mean")
+            else:
+                out.copy_(chosen[0].buffers[r])
+
+    def _send_params(self, workers) -> None:
+        for w in workers:
+            req = self.param_sends[w]
+            if req in self.sends_active:
+                req.Wait()
+                self.sends_active.remove(req)
+            req.Start()
+            self.sends_active.append(req)
+            self.bytes_out += self.param_buf.nbytes
+
+    def _set_version(self) -> None:
+        self.param_fields[0] = Kind.PARAMS
+        self.param_fields[1] = self.global_step
+
+    # -- optimizer state ------------------------------------------------------------------
+    def _state(self) -> dict:
+        """This shard's optimizer state, keyed by parameter name."""
+        if self.optimizer is None:
+            return {}
+        return {self.name_of[id(p)]: {k: (v.clone() if torch.is_tensor(v) else v)
+                                      for k, v in s.items()}
+                for p, s in self.optimizer.state.items()}
+
+    def _load(self, piece: dict) -> None:
+        """Load optimizer state for this shard's parameters (``{name: state}``)."""
+        if self.optimizer is not None:
+            sd = self.optimizer.state_dict()
+            order = [self.name_of[id(p)] for g in self.optimizer.param_groups
+                     for p in g["params"]]
+            index = {name: i for i, name in enumerate(order)}
+            sd["state"] = {index[n]: s for n, s in piece["state"].items()}
+            for group, saved in zip(sd["param_groups"], piece["param_groups"]):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            self.optimizer.load_state_dict(sd)
+        self.averages.load(piece.get("averages"))
+        self.global_step = piece["global_step"]
+        self.acc.global_step = self.global_step
+        self._set_version()
+
+    def finish(self) -> None:
+        """Wait for the last sends; cancel and free every persistent request."""
+        self.poller.wait_all(self.sends_active, lambda: "parameter sends to workers")
+        for w, slot in enumerate(self.posted):
+            if slot is not None:
+                slot.req.Cancel()
+                slot.req.Wait()
+                self.free[w].append(slot)
+        reqs = [s.req for f in self.free for s in f] + self.param_sends
+        if self.ctl_req is not None:
+            reqs.append(self.ctl_req)
+        for req in reqs:
+            if req.Test() is False:
+                req.Cancel()
+                req.Wait()
+            req.Free()
+
+

@@ -1,0 +1,277 @@
+"""The job spec: one optimizer's set-up, validated once on the workers and sent to the ps ranks."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import placement as placement_mod
+from .accumulate import REDUCTIONS
+from .hyper import HyperCodec
+from .rebuild import OptimizerRecipe, recipe_of
+from .routes import BUFFER, DENSE_PS, REPLICATED, Routes, plan_routes
+
+__all__ = ["BUFFER_MODES", "SCHEDULE_MODES", "JobSpec", "Model", "Options", "build_spec",
+           "decode", "encode", "first_difference", "model_difference",
+           "model_summary", "setup_summary"]
+
+SPEC_VERSION = "mpisync.spec/2"
+BUFFER_MODES = ("broadcast", "mean", "local")
+SCHEDULE_MODES = ("auto", "global_step", "local")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the user chose, as given to ``SyncReplicasOptimizer``."""
+
+    replicas_to_aggregate: int | None = None
+    total_num_replicas: int | None = None
+    num_tokens: int | None = None
+    placement: str | Callable = "greedy_sorted"
+    reduction: str = "mean"
+    deterministic: bool = False
+    ema_decay: float | None = None
+    ema_num_updates: bool = False
+    asynchronous: bool = False
+    max_staleness: int | None = None
+    buffers: str = "broadcast"
+    schedule: str = "auto"
+
+
+@dataclass(frozen=True)
+class Model:
+    """The worker's model, as mpisync sees it: named parameters and named buffers."""
+
+    params: tuple[tuple[str, torch.Tensor], ...]
+    buffers: tuple[tuple[str, torch.Tensor], ...] = ()
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a ps rank needs to serve one optimizer; the same on every rank.
+
+    ``names``/``shapes``/``dtypes``/``owners`` describe the parameters that live on ps
+    ranks (route ``dense_ps``), in ``named_parameters`` order; ``buffers`` the module
+    buffers that travel with them, as ``(name, shape, dtype, ps)``.
+    """
+
+    opt_id: int
+    num_workers: int
+    num_ps: int
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    owners: tuple[int, ...]
+    buffers: tuple[tuple[str, tuple[int, ...], torch.dtype, int], ...]
+    buffer_mode: str
+    recipe: OptimizerRecipe
+    hyper: HyperCodec
+    replicas_to_aggregate: int
+    num_tokens: int
+    reduction: str
+    deterministic: bool
+    global_step: int
+    ema_decay: float | None
+    ema_num_updates: bool
+    asynchronous: bool
+    max_staleness: int | None
+    plan_digest: str
+
+    def digest(self) -> str:
+        """A short digest of the whole spec (what every rank must agree on)."""
+        return hashlib.sha256(encode(self)).hexdigest()[:16]
+
+
+def encode(spec: JobSpec) -> bytes:
+    """The spec as versioned bytes, for the ps ranks."""
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(JobSpec)}
+    return pickle.dumps((SPEC_VERSION, fields), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> JobSpec:
+    """The inverse of ``encode``; checks the version and the field names.
+
+    Raises:
+        ValueError: bytes from another version of mpisync, or with other fields.
+    """
+    version, fields = pickle.loads(data)
+    if version != SPEC_VERSION:
+        raise ValueError(f"job spec version {version!r}, this mpisync reads {SPEC_VERSION!r}: "
+                         f"every rank must run the same mpisync")
+    expected = {f.name for f in dataclasses.fields(JobSpec)}
+    if set(fields) != expected:
+        raise ValueError(f"job spec fields {sorted(set(fields) ^ expected)} differ from "
+                         f"what this mpisync expects")
+    return JobSpec(**fields)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_counts(o: Options, num_workers: int) -> tuple[int, int]:
+    """(replicas_to_aggregate, num_tokens) after checking them against the workers."""
+    R = o.replicas_to_aggregate
+    if R is None:
+        R = 1 if o.asynchronous else num_workers
+    total = num_workers if o.total_num_replicas is None else o.total_num_replicas
+    _check_int("replicas_to_aggregate", R, 1)
+    _check_int("total_num_replicas", total, 1)
+    if total != num_workers:
+        raise ValueError(f"total_num_replicas={total} but the job has {num_workers} worker "
+                         f"ranks; start {total} workers or leave total_num_replicas unset")
+    if o.num_tokens is not None:
+        _check_int("num_tokens", o.num_tokens, -(1 << 62))
+        if o.num_tokens < max(0, R - total):
+            raise ValueError(
+                f"num_tokens={o.num_tokens} is too few: each step needs {R} gradients from "
+                f"{total} workers, so num_tokens must be >= {max(0, R - total)}")
+    if o.asynchronous and R != 1:
+        raise ValueError(f"asynchronous mode applies each gradient alone: "
+                         f"replicas_to_aggregate must be 1 (or unset), got {R}")
+    if o.asynchronous and o.num_tokens:
+        raise ValueError(f"asynchronous mode hands out one token per applied gradient: "
+                         f"num_tokens must be unset, got {o.num_tokens}")
+    return R, max(0, R - total) if o.num_tokens is None else o.num_tokens
+
+
+def _check_options(o: Options) -> None:
+    if o.max_staleness is not None:
+        if not o.asynchronous:
+            raise ValueError("max_staleness bounds asynchronous training: pass "
+                             "asynchronous=True with it")
+        _check_int("max_staleness", o.max_staleness, 0)
+    if o.ema_decay is not None:
+        if isinstance(o.ema_decay, bool) or not isinstance(o.ema_decay, (int, float)):
+            raise TypeError(f"ema_decay must be a float, got {o.ema_decay!r}")
+        if not 0.0 <= o.ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in [0, 1), got {o.ema_decay}")
+    for name, value, allowed in (("reduction", o.reduction, REDUCTIONS),
+                                 ("buffers", o.buffers, BUFFER_MODES),
+                                 ("schedule", o.schedule, SCHEDULE_MODES)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if not (callable(o.placement) or o.placement in placement_mod.STRATEGIES):
+        raise ValueError(f"placement must be one of {placement_mod.STRATEGIES} or a "
+                         f"callable, got {o.placement!r}")
+
+
+def _check_model(optimizer: torch.optim.Optimizer, model: Model) -> list[str]:
+    """Names of the parameters no optimizer group holds (frozen: fine-tuning)."""
+    if not model.params:
+        raise ValueError("named_parameters is empty")
+    in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    seen, frozen = set(), []
+    for name, t in model.params + model.buffers:
+        if name in seen:
+            raise ValueError(f"name {name!r} appears twice in named_parameters/named_buffers")
+        seen.add(name)
+        if t.device.type != "cpu":
+            raise ValueError(f"{name!r} is on {t.device}; mpisync keeps parameters and "
+                             f"buffers in CPU memory")
+        if t.is_sparse:
+            raise TypeError(f"{name!r} is a sparse tensor; mpisync holds dense tensors")
+    for name, p in model.params:
+        if id(p) not in in_opt:
+            frozen.append(name)
+    missing = in_opt - {id(p) for _, p in model.params}
+    if missing:
+        raise ValueError(f"the optimizer holds {len(missing)} parameter(s) that are not in "
+                         f"named_parameters; pass model.named_parameters() of the whole model")
+    return frozen
+
+
+def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options, *,
+               opt_id: int, num_workers: int, num_ps: int, global_step: int = 0,
+               ) -> tuple[JobSpec, Routes]:
+    """Validate everything the user gave and build the spec; raises on the first problem.
+
+    Raises:
+        TypeError, ValueError (mpisync.ConfigError for the optimizer): what is wrong, with
+            the value found and the value expected.
+        NotImplementedError: a route this version does not build.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if hasattr(optimizer, "_mpisync_schedules"):
+        raise TypeError("optimizer is already a SyncReplicasOptimizer")
+    R, num_tokens = _check_counts(options, num_workers)
+    _check_options(options)
+    frozen = _check_model(optimizer, model)
+    name_of = {id(p): n for n, p in model.params}
+    recipe = recipe_of(optimizer, name_of)
+    hyper = HyperCodec.from_groups(optimizer.param_groups)
+    live = [(n, p) for n, p in model.params if n not in set(frozen)]
+    buffers = model.buffers if options.buffers != "local" else ()
+    routes = plan_routes([(n, p.numel() * p.element_size()) for n, p in live], frozen,
+                         [(n, b.numel() * b.element_size()) for n, b in buffers],
+                         num_ps, options.placement)
+    spec = JobSpec(
+        opt_id=opt_id, num_workers=num_workers, num_ps=num_ps,
+        names=tuple(n for n, _ in live), shapes=tuple(tuple(p.shape) for _, p in live),
+        dtypes=tuple(p.dtype for _, p in live),
+        owners=tuple(routes.owner(n) for n, _ in live),
+        buffers=tuple((n, tuple(b.shape), b.dtype, routes.owner(n)) for n, b in buffers),
+        buffer_mode=options.buffers, recipe=recipe, hyper=hyper,
+        replicas_to_aggregate=R, num_tokens=num_tokens, reduction=options.reduction,
+        deterministic=bool(options.deterministic), global_step=global_step,
+        ema_decay=None if options.ema_decay is None else float(options.ema_decay),
+        ema_num_updates=bool(options.ema_num_updates),
+        asynchronous=bool(options.asynchronous), max_staleness=options.max_staleness,
+        plan_digest=routes.plan.digest())
+    return spec, routes
+
+
+def first_difference(mine: dict, theirs: dict) -> str | None:
+    """The first field whose value differs between two summaries, described; else None."""
+    for key in list(mine) + [k for k in theirs if k not in mine]:
+        a, b = mine.get(key, "<missing>"), theirs.get(key, "<missing>")
+        if a != b:
+            return f"{key} = {b} where worker 0 has {a}"
+    return None
+
+
+def setup_summary(spec: JobSpec | None, routes: Routes | None) -> dict[str, str]:
+    """Plain text per field, compared between workers at set-up (the model aside)."""
+    if spec is None or routes is None:
+        return {}
+    summary = {f"optimizer {k}": v for k, v in spec.recipe.summary().items()}
+    for name in routes.names(DENSE_PS) + routes.names(BUFFER):
+        summary[f"placement of {name!r}"] = f"ps {routes.owner(name)}"
+    summary["frozen parameters"] = repr(routes.names(REPLICATED))
+    for f in ("replicas_to_aggregate", "num_tokens", "reduction", "deterministic",
+              "ema_decay", "ema_num_updates", "asynchronous", "max_staleness", "buffer_mode"):
+        summary[f] = repr(getattr(spec, f))
+    summary["hyper-parameter layout"] = repr(spec.hyper)
+    return summary
+
+
+def model_summary(model: Model) -> tuple:
+    """What must match between workers about the model: names, shapes and dtypes."""
+    return tuple((n, tuple(t.shape), str(t.dtype)) for n, t in model.params + model.buffers)
+
+
+def _describe(entry) -> str:
+    if entry is None:
+        return "nothing"
+    name, shape, dtype = entry
+    return f"{name!r} shape {list(shape)} {dtype}"
+
+
+def model_difference(ref: Sequence, mine: Sequence) -> str | None:
+    """How a worker's model summary differs from worker 0's ``ref``, or None."""
+    for i in range(max(len(ref), len(mine))):
+        a = ref[i] if i < len(ref) else None
+        b = mine[i] if i < len(mine) else None
+        if a != b:
+            return (f"parameter #{i} = {_describe(b)} but worker 0 has {_describe(a)}; "
+                    f"every worker must build the same model")
+    return None

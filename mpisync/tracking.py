@@ -1,0 +1,96 @@
+"""Writes to parameters between steps: seen through version counters, never lost."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TrackedParameter", "WriteTracker"]
+
+_set_data = torch._C.TensorBase.data.__set__
+_rebound: set[int] = set()      # ids of tracked parameters given a new tensor by `p.data = x`
+
+
+class TrackedParameter(torch.nn.Parameter):
+    """A parameter held by mpisync: every write to it, ``p.data`` ones included, is seen.
+
+    ``p.data`` is an alias that shares the parameter's version counter (torch's own
+    ``.data`` does not), so ``p.data.clamp_(-c, c)`` counts as a write like
+    ``with torch.no_grad(): p.clamp_(-c, c)`` does. ``p.data = x`` is noted and
+    copied into mpisync's buffer at the next step. Everything else is torch's Parameter.
+    """
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        _set_data(self, value)
+        _rebound.add(id(self))
+
+    def __repr__(self) -> str:
+        return "Parameter containing:\n" + repr(self.as_subclass(torch.Tensor))
+
+
+class WriteTracker:
+    """The parameters of one optimizer, bound to mpisync's buffers, and their writes.
+
+    Each parameter must stay a view of ``views[i]``. ``written()`` lists the parameters
+    changed since ``snapshot()``: an in-place operation on the parameter or on any alias
+    of it (``p.data``, ``p.detach()``, ``load_state_dict``), or a new tensor given with
+    ``p.data = x`` (its values are copied into the buffer). Writes through a NumPy view or
+    raw memory are not seen.
+    """
+
+    def __init__(self, names: list[str], params: list[torch.Tensor],
+                 views: list[torch.Tensor], label: str):
+        self.names = names
+        self.params = params
+        self.views = views
+        self.label = label
+        self.classes = [type(p) for p in params]
+        for p in params:
+            if type(p) is torch.nn.Parameter:
+                p.__class__ = TrackedParameter
+        self.versions = [0] * len(params)
+        self.snapshot()
+
+    def snapshot(self) -> None:
+        """What the parameters hold now is what the ps ranks hold."""
+        self.versions = [p._version for p in self.params]
+        if _rebound:
+            _rebound.difference_update(id(p) for p in self.params)
+
+    def written(self) -> list[int]:
+        """Indices of the parameters written since the last snapshot."""
+        changed = [i for i, (p, v) in enumerate(zip(self.params, self.versions))
+                   if p._version != v]
+        if _rebound:
+            for i, p in enumerate(self.params):
+                if id(p) in _rebound and self._rebind(i) and i not in changed:
+                    changed.append(i)
+            changed.sort()
+        return changed
+
+    def _rebind(self, i: int) -> bool:
+        """Bring a parameter given a new tensor back onto its buffer; True if it changed."""
+        p, view = self.params[i], self.views[i]
+        _rebound.discard(id(p))
+        if p.data_ptr() == view.data_ptr() and p.shape == view.shape:
+            return False
+        if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
+            raise TypeError(
+                f"{self.label}: parameter {self.names[i]!r} became a {p.dtype} tensor of shape "
+                f"{list(p.shape)} on {p.device} after the optimizer was created; mpisync holds "
+                f"it as {view.dtype} {list(view.shape)} on {view.device}. Convert or move the "
+                f"model before creating the SyncReplicasOptimizer")
+        with torch.no_grad():
+            view.copy_(p)           # deliberate: the new values must reach the ps
+        _set_data(p, view)
+        return True
+
+    def release(self) -> None:
+        """Give the parameters back their own class (after close)."""
+        for p, cls in zip(self.params, self.classes):
+            if type(p) is TrackedParameter:
+                p.__class__ = cls
+        _rebound.difference_update(id(p) for p in self.params)
