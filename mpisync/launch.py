@@ -10,16 +10,19 @@ import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 __all__ = [
     "FLAVORS",
     "NUM_PS_ENV",
+    "JobResult",
     "detect_mpi_flavor",
     "find_mpiexec",
     "main",
     "mpiexec_command",
     "parse_args",
     "run_command",
+    "run_job",
 ]
 
 #: MPI implementations whose ``mpiexec`` options this module knows.
@@ -120,7 +123,23 @@ def mpiexec_command(
         raise ValueError("argv is empty: give the program to run on every rank")
     if flavor not in FLAVORS:
         raise ValueError(f"flavor must be one of {', '.join(FLAVORS)}; got {flavor!r}")
+    rank_env = _rank_env(num_ps, env)
+    cmd = [mpiexec, "-n", str(num_workers + num_ps)]
+    if flavor == "openmpi":
+        cmd += ["--allow-run-as-root"] if as_root else []
+        cmd += ["--oversubscribe"] if oversubscribe else []
+        cmd += ["-H", hosts] if hosts else []
+        for key, value in rank_env.items():
+            cmd += ["-x", f"{key}={value}"]
+    else:  # mpich and intel: Hydra options
+        cmd += ["-hosts", hosts] if hosts else []
+        for key, value in rank_env.items():
+            cmd += ["-genv", key, value]
+    return cmd + list(extra or []) + list(argv)
 
+
+def _rank_env(num_ps: int, env: dict[str, str] | None) -> dict[str, str]:
+    """Every rank's extra environment: the ps count, then ``env`` (checked)."""
     rank_env = {NUM_PS_ENV: str(num_ps)}
     for key, value in (env or {}).items():
         if not key or "=" in key:
@@ -130,25 +149,7 @@ def mpiexec_command(
                 f"env sets {NUM_PS_ENV}={value} but num_ps is {num_ps}; drop it from env"
             )
         rank_env[key] = str(value)
-
-    cmd = [mpiexec, "-n", str(num_workers + num_ps)]
-    if flavor == "openmpi":
-        if as_root:
-            cmd.append("--allow-run-as-root")
-        if oversubscribe:
-            cmd.append("--oversubscribe")
-        if hosts:
-            cmd += ["-H", hosts]
-        for key, value in rank_env.items():
-            cmd += ["-x", f"{key}={value}"]
-    else:  # mpich and intel: Hydra options
-        if hosts:
-            cmd += ["-hosts", hosts]
-        for key, value in rank_env.items():
-            cmd += ["-genv", key, value]
-    cmd += list(extra or [])
-    cmd += list(argv)
-    return cmd
+    return rank_env
 
 
 def find_mpiexec(
@@ -280,44 +281,71 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def run_command(cmd: Sequence[str], timeout: float | None = None) -> int:
-    """Run ``cmd`` in its own process group and return its exit status.
+@dataclass
+class JobResult:
+    """How a job ended: its exit status, what it printed (when captured), a timeout."""
+
+    returncode: int
+    stdout: str = ""
+    stderr: str = ""
+    timed_out: bool = False
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run_job(cmd: Sequence[str], timeout: float | None = None,
+            env: Mapping[str, str] | None = None, capture: bool = False,
+            cwd: str | None = None) -> JobResult:
+    """Run ``cmd`` in its own process group; never leave anything of it running.
 
     The whole group (mpiexec and the ranks it started on this host) is killed when the
-    timeout expires (status 124) or when this process gets SIGINT, SIGTERM or SIGHUP,
-    which are passed on to the job first so that it can stop cleanly.
+    timeout expires (status 124, ``timed_out``) or when this process gets SIGINT, SIGTERM
+    or SIGHUP, which are passed on to the job first so that it can stop cleanly. With
+    ``capture`` the job's stdout and stderr are returned as text.
     """
-    proc = subprocess.Popen(list(cmd), start_new_session=True)
-    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {}
+    pipe = subprocess.PIPE if capture else None
+    proc = subprocess.Popen(list(cmd), start_new_session=True, stdout=pipe, stderr=pipe,
+                            text=capture, env=None if env is None else dict(env), cwd=cwd)
+    previous = _forward_signals(proc)
+    try:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            return JobResult(_exit_code(proc.returncode), out or "", err or "")
+        except subprocess.TimeoutExpired:
+            print(f"{_PREFIX} the job ran past --timeout {timeout:g} s; killing it",
+                  file=sys.stderr, flush=True)
+            _kill_group(proc)
+            out, err = proc.communicate()
+            return JobResult(TIMEOUT_EXIT_CODE, out or "", err or "", timed_out=True)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if proc.poll() is None:  # leave nothing behind, whatever happened above
+            _kill_group(proc)
 
+
+def _forward_signals(proc: subprocess.Popen) -> dict:
+    """Pass SIGINT, SIGTERM and SIGHUP on to the job's group; the previous handlers."""
     def forward(signum: int, frame: object) -> None:
         try:
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
             pass
 
+    previous = {}
     try:
-        for signum in forwarded:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             previous[signum] = signal.signal(signum, forward)
     except ValueError:  # not the main thread: signals cannot be handled here
         pass
-    try:
-        try:
-            return _exit_code(proc.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            print(
-                f"{_PREFIX} the job ran past --timeout {timeout:g} s; killing it",
-                file=sys.stderr,
-                flush=True,
-            )
-            _kill_group(proc)
-            return TIMEOUT_EXIT_CODE
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if proc.poll() is None:  # leave nothing behind, whatever happened above
-            _kill_group(proc)
+    return previous
+
+
+def run_command(cmd: Sequence[str], timeout: float | None = None) -> int:
+    """Run ``cmd`` as ``run_job`` does, output not captured; return its exit status."""
+    return run_job(cmd, timeout=timeout).returncode
 
 
 def main(args: Sequence[str] | None = None) -> int:

@@ -331,7 +331,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         """
         self._check_open("state_dict")
         by_name, averages = {}, {}
-        for state, avg in self._from_every_ps(Kind.STATE, "optimizer state"):
+        for state, avg, _ in self._from_every_ps(Kind.STATE, "optimizer state"):
             by_name.update(state)
             averages.update(avg)
         local = torch.optim.Optimizer.state_dict(self._opt)

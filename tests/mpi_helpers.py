@@ -1,10 +1,11 @@
-"""Run a script under mpiexec in a subprocess with a timeout; parse its RESULT lines."""
+"""The one way tests start MPI jobs: mpisync.launch's run_job, a timeout, the RESULT records."""
 from __future__ import annotations
 
+import functools
 import json
 import os
-import signal
-import subprocess
+import re
+import shlex
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -12,19 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from mpisync.launch import detect_mpi_flavor, find_mpiexec, mpiexec_command
+from mpisync.launch import detect_mpi_flavor, find_mpiexec, mpiexec_command, run_job
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
 @dataclass
 class Run:
-    """What one mpiexec run left: exit code, output, and its RESULT records."""
+    """What one job left: exit code, output, its RESULT records, and how to rerun it."""
 
     returncode: int
     stdout: str
     stderr: str
     results: list[dict] = field(default_factory=list)
+    command: str = ""
 
     @property
     def output(self) -> str:
@@ -34,7 +36,19 @@ class Run:
         return {r["worker"]: r for r in self.results if r.get("role") == "worker"}
 
     def ps(self) -> list[dict]:
-        return [r for r in self.results if r.get("role") == "ps"]
+        return sorted((r for r in self.results if r.get("role") == "ps"),
+                      key=lambda r: r.get("ps", 0))
+
+    def describe(self) -> str:
+        return f"rerun with:\n  {self.command}\n--- output\n{self.output}"
+
+
+@functools.cache
+def _launcher() -> tuple[str, str]:
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        pytest.fail("no mpiexec found: install an MPI (make venv installs MPICH from PyPI)")
+    return mpiexec, detect_mpi_flavor(mpiexec)
 
 
 def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 120,
@@ -42,28 +56,47 @@ def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 12
     """Launch ``workers + ps`` ranks of ``tests/scripts/<script>``; never hang the suite.
 
     The whole process group is killed when ``timeout`` passes, and the test fails with
-    everything the ranks printed. With ``expect_ok`` the run must exit 0.
+    everything the ranks printed and the command that reruns the job. With ``expect_ok``
+    the job must exit 0.
     """
-    mpiexec = find_mpiexec()
+    mpiexec, flavor = _launcher()
     result_dir = tempfile.mkdtemp(prefix="mpisync-results-")
     extra_env = {"MPISYNC_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "RESULT_DIR": result_dir}
     extra_env.update(env or {})
     cmd = mpiexec_command(
         [sys.executable, str(SCRIPTS / script), *map(str, args)], workers, ps,
-        mpiexec=mpiexec, flavor=detect_mpi_flavor(mpiexec), env=extra_env,
-        as_root=os.geteuid() == 0, oversubscribe=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(os.environ, **extra_env))
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"mpiexec run of {script} hung past {timeout} s\n--- stdout\n{out}\n"
-                    f"--- stderr\n{err}")
+        mpiexec=mpiexec, flavor=flavor, env=extra_env, as_root=os.geteuid() == 0,
+        oversubscribe=True)
+    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra_env.items()
+                     if k != "RESULT_DIR") + " " + shlex.join(cmd)
+    job = run_job(cmd, timeout=timeout, env=dict(os.environ, **extra_env), capture=True)
     results = [json.loads(line) for f in sorted(Path(result_dir).glob("*.jsonl"))
                for line in f.read_text().splitlines()]
-    run = Run(proc.returncode, out, err, results)
-    if expect_ok:
-        assert run.returncode == 0, f"{script} exited {run.returncode}\n{run.output}"
+    run = Run(job.returncode, job.stdout, job.stderr, results, shown)
+    if job.timed_out:
+        pytest.fail(f"the job of {script} ran past {timeout} s and was killed; "
+                    f"{run.describe()}")
+    if expect_ok and run.returncode != 0:
+        pytest.fail(f"{script} exited {run.returncode}; {run.describe()}")
     return run
+
+
+def failing(script: str, workers: int, ps: int = 1, args=(), timeout: float = 30,
+            env: dict[str, str] | None = None) -> Run:
+    """A job that must end non-zero, by itself, within ``timeout`` seconds."""
+    run = run_mpi(script, workers, ps, args, timeout=timeout, env=env, expect_ok=False)
+    assert run.returncode != 0, f"{script} exited 0; {run.describe()}"
+    return run
+
+
+def labels(workers: int, ps: int) -> list[str]:
+    """How mpisync names every rank of a job with the default layout (the last ps)."""
+    return ([f"worker {w} (rank {w}" for w in range(workers)]
+            + [f"ps {j} (rank {workers + j}" for j in range(ps)])
+
+
+def assert_every_rank_says(run: Run, pattern: str, ranks: list[str]) -> None:
+    """Every rank in ``ranks`` printed a line matching ``pattern`` after its name."""
+    missing = [who for who in ranks
+               if not re.search(re.escape(who) + r"[^)]*\)[:,]? .*" + pattern, run.output)]
+    assert not missing, (f"no line matching {pattern!r} from {missing}; {run.describe()}")

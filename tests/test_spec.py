@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mpisync.accumulate import REDUCTIONS
-from mpisync.errors import ConfigError
+from mpisync.errors import ConfigError, ModelMismatchError
 from mpisync.optimizer import _first_failure
 from mpisync.spec import (
     SPEC_VERSION,
@@ -190,6 +190,7 @@ def test_model_differences_name_the_parameter():
     assert model_difference(a, a) is None
     gathered = [(None, a, {}), (None, b, {})]
     exc_type, text = _first_failure(gathered, (0, 5))
+    assert exc_type is ModelMismatchError
     assert text.startswith("worker 1 (rank 5) has parameter #0")
     errors = [(None, a, {}), ("num_tokens=1 is too few", a, {})]
     assert _first_failure(errors, (0, 1)) == (ConfigError,

@@ -33,6 +33,11 @@ def layouts_of(spec: JobSpec) -> list[ShardLayout]:
                          spec.num_ps, spec.buffers)
 
 
+def _graded(regions):
+    """The regions whose tensors can have gradients (integer parameters never do)."""
+    return [r for r in regions if r[0].is_floating_point or r[0].is_complex]
+
+
 class _Slot:
     """A receive buffer for one worker's gradients, with its persistent request."""
 
@@ -46,7 +51,8 @@ class _Slot:
         self.req = comm.Recv_init([self.buf, MPI.BYTE], source=rank, tag=tag)
         self.fields, self.words, self.codes, self.mask = header.views(self.buf)
         t = torch.from_numpy(self.buf)
-        self.regions = [tensor_view(t, header.nbytes, d, off, n) for d, off, n in layout.regions]
+        self.regions = [tensor_view(t, header.nbytes, d, off, n)
+                        for d, off, n in _graded(layout.regions)]
         self.buffers = [tensor_view(t, header.nbytes, d, off, n)
                         for d, off, n in layout.buffer_regions]
         self.assign = None       # the ASSIGN message that goes with this gradient
@@ -130,7 +136,7 @@ class ShardServer:
         self.grads = [tensor_view(self.grad_buf, 0, e.dtype, e.offset, e.nbytes, e.shape)
                       for e in layout.entries]
         self.grad_regions = [tensor_view(self.grad_buf, 0, d, off, n)
-                             for d, off, n in layout.regions]
+                             for d, off, n in _graded(layout.regions)]
         self.optimizer = self.spec.recipe.build(
             {e.name: p for e, p in zip(layout.entries, self.params)})
         self.name_of = {id(p): e.name for e, p in zip(layout.entries, self.params)}
@@ -267,7 +273,9 @@ class ShardServer:
         return True
 
     def _on_state(self, ctl, obj, applied) -> bool:
-        self.comm.send((self._state(), self.averages.values()),
+        groups = [] if self.optimizer is None else [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self.comm.send((self._state(), self.averages.values(), groups),
                        dest=self.worker_ranks[int(ctl[2])], tag=self.tags[Tag.INFO])
         return True
 

@@ -1,20 +1,21 @@
-"""Shared by the test programs: seeded data, the model, and result printing."""
+"""Shared by the test programs: seeded data, the model, result printing, the skeleton."""
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import torch
 
 FEATURES, CLASSES = 10, 3
 
 
-def dataset(n: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+def dataset(n: int, seed: int = 1234, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """A seeded classification problem: a random linear teacher plus noise."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, FEATURES, generator=g)
-    teacher = torch.randn(FEATURES, CLASSES, generator=g)
-    y = (x @ teacher + 0.3 * torch.randn(n, CLASSES, generator=g)).argmax(1)
+    x = torch.randn(n, FEATURES, generator=g, dtype=dtype)
+    teacher = torch.randn(FEATURES, CLASSES, generator=g, dtype=dtype)
+    y = (x @ teacher + 0.3 * torch.randn(n, CLASSES, generator=g, dtype=dtype)).argmax(1)
     return x, y
 
 
@@ -40,3 +41,23 @@ def emit(**record) -> None:
         with open(os.path.join(out, f"{os.getpid()}.jsonl"), "a") as f:
             f.write(line + "\n")
     print("RESULT " + line, flush=True)
+
+
+def run(worker: Callable, serve_times: int = 1, num_ps: int | None = None) -> None:
+    """The skeleton of every test program: ps ranks serve and report, workers train.
+
+    ``worker(cluster)`` trains on a worker and returns a record (or None); each ps rank
+    serves ``serve_times`` optimizers one after another and reports its statistics.
+    """
+    import mpisync
+
+    cluster = mpisync.init(num_ps=num_ps)
+    if cluster.is_ps:
+        for _ in range(serve_times):
+            stats = cluster.serve()
+            emit(role="ps", ps=cluster.ps_index, global_step=stats["global_step"],
+                 stats=stats if cluster.ps_index == 0 else None)
+        return
+    record = worker(cluster)
+    if record is not None:
+        emit(role="worker", worker=cluster.worker_index, **record)

@@ -1,0 +1,95 @@
+"""Every training loop of tests/scripts/cases.py gives under mpisync what plain torch gives.
+
+One job (2 workers, 2 ps ranks) runs every case, one optimizer after another; this
+process runs each case in plain torch and compares parameters, buffers, optimizer state,
+the hyper-parameters each ps applied at the last step (values and types) and the
+workers' param groups.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+from mpi_helpers import SCRIPTS, run_mpi
+
+sys.path.insert(0, str(SCRIPTS))
+from cases import BY_NAME, CASES, WORKERS, reference
+
+TOLERANCE = 1e-6     # float64 models: the sums' order differs, nothing else may
+
+
+@pytest.fixture(scope="module")
+def job():
+    run = run_mpi("exact.py", WORKERS, 2, [c.name for c in CASES], timeout=300)
+    by_case: dict[str, dict[int, dict]] = {}
+    for r in run.results:
+        if r.get("role") == "worker":
+            by_case.setdefault(r["case"], {})[r["worker"]] = r
+    return run, by_case
+
+
+def max_diff(a, b) -> float:
+    if isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b)
+        return max((max_diff(x, y) for x, y in zip(a, b)), default=0.0)
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), (sorted(a), sorted(b))
+        return max((max_diff(a[k], b[k]) for k in a), default=0.0)
+    if isinstance(a, bool) or a is None or isinstance(a, str):
+        assert a == b
+        return 0.0
+    if math.isnan(a) and math.isnan(b):
+        return 0.0
+    return abs(a - b)
+
+
+def test_every_case_ran_on_every_worker(job):
+    run, by_case = job
+    assert sorted(by_case) == sorted(BY_NAME), run.describe()
+    for name, workers in by_case.items():
+        assert sorted(workers) == list(range(WORKERS)), name
+        assert {w["dropped"] for w in workers.values()} == {0}
+        assert {w["global_step"] for w in workers.values()} == {BY_NAME[name].steps}
+    assert len(run.ps()) == 2 * len(CASES)          # each ps served every optimizer
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES])
+def test_case_matches_plain_torch(job, name):
+    _, by_case = job
+    case, ref = BY_NAME[name], reference(BY_NAME[name])
+    for w, got in by_case[name].items():
+        assert max_diff(got["params"], ref["params"]) <= TOLERANCE, (w, "params")
+        assert max_diff(got["state"], ref["state"]) <= TOLERANCE, (w, "optimizer state")
+        # the workers' groups: the same keys, values and types as plain torch's
+        assert got["groups"] == ref["groups"], (w, got["groups"], ref["groups"])
+        if case.replicas:
+            want = ref["buffers_per_worker"][w]
+            assert max_diff(got["buffers"], want) <= TOLERANCE, (w, "buffers")
+        else:
+            assert max_diff(got["buffers"], ref["buffers"]) <= TOLERANCE, (w, "buffers")
+    # what each ps applied at the last step: exactly what torch applied, with its type
+    applied = ref.get("applied") or by_case[name][0]["applied"]
+    for ps_groups in by_case[name][0]["ps_groups"]:
+        if not ps_groups:
+            continue                                 # this ps holds none of the parameters
+        assert len(ps_groups) == len(applied)
+        for mine, want in zip(ps_groups, applied):
+            for key, value in mine.items():
+                assert value == want[key], (key, value, want[key])
+
+
+def test_the_cases_would_catch_the_old_mistakes(job):
+    """The cases are not vacuous: their schedules and writes change what torch computes."""
+    onecycle = reference(BY_NAME["onecycle-int-momentum"])["applied"][0]
+    assert onecycle["momentum"][0] == "float" and onecycle["momentum"][1] > 0.5
+    stepped = reference(BY_NAME["lambda-int-lr"])["applied"][0]
+    assert stepped["lr"] == ["float", 0.5 ** 7]
+    tensor_lr = reference(BY_NAME["linear-tensor-lr"])["applied"][0]["lr"]
+    assert tensor_lr[0] == "tensor:torch.float32" and tensor_lr[1] != 0.025
+    clamped = reference(BY_NAME["clamp-through-data"])["params"]
+    assert max(abs(v) for row in clamped["0.weight"] for v in row) <= 0.2
+    frozen = reference(BY_NAME["untouched-zeros-first"])["params"]
+    assert frozen["frozen"] == [1.0, 1.0, 1.0] and frozen["counts"] == [0, 1, 2, 3]
+    local = reference(BY_NAME["buffers-local"])["buffers_per_worker"]
+    assert local[0] != local[1]
