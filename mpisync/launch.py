@@ -17,6 +17,7 @@ __all__ = [
     "NUM_PS_ENV",
     "JobResult",
     "detect_mpi_flavor",
+    "explain_status",
     "find_mpiexec",
     "main",
     "mpiexec_command",
@@ -382,10 +383,28 @@ def main(args: Sequence[str] | None = None) -> int:
     )
     print(f"{_PREFIX} {shlex.join(cmd)}", file=sys.stderr, flush=True)
     try:
-        return run_command(cmd, timeout=ns.timeout)
+        status = run_command(cmd, timeout=ns.timeout)
     except OSError as exc:
         print(f"{_PREFIX} cannot run {mpiexec}: {exc}", file=sys.stderr)
         return 127
+    if status not in (0, TIMEOUT_EXIT_CODE):
+        print(f"{_PREFIX} {explain_status(status, flavor)}", file=sys.stderr, flush=True)
+    return status
+
+
+def explain_status(status: int, flavor: str) -> str:
+    """What a failed job's exit status says about how its ranks ended."""
+    text = f"the job failed with exit status {status}"
+    signum = status - 128 if status > 128 else status if flavor == "mpich" else None
+    try:
+        name = signal.Signals(signum).name if signum else None
+    except ValueError:
+        name = None
+    if name in ("SIGKILL", "SIGSEGV", "SIGBUS", "SIGABRT", "SIGTERM"):
+        text += (f": a rank ended by {name} (signal {signum}) without a Python exception, "
+                 f"so the others were stopped without one either; look above for the "
+                 f"process the launcher names (out of memory kills are {signal.SIGKILL.name})")
+    return text
 
 
 if __name__ == "__main__":

@@ -208,7 +208,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             f"{self.cluster.label}: add_param_group() after the SyncReplicasOptimizer was "
             f"created; create the optimizer with every param group first (a group of "
             f"parameters with requires_grad=False, whose .grad stays None, is skipped until "
-            f"they get gradients)")
+            f"they get gradients)", collective=True)
 
     def _group_order(self) -> list[str]:
         """Parameter names in param-group order: how torch numbers them in a state_dict."""

@@ -307,7 +307,7 @@ def _install_excepthook() -> None:
         from .errors import PeerError
         if cluster is not None and not cluster.closed and not isinstance(exc, PeerError):
             _notify_peers(cluster, f"{label} failed: {exc_type.__name__}: {exc}")
-            time.sleep(1.0)  # give the peers a moment to print why they stop
+        time.sleep(1.5)  # let every rank print why it stops before the abort ends them all
         MPI.COMM_WORLD.Abort(1)
 
     hook._mpisync = True

@@ -44,6 +44,13 @@ def test_backup_workers_leave_a_laggard_behind_without_waiting(laggard):
     st = ps["stats"]
     assert st["gradients_applied"] + st["gradients_dropped"] == pushes
     assert st["gradients_applied"] == 3 * st["global_step"]
+    # while training, only the gradients of applied steps count as applied
+    for w in workers.values():
+        for applied, global_step, pending in w["seen_stats"]:
+            assert applied == 3 * global_step and 0 <= pending <= 3
+    # after close every worker holds the job's final statistics, as ps 0 reports them
+    for w in workers.values():
+        assert w["final"] == st
 
 
 def test_fewer_workers_than_gradients_with_enough_tokens():

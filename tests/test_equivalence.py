@@ -122,3 +122,16 @@ def test_moving_averages_on_the_ps_follow_single_process(tmp_path, extra):
     assert max_diff(dist["state"]["mpisync"]["averages"], dist["averages"]) == 0
     (chief,) = [r for r in results if r.get("worker") == 0]
     assert chief["averaged_ok"] is True    # averaged() swapped them in, then restored
+
+
+def test_restore_pattern_never_races_with_four_workers():
+    """load_state_dict() on every worker, then training; one worker late at random."""
+    rounds = 12
+    run = run_mpi("restore.py", 4, 1, ["--rounds", rounds], timeout=180)
+    workers = run.by_worker()
+    assert sorted(workers) == [0, 1, 2, 3]
+    for r in range(rounds):
+        results = [workers[w]["rounds"][r] for w in range(4)]
+        assert {res[0] for res in results} == {3}                # 3 steps from the load
+        assert len({res[1] for res in results}) == 1             # the same parameters
+        assert all(res[2] == [5] * len(res[2]) for res in results)   # Adam: 2 + 3 steps

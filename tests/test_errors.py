@@ -1,22 +1,26 @@
 """Bad input and failures: a clear message naming the rank, a non-zero exit, never a hang."""
 from __future__ import annotations
 
+import os
 import re
+import sys
 
 import pytest
-from mpi_helpers import run_mpi
+from mpi_helpers import SCRIPTS, assert_every_rank_says, failing, labels, run_mpi
+
+from mpisync.launch import run_job
 
 
-def failing(case: str, workers: int = 2, ps: int = 1, *args, env=None) -> str:
-    run = run_mpi("errors.py", workers, ps, ["--case", case, *args], timeout=30,
-                  expect_ok=False, env=env)
-    assert run.returncode != 0, run.output
-    return run.output
+def failed(case: str, workers: int = 2, ps: int = 1, *args, env=None) -> str:
+    return failing("errors.py", workers, ps, ["--case", case, *args], env=env).output
+
+
+EVERY_RANK = labels(2, 1)
 
 
 @pytest.mark.parametrize("num_ps", [2, 3, 0, -1])
 def test_num_ps_out_of_range_fails_on_every_rank(num_ps):
-    out = failing("world", 1, 1, "--num-ps", num_ps)
+    out = failed("world", 1, 1, "--num-ps", num_ps)
     errors = re.findall(r"WorldTooSmallError: rank (\d): num_ps=(-?\d+)", out)
     assert {r for r, _ in errors} == {"0", "1"}, out
     assert {n for _, n in errors} == {str(num_ps)}
@@ -24,10 +28,9 @@ def test_num_ps_out_of_range_fails_on_every_rank(num_ps):
 
 
 def test_replicas_to_aggregate_below_one_fails_on_every_rank():
-    out = failing("replicas0")
-    for who in ("worker 0 (rank 0", "worker 1 (rank 1", "ps 0 (rank 2"):
-        assert re.search(re.escape(who) + r".*ConfigError.*replicas_to_aggregate must be >= 1, "
-                         r"got 0", out), (who, out)
+    run = failing("errors.py", 2, 1, ["--case", "replicas0"])
+    assert_every_rank_says(run, r"ConfigError.*replicas_to_aggregate must be >= 1, got 0",
+                           EVERY_RANK)
 
 
 @pytest.mark.parametrize("case, message", [
@@ -36,28 +39,25 @@ def test_replicas_to_aggregate_below_one_fails_on_every_rank():
     ("staleness_without_async", "max_staleness bounds asynchronous training"),
 ])
 def test_async_arguments_fail_on_every_rank(case, message):
-    out = failing(case)
-    for who in ("worker 0 (rank 0", "worker 1 (rank 1", "ps 0 (rank 2"):
-        assert re.search(re.escape(who) + r".*ConfigError.*" + re.escape(message), out), (
-            who, out)
+    run = failing("errors.py", 2, 1, ["--case", case])
+    assert_every_rank_says(run, r"ConfigError.*" + re.escape(message), EVERY_RANK)
 
 
 def test_ema_decay_out_of_range_fails_on_every_rank():
-    out = failing("ema_bad")
-    for who in ("worker 0 (rank 0", "worker 1 (rank 1", "ps 0 (rank 2"):
-        assert re.search(re.escape(who) + r".*ConfigError.*ema_decay must be in \[0, 1\), "
-                         r"got 1\.0", out), (who, out)
+    run = failing("errors.py", 2, 1, ["--case", "ema_bad"])
+    assert_every_rank_says(run, r"ConfigError.*ema_decay must be in \[0, 1\), got 1\.0",
+                           EVERY_RANK)
 
 
 def test_averages_without_ema_decay_ends_the_job_naming_the_rank():
     # raised on one worker only: the others must not wait for it
-    out = failing("averages_without_ema")
+    out = failed("averages_without_ema")
     assert re.search(r"worker 1 \(rank 1[^)]*\): ConfigError: .*averages\(\) needs a "
                      r"SyncReplicasOptimizer created with ema_decay", out), out
 
 
 def test_step_inside_averaged_is_a_clear_error():
-    out = failing("step_in_averaged")
+    out = failed("step_in_averaged")
     assert re.search(r"worker 0 \(rank 0[^)]*\): RuntimeError: .*step\(\) inside "
                      r"averaged\(\)", out), out
 
@@ -73,29 +73,84 @@ def test_a_state_that_does_not_fit_is_refused_and_loses_nothing():
 
 
 def test_workers_with_different_models_fail_on_every_rank():
-    out = failing("mismatch")
+    run = failing("errors.py", 2, 1, ["--case", "mismatch"])
     msg = "worker 1 (rank 1) has parameter #0 = '0.weight' shape [33, 10]"
-    for who in ("worker 0 (rank 0", "worker 1 (rank 1", "ps 0 (rank 2"):
-        assert re.search(re.escape(who) + r".*ModelMismatchError: .*" + re.escape(msg), out), (
-            who, out)
-    assert "shape [32, 10]" in out
+    assert_every_rank_says(run, r"ModelMismatchError: .*" + re.escape(msg), EVERY_RANK)
+    assert "shape [32, 10]" in run.output
+
+
+def test_a_placement_that_differs_between_workers_fails_on_every_rank():
+    run = failing("errors.py", 2, 2, ["--case", "placement_differs", "--num-ps", 2])
+    assert_every_rank_says(
+        run, r"ConfigError: .*set up the optimizer differently from worker 0: worker 1 "
+             r"\(rank 1\); worker 1 has placement of '2.weight' = ps 1 where worker 0 has "
+             r"ps 0", labels(2, 2))
+
+
+@pytest.mark.parametrize("case, differs", [
+    ("optimizer_differs", (r"optimizer class = torch\.optim\.adam\.Adam where worker 0 has "
+                          r"torch\.optim\.sgd\.SGD")),
+    ("lr_differs", r"optimizer kwargs = .*'lr': 0\.2.* where worker 0 has .*'lr': 0\.1"),
+])
+def test_different_optimizers_on_workers_fail_on_every_rank(case, differs):
+    run = failing("errors.py", 2, 1, ["--case", case])
+    assert_every_rank_says(run, r"ConfigError: .*worker 1 \(rank 1\); worker 1 has " + differs,
+                           EVERY_RANK)
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_on_every_rank():
+    run = failing("errors.py", 2, 1, ["--case", "lbfgs"])
+    assert_every_rank_says(run, r"ConfigError: .*torch\.optim\.lbfgs\.LBFGS\.step requires a "
+                                r"closure.*use a first-order optimizer", EVERY_RANK)
+
+
+def test_add_param_group_after_wrapping_is_refused_on_every_worker():
+    run = failing("errors.py", 2, 1, ["--case", "add_param_group"])
+    assert_every_rank_says(run, r"ConfigError: .*add_param_group\(\) after the "
+                                r"SyncReplicasOptimizer was created", labels(2, 0))
+
+
+def test_sparse_gradients_end_the_job_naming_the_parameter():
+    run = failing("errors.py", 2, 1, ["--case", "sparse"])
+    cause = r"TypeError: .*parameter 'emb\.weight' has a sparse gradient.*sparse=False"
+    assert re.search(r"worker \d \(rank \d[^)]*\): " + cause, run.output), run.describe()
+    # the others name the cause too: their own error, or the failing rank's notice
+    assert_every_rank_says(run, r"(TypeError|stopping because worker \d \(rank \d on [^)]*\) "
+                                r"failed: TypeError): .*'emb\.weight' has a sparse gradient",
+                           EVERY_RANK)
+    assert "Cannot access data pointer" not in run.output
+
+
+def test_a_collective_before_close_with_backup_workers_fails_fast():
+    run = failing("errors.py", 3, 1, ["--case", "collective_too_early"])
+    assert re.search(r"worker 0 \(rank 0[^)]*\): RuntimeError: worker 0 \(rank 0[^)]*\): "
+                     r"worker_comm\.gather\(\) while this worker's SyncReplicasOptimizer "
+                     r"\(replicas_to_aggregate=2 of 3 workers.*\) is open.*End training with "
+                     r"opt\.close\(\) on every worker, then use worker_comm",
+                     run.output), run.describe()
+
+
+def test_collectives_after_close_are_the_safe_end_of_training():
+    run = run_mpi("errors.py", 3, 1, ["--case", "collective_after_close"], timeout=60)
+    assert re.search(r"gathered after close: \[5, \d+, \d+\]", run.output), run.describe()
 
 
 def test_step_after_close_is_a_clear_error():
-    out = failing("step_after_close")
+    out = failed("step_after_close")
     assert "worker 1 (rank 1" in out
     assert "ClosedError" in out and "step() called after close()" in out
 
 
 def test_exception_in_user_code_ends_the_whole_job():
-    out = failing("raise", 3, 1)
-    assert re.search(r"worker 1 \(rank 1 on [^)]*\): ValueError: boom on purpose", out), out
-    # (ranks waiting at that moment also print why they stop: best effort, not asserted,
-    # since the abort may end them first on a loaded machine)
+    run = failing("errors.py", 3, 1, ["--case", "raise"])
+    assert re.search(r"worker 1 \(rank 1 on [^)]*\): ValueError: boom on purpose", run.output)
+    # the ranks waiting meanwhile say why they stop before the abort ends them
+    assert_every_rank_says(run, r"(ValueError|stopping because worker 1 \(rank 1 on [^)]*\) "
+                                r"failed: ValueError): boom on purpose", labels(3, 1))
 
 
 def test_exception_on_a_ps_rank_ends_the_whole_job():
-    out = failing("raise_ps", 2, 1)
+    out = failed("raise_ps", 2, 1)
     assert re.search(r"ps 0 \(rank 2 on [^)]*\): RuntimeError: boom on purpose", out), out
 
 
@@ -115,7 +170,7 @@ def test_worker_that_exits_without_close_still_ends_cleanly():
 
 
 def test_a_stalled_worker_ends_the_job_with_a_message_naming_it():
-    out = failing("stall", env={"MPISYNC_TIMEOUT": "5", "MPISYNC_STALL_WARNING": "2"})
+    out = failed("stall", env={"MPISYNC_TIMEOUT": "5", "MPISYNC_STALL_WARNING": "2"})
     assert re.search(r"ps 0 \(rank 2[^)]*\): nothing arrived for \d+ s; .*computing: \[1\]",
                      out), out
     assert re.search(r"ps 0 \(rank 2[^)]*\): StallError: .*no message for 5 s", out), out
@@ -124,6 +179,13 @@ def test_a_stalled_worker_ends_the_job_with_a_message_naming_it():
 
 @pytest.mark.parametrize("case", ["killed", "killed_ps"])
 def test_a_rank_that_dies_ends_the_whole_job(case):
-    # SIGKILL leaves no excepthook and no MPI_Abort: the launcher must end the others
-    out = failing(case, 2, 2, "--num-ps", 2)
-    assert re.search(r"signal 9|Killed", out), out
+    # SIGKILL leaves no excepthook and no MPI_Abort: the launcher must end the others,
+    # and mpisync's launcher says what the status means
+    job = run_job([sys.executable, "-m", "mpisync.launch", "--workers", "2", "--ps", "2",
+                   "--timeout", "30", "--", sys.executable, str(SCRIPTS / "errors.py"),
+                   "--case", case, "--num-ps", "2"], timeout=60, capture=True,
+                  env=dict(os.environ, MPISYNC_TIMEOUT="60", OMP_NUM_THREADS="1"))
+    assert job.returncode not in (0, 124), job.output
+    assert re.search(r"signal 9|Killed", job.output), job.output
+    assert re.search(r"mpisync\.launch: the job failed with exit status \d+: a rank ended by "
+                     r"SIGKILL \(signal 9\)", job.output), job.output

@@ -36,7 +36,7 @@ def main() -> None:
         replicas_to_aggregate=args.replicas, num_tokens=args.num_tokens)
     w = cluster.worker_index
     x, y = dataset(512, seed=w)
-    pushes, drop_seen_at = [], None
+    pushes, drop_seen_at, seen_stats = [], None, []
     while not opt.stopped and len(pushes) < 5000:
         if w == args.laggard and len(pushes) == args.sleep_at:
             time.sleep(args.sleep)
@@ -47,6 +47,10 @@ def main() -> None:
         before = opt.global_step
         opt.step()
         pushes.append([before, opt.global_step])
+        if len(pushes) % 3 == 0:
+            st = opt.stats
+            seen_stats.append([st["gradients_applied"], st["global_step"],
+                               st["gradients_pending"]])
         if args.state_every and cluster.is_chief and len(pushes) % args.state_every == 0:
             state = opt.state_dict()
             assert state["mpisync"]["global_step"] >= opt.global_step
@@ -61,8 +65,10 @@ def main() -> None:
             elif opt.global_step >= drop_seen_at + args.after:
                 break
     opt.close()
+    final = {k: v for k, v in opt.stats.items()
+             if k not in ("local_steps", "token_wait_s", "bytes_per_ps")}
     emit(role="worker", worker=w, pushes=pushes, stopped=opt.stopped,
-         global_step=opt.global_step)
+         global_step=opt.global_step, seen_stats=seen_stats, final=final)
 
 
 if __name__ == "__main__":

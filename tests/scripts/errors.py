@@ -29,6 +29,59 @@ def train(opt, net, steps: int, w: int) -> None:
         opt.step()
 
 
+def optimizer_for(net, w: int, cluster):
+    """The optimizer each worker builds; some cases make the workers disagree."""
+    if CASE == "lbfgs":
+        return torch.optim.LBFGS(net.parameters())
+    if CASE == "optimizer_differs" and w == 1:
+        return torch.optim.Adam(net.parameters())
+    if CASE == "lr_differs" and w == 1:
+        return make_optimizer("sgd", net.parameters(), lr=0.2)
+    return make_optimizer("sgd", net.parameters())
+
+
+def options(w: int, cluster) -> dict:
+    kw = {"replicas_to_aggregate": {"replicas0": 0, "async_replicas": 2,
+                                    "collective_too_early": cluster.num_workers - 1,
+                                    "collective_after_close": cluster.num_workers - 1}.get(CASE),
+          "asynchronous": CASE == "async_replicas",
+          "max_staleness": 1 if CASE == "staleness_without_async" else None,
+          "ema_decay": {"ema_bad": 1.0, "step_in_averaged": 0.5}.get(CASE)}
+    if CASE == "placement_differs":       # a placement that depends on the worker
+        kw["placement"] = lambda name, nbytes, loads: w % 2 if name == "2.weight" else 0
+    return kw
+
+
+class SparseNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(20, 10, sparse=True)
+        self.out = torch.nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.out(self.emb((x.abs() * 5).long().clamp(max=19)).mean(1))
+
+
+def after_training(opt, net, cluster, w: int) -> None:
+    """What some cases do once their loop is over."""
+    if CASE == "bad_state":         # refused on every worker; training goes on untouched
+        bad = opt.state_dict()
+        bad["state"][0]["momentum_buffer"] = torch.zeros(3, 3)
+        try:
+            opt.load_state_dict(bad)
+        except mpisync.ConfigError as exc:
+            print(f"caught: {exc}", flush=True)
+        train(opt, net, 5, w)
+    if CASE == "collective_too_early" and cluster.is_chief:
+        cluster.worker_comm.gather(opt.global_step)    # before close(): refused at once
+    if CASE == "collective_after_close":
+        opt.close()                                    # the safe end of training
+        steps = cluster.worker_comm.gather(opt.global_step)
+        if cluster.is_chief:
+            print(f"gathered after close: {steps}", flush=True)
+
+
 def main() -> None:
     global CASE
     p = argparse.ArgumentParser()
@@ -46,30 +99,24 @@ def main() -> None:
         emit(role="ps", ps=cluster.ps_index, global_step=stats["global_step"])
         return
     w = cluster.worker_index
-    net = model(hidden=33 if (CASE == "mismatch" and w == 1) else 32)
-    opt = mpisync.SyncReplicasOptimizer(
-        make_optimizer("sgd", net.parameters()), named_parameters=net.named_parameters(),
-        replicas_to_aggregate={"replicas0": 0, "async_replicas": 2}.get(CASE),
-        asynchronous=CASE == "async_replicas",
-        max_staleness=1 if CASE == "staleness_without_async" else None,
-        ema_decay={"ema_bad": 1.0, "step_in_averaged": 0.5}.get(CASE))
+    net = SparseNet() if CASE == "sparse" else model(
+        hidden=33 if (CASE == "mismatch" and w == 1) else 32)
+    opt = mpisync.SyncReplicasOptimizer(optimizer_for(net, w, cluster),
+                                        named_parameters=net.named_parameters(),
+                                        **options(w, cluster))
     if CASE == "averages_without_ema" and w == 1:
         opt.averages()
     if CASE == "step_in_averaged" and w == 0:
         with opt.averaged():
             opt.step()
-    steps = 5 if (CASE == "chief_first" and cluster.is_chief) else 20
+    if CASE == "add_param_group":
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    steps = 5 if (CASE in ("chief_first", "collective_too_early", "collective_after_close")
+                  and cluster.is_chief) else 20
     if CASE == "killed_ps":
         steps = 10**6  # still training when the ps dies
     train(opt, net, steps, w)
-    if CASE == "bad_state":         # refused on every worker; training goes on untouched
-        bad = opt.state_dict()
-        bad["state"][0]["momentum_buffer"] = torch.zeros(3, 3)
-        try:
-            opt.load_state_dict(bad)
-        except mpisync.ConfigError as exc:
-            print(f"caught: {exc}", flush=True)
-        train(opt, net, 5, w)
+    after_training(opt, net, cluster, w)
     if CASE != "exit_without_close":
         opt.close()
     if CASE == "step_after_close" and w == 1:
