@@ -40,9 +40,9 @@ def replay(order: list[int], pushes: dict[int, list[int]], opt_name: str) -> dic
 
 
 def order_of(run) -> list[int]:
-    (ps,) = run.ps()
-    assert ps["dropped"] == 0
-    steps = ps["per_step"]
+    stats = run.ps()[0]["stats"]                 # ps 0, the coordinator
+    assert stats["gradients_dropped"] == 0
+    steps = stats["per_step"]
     assert [r["step"] for r in steps] == list(range(len(steps)))
     assert all(len(r["taken"]) == 1 and not r["dropped"] for r in steps)
     return [r["taken"][0] for r in steps]

@@ -18,12 +18,12 @@ def failed(case: str, workers: int = 2, ps: int = 1, *args, env=None) -> str:
 EVERY_RANK = labels(2, 1)
 
 
-@pytest.mark.parametrize("num_ps", [2, 3, 0, -1])
-def test_num_ps_out_of_range_fails_on_every_rank(num_ps):
-    out = failed("world", 1, 1, "--num-ps", num_ps)
+def test_num_ps_out_of_range_fails_on_every_rank():
+    # the values themselves are checked in one process: test_inprocess.py
+    out = failed("world", 1, 1, "--num-ps", 2)
     errors = re.findall(r"WorldTooSmallError: rank (\d): num_ps=(-?\d+)", out)
     assert {r for r, _ in errors} == {"0", "1"}, out
-    assert {n for _, n in errors} == {str(num_ps)}
+    assert {n for _, n in errors} == {"2"}
     assert "found 2 MPI ranks" in out
 
 

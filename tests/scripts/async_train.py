@@ -5,7 +5,7 @@ import argparse
 import time
 
 import torch
-from common import dataset, emit, make_optimizer, model
+from common import dataset, make_optimizer, model, run
 
 import mpisync
 
@@ -27,29 +27,27 @@ def main() -> None:
     p.add_argument("--max-staleness", type=int, default=None)
     p.add_argument("--opt", default="sgd")
     args = p.parse_args()
-    cluster = mpisync.init()
-    if cluster.is_ps:
-        stats = cluster.serve()
-        if cluster.ps_index == 0:
-            emit(role="ps", per_step=stats["per_step"], dropped=stats["gradients_dropped"])
-        return
-    w = cluster.worker_index
-    net = model()
-    opt = mpisync.SyncReplicasOptimizer(
-        make_optimizer(args.opt, net.parameters()), named_parameters=net.named_parameters(),
-        asynchronous=True, max_staleness=args.max_staleness)
-    pushes = []
-    for i in range(args.steps):
-        x, y = batch(w, i, args.steps)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(x), y).backward()
-        if w == args.slow:
-            time.sleep(args.sleep)
-        pushes.append(opt.global_step)            # the parameters this gradient saw
-        opt.step()
-    opt.close()
-    emit(role="worker", worker=w, pushes=pushes, global_step=opt.global_step,
-         params={n: p.detach().tolist() for n, p in net.named_parameters()})
+
+    def worker(cluster):
+        w = cluster.worker_index
+        net = model()
+        opt = mpisync.SyncReplicasOptimizer(
+            make_optimizer(args.opt, net.parameters()), named_parameters=net.named_parameters(),
+            asynchronous=True, max_staleness=args.max_staleness)
+        pushes = []
+        for i in range(args.steps):
+            x, y = batch(w, i, args.steps)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            if w == args.slow:
+                time.sleep(args.sleep)
+            pushes.append(opt.global_step)            # the parameters this gradient saw
+            opt.step()
+        opt.close()
+        return {"pushes": pushes, "global_step": opt.global_step,
+                    "params": {n: p.detach().tolist() for n, p in net.named_parameters()}}
+
+    run(worker)
 
 
 if __name__ == "__main__":

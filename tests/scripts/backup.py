@@ -5,7 +5,7 @@ import argparse
 import time
 
 import torch
-from common import dataset, emit, make_optimizer, model
+from common import dataset, make_optimizer, model, run
 
 import mpisync
 
@@ -24,12 +24,8 @@ def parse():
     return p.parse_args()
 
 
-def main() -> None:
+def worker(cluster) -> dict:
     args = parse()
-    cluster = mpisync.init()
-    if cluster.is_ps:
-        emit(role="ps", ps=cluster.ps_index, stats=cluster.serve())
-        return
     net = model()
     opt = mpisync.SyncReplicasOptimizer(
         make_optimizer("sgd", net.parameters()), named_parameters=net.named_parameters(),
@@ -67,9 +63,9 @@ def main() -> None:
     opt.close()
     final = {k: v for k, v in opt.stats.items()
              if k not in ("local_steps", "token_wait_s", "bytes_per_ps")}
-    emit(role="worker", worker=w, pushes=pushes, stopped=opt.stopped,
-         global_step=opt.global_step, seen_stats=seen_stats, final=final)
+    return {"pushes": pushes, "stopped": opt.stopped, "global_step": opt.global_step,
+                "seen_stats": seen_stats, "final": final}
 
 
 if __name__ == "__main__":
-    main()
+    run(worker)

@@ -5,10 +5,10 @@ import argparse
 import time
 
 import torch
-from common import dataset, emit, make_optimizer, model
+from common import dataset, make_optimizer, model, run
 
 
-def parse():
+def parse(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--single", type=int, default=0, help="run alone as N workers' big batch")
     p.add_argument("--opt", default="sgd")
@@ -26,7 +26,7 @@ def parse():
     p.add_argument("--ema-num-updates", action="store_true")
     p.add_argument("--zero-in-place", action="store_true",
                    help="zero_grad(set_to_none=False): gradients stay in the send buffers")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def batches(n_workers: int, batch: int, steps: int, start: int = 0, stop: int | None = None):
@@ -61,14 +61,9 @@ def single(args) -> None:
                 "averages": averages}, args.dump)
 
 
-def distributed(args) -> None:
+def distributed(args, cluster) -> dict:
     import mpisync
 
-    cluster = mpisync.init(num_ps=args.num_ps)
-    if cluster.is_ps:
-        stats = cluster.serve()
-        emit(role="ps", ps=cluster.ps_index, global_step=stats["global_step"])
-        return
     net = model()
     saved = torch.load(args.resume) if args.resume else None
     if saved:
@@ -105,13 +100,16 @@ def distributed(args) -> None:
                     "averages": opt.averages() if args.ema is not None else None}, args.dump)
     stats = opt.stats
     opt.close()
-    emit(role="worker", worker=w, global_step=opt.global_step, plan=opt.plan.digest(),
-         lr=opt.param_groups[0]["lr"], elapsed=elapsed,
-         applied=stats["gradients_applied"], dropped=stats["gradients_dropped"],
-         averaged_ok=averaged_ok,
-         checksum=float(sum(p.detach().double().sum() for p in net.parameters())))
+    return {"global_step": opt.global_step, "plan": opt.plan.digest(),
+                "lr": opt.param_groups[0]["lr"], "elapsed": elapsed,
+                "applied": stats["gradients_applied"], "dropped": stats["gradients_dropped"],
+                "averaged_ok": averaged_ok,
+                "checksum": float(sum(p.detach().double().sum() for p in net.parameters()))}
 
 
 if __name__ == "__main__":
     a = parse()
-    single(a) if a.single else distributed(a)
+    if a.single:
+        single(a)
+    else:
+        run(lambda cluster: distributed(a, cluster), num_ps=a.num_ps)
