@@ -71,40 +71,17 @@ def train(args, cluster) -> None:
         named_parameters=model.named_parameters(),
         replicas_to_aggregate=args.replicas_to_aggregate, cluster=cluster,
         ema_decay=args.ema_decay or None, ema_num_updates=True)
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    B, W, me = args.batch_size, cluster.num_workers, cluster.worker_index
-    global_batch = B * W
-    steps_per_epoch = len(x_train) // global_batch   # drop the ragged end: equal step counts
+    B, W = args.batch_size, cluster.num_workers
+    steps_per_epoch = len(x_train) // (B * W)   # drop the ragged end: equal step counts
     if steps_per_epoch == 0:                  # on every worker; close() runs at exit
         raise SystemExit(f"--batch-size {B} x {W} workers exceeds the {len(x_train)} "
                          f"training samples")
     if cluster.is_chief:
         print(f"digits: {len(x_train)} train / {len(x_test)} test samples, {W} workers, "
-              f"{cluster.num_ps} ps, global batch {global_batch}, "
+              f"{cluster.num_ps} ps, global batch {B * W}, "
               f"{steps_per_epoch} steps/epoch, {args.epochs} epochs", flush=True)
-
     start = time.perf_counter()
-    losses = []
-    for epoch in range(args.epochs):
-        perm = torch.randperm(len(x_train),
-                              generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
-        for i in range(steps_per_epoch):
-            idx = perm[i * global_batch + me * B:i * global_batch + (me + 1) * B]
-            opt.zero_grad()
-            loss = loss_fn(model(x_train[idx]), y_train[idx])
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-            if cluster.is_chief and opt.global_step % args.log_every == 0:
-                print(f"step {opt.global_step:5d}  epoch {epoch}  "
-                      f"chief loss {np.mean(losses):.4f}  "
-                      f"elapsed {time.perf_counter() - start:.2f} s", flush=True)
-                losses.clear()
-            if opt.stopped:               # backup workers: the others have finished
-                break
-        if opt.stopped:
-            break
+    mean_loss = run_epochs(args, cluster, model, opt, x_train, y_train, steps_per_epoch)
 
     def evaluate() -> float:
         with torch.no_grad():
@@ -116,15 +93,48 @@ def train(args, cluster) -> None:
         if args.ema_decay:
             with opt.averaged():              # ... and here their moving averages
                 averaged_accuracy = evaluate()
+    # The safe end of training: close on every worker first (it returns once every worker
+    # closed, so no one is left inside step()), then collectives among the workers.
     opt.close()
-    if not cluster.is_chief:
-        return
-    stats = opt.stats
+    losses = cluster.worker_comm.gather(mean_loss, root=0)
+    if cluster.is_chief:
+        report(args, opt.stats, accuracy, averaged_accuracy, losses,
+               time.perf_counter() - start)
+
+
+def run_epochs(args, cluster, model, opt, x_train, y_train, steps_per_epoch: int) -> float:
+    """Train; each worker takes its slice of every global batch. Its mean loss at the end."""
+    B, W, me = args.batch_size, cluster.num_workers, cluster.worker_index
+    loss_fn = torch.nn.CrossEntropyLoss()
+    losses, recent, start = [], [], time.perf_counter()
+    for epoch in range(args.epochs):
+        perm = torch.randperm(len(x_train),
+                              generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
+        for i in range(steps_per_epoch):
+            if opt.stopped:                   # backup workers: the others have finished
+                return float(np.mean(losses))
+            idx = perm[(i * W + me) * B:(i * W + me + 1) * B]
+            opt.zero_grad()
+            loss = loss_fn(model(x_train[idx]), y_train[idx])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            recent.append(loss.item())
+            if cluster.is_chief and opt.global_step % args.log_every == 0:
+                print(f"step {opt.global_step:5d}  epoch {epoch}  "
+                      f"chief loss {np.mean(recent):.4f}  "
+                      f"elapsed {time.perf_counter() - start:.2f} s", flush=True)
+                recent.clear()
+    return float(np.mean(losses[-steps_per_epoch:]))
+
+
+def report(args, stats, accuracy, averaged_accuracy, losses, seconds) -> None:
     print(f"test accuracy: {accuracy:.3f}")
     if averaged_accuracy is not None:
         print(f"test accuracy of the moving averages (decay {args.ema_decay}): "
               f"{averaged_accuracy:.3f}")
-    print(f"training took {time.perf_counter() - start:.2f} s; global_step {stats['global_step']}, "
+    print("mean training loss of each worker: " + ", ".join(f"{x:.4f}" for x in losses))
+    print(f"training took {seconds:.2f} s; global_step {stats['global_step']}, "
           f"gradients_applied {stats['gradients_applied']}, "
           f"gradients_dropped {stats['gradients_dropped']}, "
           f"taken_per_worker {stats['taken_per_worker']}", flush=True)

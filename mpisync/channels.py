@@ -19,7 +19,8 @@ from .wire import (
     Kind,
     ShardLayout,
     Tag,
-    tensor_view,
+    entry_views,
+    region_views,
 )
 
 __all__ = ["DenseChannel", "ReplicatedChannel"]
@@ -38,11 +39,10 @@ class _Shard:
         self.fields, self.words, self.codes, self.mask = header.views(self.gbuf)
         self.pfields = self.pbuf[:PARAM_HEADER_BYTES].view(np.int64)
         gt, pt = torch.from_numpy(self.gbuf), torch.from_numpy(self.pbuf)
-        self.regions = [tensor_view(gt, header.nbytes, d, off, n) for d, off, n in layout.regions]
+        self.regions = region_views(gt, header.nbytes, layout.regions)
         # buffers travel both ways at the same offsets: pushed from gbuf, pulled into pbuf
-        self.buffer_pairs = [(tensor_view(gt, header.nbytes, d, off, n),
-                              tensor_view(pt, PARAM_HEADER_BYTES, d, off, n))
-                             for d, off, n in layout.buffer_regions]
+        self.buffer_pairs = list(zip(region_views(gt, header.nbytes, layout.buffer_regions),
+                                     region_views(pt, PARAM_HEADER_BYTES, layout.buffer_regions)))
         self.abuf = None
         self.assign_req = None
         self.idx = np.zeros(0, np.int64)
@@ -99,12 +99,12 @@ class DenseChannel:
               buffers: dict[str, torch.Tensor]) -> None:
         """Make the model's tensors views into this shard's buffers (values copied in)."""
         gt, pt = torch.from_numpy(shard.gbuf), torch.from_numpy(shard.pbuf)
+        pviews = entry_views(pt, PARAM_HEADER_BYTES, layout.entries)
+        gviews = entry_views(gt, shard.header.nbytes, layout.entries)
         idx = []
-        for k, e in enumerate(layout.entries):
+        for k, (e, pview, gview) in enumerate(zip(layout.entries, pviews, gviews)):
             i = index[e.name]
             p = self.params[i]
-            pview = tensor_view(pt, PARAM_HEADER_BYTES, e.dtype, e.offset, e.nbytes, e.shape)
-            gview = tensor_view(gt, shard.header.nbytes, e.dtype, e.offset, e.nbytes, e.shape)
             pview.copy_(p.detach())
             torch._C.TensorBase.data.__set__(p, pview)   # the pull lands in the model
             if p.grad is not None:                        # a gradient made before wrapping
@@ -114,9 +114,9 @@ class DenseChannel:
             self.place[i] = (j, k)
             idx.append(i)
         shard.idx = np.array(idx, np.int64)
-        for e in layout.buffer_entries:
+        for e, view in zip(layout.buffer_entries,
+                           entry_views(pt, PARAM_HEADER_BYTES, layout.buffer_entries)):
             b = buffers[e.name]
-            view = tensor_view(pt, PARAM_HEADER_BYTES, e.dtype, e.offset, e.nbytes, e.shape)
             view.copy_(b)
             b.data = view
 

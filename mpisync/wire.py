@@ -18,6 +18,8 @@ __all__ = [
     "ShardLayout",
     "Tag",
     "build_layouts",
+    "entry_views",
+    "region_views",
     "tensor_view",
 ]
 
@@ -161,6 +163,16 @@ def tensor_view(buf: torch.Tensor, base: int, dtype: torch.dtype, offset: int, n
     start = base + offset
     t = buf[start:start + nbytes].view(dtype)
     return t if shape is None else t.view(shape)
+
+
+def entry_views(buf: torch.Tensor, base: int, entries) -> list[torch.Tensor]:
+    """A view of every entry, shaped, in the uint8 tensor ``buf`` from ``base`` on."""
+    return [tensor_view(buf, base, e.dtype, e.offset, e.nbytes, e.shape) for e in entries]
+
+
+def region_views(buf: torch.Tensor, base: int, regions) -> list[torch.Tensor]:
+    """A flat view of every (dtype, offset, nbytes) region of ``buf`` from ``base`` on."""
+    return [tensor_view(buf, base, d, off, n) for d, off, n in regions]
 
 
 class GradHeader:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..wire import ShardLayout, tensor_view
+from ..wire import ShardLayout, entry_views, region_views
 
 __all__ = ["MovingAverages"]
 
@@ -27,10 +27,10 @@ class MovingAverages:
         if decay is None or not layout.entries:
             return
         buf = params.clone()
-        self.pairs = [(tensor_view(buf, 0, d, off, n), tensor_view(params, 0, d, off, n))
-                      for d, off, n in layout.regions if d.is_floating_point]
-        self.views = {e.name: tensor_view(buf, 0, e.dtype, e.offset, e.nbytes, e.shape)
-                      for e in layout.entries if e.dtype.is_floating_point}
+        floating = [r for r in layout.regions if r[0].is_floating_point]
+        self.pairs = list(zip(region_views(buf, 0, floating), region_views(params, 0, floating)))
+        entries = [e for e in layout.entries if e.dtype.is_floating_point]
+        self.views = {e.name: v for e, v in zip(entries, entry_views(buf, 0, entries))}
 
     def update(self, t: int) -> None:
         if not self.pairs:

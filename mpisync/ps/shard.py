@@ -20,7 +20,8 @@ from ..wire import (
     ShardLayout,
     Tag,
     build_layouts,
-    tensor_view,
+    entry_views,
+    region_views,
 )
 from .averages import MovingAverages
 
@@ -51,10 +52,8 @@ class _Slot:
         self.req = comm.Recv_init([self.buf, MPI.BYTE], source=rank, tag=tag)
         self.fields, self.words, self.codes, self.mask = header.views(self.buf)
         t = torch.from_numpy(self.buf)
-        self.regions = [tensor_view(t, header.nbytes, d, off, n)
-                        for d, off, n in _graded(layout.regions)]
-        self.buffers = [tensor_view(t, header.nbytes, d, off, n)
-                        for d, off, n in layout.buffer_regions]
+        self.regions = region_views(t, header.nbytes, _graded(layout.regions))
+        self.buffers = region_views(t, header.nbytes, layout.buffer_regions)
         self.assign = None       # the ASSIGN message that goes with this gradient
         self.waiting = False     # its ASSIGN message has not arrived yet
 
@@ -125,18 +124,13 @@ class ShardServer:
         self.param_fields = self.param_buf[:PARAM_HEADER_BYTES].view(np.int64)
         pt = torch.from_numpy(self.param_buf)
         self.data = pt[PARAM_HEADER_BYTES:]
-        self.params = [torch.nn.Parameter(tensor_view(pt, PARAM_HEADER_BYTES, e.dtype, e.offset,
-                                                      e.nbytes, e.shape),
-                                          requires_grad=e.dtype.is_floating_point)
-                       for e in layout.entries]
-        self.param_views = [p.detach() for p in self.params]
-        self.buffer_regions = [tensor_view(pt, PARAM_HEADER_BYTES, d, off, n)
-                               for d, off, n in layout.buffer_regions]
+        self.param_views = entry_views(pt, PARAM_HEADER_BYTES, layout.entries)
+        self.params = [torch.nn.Parameter(v, requires_grad=v.dtype.is_floating_point)
+                       for v in self.param_views]
+        self.buffer_regions = region_views(pt, PARAM_HEADER_BYTES, layout.buffer_regions)
         self.grad_buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
-        self.grads = [tensor_view(self.grad_buf, 0, e.dtype, e.offset, e.nbytes, e.shape)
-                      for e in layout.entries]
-        self.grad_regions = [tensor_view(self.grad_buf, 0, d, off, n)
-                             for d, off, n in _graded(layout.regions)]
+        self.grads = entry_views(self.grad_buf, 0, layout.entries)
+        self.grad_regions = region_views(self.grad_buf, 0, _graded(layout.regions))
         self.optimizer = self.spec.recipe.build(
             {e.name: p for e, p in zip(layout.entries, self.params)})
         self.name_of = {id(p): e.name for e, p in zip(layout.entries, self.params)}
@@ -317,14 +311,12 @@ class ShardServer:
             if slot.assign is None:
                 continue
             mask = self.header.views(slot.assign)[3]
-            data = torch.from_numpy(slot.assign)
+            written = entry_views(torch.from_numpy(slot.assign), self.header.nbytes,
+                                  self.layout.entries)
             for i in np.flatnonzero(mask):
-                if i in done:
-                    continue
-                e = self.layout.entries[i]
-                self.param_views[i].copy_(
-                    tensor_view(data, self.header.nbytes, e.dtype, e.offset, e.nbytes, e.shape))
-                done.add(i)
+                if i not in done:
+                    self.param_views[i].copy_(written[i])
+                    done.add(i)
 
     def _update_buffers(self, chosen: list[_Slot]) -> None:
         """Module buffers: the lowest-index worker's values, or their mean ("mean")."""
