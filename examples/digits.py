@@ -93,8 +93,8 @@ def train(args, cluster) -> None:
         if args.ema_decay:
             with opt.averaged():              # ... and here their moving averages
                 averaged_accuracy = evaluate()
-    # The safe end of training: close on every worker first (it returns once every worker
-    # closed, so no one is left inside step()), then collectives among the workers.
+    # The safe end of training: close on every worker first (a worker still inside step()
+    # then finishes it without us, or stops), then collectives among the workers.
     opt.close()
     losses = cluster.worker_comm.gather(mean_loss, root=0)
     if cluster.is_chief:

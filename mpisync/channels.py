@@ -245,17 +245,19 @@ class DenseChannel:
         """Where this worker's hyper-parameters go: the header of the message to ps 0."""
         return self.shards[0].words, self.shards[0].codes
 
-    def close(self, global_step: int, worker: int) -> dict:
-        """Leave: tell every ps; return the final statistics once every worker closed."""
+    def close(self, global_step: int, worker: int) -> None:
+        """Leave: tell every ps (the last worker out stops them)."""
         bye = np.zeros(8, np.int64)
         bye[0], bye[1], bye[2] = Kind.CLOSE, global_step, worker
         for j in range(len(self.shards)):
             self.comm.Send([bye, MPI.BYTE], dest=self.cluster.ps_rank(j), tag=self.tags[Tag.GRAD])
-        stats = self.poller.wait_message(self.cluster.coordinator_rank, self.tags[Tag.INFO],
-                                         lambda: "the final statistics (every worker's close)")
         for req in self.sends + self.recvs + [self.token_req]:
             req.Free()
-        return stats
+
+    def final_stats(self) -> dict:
+        """The job's final statistics; waits for the last worker's close (after close())."""
+        return self.poller.wait_message(self.cluster.coordinator_rank, self.tags[Tag.INFO],
+                                        lambda: "the final statistics (every worker's close)")
 
 
 class ReplicatedChannel:

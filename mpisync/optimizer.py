@@ -305,9 +305,12 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         dropped_per_worker, per_step (each step's taken and dropped workers), stopped, and
         for this worker: local_steps, token_wait_s and bytes_per_ps (bytes pushed per step
         to each ps). After ``close()`` they are the job's final figures, the same on every
-        worker (``close()`` returns once every worker closed).
+        worker, without ``per_step`` (reading them waits for the last worker's close;
+        ``cluster.serve()`` returns them with ``per_step``).
         """
         if self._closed:
+            if self._final_stats is None:
+                self._final_stats = self._dense.final_stats()
             stats = dict(self._final_stats)
         else:
             self._request(Kind.STATS)
@@ -453,10 +456,12 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             self._tracker.snapshot()       # the parameters are back as the ps holds them
 
     def close(self) -> None:
-        """Leave the job; returns once every worker closed. Call on every worker.
+        """Leave the job. Call on every worker; the last one out stops the ps ranks.
 
-        The ps ranks stop serving this optimizer then, and ``stats`` are the job's final
-        figures. Parameters written after the last ``step()`` are not sent (warned).
+        Other workers still inside ``step()`` then finish that step without this worker
+        (or stop, ``opt.stopped``), so collectives among the workers are safe once every
+        worker closed. ``stats`` read afterwards are the job's final figures. Parameters
+        written after the last ``step()`` are not sent (warned).
         """
         if self._closed:
             return
@@ -466,7 +471,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             warnings.warn(f"{self.cluster.label}: parameters {names} were written after the "
                           f"last step(); the ps ranks keep their values from that step",
                           RuntimeWarning, stacklevel=2)
-        self._final_stats = self._dense.close(self.global_step, self.cluster.worker_index)
+        self._dense.close(self.global_step, self.cluster.worker_index)
         self._tracker.release()
         self._closed = True
 

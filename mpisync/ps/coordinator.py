@@ -67,6 +67,7 @@ class Coordinator:
                          Kind.GRANT: self._grant, Kind.STOP: self._stop,
                          Kind.LOAD: self._load, Kind.SHUTDOWN: self._shutdown}
         self.finished = False
+        self.final_sends: list = []
 
     # -- events ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -187,9 +188,11 @@ class Coordinator:
 
     def _shutdown(self, a: Action) -> None:
         self._to_shards(self.control.new(Kind.SHUTDOWN, a.step))
-        stats = self.stats()
-        for rank in self.worker_ranks:       # every worker's close() waits for these
-            self.comm.send(stats, dest=rank, tag=self.tags[Tag.INFO])
+        # every worker's statistics after close(): the totals (small, so the sends complete
+        # whether or not a worker ever reads them); per_step stays with serve()'s result
+        final = {k: v for k, v in self.stats().items() if k != "per_step"}
+        self.final_sends = [self.comm.isend(final, dest=rank, tag=self.tags[Tag.INFO])
+                            for rank in self.worker_ranks]
         self.finished = True
 
     # -- requests -------------------------------------------------------------------------
@@ -229,6 +232,8 @@ class Coordinator:
                 f"{sorted(c.closed)}")
 
     def finish(self) -> None:
+        for req in self.final_sends:     # done, or done once the worker reads it
+            req.Free()
         for req in self.notice_reqs:
             if req.Test() is False:
                 req.Cancel()
