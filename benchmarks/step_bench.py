@@ -124,11 +124,14 @@ def sync_steps(cluster, args, numel: int) -> tuple[list[float], dict]:
         named_parameters=model.named_parameters(), cluster=cluster)
     times = []
     for i in range(args.warmup + args.steps):
-        # set_to_none=False: gradients written in place (not by backward) must count as
-        # present, else the ps skips them (see benchmarks/README.md)
+        # set_to_none=False: after the first step the gradients are views into the send
+        # buffers, written in place (see benchmarks/README.md); torch's first one is None
         opt.zero_grad(set_to_none=False)
         for p in model.parameters():
-            p.grad.fill_(1.0)
+            if p.grad is None:
+                p.grad = torch.ones_like(p)
+            else:
+                p.grad.fill_(1.0)
         start = time.perf_counter()
         opt.step()
         if i >= args.warmup:

@@ -247,8 +247,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if self.stopped:
             return loss
         dense = self._dense
+        written = self._tracker.written()   # first: a parameter given a new tensor is checked
         dense.gather()
-        written = self._tracker.written()
         self._spec.hyper.encode(self.param_groups, *dense.hyper_out)
         flags = FLAG_SCHEDULED if self._mpisync_schedules.follows_global_step else 0
         self._seq += 1
@@ -370,11 +370,17 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             for name, value in extra.get("averages", {}).items():
                 pieces[self.plan.owner(name)]["averages"][name] = value
             payload = (pieces, step)
+        written = self._tracker.written()    # model.load_state_dict() just before: kept
+        kept = [self._dense.pviews[i].clone() for i in written]
         self._request(Kind.LOAD, payload)
         err = self._answer(self.cluster.coordinator_rank, "ps 0's answer to load_state_dict")
         if err is not None:
             raise err
         self._receive(count=False)
+        with torch.no_grad():
+            for i, value in zip(written, kept):
+                self._dense.pviews[i].copy_(value)
+        self._tracker.mark(written)          # they travel with the next step
         self._mpisync_schedules.rebase(self.global_step)
 
     def _check_state(self, state_dict: dict) -> None:
@@ -440,6 +446,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         ``averages()`` returns.
         """
         averages = self.averages()
+        pending = self._tracker.written()    # writes made before the block still travel
         pairs = [(p, averages[n]) for n, p in zip(self._names, self._params) if n in averages]
         with torch.no_grad():
             saved = [p.detach().clone() for p, _ in pairs]
@@ -453,7 +460,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 for (p, _), old in zip(pairs, saved):
                     p.copy_(old)
-            self._tracker.snapshot()       # the parameters are back as the ps holds them
+            self._tracker.snapshot()       # the swaps are not writes ...
+            self._tracker.mark(pending)    # ... but what was written before the block is
 
     def close(self) -> None:
         """Leave the job. Call on every worker; the last one out stops the ps ranks.

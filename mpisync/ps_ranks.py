@@ -1,6 +1,7 @@
 """Roles: the rank layout, the communicators, failure handling, and the ps serve loop."""
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -150,6 +151,7 @@ class Cluster:
         self.stats: dict | list | None = None
         self.optimizers: list = []       # this worker's optimizers, in creation order
         self.closed = False
+        self.left = False
         self._guarded = None
 
     @property
@@ -201,33 +203,51 @@ class Cluster:
         return f"{role} (rank {self.rank} on {self.host})"
 
     def serve(self) -> dict | list[dict]:
-        """Run this ps rank until the workers closed every optimizer; return the statistics.
+        """Serve every optimizer the workers create, until every worker left the job.
 
-        Blocks. Call on every ps rank (workers call ``SyncReplicasOptimizer.close()``).
-        Returns the final step statistics of the optimizer it served, or a list of them
-        in creation order when the workers ran several optimizers side by side. A program
-        that creates optimizers one after another calls ``serve()`` once for each.
+        Blocks. Call once on every ps rank. Workers train, ``close()`` their optimizers
+        and leave the job with ``cluster.close()`` or by ending (mpisync sends the word at
+        exit). Returns the final step statistics of the optimizer served, or a list of
+        them in creation order when the workers created several (side by side, like a
+        GAN's two, or one after another).
 
         Raises:
-            RuntimeError: on a worker rank, or after ``close()``.
+            RuntimeError: on a worker rank, when called again, or after ``close()``.
         """
         if not self.is_ps:
             raise RuntimeError(f"{self.label}: serve() is for ps ranks; workers train and "
                                f"then call opt.close()")
         self._check_open("serve")
+        if self.stats is not None:
+            raise RuntimeError(f"{self.label}: serve() already returned: every worker has "
+                               f"left the job")
         from .ps.loop import serve  # late: the ps side pulls in torch
 
         self.stats = serve(self)
         return self.stats
+
+    def _leave(self) -> None:
+        """A worker tells every ps rank that it leaves the job (once)."""
+        if self.is_ps or self.left or self.closed or MPI.Is_finalized():
+            return
+        for opt in list(self.optimizers):
+            opt._atexit()                # an open optimizer closes first
+        self.left = True
+        for rank in self.layout.ps_ranks:
+            self.p2p_comm.send(None, dest=rank, tag=Tag.DONE)
 
     def _check_open(self, what: str) -> None:
         if self.closed:
             raise RuntimeError(f"{self.label}: {what}() after cluster.close()")
 
     def close(self) -> None:
-        """Free the communicators this cluster created. Call on every rank, at the end."""
+        """Leave the job and free the communicators this cluster created.
+
+        Call on every rank, at the end (a worker's optimizers close first).
+        """
         if self.closed or MPI.Is_finalized():
             return
+        self._leave()
         self.closed = True
         for comm in (self.p2p_comm, self._worker_comm, self.ps_comm):
             if comm != MPI.COMM_NULL:
@@ -287,6 +307,7 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
     hosts = comm.allgather(socket.gethostname())
     layout = RankLayout.choose(hosts, num_ps, os.environ)
     _current = Cluster(comm, layout, DEFAULT_TIMEOUT if timeout is None else float(timeout))
+    atexit.register(_current._leave)      # a worker that ends leaves the job
     return _current
 
 

@@ -60,6 +60,11 @@ class WriteTracker:
         if _rebound:
             _rebound.difference_update(id(p) for p in self.params)
 
+    def mark(self, indices: list[int]) -> None:
+        """Count these parameters as written, whatever happens until the next snapshot."""
+        for i in indices:
+            self.versions[i] = -1
+
     def written(self) -> list[int]:
         """Indices of the parameters written since the last snapshot."""
         changed = [i for i, (p, v) in enumerate(zip(self.params, self.versions))

@@ -37,6 +37,7 @@ class Tag:
     """
 
     SETUP = 11      # pickled: chief -> ps (spec or error), then raw initial parameters
+    DONE = 12       # empty: a worker leaves the job (cluster.close() or its exit)
     ERROR = 19      # pickled failure notice: any rank -> any rank
     GRAD = 0        # fused gradients, or a bare header (CLOSE): worker -> ps
     ASSIGN = 1      # parameters written on a worker between steps: worker -> ps

@@ -80,44 +80,75 @@ def _setup(cluster, poller: Poller, message) -> Job:
     return Job(cluster, decode(data), pieces[cluster.ps_index], poller)
 
 
-def serve(cluster) -> dict | list[dict]:
-    """Serve until every optimizer the workers set up has been closed by all of them."""
-    poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label,
-                    spin_seconds(cluster.oversubscribed))
-    chief = cluster.layout.chief_rank
-    first = poller.wait_message(chief, Tag.SETUP, lambda: "the chief's model setup",
-                                timeout=max(SETUP_TIMEOUT, cluster.timeout))
-    job = _setup(cluster, poller, first)
-    jobs = {job.spec.opt_id: job}
-    results: list[tuple[int, dict]] = []
-    last_progress = time.monotonic()
-    next_warning = STALL_WARNING
-    while jobs:
-        progressed = False
-        msg = cluster.p2p_comm.improbe(source=chief, tag=Tag.SETUP)
+class _Serving:
+    """What one ps rank serves: the open jobs, the finished ones, the workers still there."""
+
+    def __init__(self, cluster, poller: Poller):
+        self.cluster, self.poller = cluster, poller
+        self.jobs: dict[int, Job] = {}
+        self.results: list[tuple[int, dict]] = []
+        self.left: set[int] = set()           # workers that left the job (DONE)
+
+    @property
+    def over(self) -> bool:
+        return not self.jobs and len(self.left) == self.cluster.num_workers
+
+    def turn(self) -> bool:
+        """Set up new optimizers, note workers that left, turn every open job."""
+        comm, layout, progressed = self.cluster.p2p_comm, self.cluster.layout, False
+        status = MPI.Status()
+        msg = comm.improbe(source=layout.chief_rank, tag=Tag.SETUP)
         if msg is not None:
-            job = _setup(cluster, poller, msg.recv())
-            jobs[job.spec.opt_id] = job
+            job = _setup(self.cluster, self.poller, msg.recv())
+            self.jobs[job.spec.opt_id] = job
             progressed = True
-        for opt_id, job in list(jobs.items()):
+        msg = comm.improbe(source=MPI.ANY_SOURCE, tag=Tag.DONE, status=status)
+        if msg is not None:
+            msg.recv()
+            self.left.add(layout.worker_ranks.index(status.Get_source()))
+            progressed = True
+        for opt_id, job in list(self.jobs.items()):
             progressed |= job.turn()
             if job.done:
-                results.append((opt_id, job.finish()))
-                del jobs[opt_id]
-        if progressed:
+                self.results.append((opt_id, job.finish()))
+                del self.jobs[opt_id]
+        return progressed
+
+    def check_idle(self, idle_s: float, warned_at: float) -> float:
+        """Warn about a wait, or end it with a StallError; the next warning's time."""
+        label = self.cluster.label
+        if not self.jobs:
+            limit = max(SETUP_TIMEOUT, self.poller.timeout)
+            if idle_s > limit:
+                missing = sorted(set(range(self.cluster.num_workers)) - self.left)
+                raise StallError(f"{label}: no optimizer was set up and workers {missing} did "
+                                 f"not leave the job within {limit:g} s "
+                                 f"(MPISYNC_SETUP_TIMEOUT)")
+            return warned_at
+        if idle_s > self.poller.timeout:
+            raise StallError(f"{label}: no message for {self.poller.timeout:g} s "
+                             f"(MPISYNC_TIMEOUT); {_describe(self.jobs)}")
+        if idle_s > warned_at:
+            print(f"[mpisync] {label}: nothing arrived for {idle_s:.0f} s; "
+                  f"{_describe(self.jobs)}", file=sys.stderr, flush=True)
+            return warned_at + STALL_WARNING
+        return warned_at
+
+
+def serve(cluster) -> dict | list[dict]:
+    """Serve every optimizer the workers set up, until every worker left the job."""
+    poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label,
+                    spin_seconds(cluster.oversubscribed))
+    serving = _Serving(cluster, poller)
+    last_progress, warned_at = time.monotonic(), STALL_WARNING
+    while not serving.over:
+        if serving.turn():
             poller.busy()
-            last_progress, next_warning = time.monotonic(), STALL_WARNING
+            last_progress, warned_at = time.monotonic(), STALL_WARNING
             continue
         poller.idle()
-        idle_s = time.monotonic() - last_progress
-        if idle_s > poller.timeout:
-            raise StallError(f"{cluster.label}: no message for {poller.timeout:g} s "
-                             f"(MPISYNC_TIMEOUT); {_describe(jobs)}")
-        if idle_s > next_warning:
-            next_warning += STALL_WARNING
-            print(f"[mpisync] {cluster.label}: nothing arrived for {idle_s:.0f} s; "
-                  f"{_describe(jobs)}", file=sys.stderr, flush=True)
-    stats = [s for _, s in sorted(results, key=lambda r: r[0])]
+        warned_at = serving.check_idle(time.monotonic() - last_progress, warned_at)
+    stats = [s for _, s in sorted(serving.results, key=lambda r: r[0])]
     return stats[0] if len(stats) == 1 else stats
 
 

@@ -30,6 +30,7 @@ class Case:
     order: str = "first"                  # zero_grad before backward, or "last": after step
     write: Callable[[torch.nn.Module, int], None] | None = None   # after each step t
     before: Callable[[torch.nn.Module], None] | None = None       # after wrapping
+    restore: Callable | None = None       # restore(model, optimizer), after wrapping
     per_worker: Callable[[torch.nn.Module, int], None] | None = None   # before wrapping
     model: Callable[[], torch.nn.Module] | None = None
     trained: Callable[[torch.nn.Module], list] | None = None      # named_parameters given
@@ -123,6 +124,19 @@ def load_other(m):
     m.load_state_dict(other.state_dict())      # torch's usual restore order: after the optimizer
 
 
+def restore_both(m, opt):
+    """torch's usual restore order: the model's state, then the optimizer's."""
+    ck = mlp()
+    ck_opt = torch.optim.Adam(ck.parameters(), lr=0.01)
+    x, y = dataset(12, seed=7, dtype=F64)
+    for _ in range(2):
+        ck_opt.zero_grad()
+        torch.nn.functional.cross_entropy(ck(x), y).backward()
+        ck_opt.step()
+    m.load_state_dict(ck.state_dict())
+    opt.load_state_dict(ck_opt.state_dict())
+
+
 def bump_counts(m, t):
     with torch.no_grad():
         m.counts.add_(1)                        # integer parameters are written, never updated
@@ -184,6 +198,7 @@ CASES = [
          model=WithExtras, zero="zeros", order="last"),
     # 4. writes to parameters between steps
     Case("load-state-after-wrapping", adam(), before=load_other),
+    Case("restore-model-then-optimizer", adam(), restore=restore_both, order="last"),
     Case("clamp-through-data", sgd(momentum=0.9), write=clamp_data),
     Case("clamp-no-grad", adam(), write=clamp_no_grad, zero="zeros"),
     Case("assign-data", sgd(momentum=0.9), write=assign_data, order="last"),
@@ -251,6 +266,8 @@ def reference(case: Case) -> dict:
     sched = case.scheduler(opt) if case.scheduler else None
     if case.before:
         case.before(m)
+    if case.restore:
+        case.restore(m, opt)
     for t, (xb, yb) in enumerate(batches(case.steps)):
         applied = loop_step(case, m, opt, sched, t, xb, yb, opt.zero_grad)
     return dict(snapshot(m, opt), applied=applied)

@@ -43,18 +43,18 @@ def emit(**record) -> None:
     print("RESULT " + line, flush=True)
 
 
-def run(worker: Callable, serve_times: int = 1, num_ps: int | None = None) -> None:
+def run(worker: Callable, num_ps: int | None = None) -> None:
     """The skeleton of every test program: ps ranks serve and report, workers train.
 
     ``worker(cluster)`` trains on a worker and returns a record (or None); each ps rank
-    serves ``serve_times`` optimizers one after another and reports its statistics.
+    serves every optimizer the workers create and reports each one's statistics.
     """
     import mpisync
 
     cluster = mpisync.init(num_ps=num_ps)
     if cluster.is_ps:
-        for _ in range(serve_times):
-            stats = cluster.serve()
+        served = cluster.serve()
+        for stats in served if isinstance(served, list) else [served]:
             emit(role="ps", ps=cluster.ps_index, global_step=stats["global_step"],
                  stats=stats if cluster.ps_index == 0 else None)
         return

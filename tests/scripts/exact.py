@@ -19,6 +19,8 @@ def train(cluster, name: str) -> dict:
     sched = case.scheduler(opt) if case.scheduler else None
     if case.before:
         case.before(m)
+    if case.restore:
+        case.restore(m, opt)
     rows = slice(w * BATCH, (w + 1) * BATCH)
     for t, (xb, yb) in enumerate(batches(case.steps)):
         applied = loop_step(case, m, opt, sched, t, xb[rows], yb[rows], opt.zero_grad)
@@ -39,4 +41,4 @@ def worker(cluster):
 
 
 if __name__ == "__main__":
-    run(worker, serve_times=len(sys.argv) - 1)
+    run(worker)

@@ -62,7 +62,7 @@ def main() -> None:
         rng = random.Random(1234)            # the same draws on every worker
         return {"rounds": [one_round(cluster, r, rng) for r in range(args.rounds)]}
 
-    run(worker, serve_times=args.rounds)
+    run(worker)
 
 
 if __name__ == "__main__":
