@@ -5,6 +5,7 @@ from . import placement
 from .errors import (
     ClosedError,
     ConfigError,
+    DeadlockError,
     ModelMismatchError,
     PeerError,
     ProtocolError,
@@ -18,6 +19,7 @@ __all__ = [
     "ClosedError",
     "Cluster",
     "ConfigError",
+    "DeadlockError",
     "ModelMismatchError",
     "PeerError",
     "ProtocolError",

@@ -28,6 +28,8 @@ class Action:
       STOP      send token STOP(``step``) to ``workers``;
       LOAD      every open worker (``workers``) asked to load a state: load it on every
                 ps, then call ``loaded()``;
+      FAIL      no step can ever complete: ``workers`` wait inside ``step()`` for workers
+                that are in a collective among the workers (``taken`` lists those);
       SHUTDOWN  every worker has closed: stop the ps ranks.
     """
 
@@ -87,6 +89,8 @@ class StepCoordinator:
         self.dropped_total = [0] * num_workers
         self.decided: tuple[int, ...] = ()        # taken counts of the step being applied
         self.loading: set[int] = set()            # asked to load a state, waiting for all
+        self.parked: set[int] = set()             # in a collective among the workers
+        self.failed = False
         self.asynchronous = asynchronous
         self.max_staleness = max_staleness
         self.queue: list[int] = []         # async: pushed while applying, in arrival order
@@ -131,7 +135,7 @@ class StepCoordinator:
                 self.computing.add(worker)
                 return [Action(Kind.GRANT, step, (worker,))]
             self.waiting.append(worker)
-            return self._check_stall()
+            return self._check_stall() + self._check_deadlock()
         # stale: computed at an older step, or arrived after its step closed
         self._record(step).dropped.append(worker)
         self.dropped_total[worker] += 1
@@ -164,7 +168,27 @@ class StepCoordinator:
             actions += self._release_held()
             if self.queue:
                 actions += self._decide_alone(self.queue.pop(0))
-        return actions + self._check_stall() + self._check_shutdown()
+        return actions + self._check_stall() + self._check_shutdown() + self._check_deadlock()
+
+    def park(self, worker: int) -> list[Action]:
+        """Worker ``worker`` waits for the others in a collective: it pushes nothing now."""
+        self.parked.add(worker)
+        return self._check_deadlock()
+
+    def unpark(self, worker: int) -> None:
+        """Worker ``worker`` left the collective."""
+        self.parked.discard(worker)
+
+    def _check_deadlock(self) -> list[Action]:
+        """Workers wait inside step() for gradients only workers in a collective could give."""
+        if self.failed or self.applying or self.queue or not self.parked:
+            return []
+        blocked = set(self.waiting) | self.held | self.loading
+        if not blocked or self.computing - self.parked - self.loading:
+            return []
+        self.failed = True
+        return [Action(Kind.FAIL, self.global_step, tuple(sorted(blocked)),
+                       tuple(sorted(self.parked)))]
 
     def load(self, worker: int) -> list[Action]:
         """Worker ``worker`` asks to load a state; LOAD once every open worker asked.
@@ -198,7 +222,8 @@ class StepCoordinator:
         self.closed.add(worker)
         self.loading.discard(worker)
         released = self._release_held() if not self.applying else []
-        return released + self._check_load() + self._check_stall() + self._check_shutdown()
+        return (released + self._check_load() + self._check_stall() + self._check_shutdown()
+                + self._check_deadlock())
 
     # -- helpers ------------------------------------------------------------------------
     def _decide_alone(self, worker: int) -> list[Action]:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .errors import ProtocolError
+from .errors import DeadlockError, ProtocolError
 from .progress import Poller
 from .spec import JobSpec
 from .wire import (
@@ -197,8 +197,10 @@ class DenseChannel:
         return set(by_ps)
 
     def pull(self, on_hyper: Callable[[int], tuple[np.ndarray, np.ndarray]] | None
-             ) -> tuple[int, int, float]:
-        """Wait for the token and, with it, the parameters; (kind, step, seconds waited).
+             ) -> tuple[int, int, bool, float]:
+        """Wait for the token and, with it, the parameters.
+
+        Returns (kind, step, whether the step took this worker's gradient, seconds waited).
 
         A HYPER token (asynchronous mode) asks for the hyper-parameters of the step that
         applies this worker's gradient: ``on_hyper(step)`` gives them, and the wait goes on.
@@ -224,11 +226,14 @@ class DenseChannel:
             for r in self.recvs:
                 r.Cancel()
             MPI.Request.Waitall(self.recvs)
+            if kind == Kind.FAIL:
+                raise DeadlockError(self.poller.wait_message(
+                    self.cluster.coordinator_rank, self.tags[Tag.INFO], lambda: "the reason"))
             if kind not in (Kind.GRANT, Kind.STOP):
                 raise ProtocolError(f"{self.label}: unknown token kind {kind}")
         poller.wait_all(self.sends + self.pending, lambda: "gradient sends")
         self.pending = []
-        return kind, step, time.perf_counter() - start
+        return kind, step, bool(self.token[2]), time.perf_counter() - start
 
     def _send_hyper(self, step: int, hyper: tuple[np.ndarray, np.ndarray]) -> None:
         words, codes = hyper

@@ -4,6 +4,7 @@ from __future__ import annotations
 __all__ = [
     "ClosedError",
     "ConfigError",
+    "DeadlockError",
     "ModelMismatchError",
     "PeerError",
     "ProtocolError",
@@ -39,6 +40,10 @@ class ConfigError(_Collective, ValueError):
 
 class ModelMismatchError(_Collective, ValueError):
     """Workers disagree on parameter names, shapes or dtypes."""
+
+
+class DeadlockError(_Collective, RuntimeError):
+    """No step can complete: workers inside step() wait for workers in a collective."""
 
 
 class ClosedError(RuntimeError):

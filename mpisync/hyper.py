@@ -19,16 +19,16 @@ _TENSOR_CODE = {dtype: TENSOR + i for i, dtype in enumerate(_DTYPES)}
 def _is_leaf(v) -> bool:
     """A value that travels: a real number or a 0-dim tensor of a real dtype."""
     if isinstance(v, torch.Tensor):
-        return v.dim() == 0 and v.dtype in _TENSOR_CODE
+        return v.numel() == 1 and v.dtype in _TENSOR_CODE
     return isinstance(v, numbers.Real)
 
 
 def _encode_leaf(v, where: str) -> tuple[int, int]:
     """(code, int64 bits) of one value; floats keep their float64 bits, exactly."""
     if isinstance(v, torch.Tensor):
-        if v.dim() != 0 or v.dtype not in _TENSOR_CODE:
-            raise TypeError(f"{where} must stay a number or a 0-dim tensor, found a tensor of "
-                            f"shape {list(v.shape)} and dtype {v.dtype}")
+        if v.numel() != 1 or v.dtype not in _TENSOR_CODE:
+            raise TypeError(f"{where} must stay a number or a one-element tensor, found a "
+                            f"tensor of shape {list(v.shape)} and dtype {v.dtype}")
         code = _TENSOR_CODE[v.dtype]
         v = v.item()
     elif isinstance(v, (bool, np.bool_)):
@@ -54,7 +54,7 @@ def _decode_leaf(code: int, bits: np.int64, current):
         return bool(bits)
     dtype = _DTYPES[code - TENSOR]
     value = float(bits.view(np.float64)) if dtype.is_floating_point else int(bits)
-    if isinstance(current, torch.Tensor) and current.dtype == dtype and current.dim() == 0:
+    if isinstance(current, torch.Tensor) and current.dtype == dtype and current.numel() == 1:
         current.fill_(value)         # as torch's schedulers do: whoever holds it sees the change
         return current
     return torch.tensor(value, dtype=dtype)
@@ -67,7 +67,8 @@ class HyperCodec:
     Built from the param groups as the optimizer was created. Each slot is
     ``(group, key, container, length)``: ``container`` is ``None`` for one value, or
     ``"tuple"``/``"list"`` for a sequence of ``length`` values (Adam's ``betas``). A value
-    is a number (``bool``, ``int``, ``float``) or a 0-dim tensor, and its type travels
+    is a number (``bool``, ``int``, ``float``) or a one-element tensor (filled in place on
+    the ps, so it keeps its shape there), and its type travels
     with it, so an ``int`` that a scheduler turns into a ``float``, or a tensor changed in
     place, arrives exactly as the worker holds it. Other values (``None``, strings) are
     ``fixed``: they must not change. Keys that appear later (a scheduler's ``initial_lr``)

@@ -401,9 +401,10 @@ def explain_status(status: int, flavor: str) -> str:
     except ValueError:
         name = None
     if name in ("SIGKILL", "SIGSEGV", "SIGBUS", "SIGABRT", "SIGTERM"):
-        text += (f": a rank ended by {name} (signal {signum}) without a Python exception, "
-                 f"so the others were stopped without one either; look above for the "
-                 f"process the launcher names (out of memory kills are {signal.SIGKILL.name})")
+        text += (f": a rank ended by {name} (signal {signum}) or without finishing MPI, "
+                 f"with no Python exception (kill -9, out of memory, os._exit(), a crash in "
+                 f"native code), and the others were stopped; look above for the process "
+                 f"mpiexec names")
     return text
 
 

@@ -10,9 +10,10 @@ import torch
 from mpi4py import MPI
 
 from .channels import DenseChannel, ReplicatedChannel
-from .errors import ClosedError, ConfigError, ModelMismatchError
+from .errors import ClosedError, ConfigError, DeadlockError, ModelMismatchError
 from .progress import Poller, spin_seconds
 from .ps.shard import layouts_of
+from .rebuild import changed_settings, settings_of
 from .routes import REPLICATED
 from .schedule import Schedules, install_hooks
 from .spec import (
@@ -32,6 +33,10 @@ __all__ = ["SyncReplicasOptimizer"]
 
 
 class SyncReplicasOptimizer(torch.optim.Optimizer):
+    # torch.amp.GradScaler then calls step() itself (found_inf set) instead of skipping it
+    # on this worker alone; step() refuses it (see _refuse_grad_scaler)
+    _step_supports_amp_scaling = True
+
     """Synchronous data-parallel training with the model held on parameter-server ranks.
 
     Each ``step()`` sends, to every ps rank, one fused buffer holding the gradients that
@@ -143,6 +148,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                           [by_name[n] for n in routes.names(REPLICATED)]).setup()
         self._tracker = WriteTracker(self._dense.names, self._dense.params, self._dense.pviews,
                                      cluster.label)
+        self._settings = settings_of(optimizer)
         install_hooks()
         self._mpisync_schedules = Schedules(schedule, 0)
         self.stopped = False
@@ -228,7 +234,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._check_open("zero_grad")
         self._dense.zero_grad(set_to_none)
 
-    def step(self, closure: Callable | None = None):
+    def step(self, closure: Callable | None = None, **kwargs):
         """Push this worker's gradients, wait for the token, pull the new parameters.
 
         Parameters written since the last step travel first and replace the ps ranks'
@@ -237,6 +243,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         Returns the closure's loss, if a closure is given.
         """
         self._check_open("step")
+        if kwargs or getattr(self, "found_inf", None) is not None:
+            self._refuse_grad_scaler(kwargs)
         if self._averaged:
             raise RuntimeError(f"{self.cluster.label}: step() inside averaged(): the model "
                                f"holds the moving averages there, not the parameters")
@@ -246,6 +254,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self.stopped:
             return loss
+        if self._settings:
+            self._check_settings()
         dense = self._dense
         written = self._tracker.written()   # first: a parameter given a new tensor is checked
         dense.gather()
@@ -253,13 +263,44 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         flags = FLAG_SCHEDULED if self._mpisync_schedules.follows_global_step else 0
         self._seq += 1
         dense.push(self.global_step, self.cluster.worker_index, self._seq, flags, written)
-        self._receive()
+        taken = self._receive()
+        if written and not taken and not self._spec.asynchronous:
+            names = [dense.names[i] for i in written]
+            warnings.warn(f"{self.cluster.label}: the step did not take this worker's gradient "
+                          f"(it came too late), so the writes to {names} that travelled with "
+                          f"it were dropped too; write parameters on every worker",
+                          RuntimeWarning, stacklevel=2)
         return loss
 
-    def _receive(self, count: bool = True) -> None:
-        """Wait for the token; with it come the parameters of the new global step."""
+    def _refuse_grad_scaler(self, kwargs: dict) -> None:
+        if set(kwargs) - {"grad_scaler"}:
+            raise TypeError(f"{self.cluster.label}: step() got unexpected arguments "
+                            f"{sorted(kwargs)}")
+        raise ConfigError(
+            f"{self.cluster.label}: torch.amp.GradScaler is not supported yet: each worker "
+            f"would skip the steps its own gradients overflow in, and the workers would "
+            f"drift apart. Train in float32, or with bfloat16 autocast (no scaler needed)",
+            collective=True)
+
+    def _check_settings(self) -> None:
+        """The wrapped optimizer's attributes are the ps ranks' since set-up: unchanged."""
+        changed = changed_settings(self._settings, self._opt)
+        if changed:
+            name = changed[0]
+            raise ConfigError(
+                f"{self.cluster.label}: the wrapped {type(self._opt).__name__}'s attribute "
+                f"{name!r} changed from {self._settings[name]!r} to "
+                f"{getattr(self._opt, name, '<deleted>')!r} after the SyncReplicasOptimizer was "
+                f"created; the ps ranks rebuilt the optimizer with the old value. Keep values "
+                f"that change during training in param_groups: they travel with every step")
+
+    def _receive(self, count: bool = True) -> bool:
+        """Wait for the token; with it come the parameters of the new global step.
+
+        Returns whether the step took this worker's gradient.
+        """
         on_hyper = self._hyper_at if self._spec.asynchronous else None
-        kind, step, waited = self._dense.pull(on_hyper)
+        kind, step, taken, waited = self._dense.pull(on_hyper)
         if kind == Kind.STOP:
             self.stopped = True
         self.global_step = step
@@ -268,6 +309,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             self._mpisync_schedules.note_step(step)
             self._steps += 1
             self._wait_s += waited
+        return taken
 
     def _hyper_at(self, step: int):
         """Asynchronous mode: the hyper-parameters at the step that applies our gradient."""
@@ -279,16 +321,16 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if self._closed:
             raise ClosedError(f"{self.cluster.label}: {what}() called after close()")
 
-    def _collective_hazard(self) -> str | None:
-        """Why a collective among the workers could hang now, or None."""
-        spec = self._spec
-        if self._closed or not (spec.asynchronous or spec.num_tokens
-                                or spec.replicas_to_aggregate < spec.num_workers):
-            return None
-        mode = ("asynchronous mode" if spec.asynchronous else
-                f"replicas_to_aggregate={spec.replicas_to_aggregate} of "
-                f"{spec.num_workers} workers, num_tokens={spec.num_tokens}")
-        return f"this worker's SyncReplicasOptimizer ({mode}) is open"
+    def _park(self, parked: bool) -> None:
+        """This worker is (no longer) in a collective among the workers: it pushes nothing."""
+        self._request(Kind.PARK if parked else Kind.UNPARK)
+
+    def _raise_if_failed(self, method: str) -> None:
+        """While in a collective: raise if ps 0 found that no step can complete."""
+        msg = self.cluster.p2p_comm.improbe(source=self.cluster.coordinator_rank,
+                                            tag=self._info_tag)
+        if msg is not None:
+            raise DeadlockError(f"{msg.recv()} (this worker is in worker_comm.{method}())")
 
     def _request(self, *req) -> None:
         self.cluster.p2p_comm.send(req, dest=self.cluster.coordinator_rank, tag=self._req_tag)

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
-from .errors import WorldTooSmallError
+from .errors import StallError, WorldTooSmallError
 from .guard import GuardedComm
-from .progress import DEFAULT_TIMEOUT
+from .progress import DEFAULT_TIMEOUT, Poller, spin_seconds
 from .wire import Tag
 
 if TYPE_CHECKING:
@@ -147,6 +147,9 @@ class Cluster:
         self.host = socket.gethostname()
         self.p2p_comm = comm.Dup()
         self._worker_comm, self.ps_comm = comm_split(comm, layout)
+        self._meet_comm = (MPI.COMM_NULL if self._worker_comm == MPI.COMM_NULL
+                           else self._worker_comm.Dup())
+        self._meet_poller = None
         self.local_ranks, self.local_cores = _host_load(comm)
         self.stats: dict | list | None = None
         self.optimizers: list = []       # this worker's optimizers, in creation order
@@ -158,26 +161,40 @@ class Cluster:
     def worker_comm(self) -> MPI.Comm:
         """The workers' communicator, for the user's own collectives between workers.
 
-        Its collectives refuse to start while an optimizer with backup workers,
-        ``num_tokens`` or asynchronous mode is open on this worker: workers then run
-        different numbers of steps, and a collective could wait forever for a worker
-        blocked in ``step()``. Close the optimizer on every worker first.
+        Before each collective the workers meet (a barrier on a private communicator), and
+        while this worker waits there its open optimizers know it pushes nothing: if a
+        worker inside ``step()`` then waits for a step that only the waiting workers could
+        complete (the workers ran different numbers of steps), every worker involved gets
+        a ``DeadlockError`` saying so, instead of waiting forever. Close the optimizer on
+        every worker before collectives at the end of training.
         """
         if self._worker_comm == MPI.COMM_NULL:
             return MPI.COMM_NULL
         if self._guarded is None:
-            self._guarded = GuardedComm(self._worker_comm, self._check_collective)
+            self._guarded = GuardedComm(self._worker_comm, self._before_collective)
         return self._guarded
 
-    def _check_collective(self, method: str) -> None:
-        for opt in self.optimizers:
-            reason = opt._collective_hazard()
-            if reason:
-                raise RuntimeError(
-                    f"{self.label}: worker_comm.{method}() while {reason}: workers run "
-                    f"different numbers of steps, so a worker still inside step() could wait "
-                    f"forever for a step this worker will not join. End training with "
-                    f"opt.close() on every worker, then use worker_comm")
+    def _before_collective(self, method: str) -> None:
+        """Meet every worker before a collective, watching for steps that cannot complete."""
+        open_optimizers = [o for o in self.optimizers if not o._closed]
+        for opt in open_optimizers:
+            opt._park(True)
+        if self._meet_poller is None:
+            self._meet_poller = Poller(self.p2p_comm, self.timeout, self.label,
+                                       spin_seconds(self.oversubscribed))
+        poller = self._meet_poller
+        req = self._meet_comm.Ibarrier()
+        start = time.monotonic()
+        while not req.Test():
+            for opt in open_optimizers:
+                opt._raise_if_failed(method)
+            poller.idle()
+            if time.monotonic() - start > poller.timeout:
+                raise StallError(f"{self.label}: worker_comm.{method}(): the other workers did "
+                                 f"not reach it within {poller.timeout:g} s (MPISYNC_TIMEOUT)")
+        poller.busy()
+        for opt in open_optimizers:
+            opt._park(False)
 
     @property
     def oversubscribed(self) -> bool:
@@ -249,7 +266,7 @@ class Cluster:
             return
         self._leave()
         self.closed = True
-        for comm in (self.p2p_comm, self._worker_comm, self.ps_comm):
+        for comm in (self.p2p_comm, self._meet_comm, self._worker_comm, self.ps_comm):
             if comm != MPI.COMM_NULL:
                 comm.Free()
 

@@ -24,7 +24,8 @@ import torch
 
 from mpisync.errors import ConfigError
 
-__all__ = ["TORCH_BOOKKEEPING", "OptimizerRecipe", "recipe_of"]
+__all__ = ["TORCH_BOOKKEEPING", "OptimizerRecipe", "changed_settings", "recipe_of",
+           "settings_of"]
 
 #: Attributes that ``torch.optim.Optimizer`` (or torch's LR schedulers and AMP support) keeps on
 #: every optimizer: they are not configuration, so they are neither compared nor copied. An
@@ -182,6 +183,34 @@ def recipe_of(optimizer: torch.optim.Optimizer, name_of: dict[int, str]) -> Opti
     return recipe
 
 
+def settings_of(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A copy of the optimizer's attributes that hold plain values (no tensors).
+
+    The ps ranks rebuild the optimizer with them at set-up; ``changed_settings`` tells
+    which were changed on the worker since.
+    """
+    return {k: copy.deepcopy(v) for k, v in _config_attrs(optimizer).items()
+            if not _holds_tensor(v, 0)}
+
+
+def changed_settings(settings: dict[str, Any], optimizer: torch.optim.Optimizer) -> list[str]:
+    """Names of the attributes in ``settings`` whose value on ``optimizer`` differs now."""
+    now = vars(optimizer)
+    return [k for k, v in settings.items() if k not in now or not _same(now[k], v, {})]
+
+
+def _holds_tensor(value: Any, depth: int) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth > _MAX_DEPTH:
+        return False
+    if isinstance(value, dict):
+        value = list(value.keys()) + list(value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_holds_tensor(x, depth + 1) for x in value)
+    return False
+
+
 class _CallFailed(Exception):
     """Calling the constructor again does not rebuild the optimizer; ``reason`` says why."""
 
@@ -191,7 +220,11 @@ class _CallFailed(Exception):
 
 
 def _check_first_order(cls: type, label: str) -> None:
-    """Refuse an optimizer whose ``step`` requires a closure."""
+    """Refuse an optimizer whose ``step`` requires a closure, and SparseAdam."""
+    if issubclass(cls, torch.optim.SparseAdam):
+        raise ConfigError(
+            f"{label} needs sparse gradients, which mpisync does not carry yet: use "
+            "torch.optim.Adam, with nn.Embedding(sparse=False)")
     try:
         signature = inspect.signature(cls.step)
     except (TypeError, ValueError):

@@ -79,6 +79,9 @@ class Kind(enum.IntEnum):
     CLOSED = 16     # notice: the coordinator's shard got a CLOSE
     HYPER = 17      # token: send the hyper-parameters for step `step` / their reply
     ASSIGN = 18     # worker -> ps: parameters written on the worker
+    FAIL = 19       # token: no step can complete (a reason follows on INFO)
+    PARK = 20       # request: this worker is in a collective among the workers
+    UNPARK = 21     # request: ... and left it
 
 
 #: Flags in a gradient header.

@@ -840,3 +840,37 @@ def test_async_accumulator_takes_the_oldest_gradient_of_each_worker():
     assert acc.advance(6, (0, 1, 0)) == ["w1-new"]
     assert acc.advance(7, (1, 0, 0)) == ["w0"]
     assert not acc.ready(8, (1, 0, 0))
+
+
+# -- collectives among the workers: parked workers push nothing ---------------------------
+def test_a_step_that_only_parked_workers_could_complete_fails():
+    c = started(2, 2)
+    assert c.push(1, 0) == []
+    assert c.park(0) == [Action(Kind.FAIL, 0, (1,), (0,))]
+    assert c.park(0) == []                    # said once
+
+
+def test_parking_is_harmless_when_every_worker_meets():
+    c = started(2, 2)
+    assert c.park(0) == [] and c.park(1) == []
+    c.unpark(0)
+    c.unpark(1)
+    assert c.push(0, 0) == [] and c.push(1, 0) == [decide(0, (0, 1), (1, 1))]
+
+
+def test_backup_workers_complete_steps_while_one_is_parked():
+    c = started(3, 2)
+    assert c.park(0) == []
+    assert c.push(1, 0) == []
+    assert c.push(2, 0) == [decide(0, (1, 2), (0, 1, 1))]
+    assert c.applied((1, 2)) == [token(1, (1, 2))]
+    assert c.push(1, 1) == []
+    assert c.park(2) == [Action(Kind.FAIL, 1, (1,), (0, 2))]
+
+
+def test_a_held_async_worker_waiting_for_a_parked_one_fails():
+    c = async_started(2, max_staleness=0)
+    c.push(1, 0)
+    c.applied(())                              # worker 1 is held: 0 must catch up first
+    assert c.held == {1}
+    assert c.park(0) == [Action(Kind.FAIL, 1, (1,), (0,))]

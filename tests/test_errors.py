@@ -104,6 +104,32 @@ def test_an_optimizer_that_needs_a_closure_is_refused_on_every_rank():
                                 r"closure.*use a first-order optimizer", EVERY_RANK)
 
 
+def test_sparse_adam_is_refused_on_every_rank():
+    run = failing("errors.py", 2, 1, ["--case", "sparseadam"])
+    assert_every_rank_says(run, r"ConfigError: .*SparseAdam needs sparse gradients, which "
+                                r"mpisync does not carry yet", EVERY_RANK)
+
+
+def test_an_optimizer_class_only_the_workers_define_is_named_on_the_ps():
+    run = failing("errors.py", 2, 1, ["--case", "class_on_workers_only"])
+    assert re.search(r"ps 0 \(rank 2[^)]*\): ConfigError: .*cannot rebuild the workers' "
+                     r"optimizer here: .*WorkersOnlySGD.*Define the optimizer class where every "
+                     r"rank runs it", run.output), run.describe()
+
+
+def test_an_attribute_changed_after_wrapping_is_refused_at_the_next_step():
+    run = failing("errors.py", 2, 1, ["--case", "attribute_changed"])
+    assert re.search(r"worker \d \(rank \d[^)]*\): ConfigError: .*ScaledSGD's attribute "
+                     r"'scale' changed from 0\.5 to 10\.0 after the SyncReplicasOptimizer was "
+                     r"created.*param_groups", run.output), run.describe()
+
+
+def test_a_grad_scaler_is_refused_on_every_worker():
+    run = failing("errors.py", 2, 1, ["--case", "grad_scaler"])
+    assert_every_rank_says(run, r"ConfigError: .*torch\.amp\.GradScaler is not supported yet",
+                           labels(2, 0))
+
+
 def test_add_param_group_after_wrapping_is_refused_on_every_worker():
     run = failing("errors.py", 2, 1, ["--case", "add_param_group"])
     assert_every_rank_says(run, r"ConfigError: .*add_param_group\(\) after the "
@@ -121,18 +147,36 @@ def test_sparse_gradients_end_the_job_naming_the_parameter():
     assert "Cannot access data pointer" not in run.output
 
 
-def test_a_collective_before_close_with_backup_workers_fails_fast():
-    run = failing("errors.py", 3, 1, ["--case", "collective_too_early"])
-    assert re.search(r"worker 0 \(rank 0[^)]*\): RuntimeError: worker 0 \(rank 0[^)]*\): "
-                     r"worker_comm\.gather\(\) while this worker's SyncReplicasOptimizer "
-                     r"\(replicas_to_aggregate=2 of 3 workers.*\) is open.*End training with "
-                     r"opt\.close\(\) on every worker, then use worker_comm",
-                     run.output), run.describe()
+@pytest.mark.parametrize("case, workers, blocked, parked", [
+    ("collective_deadlock", 3, [2], [0, 1]),     # backup workers: 2 still needs one of 0, 1
+    ("collective_uneven", 2, [1], [0]),          # strict sync: worker 1 has one batch more
+])
+def test_a_collective_that_a_step_waits_for_fails_fast_on_every_worker(case, workers,
+                                                                      blocked, parked):
+    run = failing("errors.py", workers, 1, ["--case", case])
+    reason = (rf"DeadlockError: .*workers {re.escape(str(blocked))} wait inside step\(\) for "
+              rf"global step \d+, which needs gradients from workers "
+              rf"{re.escape(str(parked))}, who are in a collective on worker_comm: the workers "
+              rf"ran different numbers of steps.*opt\.close\(\) on every worker")
+    assert_every_rank_says(run, reason, labels(workers, 0))
+    assert re.search(r"this worker is in worker_comm\.allreduce\(\)", run.output)
+
+
+def test_a_collective_no_step_waits_for_just_waits_for_the_others():
+    run = run_mpi("errors.py", 3, 1, ["--case", "collective_early_but_safe"], timeout=60)
+    assert re.search(r"gathered while open: \[5, \d+, \d+\]", run.output), run.describe()
 
 
 def test_collectives_after_close_are_the_safe_end_of_training():
     run = run_mpi("errors.py", 3, 1, ["--case", "collective_after_close"], timeout=60)
     assert re.search(r"gathered after close: \[5, \d+, \d+\]", run.output), run.describe()
+
+
+def test_a_write_dropped_with_a_late_gradient_is_not_dropped_silently():
+    run = run_mpi("errors.py", 3, 1, ["--case", "dropped_write"], timeout=60)
+    assert re.search(r"RuntimeWarning: worker 2 \(rank 2[^)]*\): the step did not take this "
+                     r"worker's gradient \(it came too late\), so the writes to \['0\.bias'\] "
+                     r"that travelled with it were dropped too", run.output), run.describe()
 
 
 def test_step_after_close_is_a_clear_error():
@@ -188,4 +232,4 @@ def test_a_rank_that_dies_ends_the_whole_job(case):
     assert job.returncode not in (0, 124), job.output
     assert re.search(r"signal 9|Killed", job.output), job.output
     assert re.search(r"mpisync\.launch: the job failed with exit status \d+: a rank ended by "
-                     r"SIGKILL \(signal 9\)", job.output), job.output
+                     r"SIGKILL \(signal 9\) or without finishing MPI", job.output), job.output

@@ -163,7 +163,7 @@ def test_one_process_plays_worker_ps_and_coordinator():
     ps.start()
     try:
         channel.send_initial()
-        assert channel.pull(None)[:2] == (Kind.GO, 0)
+        assert channel.pull(None)[:3] == (Kind.GO, 0, False)
         x = torch.randn(8, 4)
         for step in range(3):
             for m, o in ((net, None), (ref, ref_opt)):
@@ -175,7 +175,7 @@ def test_one_process_plays_worker_ps_and_coordinator():
             channel.gather()
             spec.hyper.encode(opt.param_groups, *channel.hyper_out)
             channel.push(step, 0, step + 1, 0, [])
-            assert channel.pull(None)[:2] == (Kind.GO, step + 1)
+            assert channel.pull(None)[:3] == (Kind.GO, step + 1, True)
             ref_opt.step()
             for (name, p), q in zip(net.named_parameters(), ref.parameters()):
                 assert torch.allclose(p, q, atol=1e-6), (step, name)

@@ -165,8 +165,8 @@ def test_changes_that_cannot_travel_are_named():
     with pytest.raises(TypeError, match=r"param_groups\[0\]\['lr'\] must stay a number, "
                                         r"found 'fast'"):
         codec.values([{"lr": "fast", "foreach": None}])
-    with pytest.raises(TypeError, match=r"must stay a number or a 0-dim tensor, found a "
-                                        r"tensor of shape \[2\]"):
+    with pytest.raises(TypeError, match=r"must stay a number or a one-element tensor, found "
+                                        r"a tensor of shape \[2\]"):
         codec.values([{"lr": torch.ones(2), "foreach": None}])
     with pytest.raises(TypeError, match=r"\['foreach'\] changed from None to True"):
         codec.values([{"lr": 0.1, "foreach": True}])

@@ -65,7 +65,8 @@ class Coordinator:
         self.load_pieces = None
         self.handlers = {Kind.DECIDE: self._decide, Kind.GO: self._go, Kind.REPLY: self._reply,
                          Kind.GRANT: self._grant, Kind.STOP: self._stop,
-                         Kind.LOAD: self._load, Kind.SHUTDOWN: self._shutdown}
+                         Kind.LOAD: self._load, Kind.SHUTDOWN: self._shutdown,
+                         Kind.FAIL: self._fail}
         self.finished = False
         self.final_sends: list = []
 
@@ -166,14 +167,14 @@ class Coordinator:
                                          hyper=(words, codes)))
 
     def _go(self, a: Action) -> None:
-        self._token(Kind.GO, a.step, a.workers)
+        self._token(Kind.GO, a.step, a.workers, arg=1)     # arg 1: their gradients were taken
 
     def _reply(self, a: Action) -> None:
         self._to_shards(self.control.new(Kind.REPLY, a.step, workers=a.workers))
         self._token(Kind.GO, a.step, a.workers)
 
     def _grant(self, a: Action) -> None:
-        self._token(Kind.GRANT, a.step, a.workers)
+        self._token(Kind.GRANT, a.step, a.workers, arg=1)
 
     def _stop(self, a: Action) -> None:
         self._token(Kind.STOP, a.step, a.workers)
@@ -185,6 +186,17 @@ class Coordinator:
         for w in a.workers:
             self.comm.send(None, dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
         self._emit(self.steps.loaded(step))
+
+    def _fail(self, a: Action) -> None:
+        blocked, parked = list(a.workers), list(a.taken)
+        text = (f"{self.label}: workers {blocked} wait inside step() for global step "
+                f"{a.step}, which needs gradients from workers {parked}, who are in a "
+                f"collective on worker_comm: the workers ran different numbers of steps. Give "
+                f"every worker the same number of steps, or end training with opt.close() on "
+                f"every worker before collectives among them")
+        self._token(Kind.FAIL, a.step, blocked)
+        for w in blocked + parked:
+            self.comm.send(text, dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
 
     def _shutdown(self, a: Action) -> None:
         self._to_shards(self.control.new(Kind.SHUTDOWN, a.step))
@@ -200,6 +212,10 @@ class Coordinator:
         kind = req[0]
         if kind == Kind.STATS:
             self.comm.send(self.stats(), dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
+        elif kind == Kind.PARK:
+            self._emit(self.steps.park(w))
+        elif kind == Kind.UNPARK:
+            self.steps.unpark(w)
         elif self.steps.applying:
             self.deferred.append((w, req))   # answered at version global_step, after the apply
         elif kind in (Kind.STATE, Kind.AVERAGES):

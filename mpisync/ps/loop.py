@@ -6,7 +6,7 @@ import time
 
 from mpi4py import MPI
 
-from ..errors import StallError
+from ..errors import ConfigError, StallError
 from ..progress import SETUP_TIMEOUT, STALL_WARNING, Poller, spin_seconds
 from ..spec import decode
 from ..wire import Kind, Tag
@@ -77,7 +77,13 @@ def _setup(cluster, poller: Poller, message) -> Job:
         exc_type, text = message[1]
         raise exc_type(f"{cluster.label}: setup failed: {text}", collective=True)
     _, data, pieces = message
-    return Job(cluster, decode(data), pieces[cluster.ps_index], poller)
+    try:
+        spec = decode(data)
+    except (AttributeError, ImportError) as exc:    # a class the ps ranks do not define
+        raise ConfigError(f"{cluster.label}: cannot rebuild the workers' optimizer here: "
+                          f"{exc}. Define the optimizer class where every rank runs it (at "
+                          f"module level, not only in the workers' branch)") from exc
+    return Job(cluster, spec, pieces[cluster.ps_index], poller)
 
 
 class _Serving:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -12,20 +13,49 @@ from common import dataset, emit, make_optimizer, model
 
 import mpisync
 
+if "class_on_workers_only" in sys.argv:
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_rank() < MPI.COMM_WORLD.Get_size() - 1:   # the workers only
+
+        class WorkersOnlySGD(torch.optim.SGD):
+            pass
+
+
+class ScaledSGD(torch.optim.SGD):
+    """Keeps a constructor argument as an attribute."""
+
+    def __init__(self, params, lr, scale):
+        super().__init__(params, lr=lr)
+        self.scale = scale
+
 
 def train(opt, net, steps: int, w: int) -> None:
     x, y = dataset(64, seed=w)
+    scaler = torch.amp.GradScaler("cpu") if CASE == "grad_scaler" else None
     for i in range(steps):
         if opt.stopped:
             break
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(x[:16]), y[:16]).backward()
+        loss = torch.nn.functional.cross_entropy(net(x[:16]), y[:16])
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            continue
+        loss.backward()
+        if CASE == "attribute_changed" and i == 2:
+            opt._opt.scale = 10.0                 # the user's handle on the wrapped optimizer
         if CASE == "raise" and w == 1 and i == 5:
             raise ValueError("boom on purpose in user code")
         if CASE == "stall" and w == 1 and i == 5:
             time.sleep(30)
         if CASE == "killed" and w == 1 and i == 5:
             os.kill(os.getpid(), signal.SIGKILL)  # dies at once: no excepthook, no atexit
+        if CASE == "dropped_write" and w == 2 and i == 3:
+            time.sleep(1.0)                       # its gradient comes too late ...
+            with torch.no_grad():
+                net[0].bias.add_(1.0)             # ... and so does this write
         opt.step()
 
 
@@ -33,6 +63,12 @@ def optimizer_for(net, w: int, cluster):
     """The optimizer each worker builds; some cases make the workers disagree."""
     if CASE == "lbfgs":
         return torch.optim.LBFGS(net.parameters())
+    if CASE == "sparseadam":
+        return torch.optim.SparseAdam(net.parameters())
+    if CASE == "attribute_changed":
+        return ScaledSGD(net.parameters(), lr=0.1, scale=0.5)
+    if CASE == "class_on_workers_only":
+        return WorkersOnlySGD(net.parameters(), lr=0.1)
     if CASE == "optimizer_differs" and w == 1:
         return torch.optim.Adam(net.parameters())
     if CASE == "lr_differs" and w == 1:
@@ -41,9 +77,12 @@ def optimizer_for(net, w: int, cluster):
 
 
 def options(w: int, cluster) -> dict:
+    backup = cluster.num_workers - 1
     kw = {"replicas_to_aggregate": {"replicas0": 0, "async_replicas": 2,
-                                    "collective_too_early": cluster.num_workers - 1,
-                                    "collective_after_close": cluster.num_workers - 1}.get(CASE),
+                                    "collective_deadlock": backup,
+                                    "dropped_write": backup,
+                                    "collective_early_but_safe": backup,
+                                    "collective_after_close": backup}.get(CASE),
           "asynchronous": CASE == "async_replicas",
           "max_staleness": 1 if CASE == "staleness_without_async" else None,
           "ema_decay": {"ema_bad": 1.0, "step_in_averaged": 0.5}.get(CASE)}
@@ -73,8 +112,15 @@ def after_training(opt, net, cluster, w: int) -> None:
         except mpisync.ConfigError as exc:
             print(f"caught: {exc}", flush=True)
         train(opt, net, 5, w)
-    if CASE == "collective_too_early" and cluster.is_chief:
-        cluster.worker_comm.gather(opt.global_step)    # before close(): refused at once
+    if CASE in ("collective_deadlock", "collective_uneven") and w < 2:
+        # before close(), while another worker still needs them for its steps
+        cluster.worker_comm.allreduce(opt.global_step)
+    if CASE == "collective_early_but_safe" and cluster.is_chief:
+        steps = cluster.worker_comm.gather(opt.global_step)    # the others close first
+        print(f"gathered while open: {steps}", flush=True)
+    if CASE == "collective_early_but_safe" and not cluster.is_chief:
+        opt.close()
+        cluster.worker_comm.gather(opt.global_step)
     if CASE == "collective_after_close":
         opt.close()                                    # the safe end of training
         steps = cluster.worker_comm.gather(opt.global_step)
@@ -111,8 +157,11 @@ def main() -> None:
             opt.step()
     if CASE == "add_param_group":
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
-    steps = 5 if (CASE in ("chief_first", "collective_too_early", "collective_after_close")
-                  and cluster.is_chief) else 20
+    steps = {"chief_first": 5 if w == 0 else 20,
+             "collective_early_but_safe": 5 if w == 0 else 20,
+             "collective_after_close": 5 if w == 0 else 20,
+             "collective_deadlock": 5 if w < 2 else 20,
+             "collective_uneven": 3 + w}.get(CASE, 20)
     if CASE == "killed_ps":
         steps = 10**6  # still training when the ps dies
     train(opt, net, steps, w)
