@@ -86,7 +86,8 @@ class DenseChannel:
             shard.recv = comm.Recv_init([shard.pbuf, MPI.BYTE], source=rank,
                                         tag=self.tags[Tag.PARAMS])
             self.shards.append(shard)
-        self.has_grad = np.zeros(len(self.names), np.uint8)
+        self._has = bytearray(len(self.names))      # fast to set one by one ...
+        self.has_grad = np.frombuffer(self._has, np.uint8)   # ... and seen here as an array
         self.token = np.zeros(TOKEN_WORDS, np.int64)
         self.token_req = comm.Recv_init([self.token, MPI.BYTE], source=cluster.coordinator_rank,
                                         tag=self.tags[Tag.TOKEN])
@@ -141,28 +142,32 @@ class DenseChannel:
         for shard in self.shards:
             for region in shard.regions:
                 region.zero_()
-        self.has_grad[:] = 0
+        self._has[:] = bytes(len(self._has))
 
     def gather(self) -> None:
         """Put every gradient in its send buffer and note which parameters have one."""
-        has = self.has_grad
-        for i, p in enumerate(self.params):
-            g, view = p.grad, self.gviews[i]
-            if g is None:
+        has = self._has
+        for i, (p, view) in enumerate(zip(self.params, self.gviews)):
+            g = p.grad
+            if g is view:
+                has[i] = 1
+            elif g is None:
                 if has[i]:
                     view.zero_()       # absent: zeros, so the other workers' sum is exact
                     has[i] = 0
-                continue
-            if g is not view:
-                if g.layout is not torch.strided:
-                    raise TypeError(f"{self.label}: parameter {self.names[i]!r} has a sparse "
-                                    f"gradient ({g.layout}); mpisync sends dense gradients "
-                                    f"only: use nn.Embedding(sparse=False) / "
-                                    f"nn.EmbeddingBag(sparse=False)")
-                if g.data_ptr() != view.data_ptr():
-                    view.copy_(g)      # deliberate: the gradient was made outside our buffer
-                p.grad = view
-            has[i] = 1
+            else:
+                self._adopt_grad(i, p, g, view)
+                has[i] = 1
+
+    def _adopt_grad(self, i: int, p: torch.Tensor, g: torch.Tensor, view: torch.Tensor) -> None:
+        """A gradient made outside the send buffer: copy it in, and keep using the buffer."""
+        if g.layout is not torch.strided:
+            raise TypeError(f"{self.label}: parameter {self.names[i]!r} has a sparse gradient "
+                            f"({g.layout}); mpisync sends dense gradients only: use "
+                            f"nn.Embedding(sparse=False) / nn.EmbeddingBag(sparse=False)")
+        if g.data_ptr() != view.data_ptr():
+            view.copy_(g)              # deliberate: the gradient was made outside our buffer
+        p.grad = view
 
     def push(self, step: int, worker: int, seq: int, flags: int, written: list[int]) -> None:
         """Send this worker's gradients (and first what it wrote) to every ps rank."""

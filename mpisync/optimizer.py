@@ -304,7 +304,6 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if kind == Kind.STOP:
             self.stopped = True
         self.global_step = step
-        self._tracker.snapshot()
         if count:
             self._mpisync_schedules.note_step(step)
             self._steps += 1

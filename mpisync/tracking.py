@@ -66,9 +66,15 @@ class WriteTracker:
             self.versions[i] = -1
 
     def written(self) -> list[int]:
-        """Indices of the parameters written since the last snapshot."""
-        changed = [i for i, (p, v) in enumerate(zip(self.params, self.versions))
-                   if p._version != v]
+        """Indices of the parameters written since the last snapshot (then a snapshot).
+
+        Receiving parameters writes raw memory and changes no version, so what this
+        returns stays the snapshot through the next pull.
+        """
+        now = [p._version for p in self.params]
+        changed = [] if now == self.versions else [
+            i for i, (v, w) in enumerate(zip(now, self.versions)) if v != w]
+        self.versions = now
         if _rebound:
             for i, p in enumerate(self.params):
                 if id(p) in _rebound and self._rebind(i) and i not in changed:

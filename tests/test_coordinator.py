@@ -87,7 +87,7 @@ def test_a_step_applies_the_hyper_parameters_of_the_lowest_index_worker_taken():
     assert words.view(np.float64)[0] == 0.1          # worker 0's, not the last arrival's
     # a state request while the step is applied is answered after it, at the new step
     comm.requests.append((1, (Kind.STATE,)))
-    coord.poll()
+    coord.poll(rare=True)
     assert int(local[-1][0][0]) == Kind.DECIDE
     coord.on_notice((Kind.APPLIED,))
     assert tokens(comm)[-3:] == [(0, Kind.GO, 1), (1, Kind.GO, 1), (2, Kind.GO, 1)]
@@ -134,9 +134,9 @@ def test_load_waits_for_every_worker_then_every_worker_gets_the_loaded_step():
     coord.start()
     pieces = [{"state": {}, "averages": {}, "param_groups": [], "global_step": 7}]
     comm.requests += [(1, (Kind.LOAD, None)), (0, (Kind.LOAD, (pieces, 7)))]
-    coord.poll()
+    coord.poll(rare=True)
     assert int(local[-1][0][0]) == Kind.REPLY        # only start()'s so far
-    coord.poll()
+    coord.poll(rare=True)
     load, reply = local[-2], local[-1]
     assert (int(load[0][0]), int(load[0][1]), load[1]) == (Kind.LOAD, 7, pieces[0])
     assert int(reply[0][0]) == Kind.REPLY

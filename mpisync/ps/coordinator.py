@@ -91,19 +91,22 @@ class Coordinator:
         else:
             raise ProtocolError(f"{self.label}: unknown notice {kind}")
 
-    def poll(self) -> bool:
-        """APPLIED notices from the other ps ranks, requests, awaited hyper-parameters."""
+    def poll(self, rare: bool = False) -> bool:
+        """APPLIED notices from the other ps ranks, awaited hyper-parameters, and with
+        ``rare`` the workers' requests."""
         progressed = False
         for buf, req in zip(self.notice_bufs, self.notice_reqs):
             if req.Test():
                 req.Start()
                 self.on_notice((int(buf[0]), int(buf[1]), int(buf[2])))
                 progressed = True
-        status = MPI.Status()
-        msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=self.tags[Tag.REQ], status=status)
-        if msg is not None:
-            self._on_request(self.worker_ranks.index(status.Get_source()), msg.recv())
-            progressed = True
+        if rare:
+            status = MPI.Status()
+            msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=self.tags[Tag.REQ],
+                                    status=status)
+            if msg is not None:
+                self._on_request(self.worker_ranks.index(status.Get_source()), msg.recv())
+                progressed = True
         if self.hyper_req is not None and self.hyper_req.Test():
             self.hyper_req = None
             self._on_hyper()

@@ -36,13 +36,17 @@ class Job:
                                      poller, cluster.label, self.shard.enqueue)
             self.coord.start()
 
-    def turn(self) -> bool:
-        """Receive, decide, apply what can be; True if anything happened."""
-        progressed, notices = self.shard.poll()
+    def turn(self, rare: bool = False) -> bool:
+        """Receive, decide, apply what can be; True if anything happened.
+
+        ``rare``: also look for the messages that do not come every step (assignments,
+        requests); the loop asks for them when a turn found nothing else to do.
+        """
+        progressed, notices = self.shard.poll(rare)
         if self.coord is not None:
             for notice in notices:
                 self.coord.on_notice(notice)
-            progressed |= self.coord.poll()
+            progressed |= self.coord.poll(rare)
         queued = len(self.shard.queue)
         for notice in self.shard.progress():
             if self.coord is not None:
@@ -100,7 +104,20 @@ class _Serving:
         return not self.jobs and len(self.left) == self.cluster.num_workers
 
     def turn(self) -> bool:
-        """Set up new optimizers, note workers that left, turn every open job."""
+        """Turn every open job; when that finds nothing, look for the rare messages too."""
+        return self._turn_jobs(rare=False) or self._rare_turn()
+
+    def _turn_jobs(self, rare: bool) -> bool:
+        progressed = False
+        for opt_id, job in list(self.jobs.items()):
+            progressed |= job.turn(rare)
+            if job.done:
+                self.results.append((opt_id, job.finish()))
+                del self.jobs[opt_id]
+        return progressed
+
+    def _rare_turn(self) -> bool:
+        """Set up new optimizers, note workers that left, look for requests."""
         comm, layout, progressed = self.cluster.p2p_comm, self.cluster.layout, False
         status = MPI.Status()
         msg = comm.improbe(source=layout.chief_rank, tag=Tag.SETUP)
@@ -113,12 +130,7 @@ class _Serving:
             msg.recv()
             self.left.add(layout.worker_ranks.index(status.Get_source()))
             progressed = True
-        for opt_id, job in list(self.jobs.items()):
-            progressed |= job.turn()
-            if job.done:
-                self.results.append((opt_id, job.finish()))
-                del self.jobs[opt_id]
-        return progressed
+        return self._turn_jobs(rare=True) or progressed
 
     def check_idle(self, idle_s: float, warned_at: float) -> float:
         """Warn about a wait, or end it with a StallError; the next warning's time."""

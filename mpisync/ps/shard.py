@@ -163,8 +163,11 @@ class ShardServer:
             slot.assign = None
             self.free[slot.worker].append(slot)
 
-    def poll(self) -> tuple[bool, list[tuple]]:
-        """Receive what arrived: (anything arrived, notices for the coordinator on this rank)."""
+    def poll(self, rare: bool = False) -> tuple[bool, list[tuple]]:
+        """Receive what arrived: (anything arrived, notices for the coordinator on this rank).
+
+        Assignments are looked for when a gradient waits for one, or with ``rare``.
+        """
         notices: list[tuple] = []
         progressed = False
         status = MPI.Status()
@@ -174,7 +177,10 @@ class ShardServer:
                 self.posted[w] = None
                 self._on_message(slot, status.Get_count(MPI.BYTE), notices)
                 progressed = True
-        msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=self.tags[Tag.ASSIGN], status=status)
+        msg = None
+        if rare or any(self.claims):
+            msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=self.tags[Tag.ASSIGN],
+                                    status=status)
         if msg is not None:
             self._on_assign(msg, status)
             progressed = True
