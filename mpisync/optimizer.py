@@ -10,22 +10,14 @@ import torch
 from mpi4py import MPI
 
 from .channels import DenseChannel, ReplicatedChannel
-from .errors import ClosedError, ConfigError, DeadlockError, ModelMismatchError
+from .errors import ClosedError, ConfigError, DeadlockError
 from .progress import Poller, spin_seconds
 from .ps.shard import layouts_of
 from .rebuild import changed_settings, settings_of
 from .routes import REPLICATED
 from .schedule import Schedules, install_hooks
-from .spec import (
-    Model,
-    Options,
-    build_spec,
-    encode,
-    first_difference,
-    model_difference,
-    model_summary,
-    setup_summary,
-)
+from .spec import Model, Options, build_spec, encode, first_failure, model_summary, setup_summary
+from .state import check_state, split_state
 from .tracking import WriteTracker
 from .wire import FLAG_SCHEDULED, Kind, Tag
 
@@ -178,7 +170,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             error = str(exc)
         gathered = cluster._worker_comm.allgather(
             (error, model_summary(model), setup_summary(spec, routes)))
-        failure = _first_failure(gathered, cluster.layout.worker_ranks)
+        failure = first_failure(gathered, cluster.layout.worker_ranks)
         if cluster.is_chief:
             message = ("error", failure) if failure else (
                 "spec", encode(spec), self._initial_pieces(optimizer, spec, routes))
@@ -195,12 +187,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             return [None] * spec.num_ps
         name_of = {id(p): n for n, p in zip(self._names, self._params)}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        pieces = [{"state": {}, "averages": {}, "param_groups": groups, "global_step": 0}
-                  for _ in range(spec.num_ps)]
-        for p, st in optimizer.state.items():
-            name = name_of[id(p)]
-            pieces[routes.owner(name)]["state"][name] = st
-        return pieces
+        by_name = {name_of[id(p)]: st for p, st in optimizer.state.items()}
+        return split_state(by_name, {}, groups, 0, routes.owner, spec.num_ps)
 
     def add_param_group(self, param_group: dict) -> None:
         """Refused once wrapped: the ps ranks hold a fixed set of parameters.
@@ -402,15 +390,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         step = extra.get("global_step", self.global_step)
         payload = None
         if self.cluster.is_chief:
-            order = self._group_order()
-            pieces = [{"state": {}, "averages": {}, "param_groups": groups, "global_step": step}
-                      for _ in range(self.cluster.num_ps)]
-            for i, st in state_dict["state"].items():
-                name = order[int(i)]
-                pieces[self.plan.owner(name)]["state"][name] = st
-            for name, value in extra.get("averages", {}).items():
-                pieces[self.plan.owner(name)]["averages"][name] = value
-            payload = (pieces, step)
+            by_name = {self._group_order()[int(i)]: st for i, st in state_dict["state"].items()}
+            payload = (split_state(by_name, extra.get("averages", {}), groups, step,
+                                   self.plan.owner, self.cluster.num_ps), step)
         written = self._tracker.written()    # model.load_state_dict() just before: kept
         kept = [self._dense.pviews[i].clone() for i in written]
         self._request(Kind.LOAD, payload)
@@ -429,35 +411,11 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
 
         Every worker checks the same state, so every worker raises the same ConfigError.
         """
-        def fail(what: str):
-            raise ConfigError(f"{self.cluster.label}: load_state_dict(): {what}",
+        problem = check_state(state_dict, self.param_groups, self._group_order(),
+                              {n: tuple(p.shape) for n, p in zip(self._names, self._params)})
+        if problem:
+            raise ConfigError(f"{self.cluster.label}: load_state_dict(): {problem}",
                               collective=True)
-
-        groups = state_dict.get("param_groups")
-        if not isinstance(groups, list) or not isinstance(state_dict.get("state"), dict):
-            fail("expected a dict with 'state' and 'param_groups', as state_dict() returns")
-        if len(groups) != len(self.param_groups):
-            fail(f"the state has {len(groups)} param groups, the optimizer "
-                 f"{len(self.param_groups)}")
-        for g, (mine, saved) in enumerate(zip(self.param_groups, groups)):
-            if len(saved.get("params", ())) != len(mine["params"]):
-                fail(f"param group {g} has {len(saved.get('params', ()))} parameters in the "
-                     f"state, {len(mine['params'])} in the optimizer")
-        order = self._group_order()
-        shape_of = {n: tuple(p.shape) for n, p in zip(self._names, self._params)}
-        for i, st in state_dict["state"].items():
-            if not 0 <= int(i) < len(order):
-                fail(f"state for parameter #{i}, but the optimizer has {len(order)}")
-            name = order[int(i)]
-            for key, value in st.items():
-                if torch.is_tensor(value) and value.dim() > 0 \
-                        and tuple(value.shape) != shape_of[name]:
-                    fail(f"state {key!r} of parameter #{i} ({name!r}) has shape "
-                         f"{list(value.shape)}, the parameter {list(shape_of[name])}")
-        for name, value in state_dict.get("mpisync", {}).get("averages", {}).items():
-            if name not in shape_of or tuple(value.shape) != shape_of[name]:
-                fail(f"moving average {name!r} with shape {list(value.shape)} does not match "
-                     f"a parameter of the model")
 
     def averages(self) -> dict[str, torch.Tensor]:
         """The moving averages of the floating-point parameters, ``{name: tensor}``.
@@ -527,25 +485,3 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
     def _atexit(self) -> None:
         if not self._closed and MPI.Is_initialized() and not MPI.Is_finalized():
             self.close()
-
-
-def _first_failure(gathered: list, worker_ranks: tuple[int, ...]) -> tuple[type, str] | None:
-    """The first problem any worker found, or the first way a worker differs from worker 0."""
-    for w, (error, _, _) in enumerate(gathered):
-        if error is not None:
-            return ConfigError, f"worker {w} (rank {worker_ranks[w]}): {error}"
-    ref_model, ref = gathered[0][1], gathered[0][2]
-    for w, (_, model, _) in enumerate(gathered[1:], start=1):
-        diff = model_difference(ref_model, model)
-        if diff:
-            return ModelMismatchError, f"worker {w} (rank {worker_ranks[w]}) has {diff}"
-    differing = [(w, first_difference(ref, summary))
-                 for w, (_, _, summary) in enumerate(gathered[1:], start=1)]
-    differing = [(w, d) for w, d in differing if d]
-    if differing:
-        w, diff = differing[0]
-        names = ", ".join(f"worker {v} (rank {worker_ranks[v]})" for v, _ in differing)
-        return ConfigError, (f"workers set up the optimizer differently from worker 0: "
-                             f"{names}; worker {w} has {diff}. Every worker must create the "
-                             f"same optimizer with the same arguments and placement")
-    return None

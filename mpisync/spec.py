@@ -11,13 +11,26 @@ import torch
 
 from . import placement as placement_mod
 from .accumulate import REDUCTIONS
+from .errors import ConfigError, ModelMismatchError
 from .hyper import HyperCodec
 from .rebuild import OptimizerRecipe, recipe_of
 from .routes import BUFFER, DENSE_PS, REPLICATED, Routes, plan_routes
 
-__all__ = ["BUFFER_MODES", "SCHEDULE_MODES", "JobSpec", "Model", "Options", "build_spec",
-           "decode", "encode", "first_difference", "model_difference",
-           "model_summary", "setup_summary"]
+__all__ = [
+    "BUFFER_MODES",
+    "SCHEDULE_MODES",
+    "JobSpec",
+    "Model",
+    "Options",
+    "build_spec",
+    "decode",
+    "encode",
+    "first_difference",
+    "first_failure",
+    "model_difference",
+    "model_summary",
+    "setup_summary",
+]
 
 SPEC_VERSION = "mpisync.spec/2"
 BUFFER_MODES = ("broadcast", "mean", "local")
@@ -274,4 +287,26 @@ def model_difference(ref: Sequence, mine: Sequence) -> str | None:
         if a != b:
             return (f"parameter #{i} = {_describe(b)} but worker 0 has {_describe(a)}; "
                     f"every worker must build the same model")
+    return None
+
+
+def first_failure(gathered: list, worker_ranks: tuple[int, ...]) -> tuple[type, str] | None:
+    """The first problem any worker found, or the first way a worker differs from worker 0."""
+    for w, (error, _, _) in enumerate(gathered):
+        if error is not None:
+            return ConfigError, f"worker {w} (rank {worker_ranks[w]}): {error}"
+    ref_model, ref = gathered[0][1], gathered[0][2]
+    for w, (_, model, _) in enumerate(gathered[1:], start=1):
+        diff = model_difference(ref_model, model)
+        if diff:
+            return ModelMismatchError, f"worker {w} (rank {worker_ranks[w]}) has {diff}"
+    differing = [(w, first_difference(ref, summary))
+                 for w, (_, _, summary) in enumerate(gathered[1:], start=1)]
+    differing = [(w, d) for w, d in differing if d]
+    if differing:
+        w, diff = differing[0]
+        names = ", ".join(f"worker {v} (rank {worker_ranks[v]})" for v, _ in differing)
+        return ConfigError, (f"workers set up the optimizer differently from worker 0: "
+                             f"{names}; worker {w} has {diff}. Every worker must create the "
+                             f"same optimizer with the same arguments and placement")
     return None

@@ -8,7 +8,6 @@ import torch
 
 from mpisync.accumulate import REDUCTIONS
 from mpisync.errors import ConfigError, ModelMismatchError
-from mpisync.optimizer import _first_failure
 from mpisync.spec import (
     SPEC_VERSION,
     Model,
@@ -17,6 +16,7 @@ from mpisync.spec import (
     decode,
     encode,
     first_difference,
+    first_failure,
     model_difference,
     model_summary,
     setup_summary,
@@ -165,7 +165,7 @@ def test_a_placement_that_differs_names_the_workers_and_the_first_parameter():
     other, other_routes = spec_of(placement=lambda name, nbytes, loads: 1)
     mine = setup_summary(spec, routes)
     gathered = [(None, (), mine), (None, (), mine), (None, (), setup_summary(other, other_routes))]
-    exc_type, text = _first_failure(gathered, (0, 1, 2))
+    exc_type, text = first_failure(gathered, (0, 1, 2))
     assert exc_type is ConfigError
     assert "worker 2 (rank 2)" in text and "worker 1 (rank 1)" not in text
     assert "placement of '0.weight' = ps 1 where worker 0 has ps 0" in text
@@ -189,9 +189,9 @@ def test_model_differences_name_the_parameter():
                                              "but worker 0 has 'w' shape [3, 2]")
     assert model_difference(a, a) is None
     gathered = [(None, a, {}), (None, b, {})]
-    exc_type, text = _first_failure(gathered, (0, 5))
+    exc_type, text = first_failure(gathered, (0, 5))
     assert exc_type is ModelMismatchError
     assert text.startswith("worker 1 (rank 5) has parameter #0")
     errors = [(None, a, {}), ("num_tokens=1 is too few", a, {})]
-    assert _first_failure(errors, (0, 1)) == (ConfigError,
+    assert first_failure(errors, (0, 1)) == (ConfigError,
                                               "worker 1 (rank 1): num_tokens=1 is too few")

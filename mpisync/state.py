@@ -1,0 +1,56 @@
+"""Consolidated optimizer state: checked against the model, split by owning ps (no MPI)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["check_state", "split_state"]
+
+
+def check_state(state_dict: dict, param_groups: list[dict], order: list[str],
+                shape_of: dict[str, tuple]) -> str | None:
+    """What makes ``state_dict`` not fit the model, or None.
+
+    Args:
+        state_dict: torch's schema (``state`` numbered in param-group order, and
+            ``param_groups``), plus mpisync's ``"mpisync"`` entry.
+        param_groups: the optimizer's param groups.
+        order: parameter names in param-group order.
+        shape_of: each parameter's shape.
+    """
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list) or not isinstance(state_dict.get("state"), dict):
+        return "expected a dict with 'state' and 'param_groups', as state_dict() returns"
+    if len(groups) != len(param_groups):
+        return f"the state has {len(groups)} param groups, the optimizer {len(param_groups)}"
+    for g, (mine, saved) in enumerate(zip(param_groups, groups)):
+        if len(saved.get("params", ())) != len(mine["params"]):
+            return (f"param group {g} has {len(saved.get('params', ()))} parameters in the "
+                    f"state, {len(mine['params'])} in the optimizer")
+    for i, st in state_dict["state"].items():
+        if not 0 <= int(i) < len(order):
+            return f"state for parameter #{i}, but the optimizer has {len(order)}"
+        name = order[int(i)]
+        for key, value in st.items():
+            if torch.is_tensor(value) and value.dim() > 0 \
+                    and tuple(value.shape) != shape_of[name]:
+                return (f"state {key!r} of parameter #{i} ({name!r}) has shape "
+                        f"{list(value.shape)}, the parameter {list(shape_of[name])}")
+    for name, value in state_dict.get("mpisync", {}).get("averages", {}).items():
+        if name not in shape_of or tuple(value.shape) != shape_of[name]:
+            return (f"moving average {name!r} with shape {list(value.shape)} does not match "
+                    f"a parameter of the model")
+    return None
+
+
+def split_state(state: dict[str, dict], averages: dict[str, torch.Tensor], groups: list,
+                global_step: int, owner: Callable[[str], int], num_ps: int) -> list[dict]:
+    """One piece per ps rank: the state and averages of the parameters it owns."""
+    pieces = [{"state": {}, "averages": {}, "param_groups": groups, "global_step": global_step}
+              for _ in range(num_ps)]
+    for name, st in state.items():
+        pieces[owner(name)]["state"][name] = st
+    for name, value in averages.items():
+        pieces[owner(name)]["averages"][name] = value
+    return pieces
