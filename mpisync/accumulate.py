@@ -106,6 +106,7 @@ class StepCoordinator:
         """Worker ``worker`` pushed a gradient computed at ``step``."""
         if worker not in self.computing:
             raise RuntimeError(f"worker {worker} pushed without holding a token")
+        self.parked.discard(worker)        # it left any collective it was in
         if step > self.global_step:
             raise RuntimeError(f"worker {worker} pushed step {step} ahead of global step "
                                f"{self.global_step}")
@@ -176,17 +177,24 @@ class StepCoordinator:
         return self._check_deadlock()
 
     def unpark(self, worker: int) -> None:
-        """Worker ``worker`` left the collective."""
+        """Worker ``worker`` left the collective; a deadlock suspected meanwhile is void."""
         self.parked.discard(worker)
+        self.failed = False
+
+    def deadlocked(self) -> bool:
+        """Workers wait inside step() for gradients only workers in a collective could give."""
+        if self.applying or self.queue or not self.parked:
+            return False
+        blocked = set(self.waiting) | self.held | self.loading
+        return bool(blocked) and not (self.computing - self.parked - self.loading)
 
     def _check_deadlock(self) -> list[Action]:
-        """Workers wait inside step() for gradients only workers in a collective could give."""
-        if self.failed or self.applying or self.queue or not self.parked:
-            return []
-        blocked = set(self.waiting) | self.held | self.loading
-        if not blocked or self.computing - self.parked - self.loading:
+        """FAIL (once) when ``deadlocked()``; the caller confirms it with the parked workers,
+        whose word that they left the collective may still be on its way."""
+        if self.failed or not self.deadlocked():
             return []
         self.failed = True
+        blocked = set(self.waiting) | self.held | self.loading
         return [Action(Kind.FAIL, self.global_step, tuple(sorted(blocked)),
                        tuple(sorted(self.parked)))]
 

@@ -313,11 +313,16 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._request(Kind.PARK if parked else Kind.UNPARK)
 
     def _raise_if_failed(self, method: str) -> None:
-        """While in a collective: raise if ps 0 found that no step can complete."""
+        """While in a collective: answer ps 0's question, or raise what it found."""
         msg = self.cluster.p2p_comm.improbe(source=self.cluster.coordinator_rank,
                                             tag=self._info_tag)
-        if msg is not None:
-            raise DeadlockError(f"{msg.recv()} (this worker is in worker_comm.{method}())")
+        if msg is None:
+            return
+        answer = msg.recv()
+        if isinstance(answer, tuple):        # ("still?", step): yes, still in the collective
+            self._request(Kind.STILL)
+            return
+        raise DeadlockError(f"{answer} (this worker is in worker_comm.{method}())")
 
     def _request(self, *req) -> None:
         self.cluster.p2p_comm.send(req, dest=self.cluster.coordinator_rank, tag=self._req_tag)

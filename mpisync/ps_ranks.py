@@ -171,11 +171,15 @@ class Cluster:
         if self._worker_comm == MPI.COMM_NULL:
             return MPI.COMM_NULL
         if self._guarded is None:
-            self._guarded = GuardedComm(self._worker_comm, self._before_collective)
+            self._guarded = GuardedComm(self._worker_comm, self._before_collective,
+                                        self._meet_comm, owned=True)
         return self._guarded
 
-    def _before_collective(self, method: str) -> None:
-        """Meet every worker before a collective, watching for steps that cannot complete."""
+    def _before_collective(self, method: str, meet: MPI.Intracomm) -> None:
+        """Meet the members before a collective, watching for steps that cannot complete."""
+        if self.closed:
+            raise RuntimeError(f"{self.label}: worker_comm.{method}() after cluster.close(): "
+                               f"the communicator is freed")
         open_optimizers = [o for o in self.optimizers if not o._closed]
         for opt in open_optimizers:
             opt._park(True)
@@ -183,7 +187,7 @@ class Cluster:
             self._meet_poller = Poller(self.p2p_comm, self.timeout, self.label,
                                        spin_seconds(self.oversubscribed))
         poller = self._meet_poller
-        req = self._meet_comm.Ibarrier()
+        req = meet.Ibarrier()
         start = time.monotonic()
         while not req.Test():
             for opt in open_optimizers:

@@ -82,6 +82,7 @@ class Kind(enum.IntEnum):
     FAIL = 19       # token: no step can complete (a reason follows on INFO)
     PARK = 20       # request: this worker is in a collective among the workers
     UNPARK = 21     # request: ... and left it
+    STILL = 22      # request: ... and is still in it (asked by the coordinator)
 
 
 #: Flags in a gradient header.

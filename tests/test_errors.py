@@ -147,19 +147,28 @@ def test_sparse_gradients_end_the_job_naming_the_parameter():
     assert "Cannot access data pointer" not in run.output
 
 
-@pytest.mark.parametrize("case, workers, blocked, parked", [
-    ("collective_deadlock", 3, [2], [0, 1]),     # backup workers: 2 still needs one of 0, 1
-    ("collective_uneven", 2, [1], [0]),          # strict sync: worker 1 has one batch more
+@pytest.mark.parametrize("case, workers, blocked, parked, why", [
+    # backup workers: worker 2 still needs a gradient from one of 0, 1
+    ("collective_deadlock", 3, [2], [0, 1], ("with backup workers, num_tokens or asynchronous "
+                                            "updates the workers do not meet at the same step")),
+    # strict sync: worker 1 has one batch more (on worker_comm, and on one made from it)
+    ("collective_uneven", 2, [1], [0], "the workers ran different numbers of steps"),
+    ("collective_uneven_split", 2, [1], [0], "the workers ran different numbers of steps"),
 ])
 def test_a_collective_that_a_step_waits_for_fails_fast_on_every_worker(case, workers,
-                                                                      blocked, parked):
+                                                                      blocked, parked, why):
     run = failing("errors.py", workers, 1, ["--case", case])
     reason = (rf"DeadlockError: .*workers {re.escape(str(blocked))} wait inside step\(\) for "
               rf"global step \d+, which needs gradients from workers "
-              rf"{re.escape(str(parked))}, who are in a collective on worker_comm: the workers "
-              rf"ran different numbers of steps.*opt\.close\(\) on every worker")
+              rf"{re.escape(str(parked))}, who are in a collective on worker_comm: "
+              rf"{re.escape(why)}.*opt\.close\(\) on every worker")
     assert_every_rank_says(run, reason, labels(workers, 0))
     assert re.search(r"this worker is in worker_comm\.allreduce\(\)", run.output)
+
+
+def test_a_metric_collective_after_every_step_in_strict_sync_is_fine():
+    run = run_mpi("errors.py", 2, 1, ["--case", "metric_every_step"], timeout=120)
+    assert {r["global_step"] for r in run.by_worker().values()} == {60}
 
 
 def test_a_collective_no_step_waits_for_just_waits_for_the_others():

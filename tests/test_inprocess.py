@@ -56,22 +56,32 @@ def test_one_ps_per_node_first():
 
 
 # -- the guarded communicator -------------------------------------------------------------
-def test_guarded_collectives_ask_first_and_the_communicator_is_not_freed_by_users():
+def test_guarded_collectives_meet_first_and_so_do_communicators_made_from_them():
     from mpisync.guard import GuardedComm
 
     asked = []
-    comm = GuardedComm(MPI.COMM_SELF, asked.append)
+    meet = MPI.COMM_SELF.Dup()
+    comm = GuardedComm(MPI.COMM_SELF, lambda name, m: asked.append((name, m)), meet,
+                       owned=True)
     assert comm.allreduce(3) == 3 and comm.Get_rank() == 0
     comm.Barrier()
-    assert asked == ["allreduce", "Barrier"]
+    assert asked == [("allreduce", meet), ("Barrier", meet)]
+    for make in (comm.Dup, comm.Clone, lambda: comm.Split(0, 0), lambda: comm.Idup()[0]):
+        asked.clear()
+        new = make()
+        assert isinstance(new, GuardedComm) and new.Get_size() == 1
+        new.bcast(1)
+        assert asked[-1][0] == "bcast" and asked[-1][1] is new._meet is not meet
+        new.Free()                               # the user's own: freed with its meeting
 
-    def refuse(name):
+    def refuse(name, m):
         raise RuntimeError(f"no {name} now")
 
     with pytest.raises(RuntimeError, match="no gather now"):
-        GuardedComm(MPI.COMM_SELF, refuse).gather(1)
+        GuardedComm(MPI.COMM_SELF, refuse, meet).gather(1)
     with pytest.raises(RuntimeError, match="call cluster.close"):
         comm.Free()
+    meet.Free()
 
 
 # -- the poller ---------------------------------------------------------------------------

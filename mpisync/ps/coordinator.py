@@ -69,6 +69,8 @@ class Coordinator:
                          Kind.FAIL: self._fail}
         self.finished = False
         self.final_sends: list = []
+        self.suspect: Action | None = None  # a deadlock the parked workers must confirm
+        self.unconfirmed: set[int] = set()
 
     # -- events ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -191,15 +193,42 @@ class Coordinator:
         self._emit(self.steps.loaded(step))
 
     def _fail(self, a: Action) -> None:
-        blocked, parked = list(a.workers), list(a.taken)
-        text = (f"{self.label}: workers {blocked} wait inside step() for global step "
-                f"{a.step}, which needs gradients from workers {parked}, who are in a "
-                f"collective on worker_comm: the workers ran different numbers of steps. Give "
-                f"every worker the same number of steps, or end training with opt.close() on "
-                f"every worker before collectives among them")
+        """A suspected deadlock: ask the parked workers whether they are still waiting."""
+        self.suspect, self.unconfirmed = a, set(a.taken)
+        for w in a.taken:
+            self.comm.send(("still?", a.step), dest=self.worker_ranks[w],
+                           tag=self.tags[Tag.INFO])
+
+    def _on_still(self, w: int) -> None:
+        if self.suspect is None:
+            return
+        self.unconfirmed.discard(w)
+        if self.unconfirmed:
+            return
+        a, self.suspect = self.suspect, None
+        if not self.steps.deadlocked():
+            self.steps.failed = False
+            return
+        blocked, parked = list(a.workers), sorted(self.steps.parked)
+        text = self._deadlock_text(blocked, parked, a.step)
         self._token(Kind.FAIL, a.step, blocked)
-        for w in blocked + parked:
-            self.comm.send(text, dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
+        for worker in blocked + parked:
+            self.comm.send(text, dest=self.worker_ranks[worker], tag=self.tags[Tag.INFO])
+
+    def _deadlock_text(self, blocked: list[int], parked: list[int], step: int) -> str:
+        spec = self.spec
+        if spec.asynchronous or spec.num_tokens or spec.replicas_to_aggregate < spec.num_workers:
+            why = ("with backup workers, num_tokens or asynchronous updates the workers do not "
+                   "meet at the same step, so a collective among them during training can "
+                   "wait for a worker whose step needs the others; gather such values after "
+                   "opt.close() on every worker")
+        else:
+            why = ("the workers ran different numbers of steps (uneven data?). Give every "
+                   "worker the same number of steps, or end training with opt.close() on "
+                   "every worker before collectives among them")
+        return (f"{self.label}: workers {blocked} wait inside step() for global step {step}, "
+                f"which needs gradients from workers {parked}, who are in a collective on "
+                f"worker_comm: {why}")
 
     def _shutdown(self, a: Action) -> None:
         self._to_shards(self.control.new(Kind.SHUTDOWN, a.step))
@@ -219,6 +248,10 @@ class Coordinator:
             self._emit(self.steps.park(w))
         elif kind == Kind.UNPARK:
             self.steps.unpark(w)
+            if self.suspect is not None and w in self.suspect.taken:
+                self.suspect = None          # it left: no deadlock after all
+        elif kind == Kind.STILL:
+            self._on_still(w)
         elif self.steps.applying:
             self.deferred.append((w, req))   # answered at version global_step, after the apply
         elif kind in (Kind.STATE, Kind.AVERAGES):

@@ -136,12 +136,18 @@ class _Serving:
         """Warn about a wait, or end it with a StallError; the next warning's time."""
         label = self.cluster.label
         if not self.jobs:
+            missing = sorted(set(range(self.cluster.num_workers)) - self.left)
+            what = (f"no optimizer is open, workers {missing} have not left the job "
+                    f"(cluster.close() or their end) and workers {sorted(self.left)} have; every "
+                    f"worker must create the same optimizers, in the same order")
             limit = max(SETUP_TIMEOUT, self.poller.timeout)
             if idle_s > limit:
-                missing = sorted(set(range(self.cluster.num_workers)) - self.left)
-                raise StallError(f"{label}: no optimizer was set up and workers {missing} did "
-                                 f"not leave the job within {limit:g} s "
-                                 f"(MPISYNC_SETUP_TIMEOUT)")
+                raise StallError(f"{label}: nothing for {limit:g} s (MPISYNC_SETUP_TIMEOUT): "
+                                 f"{what}")
+            if idle_s > warned_at:
+                print(f"[mpisync] {label}: nothing arrived for {idle_s:.0f} s; {what}",
+                      file=sys.stderr, flush=True)
+                return warned_at + STALL_WARNING
             return warned_at
         if idle_s > self.poller.timeout:
             raise StallError(f"{label}: no message for {self.poller.timeout:g} s "

@@ -44,6 +44,10 @@ def train(opt, net, steps: int, w: int) -> None:
             scaler.update()
             continue
         loss.backward()
+        if CASE == "metric_every_step":          # strict sync: a metric after every step
+            opt.step()
+            cluster_of(opt).worker_comm.allreduce(loss.item())
+            continue
         if CASE == "attribute_changed" and i == 2:
             opt._opt.scale = 10.0                 # the user's handle on the wrapped optimizer
         if CASE == "raise" and w == 1 and i == 5:
@@ -57,6 +61,10 @@ def train(opt, net, steps: int, w: int) -> None:
             with torch.no_grad():
                 net[0].bias.add_(1.0)             # ... and so does this write
         opt.step()
+
+
+def cluster_of(opt):
+    return opt.cluster
 
 
 def optimizer_for(net, w: int, cluster):
@@ -115,6 +123,8 @@ def after_training(opt, net, cluster, w: int) -> None:
     if CASE in ("collective_deadlock", "collective_uneven") and w < 2:
         # before close(), while another worker still needs them for its steps
         cluster.worker_comm.allreduce(opt.global_step)
+    if CASE == "collective_uneven_split":
+        SUB[0].allreduce(opt.global_step)        # on a communicator made from worker_comm
     if CASE == "collective_early_but_safe" and cluster.is_chief:
         steps = cluster.worker_comm.gather(opt.global_step)    # the others close first
         print(f"gathered while open: {steps}", flush=True)
@@ -155,13 +165,16 @@ def main() -> None:
     if CASE == "step_in_averaged" and w == 0:
         with opt.averaged():
             opt.step()
+    if CASE == "collective_uneven_split":       # made while every worker is here
+        SUB.append(cluster.worker_comm.Split(0, w))
     if CASE == "add_param_group":
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
     steps = {"chief_first": 5 if w == 0 else 20,
              "collective_early_but_safe": 5 if w == 0 else 20,
              "collective_after_close": 5 if w == 0 else 20,
              "collective_deadlock": 5 if w < 2 else 20,
-             "collective_uneven": 3 + w}.get(CASE, 20)
+             "collective_uneven": 3 + w, "collective_uneven_split": 3 + w,
+             "metric_every_step": 60}.get(CASE, 20)
     if CASE == "killed_ps":
         steps = 10**6  # still training when the ps dies
     train(opt, net, steps, w)
@@ -174,5 +187,6 @@ def main() -> None:
 
 
 CASE = ""
+SUB: list = []
 if __name__ == "__main__":
     main()
