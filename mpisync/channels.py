@@ -137,7 +137,8 @@ class DenseChannel:
                 p.grad = None
             return
         for p, view in zip(self.params, self.gviews):
-            if p.grad is not None and p.grad is not view:
+            g = p.grad
+            if g is not None and g is not view:
                 p.grad = view               # the fused buffer, zeroed below: no copy later
         for shard in self.shards:
             for region in shard.regions:

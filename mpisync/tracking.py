@@ -51,12 +51,14 @@ class WriteTracker:
         for p in params:
             if type(p) is torch.nn.Parameter:
                 p.__class__ = TrackedParameter
+        # plain aliases share each parameter's version counter and read it faster
+        self.aliases = [p.detach() for p in params]
         self.versions = [0] * len(params)
         self.snapshot()
 
     def snapshot(self) -> None:
         """What the parameters hold now is what the ps ranks hold."""
-        self.versions = [p._version for p in self.params]
+        self.versions = [a._version for a in self.aliases]
         if _rebound:
             _rebound.difference_update(id(p) for p in self.params)
 
@@ -71,7 +73,7 @@ class WriteTracker:
         Receiving parameters writes raw memory and changes no version, so what this
         returns stays the snapshot through the next pull.
         """
-        now = [p._version for p in self.params]
+        now = [a._version for a in self.aliases]
         changed = [] if now == self.versions else [
             i for i, (v, w) in enumerate(zip(now, self.versions)) if v != w]
         self.versions = now
@@ -97,6 +99,7 @@ class WriteTracker:
         with torch.no_grad():
             view.copy_(p)           # deliberate: the new values must reach the ps
         _set_data(p, view)
+        self.aliases[i] = p.detach()
         return True
 
     def release(self) -> None:
