@@ -120,10 +120,6 @@ class ShardLayout:
     buffer_regions: tuple[tuple[torch.dtype, int, int], ...]
     nbytes: int
 
-    @property
-    def all_entries(self) -> tuple[Entry, ...]:
-        return self.entries + self.buffer_entries
-
 
 def _pack(items: list[tuple[str, tuple[int, ...], torch.dtype]], offset: int):
     """Entries and per-dtype regions for ``items`` from ``offset`` on; returns the end."""

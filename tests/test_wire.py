@@ -36,7 +36,8 @@ def test_layouts_group_by_dtype_in_aligned_contiguous_regions():
         ends = 0
         for dtype, offset, nbytes in layout.regions + layout.buffer_regions:
             assert offset % ALIGN == 0 and offset >= ends
-            inside = [e for e in layout.all_entries if offset <= e.offset < offset + nbytes]
+            inside = [e for e in layout.entries + layout.buffer_entries
+                      if offset <= e.offset < offset + nbytes]
             assert all(e.dtype == dtype for e in inside)
             assert sum(e.nbytes for e in inside) == nbytes          # contiguous, no gaps
             ends = offset + nbytes

@@ -115,8 +115,6 @@ class ShardServer:
                          Kind.AVERAGES: self._on_averages, Kind.LOAD: self._on_load}
         self.closed = [False] * self.W
         self.shutdown = False
-        self.bytes_in = 0
-        self.bytes_out = 0
 
     def _build_tensors(self, layout: ShardLayout) -> None:
         """The parameter buffer (sent to the workers as is), its views and the optimizer."""
@@ -197,7 +195,6 @@ class ShardServer:
 
     def _on_message(self, slot: _Slot, nbytes: int, notices: list) -> None:
         kind, step, w = int(slot.fields[0]), int(slot.fields[1]), slot.worker
-        self.bytes_in += nbytes
         if kind == Kind.CLOSE:
             self.closed[w] = True
             self._release([slot])
@@ -215,7 +212,8 @@ class ShardServer:
                 slot.waiting = True
                 self.claims[w].append(slot)
         if self.notify:
-            notices.append((Kind.PUSHED, w, step, flags, slot.words.copy(), slot.codes.copy()))
+            # views: the coordinator copies them before this worker's slot can be reused
+            notices.append((Kind.PUSHED, w, step, flags, slot.words, slot.codes))
         if not self.acc.offer(w, step, slot):
             self._release([slot])
 
@@ -342,7 +340,6 @@ class ShardServer:
                 self.sends_active.remove(req)
             req.Start()
             self.sends_active.append(req)
-            self.bytes_out += self.param_buf.nbytes
 
     def _set_version(self) -> None:
         self.param_fields[0] = Kind.PARAMS
