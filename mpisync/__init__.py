@@ -13,13 +13,17 @@ from .errors import (
     WorldTooSmallError,
 )
 from .optimizer import SyncReplicasOptimizer
+from .partition import axis_size, fixed_size, min_max
 from .ps_ranks import Cluster, RankLayout, init
+from .tables import Embedding, EmbeddingBag
 
 __all__ = [
     "ClosedError",
     "Cluster",
     "ConfigError",
     "DeadlockError",
+    "Embedding",
+    "EmbeddingBag",
     "ModelMismatchError",
     "PeerError",
     "ProtocolError",
@@ -27,7 +31,10 @@ __all__ = [
     "StallError",
     "SyncReplicasOptimizer",
     "WorldTooSmallError",
+    "axis_size",
+    "fixed_size",
     "init",
+    "min_max",
     "placement",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -26,6 +26,11 @@ from .wire import (
 __all__ = ["DenseChannel", "ReplicatedChannel"]
 
 
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous tensor, as a NumPy array (writes change no torch version)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
 class _Shard:
     """This worker's side of one ps rank: the fused send and receive buffers."""
 
@@ -70,13 +75,20 @@ class DenseChannel:
         self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.GRAD, Tag.ASSIGN, Tag.PARAMS,
                                                            Tag.TOKEN, Tag.INIT, Tag.HYPER,
                                                            Tag.INFO)}
-        self.names = list(spec.names)
+        self.part_of = dict(zip(spec.names, spec.parts))    # unit -> (name, start, stop)
+        self.names = list(dict.fromkeys(name for name, _, _ in spec.parts))
         self.params = [params[n] for n in self.names]
         index = {n: i for i, n in enumerate(self.names)}
-        self.place: list[tuple[int, int]] = [(0, 0)] * len(self.names)   # (ps, entry)
+        self.place: list[list[tuple[int, int]]] = [[] for _ in self.names]   # (ps, entry)
         self.shards: list[_Shard] = []
         self.pviews: list[torch.Tensor] = [None] * len(self.names)
         self.gviews: list[torch.Tensor] = [None] * len(self.names)
+        # partitioned parameters stay whole here: (index, start, stop, unit pview, unit gview)
+        self.pieces: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []
+        for u, (name, _, _) in self.part_of.items():
+            i = index[name]
+            if u != name and self.pviews[i] is None:
+                self._own(i)
         for j, layout in enumerate(layouts):
             shard = _Shard(GradHeader(spec.hyper.width if j == 0 else 0, len(layout.entries)),
                            layout)
@@ -95,6 +107,19 @@ class DenseChannel:
         self.recvs = [s.recv for s in self.shards]
         self.bytes_per_ps = [s.gbuf.nbytes for s in self.shards]
         self.pending: list[MPI.Request] = []
+        self.piece_copies = [(_raw(self.pviews[i][start:stop]), _raw(pview))
+                             for i, start, stop, pview, _ in self.pieces]
+
+    def _own(self, i: int) -> None:
+        """A partitioned parameter keeps its own tensor; its units are copied in and out."""
+        p = self.params[i]
+        if not p.is_contiguous():
+            torch._C.TensorBase.data.__set__(p, p.detach().contiguous())
+        self.pviews[i] = p.detach()
+        self.gviews[i] = torch.zeros_like(self.pviews[i])
+        if p.grad is not None:
+            self.gviews[i].copy_(p.grad)
+            p.grad = self.gviews[i]
 
     def _bind(self, j: int, shard: _Shard, layout: ShardLayout, index: dict,
               buffers: dict[str, torch.Tensor]) -> None:
@@ -104,16 +129,21 @@ class DenseChannel:
         gviews = entry_views(gt, shard.header.nbytes, layout.entries)
         idx = []
         for k, (e, pview, gview) in enumerate(zip(layout.entries, pviews, gviews)):
-            i = index[e.name]
+            name, start, stop = self.part_of[e.name]
+            i = index[name]
             p = self.params[i]
+            self.place[i].append((j, k))
+            idx.append(i)
+            if e.name != name:          # one shard of a partitioned parameter
+                pview.copy_(self.pviews[i][start:stop])
+                self.pieces.append((i, start, stop, pview, gview))
+                continue
             pview.copy_(p.detach())
             torch._C.TensorBase.data.__set__(p, pview)   # the pull lands in the model
             if p.grad is not None:                        # a gradient made before wrapping
                 gview.copy_(p.grad)
                 p.grad = gview
             self.pviews[i], self.gviews[i] = pview, gview
-            self.place[i] = (j, k)
-            idx.append(i)
         shard.idx = np.array(idx, np.int64)
         for e, view in zip(layout.buffer_entries,
                            entry_views(pt, PARAM_HEADER_BYTES, layout.buffer_entries)):
@@ -143,6 +173,8 @@ class DenseChannel:
         for shard in self.shards:
             for region in shard.regions:
                 region.zero_()
+        for i in {i for i, *_ in self.pieces}:
+            self.gviews[i].zero_()
         self._has[:] = bytes(len(self._has))
 
     def gather(self) -> None:
@@ -159,6 +191,8 @@ class DenseChannel:
             else:
                 self._adopt_grad(i, p, g, view)
                 has[i] = 1
+        for i, start, stop, _, gview in self.pieces:
+            gview.copy_(self.gviews[i][start:stop])
 
     def _adopt_grad(self, i: int, p: torch.Tensor, g: torch.Tensor, view: torch.Tensor) -> None:
         """A gradient made outside the send buffer: copy it in, and keep using the buffer."""
@@ -186,8 +220,11 @@ class DenseChannel:
         """Send the parameters written since the last step to their ps ranks."""
         by_ps: dict[int, list[int]] = {}
         for i in written:
-            j, k = self.place[i]
-            by_ps.setdefault(j, []).append(k)
+            for j, k in self.place[i]:
+                by_ps.setdefault(j, []).append(k)
+        with torch.no_grad():
+            for i, start, stop, pview, _ in self.pieces:
+                pview.copy_(self.pviews[i][start:stop])
         for j, entries in by_ps.items():
             shard = self.shards[j]
             if shard.abuf is None:
@@ -228,6 +265,8 @@ class DenseChannel:
                 if shard.pfields[1] != step:
                     raise ProtocolError(f"{self.label}: ps {j} sent parameters of step "
                                         f"{int(shard.pfields[1])} with token {step}")
+            for dst, src in self.piece_copies:
+                np.copyto(dst, src)     # raw memory: not a write the tracker should see
         else:
             for r in self.recvs:
                 r.Cancel()

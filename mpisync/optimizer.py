@@ -17,7 +17,7 @@ from .rebuild import changed_settings, settings_of
 from .routes import REPLICATED
 from .schedule import Schedules, install_hooks
 from .spec import Model, Options, build_spec, encode, first_failure, model_summary, setup_summary
-from .state import check_state, split_state
+from .state import check_state, merge_units, split_state, split_units
 from .tracking import WriteTracker
 from .wire import FLAG_SCHEDULED, Kind, Tag
 
@@ -86,6 +86,15 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             as TensorFlow's schedules do; one stepped less often, per epoch, counts its own
             calls), ``"global_step"`` (every scheduler follows the global step) or
             ``"local"`` (every scheduler counts its own calls).
+        partitioner: split parameters along axis 0 into shards, each placed on its own
+            (``mpisync.fixed_size(n)``, ``mpisync.min_max(...)``, ``mpisync.axis_size(...)``),
+            or a dict from parameter name (a glob) to partitioner. Workers keep a
+            partitioned parameter whole; the ps ranks each hold and update their shards.
+        sparse_reduction: how the sparse gradients of embedding tables are reduced:
+            ``"mean"`` (default: their sum divided by the number of gradients taken, equal
+            to training on the combined batch) or ``"per_row"`` (each row's sum divided by
+            the number of taken gradients that have the row, TensorFlow's
+            ``SparseConditionalAccumulator``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -98,7 +107,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                  ema_decay: float | None = None, ema_num_updates: bool = False,
                  asynchronous: bool = False, max_staleness: int | None = None,
                  named_buffers: Iterable[tuple[str, torch.Tensor]] | None = None,
-                 buffers: str = "broadcast", schedule: str = "auto"):
+                 buffers: str = "broadcast", schedule: str = "auto", partitioner=None,
+                 sparse_reduction: str = "mean"):
         from .ps_ranks import _current
         cluster = _current if cluster is None else cluster
         if cluster is None:
@@ -119,7 +129,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                               spin_seconds(cluster.oversubscribed))
         options = Options(replicas_to_aggregate, total_num_replicas, num_tokens, placement,
                           reduction, deterministic, ema_decay, ema_num_updates, asynchronous,
-                          max_staleness, buffers, schedule)
+                          max_staleness, buffers, schedule, partitioner, sparse_reduction)
         opt_id = len(cluster.optimizers)
         spec, routes = self._agree(optimizer, model, options, opt_id)
         self._spec, self.plan = spec, routes.plan
@@ -188,7 +198,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         name_of = {id(p): n for n, p in zip(self._names, self._params)}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         by_name = {name_of[id(p)]: st for p, st in optimizer.state.items()}
-        return split_state(by_name, {}, groups, 0, routes.owner, spec.num_ps)
+        by_unit = split_units(by_name, dict(zip(spec.names, spec.parts)))
+        return split_state(by_unit, {}, groups, 0, routes.owner, spec.num_ps)
 
     def add_param_group(self, param_group: dict) -> None:
         """Refused once wrapped: the ps ranks hold a fixed set of parameters.
@@ -371,6 +382,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         for state, avg, _ in self._from_every_ps(Kind.STATE, "optimizer state"):
             by_name.update(state)
             averages.update(avg)
+        parts = dict(zip(self._spec.names, self._spec.parts))
+        by_name, averages = merge_units(by_name, parts), merge_units(averages, parts)
         local = torch.optim.Optimizer.state_dict(self._opt)
         order = self._group_order()
         local["state"] = {i: by_name[n] for i, n in enumerate(order) if n in by_name}
@@ -396,7 +409,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         payload = None
         if self.cluster.is_chief:
             by_name = {self._group_order()[int(i)]: st for i, st in state_dict["state"].items()}
-            payload = (split_state(by_name, extra.get("averages", {}), groups, step,
+            parts = dict(zip(self._spec.names, self._spec.parts))
+            payload = (split_state(split_units(by_name, parts),
+                                   split_units(extra.get("averages", {}), parts), groups, step,
                                    self.plan.owner, self.cluster.num_ps), step)
         written = self._tracker.written()    # model.load_state_dict() just before: kept
         kept = [self._dense.pviews[i].clone() for i in written]
@@ -439,6 +454,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         got = {}
         for part in self._from_every_ps(Kind.AVERAGES, "parameter averages"):
             got.update(part)
+        got = merge_units(got, dict(zip(self._spec.names, self._spec.parts)))
         return {n: got[n] for n in self._names if n in got}
 
     @contextlib.contextmanager

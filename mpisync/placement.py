@@ -33,6 +33,7 @@ class Plan:
     owners: tuple[int, ...]
     num_ps: int
     strategy: str
+    rows: tuple[str, ...] = ()
     _index: dict = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -44,6 +45,9 @@ class Plan:
                     f"got {len(getattr(self, field_name))} {field_name} for {len(names)} "
                     "names; expected one per name"
                 )
+        if self.rows and len(self.rows) != len(names):
+            raise ValueError(f"got {len(self.rows)} rows for {len(names)} names; expected one "
+                             f"per name, or none")
         if not isinstance(self.strategy, str):
             raise TypeError(
                 f"strategy must be a str, got {type(self.strategy).__name__} {self.strategy!r}"
@@ -117,18 +121,23 @@ class Plan:
         return hashlib.sha256(canonical.encode("ascii")).hexdigest()[:16]
 
     def table(self) -> str:
-        """Return a table: one row per parameter, then each ps index's bytes and share."""
+        """Return a table: one row per parameter or shard, then each ps index's bytes and share.
+
+        A shard's row says which rows of its tensor it holds.
+        """
         ps_bytes = self.ps_bytes
         total = sum(ps_bytes)
         name_w = max([len("name")] + [len(name) for name in self.names])
         bytes_w = max([len("bytes"), len(str(total))])
+        rows = self.rows if any(self.rows) else ("",) * len(self.names)
         title = (
-            f"placement: {len(self.names)} parameters on {self.num_ps} ps "
+            f"placement: {len(self.names)} parameters and shards on {self.num_ps} ps "
             f"(strategy {self.strategy}, digest {self.digest()})"
         )
-        lines = [title, f"{'name':<{name_w}}  {'bytes':>{bytes_w}}  ps"]
-        for name, size, owner in zip(self.names, self.sizes_bytes, self.owners):
-            lines.append(f"{name:<{name_w}}  {size:>{bytes_w}}  {owner}")
+        lines = [title, f"{'name':<{name_w}}  {'bytes':>{bytes_w}}  ps"
+                 + ("  rows" if any(rows) else "")]
+        for name, size, owner, r in zip(self.names, self.sizes_bytes, self.owners, rows):
+            lines.append(f"{name:<{name_w}}  {size:>{bytes_w}}  {owner:<2}  {r}".rstrip())
         lines.append("")
         lines.append(f"{'ps':<{name_w}}  {'bytes':>{bytes_w}}   share")
         for ps, load in enumerate(ps_bytes):
@@ -216,6 +225,7 @@ def plan(
     sizes_bytes: Iterable[int],
     num_ps: int,
     strategy: str | StrategyFn = "greedy_sorted",
+    rows: Sequence[str] = (),
 ) -> Plan:
     """Place every parameter on one ps index; deterministic, so every rank gets the same plan.
 
@@ -226,6 +236,7 @@ def plan(
         strategy: one of :data:`STRATEGIES`, or a callable
             ``fn(name, nbytes, ps_bytes) -> ps index`` called in creation order with
             the bytes placed on each ps so far.
+        rows: for the table, what rows each name holds ("" for a whole tensor).
 
     Returns:
         The :class:`Plan`.
@@ -267,7 +278,7 @@ def plan(
             f"strategy must be a str in {STRATEGIES} or a callable, "
             f"got {type(strategy).__name__} {strategy!r}"
         )
-    return Plan(names, sizes, tuple(owners), num_ps, strategy_name)
+    return Plan(names, sizes, tuple(owners), num_ps, strategy_name, tuple(rows))
 
 
 def _least_loaded(sizes: Sequence[int], order: Iterable[int], num_ps: int) -> list[int]:

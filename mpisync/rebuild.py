@@ -92,7 +92,8 @@ class OptimizerRecipe:
         (parameters outside the optimizer) are ignored.
 
         Args:
-            params_by_name: a subset of the recipe's parameter names, each with its tensor.
+            params_by_name: a subset of the recipe's parameter names, each with its tensor,
+                or a list of tensors (the shards of a partitioned parameter held here).
 
         Returns:
             The new optimizer, or None when none of the recipe's names is present.
@@ -100,8 +101,8 @@ class OptimizerRecipe:
         Raises:
             Whatever the optimizer's constructor raises over this subset of its parameters.
         """
-        tensors = [[params_by_name[n] for n in names if n in params_by_name]
-                   for _, names in self.groups]
+        tensors = [[t for n in names if n in params_by_name
+                    for t in _as_list(params_by_name[n])] for _, names in self.groups]
         if not any(tensors):
             return None
         return self._construct(tensors)
@@ -142,6 +143,10 @@ class OptimizerRecipe:
         for name, value in copy.deepcopy(self.attrs).items():
             setattr(optimizer, name, value)
         return optimizer
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def recipe_of(optimizer: torch.optim.Optimizer, name_of: dict[int, str]) -> OptimizerRecipe:

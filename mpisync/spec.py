@@ -9,16 +9,28 @@ from dataclasses import dataclass
 
 import torch
 
+from . import partition
 from . import placement as placement_mod
 from .accumulate import REDUCTIONS
 from .errors import ConfigError, ModelMismatchError
 from .hyper import HyperCodec
 from .rebuild import OptimizerRecipe, recipe_of
-from .routes import BUFFER, DENSE_PS, REPLICATED, Routes, plan_routes
+from .routes import (
+    DENSE_PS,
+    PARTITIONED,
+    REPLICATED,
+    SPARSE_ROWS,
+    TABLE,
+    Routes,
+    Unit,
+    plan_routes,
+)
+from .tables import TableSpec, sparse_modules, table_info
 
 __all__ = [
     "BUFFER_MODES",
     "SCHEDULE_MODES",
+    "SPARSE_REDUCTIONS",
     "JobSpec",
     "Model",
     "Options",
@@ -32,9 +44,10 @@ __all__ = [
     "setup_summary",
 ]
 
-SPEC_VERSION = "mpisync.spec/2"
+SPEC_VERSION = "mpisync.spec/3"
 BUFFER_MODES = ("broadcast", "mean", "local")
 SCHEDULE_MODES = ("auto", "global_step", "local")
+SPARSE_REDUCTIONS = ("mean", "per_row")
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,8 @@ class Options:
     max_staleness: int | None = None
     buffers: str = "broadcast"
     schedule: str = "auto"
+    partitioner: object = None
+    sparse_reduction: str = "mean"
 
 
 @dataclass(frozen=True)
@@ -67,9 +82,12 @@ class Model:
 class JobSpec:
     """Everything a ps rank needs to serve one optimizer; the same on every rank.
 
-    ``names``/``shapes``/``dtypes``/``owners`` describe the parameters that live on ps
-    ranks (route ``dense_ps``), in ``named_parameters`` order; ``buffers`` the module
-    buffers that travel with them, as ``(name, shape, dtype, ps)``.
+    ``names``/``shapes``/``dtypes``/``owners`` describe the dense units that live on ps
+    ranks, in ``named_parameters`` order: a whole parameter (route ``dense_ps``) or one
+    shard of a partitioned one, named ``"{name}/part_{k}"``; ``parts`` gives each unit's
+    ``(parameter name, first row, end row)``. ``buffers`` are the module buffers that
+    travel with them, as ``(name, shape, dtype, ps)``; ``tables`` the parameters whose
+    rows travel instead of the whole tensor (embedding tables).
     """
 
     opt_id: int
@@ -93,6 +111,9 @@ class JobSpec:
     asynchronous: bool
     max_staleness: int | None
     plan_digest: str
+    parts: tuple[tuple[str, int, int], ...] = ()
+    tables: tuple[TableSpec, ...] = ()
+    sparse_reduction: str = "mean"
 
     def digest(self) -> str:
         """A short digest of the whole spec (what every rank must agree on)."""
@@ -167,6 +188,7 @@ def _check_options(o: Options) -> None:
         if not 0.0 <= o.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1), got {o.ema_decay}")
     for name, value, allowed in (("reduction", o.reduction, REDUCTIONS),
+                                 ("sparse_reduction", o.sparse_reduction, SPARSE_REDUCTIONS),
                                  ("buffers", o.buffers, BUFFER_MODES),
                                  ("schedule", o.schedule, SCHEDULE_MODES)):
         if value not in allowed:
@@ -201,6 +223,86 @@ def _check_model(optimizer: torch.optim.Optimizer, model: Model) -> list[str]:
     return frozen
 
 
+def _shards(partitioner, name: str, t: torch.Tensor, default=None) -> int:
+    """How many shards ``partitioner`` (one, or a dict of globs) gives parameter ``name``."""
+    chosen = partition.resolve(partitioner, name) or default
+    if chosen is None:
+        return 1
+    try:
+        return chosen.num_shards(tuple(t.shape), t.element_size())
+    except ValueError as exc:
+        raise ValueError(f"partitioner {chosen!r} for parameter {name!r}: {exc}") from None
+
+
+def _tables(live, frozen, model: Model, partitioner, num_ps: int) -> dict[str, TableSpec]:
+    """The parameters whose rows travel: mpisync.Embedding tables, sparse nn.Embeddings."""
+    sparse = sparse_modules([p for _, p in live])
+    tables = {}
+    for name, p in model.params:
+        info = table_info(p)
+        if info is None and id(p) not in sparse:
+            continue
+        if name in frozen:
+            if info is not None:
+                raise ValueError(f"mpisync.Embedding {name!r} is in no optimizer group: a "
+                                 f"table on the ps ranks is trained by the optimizer holding "
+                                 f"its weight")
+            continue
+        if info is not None:
+            if info.weight is not None and tuple(info.weight.shape) != (info.num_rows, info.dim):
+                raise ValueError(f"mpisync.Embedding {name!r}: weight= has shape "
+                                 f"{list(info.weight.shape)}, the table is "
+                                 f"[{info.num_rows}, {info.dim}]")
+            n = _shards(info.partitioner or partitioner, name,
+                        torch.empty(info.num_rows, info.dim, dtype=info.dtype, device="meta"),
+                        partition.fixed_size(num_ps))
+            rows, shape, dtype = info.num_rows, (info.dim,), info.dtype
+            strategy, seed, pad = info.strategy, None if info.weight is not None else info.seed, \
+                info.padding_idx
+        else:
+            n = _shards(partitioner, name, p)
+            rows, shape, dtype, strategy, seed, pad = (p.shape[0], tuple(p.shape[1:]), p.dtype,
+                                                       "div", None, None)
+        tables[name] = TableSpec(name, rows, shape, dtype, strategy,
+                                 tuple(partition.shard_sizes(rows, n)), (), info is not None,
+                                 seed, pad)
+    return tables
+
+
+def _units(live, tables: dict[str, TableSpec], partitioner):
+    """Units of placement, each tensor's route kind, and each dense unit's rows."""
+    units, kinds, parts = [], {}, {}
+    for name, p in live:
+        nbytes = p.numel() * p.element_size()
+        if name in tables:
+            t = tables[name]
+            kinds[name] = TABLE if t.resident else SPARSE_ROWS
+            units.extend(Unit(t.unit(k), name, rows * t.row_bytes, t.rows_of(k))
+                         for k, rows in enumerate(t.shard_rows))
+            continue
+        n = _shards(partitioner, name, p)
+        if n <= 1:
+            kinds[name] = DENSE_PS
+            units.append(Unit(name, name, nbytes))
+            parts[name] = (name, 0, p.shape[0] if p.dim() else 0)
+            continue
+        kinds[name] = PARTITIONED
+        row_bytes = nbytes // max(1, p.shape[0])
+        start = 0
+        for k, rows in enumerate(partition.shard_sizes(p.shape[0], n)):
+            unit = f"{name}/part_{k}"
+            units.append(Unit(unit, name, rows * row_bytes, f"{start}:{start + rows}"))
+            parts[unit] = (name, start, start + rows)
+            start += rows
+    return units, kinds, parts
+
+
+def _rows_shape(p: torch.Tensor, start: int, stop: int) -> tuple[int, ...]:
+    if p.dim() == 0 or (start == 0 and stop == p.shape[0]):
+        return tuple(p.shape)
+    return (stop - start, *p.shape[1:])
+
+
 def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options, *,
                opt_id: int, num_workers: int, num_ps: int, global_step: int = 0,
                ) -> tuple[JobSpec, Routes]:
@@ -223,15 +325,20 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
     recipe = recipe_of(optimizer, name_of)
     hyper = HyperCodec.from_groups(optimizer.param_groups)
     live = [(n, p) for n, p in model.params if n not in set(frozen)]
+    tables = _tables(live, frozen, model, options.partitioner, num_ps)
+    units, kinds, parts = _units(live, tables, options.partitioner)
     buffers = model.buffers if options.buffers != "local" else ()
-    routes = plan_routes([(n, p.numel() * p.element_size()) for n, p in live], frozen,
+    routes = plan_routes(units, kinds, frozen,
                          [(n, b.numel() * b.element_size()) for n, b in buffers],
                          num_ps, options.placement)
+    dense = [(u, parts[u]) for u in parts]
+    by_name = dict(live)
     spec = JobSpec(
         opt_id=opt_id, num_workers=num_workers, num_ps=num_ps,
-        names=tuple(n for n, _ in live), shapes=tuple(tuple(p.shape) for _, p in live),
-        dtypes=tuple(p.dtype for _, p in live),
-        owners=tuple(routes.owner(n) for n, _ in live),
+        names=tuple(u for u, _ in dense),
+        shapes=tuple(_rows_shape(by_name[n], a, b) for _, (n, a, b) in dense),
+        dtypes=tuple(by_name[n].dtype for _, (n, _, _) in dense),
+        owners=tuple(routes.owner(u) for u, _ in dense),
         buffers=tuple((n, tuple(b.shape), b.dtype, routes.owner(n)) for n, b in buffers),
         buffer_mode=options.buffers, recipe=recipe, hyper=hyper,
         replicas_to_aggregate=R, num_tokens=num_tokens, reduction=options.reduction,
@@ -239,7 +346,11 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
         ema_decay=None if options.ema_decay is None else float(options.ema_decay),
         ema_num_updates=bool(options.ema_num_updates),
         asynchronous=bool(options.asynchronous), max_staleness=options.max_staleness,
-        plan_digest=routes.plan.digest())
+        plan_digest=routes.plan.digest(), parts=tuple(p for _, p in dense),
+        tables=tuple(dataclasses.replace(t, owners=tuple(routes.owner(t.unit(k))
+                                                          for k in range(t.num_shards)))
+                     for t in tables.values()),
+        sparse_reduction=options.sparse_reduction)
     return spec, routes
 
 
@@ -257,11 +368,18 @@ def setup_summary(spec: JobSpec | None, routes: Routes | None) -> dict[str, str]
     if spec is None or routes is None:
         return {}
     summary = {f"optimizer {k}": v for k, v in spec.recipe.summary().items()}
-    for name in routes.names(DENSE_PS) + routes.names(BUFFER):
-        summary[f"placement of {name!r}"] = f"ps {routes.owner(name)}"
+    for name, owner in zip(routes.plan.names, routes.plan.owners):
+        summary[f"placement of {name!r}"] = f"ps {owner}"
+    for t in spec.tables:
+        summary[f"table {t.name!r}"] = (
+            f"{t.num_rows} rows of {list(t.row_shape)} {t.dtype}, shards {list(t.shard_rows)} "
+            f"({t.strategy}), " + ("on the ps ranks, " if t.resident else "sparse gradients, ")
+            + ("initial values from weight=" if t.seed is None else f"seed {t.seed}")
+            + f", padding_idx {t.padding_idx}")
     summary["frozen parameters"] = repr(routes.names(REPLICATED))
     for f in ("replicas_to_aggregate", "num_tokens", "reduction", "deterministic",
-              "ema_decay", "ema_num_updates", "asynchronous", "max_staleness", "buffer_mode"):
+              "ema_decay", "ema_num_updates", "asynchronous", "max_staleness", "buffer_mode",
+              "sparse_reduction"):
         summary[f] = repr(getattr(spec, f))
     summary["hyper-parameter layout"] = repr(spec.hyper)
     return summary

@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["check_state", "split_state"]
+__all__ = ["check_state", "merge_units", "split_state", "split_units"]
 
 
 def check_state(state_dict: dict, param_groups: list[dict], order: list[str],
@@ -54,3 +54,58 @@ def split_state(state: dict[str, dict], averages: dict[str, torch.Tensor], group
     for name, value in averages.items():
         pieces[owner(name)]["averages"][name] = value
     return pieces
+
+
+def _is_rows(value, rows: int) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == rows
+
+
+def merge_units(by_unit: dict, parts: dict[str, tuple[str, int, int]]) -> dict:
+    """Per-unit values (tensors, or state dicts of tensors) joined per parameter.
+
+    A partitioned parameter's shards are concatenated along axis 0 in row order; a state
+    entry that is not row-shaped (Adam's ``step``) is taken from the first shard.
+    """
+    out, split = {}, {}
+    for unit, value in by_unit.items():
+        name, start, _ = parts.get(unit, (unit, 0, 0))
+        if unit == name:
+            out[name] = value
+        else:
+            split.setdefault(name, []).append((start, unit, value))
+    for name, pieces in split.items():
+        pieces.sort(key=lambda piece: piece[0])
+        values = [v for _, _, v in pieces]
+        rows = [parts[u][2] - parts[u][1] for _, u, _ in pieces]
+        if torch.is_tensor(values[0]):
+            out[name] = torch.cat(values)
+            continue
+        out[name] = {k: torch.cat([v[k] for v in values]) if _is_rows(x, rows[0]) else x
+                     for k, x in values[0].items()}
+    return out
+
+
+def _copy(value):
+    """Each shard its own copy (Adam's ``step`` tensor is incremented in place per shard)."""
+    return value.clone() if torch.is_tensor(value) else value
+
+
+def split_units(by_name: dict, parts: dict[str, tuple[str, int, int]]) -> dict:
+    """The inverse of ``merge_units``: a partitioned parameter's values cut into its shards."""
+    units_of: dict[str, list[tuple[str, int, int]]] = {}
+    for unit, (name, start, stop) in parts.items():
+        if unit != name:
+            units_of.setdefault(name, []).append((unit, start, stop))
+    out = {}
+    for name, value in by_name.items():
+        if name not in units_of:
+            out[name] = value
+            continue
+        total = max(stop for _, _, stop in units_of[name])
+        for unit, start, stop in units_of[name]:
+            if torch.is_tensor(value):
+                out[unit] = value[start:stop].clone()
+            else:
+                out[unit] = {k: x[start:stop].clone() if _is_rows(x, total) else _copy(x)
+                             for k, x in value.items()}
+    return out

@@ -129,8 +129,11 @@ class ShardServer:
         self.grad_buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
         self.grads = entry_views(self.grad_buf, 0, layout.entries)
         self.grad_regions = region_views(self.grad_buf, 0, _graded(layout.regions))
-        self.optimizer = self.spec.recipe.build(
-            {e.name: p for e, p in zip(layout.entries, self.params)})
+        part_of = dict(zip(self.spec.names, self.spec.parts))
+        by_param: dict[str, list[torch.Tensor]] = {}
+        for e, p in zip(layout.entries, self.params):
+            by_param.setdefault(part_of[e.name][0], []).append(p)
+        self.optimizer = self.spec.recipe.build(by_param)
         self.name_of = {id(p): e.name for e, p in zip(layout.entries, self.params)}
         self.averages = MovingAverages(self.spec.ema_decay, self.spec.ema_num_updates,
                                        self.data, layout)

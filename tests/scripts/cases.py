@@ -16,6 +16,8 @@ from common import dataset
 from torch.optim import lr_scheduler as S
 from torch.optim.swa_utils import SWALR
 
+import mpisync
+
 WORKERS, BATCH, STEPS = 2, 6, 8
 F64 = torch.float64
 
@@ -211,6 +213,15 @@ CASES = [
     # 14. fine-tuning: an optimizer over part of the model, named_parameters of all of it
     Case("fine-tuning", lambda m: torch.optim.SGD(m[2].parameters(), lr=0.1, momentum=0.9),
          per_worker=per_worker_init),
+    # 7. partitioned parameters: shards on both ps ranks, the parameter whole on the workers
+    Case("partitioned-adam", adam(), lambda o: S.ExponentialLR(o, 0.8),
+         sync={"partitioner": mpisync.fixed_size(3)}),
+    Case("partitioned-zeros-clamp", sgd(momentum=0.9), zero="zeros", write=clamp_data,
+         sync={"partitioner": {"0.*": mpisync.min_max(4, 64), "2.weight": mpisync.fixed_size(2)}}),
+    Case("partitioned-restore", adam(), restore=restore_both, order="last",
+         sync={"partitioner": mpisync.axis_size(100)}),
+    Case("partitioned-assign", sgd(momentum=0.9), write=assign_data, order="last",
+         sync={"partitioner": mpisync.fixed_size(5), "placement": "round_robin"}),
 ]
 BY_NAME = {c.name: c for c in CASES}
 

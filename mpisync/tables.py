@@ -1,0 +1,256 @@
+"""Embedding tables: modules whose rows live on the ps ranks, and tables whose rows travel."""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from . import partition
+
+__all__ = ["Embedding", "EmbeddingBag", "TableInfo", "TableParameter", "TableSpec",
+           "sparse_modules", "table_info"]
+
+STRATEGIES = ("mod", "div")
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A tensor whose rows travel instead of the whole tensor; the same on every rank.
+
+    ``resident``: an ``mpisync.Embedding`` table, held by the ps ranks only; otherwise the
+    weight of an ``nn.Embedding(sparse=True)``, whole on every worker (rows pushed, the
+    rows that changed pulled). Shard ``k`` holds ``shard_rows[k]`` rows and lives on ps
+    ``owners[k]``; ids map to shards by ``strategy``, as TensorFlow's ``embedding_lookup``.
+    """
+
+    name: str
+    num_rows: int
+    row_shape: tuple[int, ...]
+    dtype: torch.dtype
+    strategy: str
+    shard_rows: tuple[int, ...]
+    owners: tuple[int, ...]
+    resident: bool
+    seed: int | None
+    padding_idx: int | None
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_rows)
+
+    @property
+    def row_numel(self) -> int:
+        n = 1
+        for d in self.row_shape:
+            n *= d
+        return n
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_numel * self.dtype.itemsize
+
+    def unit(self, k: int) -> str:
+        """The unit name of shard ``k``."""
+        return f"{self.name}/part_{k}"
+
+    def rows_of(self, k: int) -> str:
+        """What rows shard ``k`` holds, for the placement table."""
+        if self.strategy == "mod":
+            return f"ids = {k} mod {self.num_shards} ({self.shard_rows[k]} rows)"
+        start = sum(self.shard_rows[:k])
+        return f"{start}:{start + self.shard_rows[k]}"
+
+    def locate(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shard, local row) of each id."""
+        return partition.map_ids(ids, self.num_rows, self.num_shards, self.strategy)
+
+    def global_ids(self, k: int, local: torch.Tensor) -> torch.Tensor:
+        """The ids of shard ``k``'s local rows ``local``."""
+        return partition.unmap_ids(k, local, self.num_rows, self.num_shards, self.strategy)
+
+
+class TableInfo:
+    """What an ``mpisync.Embedding`` knows of its table before and after set-up."""
+
+    def __init__(self, num_rows: int, dim: int, partitioner, strategy: str,
+                 weight: torch.Tensor | None, seed: int, padding_idx: int | None,
+                 dtype: torch.dtype):
+        self.num_rows = num_rows
+        self.dim = dim
+        self.partitioner = partitioner
+        self.strategy = strategy
+        self.weight = weight            # the initial values, until the chief sent them
+        self.seed = seed
+        self.padding_idx = padding_idx
+        self.dtype = dtype
+        self.name: str | None = None    # set by the optimizer that holds the table
+        self.channel = None             # ... and its transport
+        self.label = "this worker"
+
+    def describe(self) -> str:
+        return (f"{self.num_rows} x {self.dim} {self.dtype}, partition_strategy "
+                f"{self.strategy!r}, initial values "
+                + ("from weight=" if self.weight is not None else f"from seed {self.seed}"))
+
+
+class TableParameter(torch.nn.Parameter):
+    """The stand-in parameter of an ``mpisync.Embedding``: empty; the table is on the ps ranks.
+
+    It sits in the model's parameters and the optimizer's param groups like any
+    parameter, so that the group's hyper-parameters and schedules apply to the table.
+    """
+
+    _mpisync_table: TableInfo
+
+    def __repr__(self) -> str:
+        t = self._mpisync_table
+        return f"TableParameter({t.num_rows} x {t.dim}, on the ps ranks)"
+
+
+def table_info(p: torch.Tensor) -> TableInfo | None:
+    """The table behind a stand-in parameter, or None for an ordinary one."""
+    return getattr(p, "_mpisync_table", None)
+
+
+def _check_ids(ids: torch.Tensor, info: TableInfo, what: str) -> None:
+    if not torch.is_tensor(ids):
+        raise TypeError(f"{info.label}: {what} {info.name!r} got {type(ids).__name__}; "
+                        f"expected an integer tensor of ids")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{info.label}: {what} {info.name!r} got ids of dtype {ids.dtype}; "
+                        f"expected an integer dtype (torch.int64 or torch.int32)")
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= info.num_rows:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"{info.label}: {what} {info.name!r} got id {bad}, outside "
+                             f"[0, {info.num_rows}) (its num_embeddings)")
+
+
+class _TableModule(torch.nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, partitioner, partition_strategy,
+                 weight, seed, padding_idx, dtype):
+        super().__init__()
+        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim),
+                            ("seed", seed)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if partition_strategy not in STRATEGIES:
+            raise ValueError(f"partition_strategy must be one of {STRATEGIES}, got "
+                             f"{partition_strategy!r}")
+        if padding_idx is not None:
+            if padding_idx < 0:
+                padding_idx += num_embeddings
+            if not 0 <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx must be within num_embeddings, got {padding_idx}")
+        if weight is not None:
+            if not torch.is_tensor(weight) or weight.dim() != 2:
+                raise ValueError(f"weight must be a 2-dimensional tensor, got "
+                                 f"{getattr(weight, 'shape', type(weight).__name__)}")
+            dtype = weight.dtype
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = padding_idx
+        info = TableInfo(num_embeddings, embedding_dim, partitioner, partition_strategy,
+                         None if weight is None else weight.detach().clone(), seed, padding_idx,
+                         dtype)
+        stand_in = TableParameter(torch.empty(0, embedding_dim, dtype=dtype))
+        stand_in._mpisync_table = info
+        self.weight = stand_in
+
+    @property
+    def table(self) -> TableInfo:
+        return self.weight._mpisync_table
+
+    def _rows(self, ids: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the unique ids' rows, the index of each id among them)."""
+        info = self.table
+        if info.channel is None:
+            raise RuntimeError(f"{info.label}: {what} {info.name or ''} was called before a "
+                               f"SyncReplicasOptimizer holding its weight was created; its "
+                               f"table lives on the ps ranks from then on")
+        _check_ids(ids, info, what)
+        unique, inverse = torch.unique(ids.long(), sorted=True, return_inverse=True)
+        return info.channel.lookup(info, unique), inverse
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The current rows of ``ids`` (a copy, without autograd): for evaluation or export."""
+        with torch.no_grad():
+            rows, inverse = self._rows(ids, "rows() of")
+            return rows[inverse]
+
+    def extra_repr(self) -> str:
+        t = self.table
+        return (f"{self.num_embeddings}, {self.embedding_dim}, partition_strategy="
+                f"{t.strategy!r}, on the ps ranks")
+
+
+class Embedding(_TableModule):
+    """An embedding table that lives on the ps ranks only, partitioned across them.
+
+    ``forward(ids)`` sends the batch's unique ids to the ps ranks that own them (one
+    message per ps rank) and returns their rows, with autograd; ``step()`` of the
+    ``SyncReplicasOptimizer`` holding ``self.weight`` pushes the rows' gradients, and the
+    wrapped optimizer updates those rows where they live, its state beside them. A
+    worker's memory does not depend on the table's size.
+
+    Args:
+        num_embeddings, embedding_dim: the table's shape.
+        partitioner: how many shards (``mpisync.fixed_size(n)``, ``min_max``,
+            ``axis_size``); default: one shard per ps rank.
+        partition_strategy: ``"mod"`` (id ``i`` in shard ``i % n``) or ``"div"``
+            (contiguous ranges), as TensorFlow's ``embedding_lookup``.
+        weight: initial values, the same on every worker (the chief's are used);
+            default: ``N(0, 1)`` drawn on the ps ranks, shard by shard, from ``seed``.
+        padding_idx: that row gets no gradient, and starts at zero.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, partitioner=None,
+                 partition_strategy: str = "mod", weight: torch.Tensor | None = None,
+                 seed: int = 0, padding_idx: int | None = None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__(num_embeddings, embedding_dim, partitioner, partition_strategy,
+                         weight, seed, padding_idx, dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows, inverse = self._rows(ids, "mpisync.Embedding")
+        return F.embedding(inverse, rows)
+
+
+class EmbeddingBag(_TableModule):
+    """``nn.EmbeddingBag`` over a table on the ps ranks: sums or means of rows per bag.
+
+    ``forward(input, offsets=None, per_sample_weights=None)`` as ``nn.EmbeddingBag``
+    (2-D input: one bag per row; 1-D input with ``offsets``). Otherwise as ``Embedding``.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, mode: str = "mean",
+                 partitioner=None, partition_strategy: str = "mod",
+                 weight: torch.Tensor | None = None, seed: int = 0,
+                 padding_idx: int | None = None, dtype: torch.dtype = torch.float32):
+        if mode not in ("sum", "mean", "max"):
+            raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        super().__init__(num_embeddings, embedding_dim, partitioner, partition_strategy,
+                         weight, seed, padding_idx, dtype)
+        self.mode = mode
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        rows, inverse = self._rows(input, "mpisync.EmbeddingBag")
+        return F.embedding_bag(inverse.view(input.shape), rows, offsets, mode=self.mode,
+                               per_sample_weights=per_sample_weights)
+
+
+def sparse_modules(params: list[torch.Tensor]) -> dict[int, torch.nn.Module]:
+    """``id(weight) -> module`` for the ``nn.Embedding``/``nn.EmbeddingBag(sparse=True)``
+    modules whose weight is one of ``params`` (their gradients are sparse)."""
+    wanted = {id(p) for p in params if p.dim() == 2}
+    if not wanted:
+        return {}
+    found = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), (torch.nn.Embedding, torch.nn.EmbeddingBag)) and obj.sparse \
+                and id(obj.weight) in wanted:
+            found[id(obj.weight)] = obj
+    return found
