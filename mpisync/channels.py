@@ -198,8 +198,9 @@ class DenseChannel:
         """A gradient made outside the send buffer: copy it in, and keep using the buffer."""
         if g.layout is not torch.strided:
             raise TypeError(f"{self.label}: parameter {self.names[i]!r} has a sparse gradient "
-                            f"({g.layout}); mpisync sends dense gradients only: use "
-                            f"nn.Embedding(sparse=False) / nn.EmbeddingBag(sparse=False)")
+                            f"({g.layout}) but is not the weight of an nn.Embedding or "
+                            f"nn.EmbeddingBag with sparse=True, whose rows mpisync sends as "
+                            f"rows; use such a module (or mpisync.Embedding), or a dense gradient")
         if g.data_ptr() != view.data_ptr():
             view.copy_(g)              # deliberate: the gradient was made outside our buffer
         p.grad = view

@@ -15,8 +15,18 @@ from .progress import Poller, spin_seconds
 from .ps.shard import layouts_of
 from .rebuild import changed_settings, settings_of
 from .routes import REPLICATED
+from .rows import RowsChannel
 from .schedule import Schedules, install_hooks
-from .spec import Model, Options, build_spec, encode, first_failure, model_summary, setup_summary
+from .spec import (
+    Model,
+    Options,
+    build_spec,
+    encode,
+    first_failure,
+    model_summary,
+    setup_summary,
+    unit_parts,
+)
 from .state import check_state, merge_units, split_state, split_units
 from .tracking import WriteTracker
 from .wire import FLAG_SCHEDULED, Kind, Tag
@@ -144,8 +154,12 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         by_name = dict(model.params)
         self._dense = DenseChannel(spec, layouts_of(spec), cluster, by_name,
                                    dict(model.buffers), self._poller)
+        self._rows = RowsChannel(spec, cluster, by_name, self._poller)
         if cluster.is_chief:
             self._dense.send_initial()
+            self._rows.send_initial()
+        self._rows.forget_initial()
+        self._parts = unit_parts(spec)
         ReplicatedChannel(cluster._worker_comm,
                           [by_name[n] for n in routes.names(REPLICATED)]).setup()
         self._tracker = WriteTracker(self._dense.names, self._dense.params, self._dense.pviews,
@@ -197,8 +211,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             return [None] * spec.num_ps
         name_of = {id(p): n for n, p in zip(self._names, self._params)}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        by_name = {name_of[id(p)]: st for p, st in optimizer.state.items()}
-        by_unit = split_units(by_name, dict(zip(spec.names, spec.parts)))
+        resident = {t.name for t in spec.tables if t.resident}
+        by_name = {name_of[id(p)]: st for p, st in optimizer.state.items()
+                   if name_of[id(p)] not in resident}     # a table's stand-in: nothing held
+        by_unit = split_units(by_name, unit_parts(spec))
         return split_state(by_unit, {}, groups, 0, routes.owner, spec.num_ps)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -232,6 +248,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         """
         self._check_open("zero_grad")
         self._dense.zero_grad(set_to_none)
+        if self._rows.active:
+            self._rows.zero_grad(set_to_none)
 
     def step(self, closure: Callable | None = None, **kwargs):
         """Push this worker's gradients, wait for the token, pull the new parameters.
@@ -262,6 +280,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         flags = FLAG_SCHEDULED if self._mpisync_schedules.follows_global_step else 0
         self._seq += 1
         dense.push(self.global_step, self.cluster.worker_index, self._seq, flags, written)
+        if self._rows.active:
+            self._rows.push(self.global_step, self._seq)
         taken = self._receive()
         if written and not taken and not self._spec.asynchronous:
             names = [dense.names[i] for i in written]
@@ -300,6 +320,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         """
         on_hyper = self._hyper_at if self._spec.asynchronous else None
         kind, step, taken, waited = self._dense.pull(on_hyper)
+        if self._rows.active:
+            self._rows.wait_sends()
+            if kind == Kind.GO:
+                self._rows.pull(step)
         if kind == Kind.STOP:
             self.stopped = True
         self.global_step = step
@@ -361,7 +385,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             self._request(Kind.STATS)
             stats = self._answer(self.cluster.coordinator_rank, "statistics from ps 0")
         stats.update(local_steps=self._steps, token_wait_s=self._wait_s,
-                     bytes_per_ps=list(self._dense.bytes_per_ps))
+                     bytes_per_ps=[a + b for a, b in zip(self._dense.bytes_per_ps,
+                                                         self._rows.bytes_per_ps)])
         return stats
 
     def _from_every_ps(self, kind: Kind, describe: str) -> list:
@@ -370,24 +395,48 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         return [self._answer(self.cluster.ps_rank(j), f"{describe} from ps {j}")
                 for j in range(self.cluster.num_ps)]
 
-    def state_dict(self) -> dict:
+    def table_shards(self, name: str, with_state: bool = True):
+        """Yield the shards of the ``mpisync.Embedding`` table ``name``, one at a time.
+
+        Each is a dict: ``ids`` (the table rows it holds), ``weight`` (their values) and,
+        with ``with_state``, ``state`` (the wrapped optimizer's state for those rows),
+        read from the ps rank that holds it. Only one shard is in this worker's memory at
+        a time; any worker may call it, for example the chief to export the table.
+        """
+        self._check_open("table_shards")
+        tables = {t.name: t for t in self._spec.tables if t.resident}
+        if name not in tables:
+            raise KeyError(f"{self.cluster.label}: no mpisync.Embedding table {name!r} in this "
+                           f"optimizer; it has {sorted(tables)}")
+        for k in range(tables[name].num_shards):
+            yield self._rows.read_shard(name, k, with_state)
+
+    def state_dict(self, tables: bool = True) -> dict:
         """The optimizer state of the whole model, as a plain torch optimizer would hold it.
 
         Same schema as ``torch.optim.Optimizer.state_dict()`` (parameters numbered in
         param-group order), plus an ``"mpisync"`` entry with the global step, the plan's
-        digest and, with ``ema_decay``, the moving averages (``{name: tensor}``).
+        digest and, with ``ema_decay``, the moving averages (``{name: tensor}``). With
+        ``tables``, ``"mpisync"]["tables"]`` holds each ``mpisync.Embedding`` table
+        shard by shard (see ``table_shards``): its rows and their optimizer state, read
+        from the ps ranks one shard at a time; the table's stand-in parameter has no
+        entry in ``"state"``.
         """
         self._check_open("state_dict")
         by_name, averages = {}, {}
         for state, avg, _ in self._from_every_ps(Kind.STATE, "optimizer state"):
             by_name.update(state)
             averages.update(avg)
-        parts = dict(zip(self._spec.names, self._spec.parts))
-        by_name, averages = merge_units(by_name, parts), merge_units(averages, parts)
+        by_name, averages = merge_units(by_name, self._parts), merge_units(averages, self._parts)
         local = torch.optim.Optimizer.state_dict(self._opt)
         order = self._group_order()
         local["state"] = {i: by_name[n] for i, n in enumerate(order) if n in by_name}
         local["mpisync"] = {"global_step": self.global_step, "plan": self.plan.digest()}
+        if tables:
+            local["mpisync"]["tables"] = {
+                t.name: {"num_rows": t.num_rows, "strategy": t.strategy,
+                         "shards": list(self.table_shards(t.name))}
+                for t in self._spec.tables if t.resident}
         if self._spec.ema_decay is not None:
             local["mpisync"]["averages"] = {n: averages[n] for n in self._names if n in averages}
         return local
@@ -409,10 +458,14 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         payload = None
         if self.cluster.is_chief:
             by_name = {self._group_order()[int(i)]: st for i, st in state_dict["state"].items()}
-            parts = dict(zip(self._spec.names, self._spec.parts))
+            parts = self._parts
             payload = (split_state(split_units(by_name, parts),
                                    split_units(extra.get("averages", {}), parts), groups, step,
                                    self.plan.owner, self.cluster.num_ps), step)
+        if self.cluster.is_chief:
+            for name, saved in extra.get("tables", {}).items():
+                for k, shard in enumerate(saved["shards"]):
+                    self._rows.write_shard(name, k, shard["weight"], shard.get("state"))
         written = self._tracker.written()    # model.load_state_dict() just before: kept
         kept = [self._dense.pviews[i].clone() for i in written]
         self._request(Kind.LOAD, payload)
@@ -432,7 +485,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         Every worker checks the same state, so every worker raises the same ConfigError.
         """
         problem = check_state(state_dict, self.param_groups, self._group_order(),
-                              {n: tuple(p.shape) for n, p in zip(self._names, self._params)})
+                              {n: tuple(p.shape) for n, p in zip(self._names, self._params)},
+                              {t.name: t for t in self._spec.tables if t.resident})
         if problem:
             raise ConfigError(f"{self.cluster.label}: load_state_dict(): {problem}",
                               collective=True)
@@ -454,7 +508,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         got = {}
         for part in self._from_every_ps(Kind.AVERAGES, "parameter averages"):
             got.update(part)
-        got = merge_units(got, dict(zip(self._spec.names, self._spec.parts)))
+        got = merge_units(got, self._parts)
         return {n: got[n] for n in self._names if n in got}
 
     @contextlib.contextmanager
@@ -500,6 +554,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                           f"last step(); the ps ranks keep their values from that step",
                           RuntimeWarning, stacklevel=2)
         self._dense.close(self.global_step, self.cluster.worker_index)
+        self._rows.close()
         self._tracker.release()
         self._closed = True
 

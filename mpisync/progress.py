@@ -82,13 +82,18 @@ class Poller:
     def wait_message(self, source: int, tag: int, what: Callable[[], str],
                      timeout: float | None = None):
         """Receive one pickled message (off the step's path)."""
+        return self.wait_probe(source, tag, None, what, timeout).recv()
+
+    def wait_probe(self, source: int, tag: int, status: MPI.Status | None,
+                   what: Callable[[], str], timeout: float | None = None) -> MPI.Message:
+        """Wait for a message to arrive; return it matched (receive it with ``Recv``)."""
         timeout = self.timeout if timeout is None else timeout
         start = time.monotonic()
         while True:
-            msg = self.comm.improbe(source=source, tag=tag)
+            msg = self.comm.improbe(source=source, tag=tag, status=status)
             if msg is not None:
                 self.busy()
-                return msg.recv()
+                return msg
             self.idle()
             if time.monotonic() - start > timeout:
                 raise StallError(f"{self.label}: {what()} did not arrive within "

@@ -225,11 +225,7 @@ class _CallFailed(Exception):
 
 
 def _check_first_order(cls: type, label: str) -> None:
-    """Refuse an optimizer whose ``step`` requires a closure, and SparseAdam."""
-    if issubclass(cls, torch.optim.SparseAdam):
-        raise ConfigError(
-            f"{label} needs sparse gradients, which mpisync does not carry yet: use "
-            "torch.optim.Adam, with nn.Embedding(sparse=False)")
+    """Refuse an optimizer whose ``step`` requires a closure."""
     try:
         signature = inspect.signature(cls.step)
     except (TypeError, ValueError):

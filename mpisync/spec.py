@@ -42,6 +42,7 @@ __all__ = [
     "model_difference",
     "model_summary",
     "setup_summary",
+    "unit_parts",
 ]
 
 SPEC_VERSION = "mpisync.spec/3"
@@ -326,6 +327,12 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
     hyper = HyperCodec.from_groups(optimizer.param_groups)
     live = [(n, p) for n, p in model.params if n not in set(frozen)]
     tables = _tables(live, frozen, model, options.partitioner, num_ps)
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        dense = [n for n, p in live if n not in tables and p.dtype.is_floating_point]
+        if dense:
+            raise ValueError(f"torch.optim.SparseAdam takes sparse gradients only, and parameter "
+                             f"{dense[0]!r} gets a dense one (torch fails at its first step); "
+                             f"give the dense parameters an optimizer of their own")
     units, kinds, parts = _units(live, tables, options.partitioner)
     buffers = model.buffers if options.buffers != "local" else ()
     routes = plan_routes(units, kinds, frozen,
@@ -352,6 +359,21 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
                      for t in tables.values()),
         sparse_reduction=options.sparse_reduction)
     return spec, routes
+
+
+def unit_parts(spec: JobSpec) -> dict[str, tuple[str, int, int]]:
+    """``unit -> (tensor name, first row, end row)`` of every unit whose values workers hold.
+
+    Dense units, and the shards of sparse ``nn.Embedding`` weights (contiguous rows);
+    ``mpisync.Embedding`` tables are not held by workers and are left out.
+    """
+    parts = dict(zip(spec.names, spec.parts))
+    for t in spec.tables:
+        if not t.resident:
+            starts = partition.shard_offsets(t.num_rows, t.num_shards)
+            parts.update((t.unit(k), (t.name, start, start + rows))
+                         for k, (start, rows) in enumerate(zip(starts, t.shard_rows)))
+    return parts
 
 
 def first_difference(mine: dict, theirs: dict) -> str | None:

@@ -8,8 +8,28 @@ import torch
 __all__ = ["check_state", "merge_units", "split_state", "split_units"]
 
 
+def _check_tables(saved: dict, tables: dict) -> str | None:
+    """What makes saved tables not fit this optimizer's, or None."""
+    for name, table in saved.items():
+        t = tables.get(name)
+        if t is None:
+            return f"the state has table {name!r}, this optimizer has tables {sorted(tables)}"
+        shards = table.get("shards", ())
+        if len(shards) != t.num_shards or table.get("strategy") != t.strategy or \
+                table.get("num_rows") != t.num_rows:
+            return (f"table {name!r} was saved with {table.get('num_rows')} rows in "
+                    f"{len(shards)} shards ({table.get('strategy')}), this one has "
+                    f"{t.num_rows} rows in {t.num_shards} shards ({t.strategy}); a table loads "
+                    f"into the same partitioning")
+        for k, shard in enumerate(shards):
+            if tuple(shard["weight"].shape) != (t.shard_rows[k], *t.row_shape):
+                return (f"shard {k} of table {name!r} has shape {list(shard['weight'].shape)}, "
+                        f"expected {[t.shard_rows[k], *t.row_shape]}")
+    return None
+
+
 def check_state(state_dict: dict, param_groups: list[dict], order: list[str],
-                shape_of: dict[str, tuple]) -> str | None:
+                shape_of: dict[str, tuple], tables: dict | None = None) -> str | None:
     """What makes ``state_dict`` not fit the model, or None.
 
     Args:
@@ -18,6 +38,7 @@ def check_state(state_dict: dict, param_groups: list[dict], order: list[str],
         param_groups: the optimizer's param groups.
         order: parameter names in param-group order.
         shape_of: each parameter's shape.
+        tables: the optimizer's ``mpisync.Embedding`` tables, ``{name: TableSpec}``.
     """
     groups = state_dict.get("param_groups")
     if not isinstance(groups, list) or not isinstance(state_dict.get("state"), dict):
@@ -37,6 +58,9 @@ def check_state(state_dict: dict, param_groups: list[dict], order: list[str],
                     and tuple(value.shape) != shape_of[name]:
                 return (f"state {key!r} of parameter #{i} ({name!r}) has shape "
                         f"{list(value.shape)}, the parameter {list(shape_of[name])}")
+    problem = _check_tables(state_dict.get("mpisync", {}).get("tables", {}), tables or {})
+    if problem:
+        return problem
     for name, value in state_dict.get("mpisync", {}).get("averages", {}).items():
         if name not in shape_of or tuple(value.shape) != shape_of[name]:
             return (f"moving average {name!r} with shape {list(value.shape)} does not match "

@@ -19,8 +19,10 @@ __all__ = [
     "Tag",
     "build_layouts",
     "entry_views",
+    "pack_rows",
     "region_views",
     "tensor_view",
+    "unpack_rows",
 ]
 
 ALIGN = 64
@@ -50,6 +52,11 @@ class Tag:
     INFO = 8        # pickled reply: ps -> worker
     HYPER = 9       # int64 words: worker -> coordinator, the hyper-parameters of a step
     INIT = 10       # raw initial parameters: chief -> ps
+    SPARSE = 11     # rows message: a push's table rows and their gradients, worker -> ps
+    LOOKUP = 12     # rows message: ids whose rows a worker needs, worker -> ps
+    ROWS = 13       # rows message: the rows of a LOOKUP, ps -> worker
+    CHANGED = 14    # rows message: rows of sparse tables changed since last sent, ps -> worker
+    TABLE = 15      # pickled: a table shard read or written, worker <-> ps
     _BASE, _STRIDE = 32, 16
 
     @classmethod
@@ -245,3 +252,78 @@ class Control:
 
     def codes(self, msg: np.ndarray) -> np.ndarray:
         return msg[self.codes_at:].view(np.uint8)[:self.hyper_width]
+
+
+#: int64 words before a rows message's counts: step, sequence number, number of parts.
+ROWS_HEAD = 3
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def pack_rows(step: int, seq: int, parts: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+              ) -> np.ndarray:
+    """One message of rows: per part, int64 local row ids and/or the rows' values.
+
+    Layout: int64 ``[step, seq, n, count_0 .. count_n-1]``, then each part's ids (int64),
+    then each part's values (padded to 8 bytes). A part is ``(ids, values)``; either may
+    be None when the receiver knows what it would be.
+    """
+    counts = [len(ids) if ids is not None else (len(v) if v is not None else 0)
+              for ids, v in parts]
+    head = 8 * (ROWS_HEAD + len(parts))
+    size = head + sum(8 * c for (ids, _), c in zip(parts, counts) if ids is not None)
+    size += sum(_pad8(v.numel() * v.element_size()) for _, v in parts if v is not None)
+    buf = np.empty(size, np.uint8)
+    words = buf[:head].view(np.int64)
+    words[0], words[1], words[2] = step, seq, len(parts)
+    words[ROWS_HEAD:] = counts
+    out = torch.from_numpy(buf)
+    at = head
+    for ids, _ in parts:
+        if ids is not None and len(ids):
+            out[at:at + 8 * len(ids)].view(torch.int64).copy_(ids)
+            at += 8 * len(ids)
+    for _, v in parts:
+        if v is not None:
+            n = v.numel() * v.element_size()
+            if n:
+                out[at:at + n].view(v.dtype).view(v.shape).copy_(v)
+            at += _pad8(n)
+    return buf
+
+
+def unpack_rows(buf: np.ndarray, rows: list[tuple[torch.dtype, tuple[int, ...]] | None],
+                with_ids: bool) -> tuple[int, int, list[tuple[torch.Tensor | None,
+                                                            torch.Tensor | None]]]:
+    """The inverse of ``pack_rows``: ``(step, seq, parts)``, views into ``buf``.
+
+    ``rows`` gives each part's value dtype and row shape, or None for parts without values.
+
+    Raises:
+        ValueError: the message does not have the parts or the bytes expected.
+    """
+    words = buf[:8 * ROWS_HEAD].view(np.int64)
+    step, seq, n = int(words[0]), int(words[1]), int(words[2])
+    if n != len(rows):
+        raise ValueError(f"a rows message with {n} parts, expected {len(rows)}")
+    counts = buf[8 * ROWS_HEAD:8 * (ROWS_HEAD + n)].view(np.int64).tolist()
+    t = torch.from_numpy(buf)
+    at = 8 * (ROWS_HEAD + n)
+    ids = []
+    for c in counts:
+        ids.append(t[at:at + 8 * c].view(torch.int64) if with_ids else None)
+        at += 8 * c if with_ids else 0
+    parts = []
+    for i, (c, r) in enumerate(zip(counts, rows)):
+        if r is None:
+            parts.append((ids[i], None))
+            continue
+        dtype, shape = r
+        nbytes = c * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        parts.append((ids[i], t[at:at + nbytes].view(dtype).view(c, *shape)))
+        at += _pad8(nbytes)
+    if at != buf.nbytes:
+        raise ValueError(f"a rows message of {buf.nbytes} bytes, expected {at}")
+    return step, seq, parts

@@ -104,10 +104,10 @@ def test_an_optimizer_that_needs_a_closure_is_refused_on_every_rank():
                                 r"closure.*use a first-order optimizer", EVERY_RANK)
 
 
-def test_sparse_adam_is_refused_on_every_rank():
+def test_sparse_adam_over_dense_parameters_is_refused_on_every_rank():
     run = failing("errors.py", 2, 1, ["--case", "sparseadam"])
-    assert_every_rank_says(run, r"ConfigError: .*SparseAdam needs sparse gradients, which "
-                                r"mpisync does not carry yet", EVERY_RANK)
+    assert_every_rank_says(run, r"ConfigError: .*SparseAdam takes sparse gradients only, and "
+                                r"parameter '0\.weight' gets a dense one", EVERY_RANK)
 
 
 def test_an_optimizer_class_only_the_workers_define_is_named_on_the_ps():
@@ -138,7 +138,7 @@ def test_add_param_group_after_wrapping_is_refused_on_every_worker():
 
 def test_sparse_gradients_end_the_job_naming_the_parameter():
     run = failing("errors.py", 2, 1, ["--case", "sparse"])
-    cause = r"TypeError: .*parameter 'emb\.weight' has a sparse gradient.*sparse=False"
+    cause = r"TypeError: .*parameter 'emb\.weight' has a sparse gradient.*not the weight of an "
     assert re.search(r"worker \d \(rank \d[^)]*\): " + cause, run.output), run.describe()
     # the others name the cause too: their own error, or the failing rank's notice
     assert_every_rank_says(run, r"(TypeError|stopping because worker \d \(rank \d on [^)]*\) "

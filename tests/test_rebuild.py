@@ -149,7 +149,8 @@ def step_both(original, params, rebuilt, copies, steps=STEPS, seed=1):
 
 
 def torch_optimizers():
-    """Every optimizer class in torch.optim that takes dense gradients and no closure."""
+    """Every optimizer class in torch.optim that takes dense gradients and no closure
+    (SparseAdam: tests/test_tables.py)."""
     return sorted((c for c in vars(torch.optim).values() if isinstance(c, type)
                    and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
                    and c not in (torch.optim.LBFGS, torch.optim.SparseAdam)),

@@ -24,6 +24,7 @@ from ..wire import (
     region_views,
 )
 from .averages import MovingAverages
+from .rows import RowShards
 
 __all__ = ["ShardServer", "layouts_of"]
 
@@ -42,8 +43,8 @@ def _graded(regions):
 class _Slot:
     """A receive buffer for one worker's gradients, with its persistent request."""
 
-    __slots__ = ("assign", "buf", "buffers", "codes", "fields", "mask", "regions", "req",
-                 "waiting", "words", "worker")
+    __slots__ = ("assign", "buf", "buffers", "codes", "fields", "mask", "regions", "req", "rows",
+                 "waiting", "waiting_rows", "words", "worker")
 
     def __init__(self, comm, worker: int, rank: int, tag: int, header: GradHeader,
                  layout: ShardLayout):
@@ -56,6 +57,8 @@ class _Slot:
         self.buffers = region_views(t, header.nbytes, layout.buffer_regions)
         self.assign = None       # the ASSIGN message that goes with this gradient
         self.waiting = False     # its ASSIGN message has not arrived yet
+        self.rows = None         # its table rows: per shard here, (local ids, gradient rows)
+        self.waiting_rows = False
 
 
 class ShardServer:
@@ -88,7 +91,8 @@ class ShardServer:
         self.control = Control(self.W, spec.hyper.width)
         self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.GRAD, Tag.ASSIGN, Tag.PARAMS,
                                                            Tag.CTL, Tag.CTL_OBJ, Tag.INFO,
-                                                           Tag.INIT)}
+                                                           Tag.INIT, Tag.TABLE)}
+        self.rows = RowShards(spec, ps_index, worker_ranks, comm, poller, label)
         self._build_tensors(layout)
         self.acc = ShardAccumulator(spec.reduction, spec.global_step, spec.asynchronous)
         self.global_step = spec.global_step
@@ -133,8 +137,10 @@ class ShardServer:
         by_param: dict[str, list[torch.Tensor]] = {}
         for e, p in zip(layout.entries, self.params):
             by_param.setdefault(part_of[e.name][0], []).append(p)
+        by_param.update(self.rows.params_by_name())
         self.optimizer = self.spec.recipe.build(by_param)
         self.name_of = {id(p): e.name for e, p in zip(layout.entries, self.params)}
+        self.name_of.update(self.rows.names())
         self.averages = MovingAverages(self.spec.ema_decay, self.spec.ema_num_updates,
                                        self.data, layout)
 
@@ -143,6 +149,7 @@ class ShardServer:
         req = self.comm.Irecv([self.param_buf[PARAM_HEADER_BYTES:], MPI.BYTE],
                               source=chief_rank, tag=self.tags[Tag.INIT])
         self.poller.wait_all([req], lambda: "the chief's initial parameters")
+        self.rows.receive_initial(chief_rank)
         if piece is not None:
             self._load(piece)
         self.averages.load(None)
@@ -162,6 +169,8 @@ class ShardServer:
     def _release(self, slots) -> None:
         for slot in slots:
             slot.assign = None
+            if self.rows.active:
+                self.rows.release(slot)
             self.free[slot.worker].append(slot)
 
     def poll(self, rare: bool = False) -> tuple[bool, list[tuple]]:
@@ -185,6 +194,10 @@ class ShardServer:
         if msg is not None:
             self._on_assign(msg, status)
             progressed = True
+        if self.rows.active:
+            progressed |= self.rows.poll()
+        if rare:
+            progressed |= self._table_requests(status)
         if self.ctl_req is not None and self.ctl_req.Test():
             ctl = self.ctl_buf.copy()        # tiny; frees the buffer for the next one
             self.ctl_req.Start()
@@ -207,6 +220,8 @@ class ShardServer:
             raise ProtocolError(f"{self.label}: worker {w} sent kind {kind} with {nbytes} "
                                 f"bytes, expected a gradient of {self.msg_nbytes}")
         self._post(w)
+        if self.rows.active:
+            self.rows.attach(slot)
         flags = int(slot.fields[4])
         if flags & FLAG_ASSIGN:
             if self.assigns[w]:
@@ -257,7 +272,7 @@ class ShardServer:
         if not self.acc.ready(step, taken):
             return False
         chosen = self.acc.chosen(step, taken)
-        if any(s.waiting for s in chosen):
+        if any(s.waiting or s.waiting_rows for s in chosen):
             return False
         self._apply(step, chosen, self.control.hyper(ctl))
         self._release(self.acc.advance(step, taken))
@@ -305,6 +320,8 @@ class ShardServer:
             for p, g, has in zip(self.params, self.grads, present):
                 p.grad = g if has else None
             self.spec.hyper.decode(*hyper, self.optimizer.param_groups)
+            if self.rows.active:
+                self.rows.set_grads(chosen, self.optimizer)
             self.optimizer.step()
         self._update_buffers(chosen)
         self.averages.update(step + 1)
@@ -336,6 +353,8 @@ class ShardServer:
                 out.copy_(chosen[0].buffers[r])
 
     def _send_params(self, workers) -> None:
+        if self.rows.active:
+            self.rows.send_changed(workers, self.global_step)
         for w in workers:
             req = self.param_sends[w]
             if req in self.sends_active:
@@ -350,12 +369,22 @@ class ShardServer:
 
     # -- optimizer state ------------------------------------------------------------------
     def _state(self) -> dict:
-        """This shard's optimizer state, keyed by parameter name."""
+        """This shard's optimizer state, keyed by unit name (tables on the ps: not here)."""
         if self.optimizer is None:
             return {}
+        resident = self.rows.resident_units()
         return {self.name_of[id(p)]: {k: (v.clone() if torch.is_tensor(v) else v)
                                       for k, v in s.items()}
-                for p, s in self.optimizer.state.items()}
+                for p, s in self.optimizer.state.items() if self.name_of[id(p)] not in resident}
+
+    def _table_requests(self, status: MPI.Status) -> bool:
+        """A worker reads or writes one shard of a table that lives here."""
+        msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=self.tags[Tag.TABLE], status=status)
+        if msg is None:
+            return False
+        request = msg.recv()
+        self.rows.on_table_request(request, status.Get_source(), self.optimizer)
+        return True
 
     def _load(self, piece: dict) -> None:
         """Load optimizer state for this shard's parameters (``{name: state}``)."""
@@ -364,11 +393,15 @@ class ShardServer:
             order = [self.name_of[id(p)] for g in self.optimizer.param_groups
                      for p in g["params"]]
             index = {name: i for i, name in enumerate(order)}
+            resident = {index[n] for n in self.rows.resident_units()}
+            kept = {i: s for i, s in sd["state"].items() if i in resident}
             sd["state"] = {index[n]: s for n, s in piece["state"].items()}
+            sd["state"].update(kept)
             for group, saved in zip(sd["param_groups"], piece["param_groups"]):
                 group.update({k: v for k, v in saved.items() if k != "params"})
             self.optimizer.load_state_dict(sd)
         self.averages.load(piece.get("averages"))
+        self.rows.reset()
         self.global_step = piece["global_step"]
         self.acc.global_step = self.global_step
         self._set_version()
@@ -376,6 +409,7 @@ class ShardServer:
     def finish(self) -> None:
         """Wait for the last sends; cancel and free every persistent request."""
         self.poller.wait_all(self.sends_active, lambda: "parameter sends to workers")
+        self.rows.finish()
         for w, slot in enumerate(self.posted):
             if slot is not None:
                 slot.req.Cancel()

@@ -1,0 +1,321 @@
+"""One ps rank's table shards: lookups, sparse accumulation, changed rows, shard reads."""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..errors import ProtocolError
+from ..progress import Poller
+from ..spec import JobSpec
+from ..tables import TableSpec
+from ..wire import Tag, pack_rows, unpack_rows
+
+__all__ = ["RowShards", "takes_sparse"]
+
+_SEED_STRIDE = 1_000_003
+
+
+def takes_sparse(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """Whether the optimizer, with this group's hyper-parameters, updates only gradient rows.
+
+    Then the ps hands it a sparse gradient and only those rows change: SGD without
+    momentum and weight decay, Adagrad without weight decay, SparseAdam. Any other
+    optimizer gets the dense gradient of the shard and updates every row, as it would
+    the weight of a dense ``nn.Embedding``.
+    """
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        return True
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return not group.get("weight_decay")
+    if isinstance(optimizer, torch.optim.SGD):
+        return not group.get("momentum") and not group.get("weight_decay")
+    return False
+
+
+class _Unit:
+    """One table shard held here."""
+
+    __slots__ = ("k", "param", "spec", "unit")
+
+    def __init__(self, spec: TableSpec, k: int, param: torch.nn.Parameter):
+        self.spec, self.k, self.param = spec, k, param
+        self.unit = spec.unit(k)
+
+
+class RowShards:
+    """The table shards of one optimizer on one ps rank.
+
+    Each push of a worker is followed by one rows message (tag SPARSE) with the rows its
+    gradient touched in every shard here; ``attach`` pairs them in order, and a step
+    reduces the taken ones (sum divided by their number, or per row) into a sparse
+    gradient. Lookups are answered at once with the current rows. For the sparse
+    ``nn.Embedding`` weights that workers hold whole, each worker is sent the rows that
+    changed since it last received any, with its parameters.
+    """
+
+    def __init__(self, spec: JobSpec, ps_index: int, worker_ranks: tuple[int, ...],
+                 comm: MPI.Comm, poller: Poller, label: str):
+        self.spec = spec
+        self.comm = comm
+        self.poller = poller
+        self.label = label
+        self.worker_ranks = worker_ranks
+        self.W = len(worker_ranks)
+        self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.SPARSE, Tag.LOOKUP, Tag.ROWS,
+                                                           Tag.CHANGED, Tag.TABLE, Tag.INIT)}
+        self.units: list[_Unit] = []
+        for t in spec.tables:
+            for k, owner in enumerate(t.owners):
+                if owner == ps_index:
+                    rows = torch.zeros(t.shard_rows[k], *t.row_shape, dtype=t.dtype)
+                    self.units.append(_Unit(t, k, torch.nn.Parameter(rows)))
+        self.kinds = [(u.spec.dtype, u.spec.row_shape) for u in self.units]
+        self.by_unit = {u.unit: u for u in self.units}
+        self.arrived: list[deque] = [deque() for _ in range(self.W)]
+        self.claims: list[deque] = [deque() for _ in range(self.W)]
+        self.discard = [0] * self.W
+        self.changed: list[list] = [[None] * len(self.units) for _ in range(self.W)]
+        self.full = [True] * self.W        # every worker gets whole shards first
+        self.sends: list[tuple[MPI.Request, object]] = []
+        if self.units:
+            torch.sparse.check_sparse_tensor_invariants.disable()   # built here, coalesced
+
+    @property
+    def active(self) -> bool:
+        return bool(self.units)
+
+    def params_by_name(self) -> dict[str, list[torch.Tensor]]:
+        out: dict[str, list[torch.Tensor]] = {}
+        for u in self.units:
+            out.setdefault(u.spec.name, []).append(u.param)
+        return out
+
+    def names(self) -> dict[int, str]:
+        return {id(u.param): u.unit for u in self.units}
+
+    def resident_units(self) -> set[str]:
+        return {u.unit for u in self.units if u.spec.resident}
+
+    # -- set-up ---------------------------------------------------------------------------
+    def receive_initial(self, chief_rank: int) -> None:
+        """Rows from the chief (given values), or drawn here from the table's seed."""
+        for t in self.spec.tables:       # in the chief's sending order
+            for u in [u for u in self.units if u.spec is t]:
+                if t.seed is None:
+                    data = u.param.detach()
+                    req = self.comm.Irecv([data.view(torch.uint8).numpy(), MPI.BYTE],
+                                          source=chief_rank, tag=self.tags[Tag.INIT])
+                    self.poller.wait_all([req], lambda t=t: f"the initial rows of {t.name!r}")
+                    continue
+                g = torch.Generator().manual_seed(t.seed * _SEED_STRIDE + u.k)
+                with torch.no_grad():
+                    u.param.normal_(generator=g)
+                    if t.padding_idx is not None:
+                        shard, local = t.locate(torch.tensor([t.padding_idx]))
+                        if int(shard) == u.k:
+                            u.param[int(local)] = 0
+
+    # -- receiving ------------------------------------------------------------------------
+    def poll(self) -> bool:
+        """Receive row gradients and answer lookups; True if anything arrived."""
+        progressed = False
+        status = MPI.Status()
+        while True:
+            msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=self.tags[Tag.SPARSE],
+                                    status=status)
+            if msg is None:
+                break
+            self._on_rows(self._recv(msg, status), self.worker_ranks.index(status.Get_source()))
+            progressed = True
+        while True:
+            msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=self.tags[Tag.LOOKUP],
+                                    status=status)
+            if msg is None:
+                break
+            self._answer_lookup(self._recv(msg, status), status.Get_source())
+            progressed = True
+        self._reap()
+        return progressed
+
+    @staticmethod
+    def _recv(msg, status: MPI.Status) -> np.ndarray:
+        buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+        msg.Recv([buf, MPI.BYTE])
+        return buf
+
+    def _on_rows(self, buf: np.ndarray, w: int) -> None:
+        if self.discard[w]:
+            self.discard[w] -= 1
+            return
+        try:
+            parts = unpack_rows(buf, self.kinds, with_ids=True)[2]
+        except ValueError as exc:
+            raise ProtocolError(f"{self.label}: worker {w} sent table rows: {exc}") from None
+        if self.claims[w]:
+            slot = self.claims[w].popleft()
+            slot.rows, slot.waiting_rows = parts, False
+        else:
+            self.arrived[w].append(parts)
+
+    def attach(self, slot) -> None:
+        """A push arrived: pair it with its rows message (now, or when that arrives)."""
+        w = slot.worker
+        if self.arrived[w]:
+            slot.rows, slot.waiting_rows = self.arrived[w].popleft(), False
+        else:
+            slot.rows, slot.waiting_rows = None, True
+            self.claims[w].append(slot)
+
+    def release(self, slot) -> None:
+        """A push no step will take: its rows message is dropped whenever it comes."""
+        if slot.waiting_rows:
+            self.claims[slot.worker].remove(slot)
+            self.discard[slot.worker] += 1
+            slot.waiting_rows = False
+        slot.rows = None
+
+    def _answer_lookup(self, buf: np.ndarray, rank: int) -> None:
+        parts = unpack_rows(buf, [None] * len(self.units), with_ids=True)[2]
+        out = []
+        for u, (local, _) in zip(self.units, parts):
+            if not len(local):
+                out.append((None, None))
+                continue
+            if int(local.max()) >= u.param.shape[0] or int(local.min()) < 0:
+                raise ProtocolError(f"{self.label}: a lookup of rows outside shard {u.unit}")
+            out.append((None, u.param.detach()[local]))
+        reply = pack_rows(0, 0, [(None, v) if v is not None else (None, None) for _, v in out])
+        self._send(reply, rank, self.tags[Tag.ROWS])
+
+    def _send(self, buf, rank: int, tag: int) -> None:
+        self.sends.append((self.comm.Isend([buf, MPI.BYTE], dest=rank, tag=tag), buf))
+
+    def _reap(self) -> None:
+        if self.sends:
+            self.sends = [(r, b) for r, b in self.sends if not r.Test()]
+
+    # -- applying -------------------------------------------------------------------------
+    def set_grads(self, chosen: list, optimizer: torch.optim.Optimizer) -> None:
+        """Each shard's gradient from the taken pushes, reduced; remember what will change."""
+        count = len(chosen)
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        for n, u in enumerate(self.units):
+            pieces = [s.rows[n] for s in chosen if len(s.rows[n][0])]
+            if not pieces:
+                u.param.grad = None
+                self._note(n, None)
+                continue
+            grad = self._reduce(u, pieces, count)
+            if takes_sparse(optimizer, group_of[id(u.param)]):
+                u.param.grad = grad
+                self._note(n, grad.indices()[0])
+            else:
+                u.param.grad = grad.to_dense()
+                self._note(n, True)
+
+    def _reduce(self, u: _Unit, pieces: list, count: int) -> torch.Tensor:
+        ids = torch.cat([i for i, _ in pieces])
+        values = torch.cat([v for _, v in pieces])
+        shape = (u.param.shape[0], *u.spec.row_shape)
+        grad = torch.sparse_coo_tensor(ids[None], values, shape, check_invariants=False).coalesce()
+        how = self.spec.sparse_reduction
+        if self.spec.reduction == "sum" or count == 1:
+            return grad
+        if how == "per_row":
+            ones = torch.ones(len(ids), dtype=values.dtype)
+            per_row = torch.sparse_coo_tensor(ids[None], ones, shape[:1],
+                                              check_invariants=False).coalesce().values()
+            scale = per_row.view(-1, *[1] * len(u.spec.row_shape))
+            return torch.sparse_coo_tensor(grad.indices(), grad.values() / scale, shape,
+                                           is_coalesced=True, check_invariants=False)
+        return torch.sparse_coo_tensor(grad.indices(), grad.values() / count, shape,
+                                       is_coalesced=True, check_invariants=False)
+
+    def _note(self, n: int, rows) -> None:
+        """Rows of unit ``n`` the step changes: None, a tensor of local ids, or True (all)."""
+        if self.units[n].spec.resident or rows is None:
+            return
+        for w in range(self.W):
+            if self.full[w]:
+                continue
+            have = self.changed[w][n]
+            if rows is True or have is True:
+                self.changed[w][n] = True
+            else:
+                self.changed[w][n] = rows if have is None else torch.cat([have, rows])
+
+    def send_changed(self, workers, step: int) -> None:
+        """Send each of ``workers`` the rows of the sparse weights it has not seen."""
+        if not any(not u.spec.resident for u in self.units):
+            return
+        for w in workers:
+            parts = []
+            for n, u in enumerate(self.units):
+                rows = True if self.full[w] else self.changed[w][n]
+                if u.spec.resident or rows is None:
+                    parts.append((torch.empty(0, dtype=torch.int64), self._empty(u)))
+                    continue
+                if rows is True:
+                    local = torch.arange(u.param.shape[0])
+                    parts.append((local, u.param.detach()))
+                    continue
+                local = torch.unique(rows)
+                parts.append((local, u.param.detach()[local]))
+                self.changed[w][n] = None
+            for n in range(len(self.units)):
+                self.changed[w][n] = None
+            self.full[w] = False
+            self._send(pack_rows(step, 0, parts), self.worker_ranks[w], self.tags[Tag.CHANGED])
+
+    @staticmethod
+    def _empty(u: _Unit) -> torch.Tensor:
+        return torch.empty(0, *u.spec.row_shape, dtype=u.spec.dtype)
+
+    def reset(self) -> None:
+        """After a load: every worker gets whole shards next."""
+        self.full = [True] * self.W
+
+    # -- reading and writing whole shards --------------------------------------------------
+    def on_table_request(self, request, rank: int, optimizer) -> None:
+        """Answer a worker's read or write of one resident shard (pickled, off the step path)."""
+        what, unit = request[0], request[1]
+        u = self.by_unit.get(unit)
+        if u is None:
+            raise ProtocolError(f"{self.label}: a request for table shard {unit!r}, not held here")
+        state = optimizer.state.get(u.param, {}) if optimizer is not None else {}
+        if what == "read":
+            out = {"weight": u.param.detach().clone()}
+            if request[2]:
+                out["state"] = {k: v.clone() if torch.is_tensor(v) else v
+                                for k, v in state.items()}
+            self.comm.send(out, dest=rank, tag=self.tags[Tag.TABLE])
+            return
+        _, _, weight, saved = request
+        error = None
+        try:
+            self._write(u, weight, saved, optimizer)
+        except (ValueError, RuntimeError, TypeError) as exc:
+            error = exc
+        self.comm.send(error, dest=rank, tag=self.tags[Tag.TABLE])
+
+    def _write(self, u: _Unit, weight, saved, optimizer) -> None:
+        with torch.no_grad():
+            if weight is not None:
+                if tuple(weight.shape) != tuple(u.param.shape):
+                    raise ValueError(f"{self.label}: shard {u.unit} has shape "
+                                     f"{list(u.param.shape)}, the values given "
+                                     f"{list(weight.shape)}")
+                u.param.copy_(weight)
+        if saved is not None and optimizer is not None:
+            state = optimizer.state[u.param]
+            state.clear()
+            for key, value in saved.items():
+                state[key] = value.clone() if torch.is_tensor(value) else value
+
+    def finish(self) -> None:
+        if self.sends:
+            self.poller.wait_all([r for r, _ in self.sends], lambda: "row sends to workers")
+            self.sends = []

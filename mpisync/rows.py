@@ -1,0 +1,254 @@
+"""The worker's transport for tables: lookups, row gradients, changed rows, shard reads."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .errors import ProtocolError
+from .progress import Poller
+from .spec import JobSpec
+from .tables import TableSpec, table_info
+from .wire import Tag, pack_rows, unpack_rows
+
+__all__ = ["RowsChannel"]
+
+
+class _Table:
+    """One table as this worker sees it."""
+
+    def __init__(self, spec: TableSpec, param: torch.Tensor):
+        self.spec = spec
+        self.param = param                  # the stand-in, or the whole sparse nn.Embedding weight
+        self.info = table_info(param)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # (unique ids, rows leaf)
+
+
+class RowsChannel:
+    """Tables of one optimizer: ``mpisync.Embedding`` tables and sparse ``nn.Embedding`` weights.
+
+    Every push sends one rows message to each ps rank that holds a table shard (the ps
+    pairs it with the dense push), with the local ids and gradients of the rows this
+    worker's batch touched. A lookup sends the unique ids to the ps ranks that own them,
+    one message per ps rank, all at once. After a step, a worker holding a sparse
+    ``nn.Embedding`` receives the rows that changed since it last heard.
+    """
+
+    def __init__(self, spec: JobSpec, cluster, params: dict[str, torch.Tensor], poller: Poller):
+        self.spec = spec
+        self.cluster = cluster
+        self.comm = cluster.p2p_comm
+        self.poller = poller
+        self.label = cluster.label
+        self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.SPARSE, Tag.LOOKUP, Tag.ROWS,
+                                                           Tag.CHANGED, Tag.TABLE, Tag.INIT)}
+        self.tables = [_Table(t, params[t.name]) for t in spec.tables]
+        # per ps: its shards, in spec order: (table index, shard)
+        self.on_ps: list[list[tuple[int, int]]] = [[] for _ in range(spec.num_ps)]
+        for i, t in enumerate(spec.tables):
+            for k, owner in enumerate(t.owners):
+                self.on_ps[owner].append((i, k))
+        self.replicated_ps = [j for j, shards in enumerate(self.on_ps)
+                              if any(not spec.tables[i].resident for i, _ in shards)]
+        self.sends: list[tuple[MPI.Request, np.ndarray]] = []
+        self.bytes_per_ps = [0] * spec.num_ps
+        self.seq = 0
+        for table in self.tables:
+            if table.info is not None:
+                table.info.name, table.info.channel, table.info.label = (
+                    table.spec.name, self, self.label)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.tables)
+
+    # -- set-up ---------------------------------------------------------------------------
+    def send_initial(self) -> None:
+        """The chief's initial rows, shard by shard, to the ps ranks (tables without a seed)."""
+        for table in self.tables:
+            t = table.spec
+            if t.seed is not None:
+                continue
+            values = table.info.weight if table.info is not None else table.param.detach()
+            for k, owner in enumerate(t.owners):
+                ids = t.global_ids(k, torch.arange(t.shard_rows[k]))
+                rows = values[ids].contiguous()
+                req = self.comm.Isend([rows.view(torch.uint8).numpy(), MPI.BYTE],
+                                      dest=self.cluster.ps_rank(owner), tag=self.tags[Tag.INIT])
+                self.poller.wait_all([req], lambda t=t: f"table {t.name!r} reaching the ps ranks")
+
+    def forget_initial(self) -> None:
+        """Initial values given with ``weight=`` are the ps ranks' now: drop this copy."""
+        for table in self.tables:
+            if table.info is not None:
+                table.info.weight = None
+
+    # -- lookups --------------------------------------------------------------------------
+    def lookup(self, info, unique: torch.Tensor) -> torch.Tensor:
+        """The rows of ``unique`` (sorted unique ids), as a leaf that collects their gradient."""
+        index = next(i for i, tb in enumerate(self.tables) if tb.info is info)
+        table = self.tables[index]
+        t = table.spec
+        shard, local = t.locate(unique)
+        order = torch.argsort(shard, stable=True)
+        counts = torch.bincount(shard, minlength=t.num_shards).tolist()
+        pieces = torch.split(local[order], counts)
+        out = torch.empty(len(unique), *t.row_shape, dtype=t.dtype)
+        reqs, replies = [], []
+        for j, shards in enumerate(self.on_ps):
+            mine = [(i, k) for i, k in shards if i == index]
+            if not any(counts[k] for _, k in mine):
+                continue
+            parts = [(pieces[k] if i == index else torch.empty(0, dtype=torch.int64), None)
+                     for i, k in shards]
+            msg = pack_rows(-1, 0, parts)
+            reply = np.empty(8 * (3 + len(shards))
+                             + sum(_pad8(counts[k] * t.row_bytes) for _, k in mine), np.uint8)
+            rank = self.cluster.ps_rank(j)
+            reqs.append(self.comm.Isend([msg, MPI.BYTE], dest=rank, tag=self.tags[Tag.LOOKUP]))
+            reqs.append(self.comm.Irecv([reply, MPI.BYTE], source=rank, tag=self.tags[Tag.ROWS]))
+            replies.append((j, shards, mine, reply, msg))
+        self.poller.wait_all(reqs, lambda: f"rows of table {t.name!r} from the ps ranks")
+        positions = torch.split(order, counts)
+        for j, shards, mine, reply, _ in replies:
+            kinds = [(t.dtype, t.row_shape) if i == index else None for i, _ in shards]
+            _, _, parts = unpack_rows(reply, kinds, with_ids=False)
+            for (i, k), (_, values) in zip(shards, parts):
+                if i == index and counts[k]:
+                    out[positions[k]] = values
+        if torch.is_grad_enabled():
+            out.requires_grad_(True)
+            table.pending.append((unique, out))
+        return out
+
+    # -- the step -------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool) -> None:
+        for table in self.tables:
+            if table.info is None:
+                table.param.grad = None      # a sparse gradient: None and zero add up the same
+                continue
+            for _, rows in table.pending:
+                if set_to_none or rows.grad is None:
+                    rows.grad = None
+                else:
+                    rows.grad.zero_()
+
+    def _gradient(self, table: _Table) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(unique ids, their summed gradient rows) of one table for this push, or None."""
+        if table.info is None:
+            g = table.param.grad
+            if g is None:
+                return None
+            if not g.is_sparse:
+                g = g.to_sparse(1)
+            g = g.coalesce()
+            return g.indices()[0], g.values()
+        got = [(ids, rows.grad) for ids, rows in table.pending if rows.grad is not None]
+        table.pending = []
+        if not got:
+            return None
+        if len(got) == 1:
+            ids, grad = got[0]
+        else:
+            ids, inverse = torch.unique(torch.cat([i for i, _ in got]), return_inverse=True)
+            grad = torch.zeros(len(ids), *table.spec.row_shape, dtype=table.spec.dtype)
+            grad.index_add_(0, inverse, torch.cat([g for _, g in got]))
+        pad = table.spec.padding_idx
+        if pad is not None:
+            keep = ids != pad
+            ids, grad = ids[keep], grad[keep]
+        return ids, grad
+
+    def push(self, step: int, seq: int) -> None:
+        """Send every ps rank holding a table shard the rows of this worker's gradients."""
+        per_table = []
+        for table in self.tables:
+            got = self._gradient(table)
+            if got is None:
+                per_table.append(None)
+                continue
+            ids, grad = got
+            shard, local = table.spec.locate(ids)
+            order = torch.argsort(shard, stable=True)
+            counts = torch.bincount(shard, minlength=table.spec.num_shards).tolist()
+            per_table.append((torch.split(local[order], counts),
+                              torch.split(grad[order], counts)))
+        empty = torch.empty(0, dtype=torch.int64)
+        for j, shards in enumerate(self.on_ps):
+            if not shards:
+                continue
+            parts = []
+            for i, k in shards:
+                got = per_table[i]
+                parts.append((empty, self._no_rows(i)) if got is None else (got[0][k], got[1][k]))
+            msg = pack_rows(step, seq, parts)
+            self.bytes_per_ps[j] = msg.nbytes
+            self.sends.append((self.comm.Isend([msg, MPI.BYTE], dest=self.cluster.ps_rank(j),
+                                               tag=self.tags[Tag.SPARSE]), msg))
+
+    def _no_rows(self, i: int) -> torch.Tensor:
+        t = self.spec.tables[i]
+        return torch.empty(0, *t.row_shape, dtype=t.dtype)
+
+    def wait_sends(self) -> None:
+        if self.sends:
+            self.poller.wait_all([r for r, _ in self.sends], lambda: "row gradient sends")
+            self.sends = []
+
+    def pull(self, step: int) -> None:
+        """The rows of sparse tables that changed, from each ps rank holding their shards."""
+        for j in self.replicated_ps:
+            buf = self._receive_raw(self.cluster.ps_rank(j), self.tags[Tag.CHANGED],
+                                    f"changed rows of step {step} from ps {j}")
+            shards = self.on_ps[j]
+            kinds = [(self.spec.tables[i].dtype, self.spec.tables[i].row_shape)
+                     for i, _ in shards]
+            got_step, _, parts = unpack_rows(buf, kinds, with_ids=True)
+            if got_step != step:
+                raise ProtocolError(f"{self.label}: ps {j} sent the rows of step {got_step} "
+                                    f"with token {step}")
+            with torch.no_grad():
+                for (i, k), (local, values) in zip(shards, parts):
+                    table = self.tables[i]
+                    if table.info is None and len(local):
+                        table.param.index_copy_(0, table.spec.global_ids(k, local), values)
+
+    def _receive_raw(self, source: int, tag: int, what: str) -> np.ndarray:
+        status = MPI.Status()
+        msg = self.poller.wait_probe(source, tag, status, lambda: what)
+        buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+        msg.Recv([buf, MPI.BYTE])
+        return buf
+
+    # -- reading and writing whole shards --------------------------------------------------
+    def read_shard(self, name: str, k: int, with_state: bool = True) -> dict:
+        """Shard ``k`` of resident table ``name`` from its ps: ids, weight, optimizer state."""
+        t = next(tb.spec for tb in self.tables if tb.spec.name == name)
+        rank = self.cluster.ps_rank(t.owners[k])
+        self.comm.send(("read", t.unit(k), with_state), dest=rank, tag=self.tags[Tag.TABLE])
+        got = self.poller.wait_message(rank, self.tags[Tag.TABLE],
+                                       lambda: f"shard {k} of table {name!r}")
+        got["ids"] = t.global_ids(k, torch.arange(t.shard_rows[k]))
+        return got
+
+    def write_shard(self, name: str, k: int, weight: torch.Tensor | None, state: dict | None
+                    ) -> None:
+        """Replace shard ``k`` of table ``name`` (and its optimizer state) on its ps."""
+        t = next(tb.spec for tb in self.tables if tb.spec.name == name)
+        rank = self.cluster.ps_rank(t.owners[k])
+        self.comm.send(("write", t.unit(k), weight, state), dest=rank, tag=self.tags[Tag.TABLE])
+        answer = self.poller.wait_message(rank, self.tags[Tag.TABLE],
+                                          lambda: f"ps {t.owners[k]} loading shard {k} of {name!r}")
+        if answer is not None:
+            raise answer
+
+    def close(self) -> None:
+        self.wait_sends()
+        for table in self.tables:
+            if table.info is not None:
+                table.info.channel = None
+            table.pending = []
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) // 8 * 8

@@ -1,0 +1,169 @@
+"""Embedding tables under mpisync, case by case, against plain torch (see test_tables.py).
+
+A case names the table kind (``resident``: mpisync.Embedding / EmbeddingBag on the ps
+ranks; ``sparse``: nn.Embedding(sparse=True) on every worker), the optimizer, the id map
+and the shards. ``reference(case)`` trains the same model with a dense nn.Embedding in
+one process on the workers' combined batch (``sparse_adam``: torch's SparseAdam on a sparse
+nn.Embedding).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from common import emit, run
+
+import mpisync
+
+ROWS, DIM, FIELDS, CLASSES = 50, 4, 3, 3
+WORKERS, BATCH, STEPS = 3, 5, 6
+
+
+@dataclass
+class Case:
+    name: str
+    kind: str = "resident"            # "resident" | "sparse" | "bag"
+    optimizer: str = "sgd"           # "sgd" | "adagrad" | "sparse_adam" | "adam"
+    strategy: str = "mod"
+    shards: int = 3
+    zero: str = "none"
+    sync: dict = field(default_factory=dict)
+    steps: int = STEPS
+
+
+CASES = [
+    Case("resident-sgd-mod"),
+    Case("resident-sgd-div", strategy="div", shards=4),
+    Case("resident-adagrad-mod", optimizer="adagrad", shards=7),
+    Case("resident-adagrad-div-zeros", optimizer="adagrad", strategy="div", zero="zeros"),
+    Case("resident-adam-dense-update", optimizer="adam"),
+    Case("resident-sparse-adam", optimizer="sparse_adam"),
+    Case("resident-bag-adagrad", kind="bag", optimizer="adagrad"),
+    Case("sparse-sgd", kind="sparse"),
+    Case("sparse-adagrad-partitioned", kind="sparse", optimizer="adagrad", shards=3),
+    Case("sparse-sgd-momentum", kind="sparse", optimizer="sgd_momentum", shards=2),
+    Case("sparse-sparse-adam", kind="sparse", optimizer="sparse_adam", shards=2),
+]
+BY_NAME = {c.name: c for c in CASES}
+
+
+def initial_table() -> torch.Tensor:
+    return torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3))
+
+
+def data(steps: int):
+    """Ids with repeats within and across workers (a skewed draw), and labels."""
+    g = torch.Generator().manual_seed(11)
+    n = WORKERS * BATCH * steps
+    ids = (torch.rand(n, FIELDS, generator=g) ** 3 * ROWS).long()
+    y = torch.randint(0, CLASSES, (n,), generator=g)
+    return ids, y
+
+
+class Net(torch.nn.Module):
+    def __init__(self, emb: torch.nn.Module, bag: bool, head: bool):
+        super().__init__()
+        self.emb, self.bag = emb, bag
+        torch.manual_seed(0)
+        width = DIM if bag else DIM * FIELDS
+        self.head = torch.nn.Linear(width, CLASSES)
+        self.head.requires_grad_(head)
+
+    def forward(self, ids):
+        e = self.emb(ids)
+        return self.head(e if self.bag else e.flatten(1))
+
+
+def build(case: Case, plain: bool) -> Net:
+    """The case's model: under mpisync (plain=False), or for the one-process reference."""
+    w = initial_table()
+    bag = case.kind == "bag"
+    if plain:
+        sparse = case.optimizer == "sparse_adam"
+        emb = (torch.nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=sparse) if bag
+               else torch.nn.Embedding(ROWS, DIM, sparse=sparse))
+        with torch.no_grad():
+            emb.weight.copy_(w)
+    elif case.kind == "sparse":
+        emb = torch.nn.Embedding(ROWS, DIM, sparse=True)
+        with torch.no_grad():
+            emb.weight.copy_(w)
+    else:
+        cls = mpisync.EmbeddingBag if bag else mpisync.Embedding
+        kw = {"mode": "sum"} if bag else {}
+        emb = cls(ROWS, DIM, partitioner=mpisync.fixed_size(case.shards),
+                  partition_strategy=case.strategy, weight=w, **kw)
+    return Net(emb, bag, head=case.optimizer != "sparse_adam")
+
+
+def make_optimizer(case: Case, m: Net) -> torch.optim.Optimizer:
+    params = [p for p in m.parameters() if p.requires_grad]
+    if case.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=0.5)
+    if case.optimizer == "sgd_momentum":
+        return torch.optim.SGD(params, lr=0.3, momentum=0.9)
+    if case.optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=0.3, lr_decay=0.01)
+    if case.optimizer == "adam":
+        return torch.optim.Adam(params, lr=0.05)
+    return torch.optim.SparseAdam(params, lr=0.05)
+
+
+def sync_kwargs(case: Case) -> dict:
+    kw = dict(case.sync)
+    if case.kind == "sparse" and case.shards > 1:
+        kw["partitioner"] = {"emb.weight": mpisync.fixed_size(case.shards)}
+    return kw
+
+
+def reference(case: Case) -> dict:
+    m = build(case, plain=True)
+    opt = make_optimizer(case, m)
+    ids, y = data(case.steps)
+    rows = WORKERS * BATCH
+    for t in range(case.steps):
+        opt.zero_grad(set_to_none=case.zero == "none")
+        torch.nn.functional.cross_entropy(m(ids[t * rows:(t + 1) * rows]),
+                                          y[t * rows:(t + 1) * rows]).backward()
+        opt.step()
+    return {"table": m.emb.weight.detach().tolist(),
+            "head": [p.detach().tolist() for p in m.head.parameters()]}
+
+
+def train(cluster, case: Case) -> dict:
+    w = cluster.worker_index
+    m = build(case, plain=False)
+    opt = mpisync.SyncReplicasOptimizer(make_optimizer(case, m),
+                                        named_parameters=m.named_parameters(),
+                                        **sync_kwargs(case))
+    ids, y = data(case.steps)
+    rows = WORKERS * BATCH
+    for t in range(case.steps):
+        lo = t * rows + w * BATCH
+        opt.zero_grad(set_to_none=case.zero == "none")
+        torch.nn.functional.cross_entropy(m(ids[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
+        opt.step()
+    if case.kind == "sparse":
+        table = m.emb.weight.detach()
+    else:
+        table = torch.zeros(ROWS, DIM)
+        for shard in opt.table_shards("emb.weight", with_state=False):
+            table[shard["ids"]] = shard["weight"]
+        assert torch.equal(m.emb.rows(torch.arange(ROWS)), table)
+    stats = opt.stats
+    out = {"table": table.tolist(), "head": [p.detach().tolist() for p in m.head.parameters()],
+           "global_step": opt.global_step, "bytes_per_ps": stats["bytes_per_ps"],
+           "plan": str(opt.plan)}
+    opt.close()
+    return out
+
+
+def worker(cluster):
+    for name in sys.argv[1:]:
+        emit(role="worker", worker=cluster.worker_index, case=name,
+             **train(cluster, BY_NAME[name]))
+
+
+if __name__ == "__main__":
+    run(worker)
