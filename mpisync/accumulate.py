@@ -8,9 +8,39 @@ import torch
 
 from .wire import Kind
 
-__all__ = ["REDUCTIONS", "Action", "ShardAccumulator", "StepCoordinator"]
+__all__ = ["REDUCTIONS", "SPARSE_REDUCTIONS", "Action", "ShardAccumulator", "StepCoordinator",
+           "reduce_rows"]
 
 REDUCTIONS = ("mean", "sum")
+SPARSE_REDUCTIONS = ("mean", "per_row")
+
+
+def reduce_rows(pieces: list[tuple[torch.Tensor, torch.Tensor]], shape: tuple[int, ...],
+                count: int, how: str = "mean") -> torch.Tensor:
+    """The sparse gradient of a step from the taken gradients' rows, coalesced.
+
+    Args:
+        pieces: per taken gradient (in reduction order), its row ids (each once) and rows.
+        shape: the dense shape (rows, *row shape).
+        count: the number of gradients the step took (some may have no rows here).
+        how: ``"mean"`` (the sum divided by ``count``: large-batch training), ``"per_row"``
+            (each row's sum divided by the number of gradients that have it, TensorFlow's
+            ``SparseConditionalAccumulator``) or ``"sum"``.
+    """
+    ids = torch.cat([i for i, _ in pieces])
+    values = torch.cat([v for _, v in pieces])
+    grad = torch.sparse_coo_tensor(ids[None], values, shape, check_invariants=False).coalesce()
+    if how == "sum" or count == 1:
+        return grad
+    if how == "per_row":
+        ones = torch.ones(len(ids), dtype=values.dtype)
+        per_row = torch.sparse_coo_tensor(ids[None], ones, shape[:1],
+                                          check_invariants=False).coalesce().values()
+        divisor = per_row.view(-1, *[1] * (len(shape) - 1))
+    else:
+        divisor = count
+    return torch.sparse_coo_tensor(grad.indices(), grad.values() / divisor, shape,
+                                   is_coalesced=True, check_invariants=False)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 
 from . import partition
 from . import placement as placement_mod
-from .accumulate import REDUCTIONS
+from .accumulate import REDUCTIONS, SPARSE_REDUCTIONS
 from .errors import ConfigError, ModelMismatchError
 from .hyper import HyperCodec
 from .rebuild import OptimizerRecipe, recipe_of
@@ -48,7 +48,6 @@ __all__ = [
 SPEC_VERSION = "mpisync.spec/3"
 BUFFER_MODES = ("broadcast", "mean", "local")
 SCHEDULE_MODES = ("auto", "global_step", "local")
-SPARSE_REDUCTIONS = ("mean", "per_row")
 
 
 @dataclass(frozen=True)

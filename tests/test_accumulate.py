@@ -874,3 +874,33 @@ def test_a_held_async_worker_waiting_for_a_parked_one_fails():
     c.applied(())                              # worker 1 is held: 0 must catch up first
     assert c.held == {1}
     assert c.park(0) == [Action(Kind.FAIL, 1, (1,), (0,))]
+
+
+# -- sparse rows ----------------------------------------------------------------------------
+def _rows(ids, values):
+    return torch.tensor(ids), torch.tensor(values, dtype=torch.float64).view(len(ids), 2)
+
+
+@pytest.mark.parametrize("how", ["mean", "per_row", "sum"])
+def test_row_gradients_reduce_as_documented(how):
+    from mpisync.accumulate import reduce_rows
+
+    a = _rows([4, 1], [1, 2, 3, 4])          # worker 0: rows 4 and 1
+    b = _rows([1, 0], [10, 20, 30, 40])      # worker 1: rows 1 and 0
+    got = reduce_rows([a, b], (6, 2), count=3, how=how).to_dense()   # a third had no rows
+    dense = torch.zeros(6, 2, dtype=torch.float64)
+    for ids, values in (a, b):
+        for i, row in zip(ids.tolist(), values):
+            dense[i] += row
+    divisor = {"mean": torch.full((6, 1), 3.0), "sum": torch.ones(6, 1),
+               "per_row": torch.tensor([[1.0], [2], [1], [1], [1], [1]])}[how]
+    assert torch.equal(got, dense / divisor)
+    assert got[1].tolist() == {"mean": [13 / 3, 24 / 3], "sum": [13, 24],
+                               "per_row": [6.5, 12.0]}[how]
+
+
+def test_row_gradients_of_one_push_are_not_divided():
+    from mpisync.accumulate import reduce_rows
+
+    got = reduce_rows([_rows([2], [1, 2])], (3, 2), count=1, how="mean")
+    assert got.is_coalesced() and got.to_dense()[2].tolist() == [1, 2]

@@ -93,3 +93,17 @@ def test_the_cases_would_catch_the_old_mistakes(job):
     assert frozen["frozen"] == [1.0, 1.0, 1.0] and frozen["counts"] == [0, 1, 2, 3]
     local = reference(BY_NAME["buffers-local"])["buffers_per_worker"]
     assert local[0] != local[1]
+
+
+def test_a_parameter_partitioned_over_three_ps_trains_as_unpartitioned():
+    """The same cases on 3 ps ranks: each shard placed on its own, the result unchanged."""
+    names = ["partitioned-adam", "partitioned-restore"]
+    run = run_mpi("exact.py", WORKERS, 3, names, timeout=300)
+    for r in run.results:
+        if r.get("role") != "worker":
+            continue
+        ref = reference(BY_NAME[r["case"]])
+        assert max_diff(r["params"], ref["params"]) <= TOLERANCE, (r["case"], "params")
+        assert max_diff(r["state"], ref["state"]) <= TOLERANCE, (r["case"], "state")
+        # every ps holds some shard and applied the step's hyper-parameters
+        assert all(groups for groups in r["ps_groups"]), r["ps_groups"]

@@ -6,6 +6,7 @@ import importlib
 import itertools
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -409,3 +410,53 @@ def test_plan_is_the_same_across_processes_and_hash_seeds() -> None:
     names = [f"layer{i}.{kind}" for i in range(40) for kind in ("weight", "bias")]
     sizes = [((i * 7919) % 1000) * 4 for i in range(len(names))]
     assert lines[0].split()[1] == plan(names, sizes, 3).digest()
+
+
+# -- partitioned parameters ---------------------------------------------------------------
+def _partitioned_spec(num_ps: int, partitioner):
+    import torch
+
+    from mpisync.spec import Model, Options, build_spec
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Linear(300, 7))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    return build_spec(opt, Model(tuple(net.named_parameters())),
+                      Options(partitioner=partitioner), opt_id=0, num_workers=2, num_ps=num_ps)
+
+
+@pytest.mark.parametrize("num_ps, shards", [(3, 3), (3, 7), (2, 5), (4, 16)])
+def test_no_ps_owns_more_than_its_share_plus_one_shard(num_ps, shards):
+    import mpisync
+
+    spec, routes = _partitioned_spec(num_ps, {"0.weight": mpisync.fixed_size(shards)})
+    plan = routes.plan
+    shard_bytes = [s for n, s in zip(plan.names, plan.sizes_bytes) if n.startswith("0.weight/")]
+    assert len(shard_bytes) == shards
+    total = sum(plan.sizes_bytes)
+    assert plan.max_load_bytes <= total / num_ps + max(plan.sizes_bytes), plan.table()
+    # the shards cover the rows once, in order, the first rows % n one row larger
+    parts = [p for p in spec.parts if p[0] == "0.weight"]
+    assert [stop - start for _, start, stop in parts] == [
+        300 // shards + (k < 300 % shards) for k in range(shards)]
+    assert parts[0][1] == 0 and parts[-1][2] == 300
+    assert all(a[2] == b[1] for a, b in zip(parts, parts[1:]))
+
+
+def test_the_plan_shows_shards_their_rows_and_owners():
+    import mpisync
+
+    _, routes = _partitioned_spec(2, mpisync.fixed_size(3))
+    text = str(routes.plan)
+    assert "0.weight/part_0" in text and "0:100" in text and "200:300" in text
+    assert "1.bias/part_2" in text and "4:5" not in text       # 7 rows: 3, 2, 2
+    assert "1.bias/part_1" in text and "3:5" in text
+    assert re.search(r"^1 +\d+ +\d+\.\d%$", text, re.MULTILINE), text
+
+
+def test_more_shards_than_rows_are_capped_at_the_rows():
+    import mpisync
+
+    spec, routes = _partitioned_spec(2, {"1.bias": mpisync.fixed_size(50)})
+    assert len([p for p in spec.parts if p[0] == "1.bias"]) == 7
+    assert "1.bias/part_6" in str(routes.plan)

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..accumulate import reduce_rows
 from ..errors import ProtocolError
 from ..progress import Poller
 from ..spec import JobSpec
@@ -208,31 +209,14 @@ class RowShards:
                 u.param.grad = None
                 self._note(n, None)
                 continue
-            grad = self._reduce(u, pieces, count)
+            how = "sum" if self.spec.reduction == "sum" else self.spec.sparse_reduction
+            grad = reduce_rows(pieces, (u.param.shape[0], *u.spec.row_shape), count, how)
             if takes_sparse(optimizer, group_of[id(u.param)]):
                 u.param.grad = grad
                 self._note(n, grad.indices()[0])
             else:
                 u.param.grad = grad.to_dense()
                 self._note(n, True)
-
-    def _reduce(self, u: _Unit, pieces: list, count: int) -> torch.Tensor:
-        ids = torch.cat([i for i, _ in pieces])
-        values = torch.cat([v for _, v in pieces])
-        shape = (u.param.shape[0], *u.spec.row_shape)
-        grad = torch.sparse_coo_tensor(ids[None], values, shape, check_invariants=False).coalesce()
-        how = self.spec.sparse_reduction
-        if self.spec.reduction == "sum" or count == 1:
-            return grad
-        if how == "per_row":
-            ones = torch.ones(len(ids), dtype=values.dtype)
-            per_row = torch.sparse_coo_tensor(ids[None], ones, shape[:1],
-                                              check_invariants=False).coalesce().values()
-            scale = per_row.view(-1, *[1] * len(u.spec.row_shape))
-            return torch.sparse_coo_tensor(grad.indices(), grad.values() / scale, shape,
-                                           is_coalesced=True, check_invariants=False)
-        return torch.sparse_coo_tensor(grad.indices(), grad.values() / count, shape,
-                                       is_coalesced=True, check_invariants=False)
 
     def _note(self, n: int, rows) -> None:
         """Rows of unit ``n`` the step changes: None, a tensor of local ids, or True (all)."""

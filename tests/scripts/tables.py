@@ -40,6 +40,7 @@ CASES = [
     Case("resident-adam-dense-update", optimizer="adam"),
     Case("resident-sparse-adam", optimizer="sparse_adam"),
     Case("resident-bag-adagrad", kind="bag", optimizer="adagrad"),
+    Case("resident-groups-steplr", optimizer="groups", strategy="div", shards=5),
     Case("sparse-sgd", kind="sparse"),
     Case("sparse-adagrad-partitioned", kind="sparse", optimizer="adagrad", shards=3),
     Case("sparse-sgd-momentum", kind="sparse", optimizer="sgd_momentum", shards=2),
@@ -107,6 +108,9 @@ def make_optimizer(case: Case, m: Net) -> torch.optim.Optimizer:
         return torch.optim.Adagrad(params, lr=0.3, lr_decay=0.01)
     if case.optimizer == "adam":
         return torch.optim.Adam(params, lr=0.05)
+    if case.optimizer == "groups":       # the table in a group of its own, scheduled
+        return torch.optim.Adagrad([{"params": m.emb.parameters(), "lr": 0.5},
+                                    {"params": m.head.parameters()}], lr=0.1)
     return torch.optim.SparseAdam(params, lr=0.05)
 
 
@@ -117,9 +121,16 @@ def sync_kwargs(case: Case) -> dict:
     return kw
 
 
+def scheduler(case: Case, opt):
+    if case.optimizer == "groups":
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return None
+
+
 def reference(case: Case) -> dict:
     m = build(case, plain=True)
     opt = make_optimizer(case, m)
+    sched = scheduler(case, opt)
     ids, y = data(case.steps)
     rows = WORKERS * BATCH
     for t in range(case.steps):
@@ -127,6 +138,8 @@ def reference(case: Case) -> dict:
         torch.nn.functional.cross_entropy(m(ids[t * rows:(t + 1) * rows]),
                                           y[t * rows:(t + 1) * rows]).backward()
         opt.step()
+        if sched is not None:
+            sched.step()
     return {"table": m.emb.weight.detach().tolist(),
             "head": [p.detach().tolist() for p in m.head.parameters()]}
 
@@ -137,6 +150,7 @@ def train(cluster, case: Case) -> dict:
     opt = mpisync.SyncReplicasOptimizer(make_optimizer(case, m),
                                         named_parameters=m.named_parameters(),
                                         **sync_kwargs(case))
+    sched = scheduler(case, opt)
     ids, y = data(case.steps)
     rows = WORKERS * BATCH
     for t in range(case.steps):
@@ -144,6 +158,8 @@ def train(cluster, case: Case) -> dict:
         opt.zero_grad(set_to_none=case.zero == "none")
         torch.nn.functional.cross_entropy(m(ids[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
         opt.step()
+        if sched is not None:
+            sched.step()
     if case.kind == "sparse":
         table = m.emb.weight.detach()
     else:
