@@ -9,6 +9,7 @@ from .errors import ProtocolError
 from .progress import Poller
 from .spec import JobSpec
 from .tables import TableSpec, table_info
+from .tracking import TrackedParameter, rebound
 from .wire import Tag, pack_rows, unpack_rows
 
 __all__ = ["RowsChannel"]
@@ -22,6 +23,10 @@ class _Table:
         self.param = param                  # the stand-in, or the whole sparse nn.Embedding weight
         self.info = table_info(param)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # (unique ids, rows leaf)
+        self.cls = type(param)
+        if self.info is None and type(param) is torch.nn.Parameter:
+            param.__class__ = TrackedParameter   # p.data writes count as writes too
+        self.version = param._version        # a sparse weight: what the ps ranks hold
 
 
 class RowsChannel:
@@ -160,7 +165,15 @@ class RowsChannel:
         return ids, grad
 
     def push(self, step: int, seq: int) -> None:
-        """Send every ps rank holding a table shard the rows of this worker's gradients."""
+        """Send every ps rank holding a table shard the rows of this worker's gradients.
+
+        A sparse weight written since the last step (``model.load_state_dict()``, a
+        clamp) is first sent whole to its ps ranks, shard by shard.
+        """
+        for table in self.tables:
+            if table.info is None and (table.param._version != table.version
+                                       or rebound(table.param)):
+                self._write_whole(table)
         per_table = []
         for table in self.tables:
             got = self._gradient(table)
@@ -185,6 +198,14 @@ class RowsChannel:
             self.bytes_per_ps[j] = msg.nbytes
             self.sends.append((self.comm.Isend([msg, MPI.BYTE], dest=self.cluster.ps_rank(j),
                                                tag=self.tags[Tag.SPARSE]), msg))
+
+    def _write_whole(self, table: _Table) -> None:
+        t = table.spec
+        values = table.param.detach()
+        for k in range(t.num_shards):
+            self.write_shard(t.name, k, values[t.global_ids(k, torch.arange(t.shard_rows[k]))],
+                             None)
+        table.version = table.param._version
 
     def _no_rows(self, i: int) -> torch.Tensor:
         t = self.spec.tables[i]
@@ -212,6 +233,7 @@ class RowsChannel:
                     table = self.tables[i]
                     if table.info is None and len(local):
                         table.param.index_copy_(0, table.spec.global_ids(k, local), values)
+                        table.version = table.param._version
 
     def _receive_raw(self, source: int, tag: int, what: str) -> np.ndarray:
         status = MPI.Status()
@@ -233,7 +255,10 @@ class RowsChannel:
 
     def write_shard(self, name: str, k: int, weight: torch.Tensor | None, state: dict | None
                     ) -> None:
-        """Replace shard ``k`` of table ``name`` (and its optimizer state) on its ps."""
+        """Replace shard ``k`` of table ``name`` (and, if given, its optimizer state) on its ps.
+
+        Every worker holding the table then receives the whole shard with its next step.
+        """
         t = next(tb.spec for tb in self.tables if tb.spec.name == name)
         rank = self.cluster.ps_rank(t.owners[k])
         self.comm.send(("write", t.unit(k), weight, state), dest=rank, tag=self.tags[Tag.TABLE])
@@ -247,6 +272,8 @@ class RowsChannel:
         for table in self.tables:
             if table.info is not None:
                 table.info.channel = None
+            elif type(table.param) is TrackedParameter:
+                table.param.__class__ = table.cls
             table.pending = []
 
 

@@ -3,10 +3,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TrackedParameter", "WriteTracker"]
+__all__ = ["TrackedParameter", "WriteTracker", "rebound"]
 
 _set_data = torch._C.TensorBase.data.__set__
 _rebound: set[int] = set()      # ids of tracked parameters given a new tensor by `p.data = x`
+
+
+def rebound(p: torch.Tensor) -> bool:
+    """Whether ``p`` was given a new tensor with ``p.data = x`` since last asked."""
+    if id(p) in _rebound:
+        _rebound.discard(id(p))
+        return True
+    return False
 
 
 class TrackedParameter(torch.nn.Parameter):

@@ -293,6 +293,7 @@ class RowShards:
                                      f"{list(u.param.shape)}, the values given "
                                      f"{list(weight.shape)}")
                 u.param.copy_(weight)
+        self.full = [True] * self.W         # the workers holding it get the whole shard
         if saved is not None and optimizer is not None:
             state = optimizer.state[u.param]
             state.clear()

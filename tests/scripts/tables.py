@@ -28,6 +28,7 @@ class Case:
     strategy: str = "mod"
     shards: int = 3
     zero: str = "none"
+    write: bool = False               # clamp the table in place after step 2 (sparse only)
     sync: dict = field(default_factory=dict)
     steps: int = STEPS
 
@@ -45,6 +46,7 @@ CASES = [
     Case("sparse-adagrad-partitioned", kind="sparse", optimizer="adagrad", shards=3),
     Case("sparse-sgd-momentum", kind="sparse", optimizer="sgd_momentum", shards=2),
     Case("sparse-sparse-adam", kind="sparse", optimizer="sparse_adam", shards=2),
+    Case("sparse-adagrad-written", kind="sparse", optimizer="adagrad", shards=2, write=True),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
@@ -127,6 +129,11 @@ def scheduler(case: Case, opt):
     return None
 
 
+def after_step(case: Case, m: Net, t: int) -> None:
+    if case.write and t == 2:
+        m.emb.weight.data.clamp_(-0.5, 0.5)       # on every worker, as a restore would
+
+
 def reference(case: Case) -> dict:
     m = build(case, plain=True)
     opt = make_optimizer(case, m)
@@ -140,6 +147,7 @@ def reference(case: Case) -> dict:
         opt.step()
         if sched is not None:
             sched.step()
+        after_step(case, m, t)
     return {"table": m.emb.weight.detach().tolist(),
             "head": [p.detach().tolist() for p in m.head.parameters()]}
 
@@ -160,6 +168,7 @@ def train(cluster, case: Case) -> dict:
         opt.step()
         if sched is not None:
             sched.step()
+        after_step(case, m, t)
     if case.kind == "sparse":
         table = m.emb.weight.detach()
     else:
