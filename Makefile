@@ -27,7 +27,7 @@ EXTRAS := $(subst $(space),$(comma),$(strip $(MPI_EXTRA) test examples))
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench clean distclean
+.PHONY: venv demo demo-ctr test lint bench clean distclean
 
 venv: $(STAMP)
 
@@ -42,6 +42,10 @@ $(STAMP): setup.py pyproject.toml | $(VPY)
 
 demo: venv
 	$(VPY) -m mpisync.launch --workers 2 --ps 1 -- $(VPY) examples/digits.py
+
+# Click-through-rate prediction with an embedding table that lives on the ps ranks.
+demo-ctr: venv
+	$(VPY) -m mpisync.launch --workers 2 --ps 1 -- $(VPY) examples/ctr.py
 
 # pytest exits 5 when it collects no tests; that must fail the build, so the status is
 # passed through explicitly (and named when it is 5).
