@@ -242,11 +242,7 @@ def _tables(live, frozen, model: Model, partitioner, num_ps: int) -> dict[str, T
         info = table_info(p)
         if info is None and id(p) not in sparse:
             continue
-        if name in frozen:
-            if info is not None:
-                raise ValueError(f"mpisync.Embedding {name!r} is in no optimizer group: a "
-                                 f"table on the ps ranks is trained by the optimizer holding "
-                                 f"its weight")
+        if name in frozen:    # another optimizer's (or nobody's): left alone, as torch does
             continue
         if info is not None:
             if info.weight is not None and tuple(info.weight.shape) != (info.num_rows, info.dim):
@@ -267,6 +263,28 @@ def _tables(live, frozen, model: Model, partitioner, num_ps: int) -> dict[str, T
                                  tuple(partition.shard_sizes(rows, n)), (), info is not None,
                                  seed, pad)
     return tables
+
+
+#: torch optimizers whose update of a tensor looks at all of it at once (factored moments,
+#: orthogonalisation): a shard updated on its own would not get the same update.
+WHOLE_TENSOR = tuple(getattr(torch.optim, n) for n in ("Adafactor", "Muon")
+                     if hasattr(torch.optim, n))
+
+
+def _check_whole_tensor(optimizer, tables: dict, live, partitioner) -> None:
+    if not isinstance(optimizer, WHOLE_TENSOR):
+        return
+    cls = type(optimizer).__name__
+    split = [t.name for t in tables.values() if t.num_shards > 1 or t.resident]
+    split += [n for n, p in live if n not in tables and p.dim()
+              and partition.resolve(partitioner, n) is not None
+              and _shards(partitioner, n, p) > 1]
+    if split:
+        raise ValueError(f"{cls} updates each tensor as a whole, and parameter {split[0]!r} "
+                         f"would be split into shards or rows: the ps ranks would update each "
+                         f"part on its own, which is not what torch computes; leave it whole "
+                         f"(no partitioner, nn.Embedding instead of mpisync.Embedding) or "
+                         f"use an element-wise optimizer")
 
 
 def _units(live, tables: dict[str, TableSpec], partitioner):
@@ -326,6 +344,7 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
     hyper = HyperCodec.from_groups(optimizer.param_groups)
     live = [(n, p) for n, p in model.params if n not in set(frozen)]
     tables = _tables(live, frozen, model, options.partitioner, num_ps)
+    _check_whole_tensor(optimizer, tables, live, options.partitioner)
     if isinstance(optimizer, torch.optim.SparseAdam):
         dense = [n for n, p in live if n not in tables and p.dtype.is_floating_point]
         if dense:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -118,7 +119,7 @@ def _check_ids(ids: torch.Tensor, info: TableInfo, what: str) -> None:
     if not torch.is_tensor(ids):
         raise TypeError(f"{info.label}: {what} {info.name!r} got {type(ids).__name__}; "
                         f"expected an integer tensor of ids")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+    if ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{info.label}: {what} {info.name!r} got ids of dtype {ids.dtype}; "
                         f"expected an integer dtype (torch.int64 or torch.int32)")
     if ids.numel():
@@ -163,21 +164,26 @@ class _TableModule(torch.nn.Module):
     def table(self) -> TableInfo:
         return self.weight._mpisync_table
 
-    def _rows(self, ids: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the unique ids' rows, the index of each id among them)."""
+    def _rows(self, ids: torch.Tensor, what: str
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the unique ids' rows, the index of each id among them, the unique ids)."""
         info = self.table
         if info.channel is None:
-            raise RuntimeError(f"{info.label}: {what} {info.name or ''} was called before a "
+            if info.name is not None:
+                raise RuntimeError(f"{info.label}: {what} {info.name!r} was called after its "
+                                   f"SyncReplicasOptimizer was closed; its table is gone with "
+                                   f"the ps ranks' service")
+            raise RuntimeError(f"{info.label}: {what} was called before a "
                                f"SyncReplicasOptimizer holding its weight was created; its "
                                f"table lives on the ps ranks from then on")
         _check_ids(ids, info, what)
         unique, inverse = torch.unique(ids.long(), sorted=True, return_inverse=True)
-        return info.channel.lookup(info, unique), inverse
+        return info.channel.lookup(info, unique), inverse, unique
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The current rows of ``ids`` (a copy, without autograd): for evaluation or export."""
         with torch.no_grad():
-            rows, inverse = self._rows(ids, "rows() of")
+            rows, inverse, _ = self._rows(ids, "rows() of")
             return rows[inverse]
 
     def extra_repr(self) -> str:
@@ -214,7 +220,7 @@ class Embedding(_TableModule):
                          weight, seed, padding_idx, dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows, inverse = self._rows(ids, "mpisync.Embedding")
+        rows, inverse, _ = self._rows(ids, "mpisync.Embedding")
         return F.embedding(inverse, rows)
 
 
@@ -237,20 +243,61 @@ class EmbeddingBag(_TableModule):
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        rows, inverse = self._rows(input, "mpisync.EmbeddingBag")
+        rows, inverse, unique = self._rows(input, "mpisync.EmbeddingBag")
+        pad = None
+        if self.padding_idx is not None:     # as torch: left out of its bag (and its mean)
+            at = int(torch.searchsorted(unique, self.padding_idx))
+            if at < len(unique) and int(unique[at]) == self.padding_idx:
+                pad = at
         return F.embedding_bag(inverse.view(input.shape), rows, offsets, mode=self.mode,
-                               per_sample_weights=per_sample_weights)
+                               per_sample_weights=per_sample_weights, padding_idx=pad)
+
+
+_EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+# id(parameter) -> (a weak reference to it, to the embedding module holding it or None),
+# for every parameter registered on a module since import (tensors compare elementwise,
+# so they cannot be keys of a WeakKeyDictionary)
+_registered: dict[int, tuple[weakref.ref, weakref.ref | None]] = {}
+
+
+def _forget(key: int):
+    return lambda _ref: _registered.pop(key, None)
+
+
+def _on_registration(module: torch.nn.Module, name: str, param) -> None:
+    if param is None:
+        return
+    owner = weakref.ref(module) if isinstance(module, _EMBEDDINGS) and name == "weight" else None
+    seen = _registered.get(id(param))
+    if owner is None and seen is not None and seen[0]() is param:
+        owner = seen[1]              # a tied weight: the embedding it came from still owns it
+    _registered[id(param)] = (weakref.ref(param, _forget(id(param))), owner)
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_on_registration)
 
 
 def sparse_modules(params: list[torch.Tensor]) -> dict[int, torch.nn.Module]:
     """``id(weight) -> module`` for the ``nn.Embedding``/``nn.EmbeddingBag(sparse=True)``
-    modules whose weight is one of ``params`` (their gradients are sparse)."""
-    wanted = {id(p) for p in params if p.dim() == 2}
-    if not wanted:
-        return {}
+    modules whose weight is one of ``params`` (their gradients are sparse).
+
+    Modules created after ``import mpisync`` are known from a registration hook; for
+    parameters made before it, the modules are searched for among all live objects.
+    """
     found = {}
-    for obj in gc.get_objects():
-        if issubclass(type(obj), (torch.nn.Embedding, torch.nn.EmbeddingBag)) and obj.sparse \
-                and id(obj.weight) in wanted:
-            found[id(obj.weight)] = obj
+    unknown = set()
+    for p in params:
+        if p.dim() != 2:
+            continue
+        seen = _registered.get(id(p))
+        if seen is None or seen[0]() is not p:
+            unknown.add(id(p))
+            continue
+        module = seen[1]() if seen[1] is not None else None
+        if module is not None and module.sparse and module.weight is p:
+            found[id(p)] = module
+    if unknown:
+        for obj in gc.get_objects():
+            if issubclass(type(obj), _EMBEDDINGS) and obj.sparse and id(obj.weight) in unknown:
+                found[id(obj.weight)] = obj
     return found

@@ -195,3 +195,31 @@ def test_model_differences_name_the_parameter():
     errors = [(None, a, {}), ("num_tokens=1 is too few", a, {})]
     assert first_failure(errors, (0, 1)) == (ConfigError,
                                               "worker 1 (rank 1): num_tokens=1 is too few")
+
+
+# -- tables and partitioning at set-up --------------------------------------------------------
+@pytest.mark.parametrize("cls", [c for c in (getattr(torch.optim, "Adafactor", None),
+                                             getattr(torch.optim, "Muon", None)) if c])
+def test_an_optimizer_of_whole_tensors_refuses_shards(cls):
+    import mpisync
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8, bias=False), torch.nn.Linear(8, 3, bias=False))
+    model = Model(tuple(net.named_parameters()))
+    opt = cls(net.parameters(), lr=0.01)
+    build_spec(opt, model, Options(), opt_id=0, num_workers=2, num_ps=2)   # whole: fine
+    with pytest.raises(ValueError, match=rf"{cls.__name__} updates each tensor as a whole, "
+                                         r"and parameter '0\.weight' would be split"):
+        build_spec(opt, model, Options(partitioner=mpisync.fixed_size(2)), opt_id=0,
+                   num_workers=2, num_ps=2)
+
+
+def test_a_sparse_embedding_tied_to_a_linear_layer_is_still_found():
+    from mpisync.tables import sparse_modules
+
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    out = torch.nn.Linear(4, 10)
+    out.weight = emb.weight                       # weight tying, after the embedding
+    assert sparse_modules([emb.weight, out.bias]) == {id(emb.weight): emb}
+    dense = torch.nn.Embedding(10, 4)
+    assert sparse_modules([dense.weight]) == {}

@@ -70,8 +70,10 @@ def test_kbatch_and_async_with_a_table(mode, per_step):
     run = run_mpi("tables_modes.py", 3, 2, ["--mode", mode, "--steps", "8"], timeout=180)
     stats = run.ps()[0]["stats"]
     assert stats["gradients_applied"] == per_step * stats["global_step"], run.describe()
+    assert stats["global_step"] >= 1, run.describe()
+    # 8 pushes per worker at most (a worker stops early once the others closed)
     assert sum(stats["taken_per_worker"]) + stats["gradients_dropped"] + \
-        stats["gradients_pending"] == 24, run.describe()
+        stats["gradients_pending"] <= 24, run.describe()
 
 
 # -- what travels and what a worker holds ---------------------------------------------------
@@ -98,6 +100,8 @@ def test_a_workers_memory_does_not_grow_with_the_table():
                   r"id -1, outside \[0, 50\)")),
     ("float_ids", (r"TypeError: worker 1 \(rank 1[^)]*\): mpisync\.Embedding 'emb\.weight' got "
                    r"ids of dtype torch\.float32; expected an integer dtype")),
+    ("int16_ids", (r"TypeError: worker 1 \(rank 1[^)]*\): mpisync\.Embedding 'emb\.weight' got "
+                   r"ids of dtype torch\.int16; expected an integer dtype")),
 ])
 def test_bad_ids_end_the_job_naming_the_table_and_the_rank(case, cause):
     run = failing("tables_errors.py", 2, 1, ["--case", case])
@@ -150,3 +154,11 @@ def test_tables_and_their_state_save_and_load_exactly():
     got = workers[0]
     assert (torch.tensor(got["saved_weight"]) - emb.weight).abs().max() <= 1e-6
     assert (torch.tensor(got["saved_sum"]) - opt.state[emb.weight]["sum"]).abs().max() <= 1e-6
+
+
+def test_a_worker_that_catches_a_set_up_error_can_set_up_again():
+    run = run_mpi("tables_errors.py", 2, 1, ["--case", "retry"], timeout=120)
+    assert re.search(r"ps 0 \(rank 2[^)]*\): ConfigError: setup failed on the workers: .*"
+                     r"'scale'.*serving on", run.output), run.describe()
+    for w in (0, 1):
+        assert f"worker {w}: trained to step 4" in run.output, run.describe()

@@ -75,11 +75,18 @@ class Job:
         return "waiting for the coordinator (ps 0)"
 
 
-def _setup(cluster, poller: Poller, message) -> Job:
-    """A job from the chief's set-up message; raise its error on this rank if it sent one."""
+def _setup(cluster, poller: Poller, message) -> Job | None:
+    """A job from the chief's set-up message; None when the workers' set-up failed.
+
+    The workers raise that error themselves; a worker that catches it may create the
+    optimizer again, so this rank says what failed and serves on.
+    """
     if message[0] == "error":
         exc_type, text = message[1]
-        raise exc_type(f"{cluster.label}: setup failed: {text}", collective=True)
+        print(f"[mpisync] {cluster.label}: {exc_type.__name__}: setup failed on the workers: "
+              f"{text} (serving on until the workers leave or set up again)",
+              file=sys.stderr, flush=True)
+        return None
     _, data, pieces = message
     try:
         spec = decode(data)
@@ -123,7 +130,8 @@ class _Serving:
         msg = comm.improbe(source=layout.chief_rank, tag=Tag.SETUP)
         if msg is not None:
             job = _setup(self.cluster, self.poller, msg.recv())
-            self.jobs[job.spec.opt_id] = job
+            if job is not None:
+                self.jobs[job.spec.opt_id] = job
             progressed = True
         msg = comm.improbe(source=MPI.ANY_SOURCE, tag=Tag.DONE, status=status)
         if msg is not None:

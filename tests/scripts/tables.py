@@ -29,6 +29,8 @@ class Case:
     shards: int = 3
     zero: str = "none"
     write: bool = False               # clamp the table in place after step 2 (sparse only)
+    mode: str = "sum"                 # of the bags
+    padding: int | None = None
     sync: dict = field(default_factory=dict)
     steps: int = STEPS
 
@@ -41,6 +43,8 @@ CASES = [
     Case("resident-adam-dense-update", optimizer="adam"),
     Case("resident-sparse-adam", optimizer="sparse_adam"),
     Case("resident-bag-adagrad", kind="bag", optimizer="adagrad"),
+    Case("resident-bag-mean-padding", kind="bag", mode="mean", padding=0, strategy="div"),
+    Case("resident-padding", optimizer="adagrad", padding=0),
     Case("resident-groups-steplr", optimizer="groups", strategy="div", shards=5),
     Case("sparse-sgd", kind="sparse"),
     Case("sparse-adagrad-partitioned", kind="sparse", optimizer="adagrad", shards=3),
@@ -82,10 +86,11 @@ def build(case: Case, plain: bool) -> Net:
     """The case's model: under mpisync (plain=False), or for the one-process reference."""
     w = initial_table()
     bag = case.kind == "bag"
+    pad = case.padding
     if plain:
         sparse = case.optimizer == "sparse_adam"
-        emb = (torch.nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=sparse) if bag
-               else torch.nn.Embedding(ROWS, DIM, sparse=sparse))
+        emb = (torch.nn.EmbeddingBag(ROWS, DIM, mode=case.mode, sparse=sparse, padding_idx=pad)
+               if bag else torch.nn.Embedding(ROWS, DIM, sparse=sparse, padding_idx=pad))
         with torch.no_grad():
             emb.weight.copy_(w)
     elif case.kind == "sparse":
@@ -94,9 +99,9 @@ def build(case: Case, plain: bool) -> Net:
             emb.weight.copy_(w)
     else:
         cls = mpisync.EmbeddingBag if bag else mpisync.Embedding
-        kw = {"mode": "sum"} if bag else {}
+        kw = {"mode": case.mode} if bag else {}
         emb = cls(ROWS, DIM, partitioner=mpisync.fixed_size(case.shards),
-                  partition_strategy=case.strategy, weight=w, **kw)
+                  partition_strategy=case.strategy, weight=w, padding_idx=pad, **kw)
     return Net(emb, bag, head=case.optimizer != "sparse_adam")
 
 
