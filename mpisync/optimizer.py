@@ -73,7 +73,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         reduction: ``"mean"`` (default: equal to training on the combined batch) or ``"sum"``.
         deterministic: also make torch's kernels deterministic on every rank; gradients
             are always reduced in worker order, so strict-sync runs repeat bitwise.
-        ema_decay: keep an exponential moving average of every floating-point parameter on
+        ema_decay: keep an exponential moving average of every floating-point parameter (not
+            the embedding tables: ``mpisync.Embedding``, sparse ``nn.Embedding``) on
             the ps ranks, updated after each applied step (``average = decay * average +
             (1 - decay) * parameter``); read it with ``averages()`` or ``averaged()``.
         ema_num_updates: use ``min(ema_decay, (1 + t) / (10 + t))`` after the t-th step, as
