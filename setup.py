@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="mpisync",
-    version="0.1.0",
+    version="0.3.0",
     description="Synchronous parameter-server training for PyTorch on MPI",
     python_requires=">=3.9",
     packages=find_packages(include=["mpisync", "mpisync.*"]),

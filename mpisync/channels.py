@@ -273,13 +273,20 @@ class DenseChannel:
                 r.Cancel()
             MPI.Request.Waitall(self.recvs)
             if kind == Kind.FAIL:
-                raise DeadlockError(self.poller.wait_message(
-                    self.cluster.coordinator_rank, self.tags[Tag.INFO], lambda: "the reason"))
+                raise DeadlockError(self._reason())
             if kind not in (Kind.GRANT, Kind.STOP):
                 raise ProtocolError(f"{self.label}: unknown token kind {kind}")
         poller.wait_all(self.sends + self.pending, lambda: "gradient sends")
         self.pending = []
         return kind, step, bool(self.token[2]), time.perf_counter() - start
+
+    def _reason(self) -> str:
+        """The coordinator's reason for a FAIL token (a question asked before it is skipped)."""
+        while True:
+            answer = self.poller.wait_message(self.cluster.coordinator_rank,
+                                              self.tags[Tag.INFO], lambda: "the reason")
+            if not isinstance(answer, tuple):     # ("still?", step): not for a worker in step()
+                return answer
 
     def _send_hyper(self, step: int, hyper: tuple[np.ndarray, np.ndarray]) -> None:
         words, codes = hyper

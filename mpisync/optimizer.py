@@ -346,7 +346,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
 
     def _park(self, parked: bool) -> None:
         """This worker is (no longer) in a collective among the workers: it pushes nothing."""
-        self._request(Kind.PARK if parked else Kind.UNPARK)
+        self._request(Kind.PARK if parked else Kind.UNPARK, self._seq)   # pushes so far
 
     def _raise_if_failed(self, method: str) -> None:
         """While in a collective: answer ps 0's question, or raise what it found."""

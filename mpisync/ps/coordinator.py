@@ -55,6 +55,7 @@ class Coordinator:
         self.hyper = [(np.zeros(width, np.int64), np.zeros(width, np.uint8))
                       for _ in range(self.W)]
         self.pushed_at = [0] * self.W       # the step each worker's last gradient was computed at
+        self.pushes = [0] * self.W          # gradients each worker pushed so far
         self.scheduled = [False] * self.W   # its schedule follows the global step
         self.hyper_buf = np.zeros(1 + width + (width + 7) // 8, np.int64)
         self.hyper_req = None               # async: waiting for a worker's hyper-parameters
@@ -84,6 +85,7 @@ class Coordinator:
             self.hyper[w][0][:] = words
             self.hyper[w][1][:] = codes
             self.pushed_at[w] = step
+            self.pushes[w] += 1
             self.scheduled[w] = bool(flags & FLAG_SCHEDULED)
             self._emit(self.steps.push(w, step))
         elif kind == Kind.CLOSED:
@@ -245,7 +247,10 @@ class Coordinator:
         if kind == Kind.STATS:
             self.comm.send(self.stats(), dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
         elif kind == Kind.PARK:
-            self._emit(self.steps.park(w))
+            # a request can be read after the push that followed it (requests are looked
+            # for only when a turn finds nothing else): that collective is over
+            if req[1] >= self.pushes[w]:
+                self._emit(self.steps.park(w))
         elif kind == Kind.UNPARK:
             self.steps.unpark(w)
             if self.suspect is not None and w in self.suspect.taken:
