@@ -1,0 +1,70 @@
+"""The Slurm batch template on a single-node Slurm cluster of this machine.
+
+``launch/slurm/local-cluster.sh start`` installs (apt) and starts munge, slurmctld and
+slurmd; each test submits ``launch/slurm/train.sbatch`` with ``sbatch --wait`` and checks
+the job's exit code, Slurm's record of it (``sacct -c``: the job completion log), and the
+example's output. Skipped, saying why, only where root or apt is missing.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "launch" / "slurm" / "local-cluster.sh"
+TEMPLATE = ROOT / "launch" / "slurm" / "train.sbatch"
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm cluster needs root (apt-get, daemons)")
+    if shutil.which("apt-get") is None and shutil.which("sbatch") is None:
+        pytest.skip("neither Slurm nor apt-get to install it is here")
+    started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True,
+                             timeout=600, check=False)
+    assert started.returncode == 0, started.stdout + started.stderr
+    yield
+    subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120,
+                   check=False)
+
+
+def submit(tmp_path: Path, **env: str) -> tuple[int, str, str]:
+    """Submit the template and wait: (exit code, output, Slurm's State|ExitCode)."""
+    out = tmp_path / "job-%j.out"
+    proc = subprocess.run(
+        ["sbatch", "--parsable", "--wait", "--time=00:05:00", f"--output={out}",
+         "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())]),
+         str(TEMPLATE)],
+        cwd=ROOT, capture_output=True, text=True, timeout=400, check=False,
+        env=dict(os.environ, MPISYNC_VENV=str(Path(sys.executable).parents[1]),
+                 MPISYNC_TIMEOUT="120"))
+    job = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else "?"
+    text = "".join(p.read_text() for p in tmp_path.glob("job-*.out"))
+    record = subprocess.run(["sacct", "-c", "-j", job, "-n", "-P", "-o", "State,ExitCode"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    lines = record.stdout.strip().splitlines()
+    return proc.returncode, text + proc.stderr, lines[-1] if lines else record.stderr
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
+def test_the_batch_template_trains_digits(slurm, tmp_path, launcher):
+    rc, out, record = submit(tmp_path, LAUNCHER=launcher)
+    assert rc == 0, out
+    assert record == "COMPLETED|0:0", (record, out)
+    assert f"2 workers + 1 ps, {launcher}" in out, out
+    accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out).group(1))
+    assert accuracy >= 0.9, out
+
+
+def test_a_job_whose_training_fails_fails_in_slurm(slurm, tmp_path):
+    rc, out, record = submit(tmp_path, SCRIPT="tests/scripts/errors.py", ARGS="--case raise")
+    assert rc != 0, out
+    assert record.startswith("FAILED|"), (record, out)
+    assert "ValueError: boom on purpose in user code" in out, out
