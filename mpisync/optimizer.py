@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from .channels import DenseChannel, ReplicatedChannel
 from .errors import ClosedError, ConfigError, DeadlockError
-from .progress import Poller, spin_seconds
+from .progress import SETUP_TIMEOUT, Poller, spin_seconds
 from .ps.shard import layouts_of
 from .rebuild import changed_settings, settings_of
 from .routes import REPLICATED
@@ -156,10 +156,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._dense = DenseChannel(spec, layouts_of(spec), cluster, by_name,
                                    dict(model.buffers), self._poller)
         self._rows = RowsChannel(spec, cluster, by_name, self._poller)
-        if cluster.is_chief:
-            self._dense.send_initial()
-            self._rows.send_initial()
-        self._rows.forget_initial()
+        with self._poller.patience(SETUP_TIMEOUT):   # the ps ranks build their side meanwhile
+            if cluster.is_chief:
+                self._dense.send_initial()
+                self._rows.send_initial()
         self._parts = unit_parts(spec)
         ReplicatedChannel(cluster._worker_comm,
                           [by_name[n] for n in routes.names(REPLICATED)]).setup()
@@ -175,7 +175,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._wait_s = 0.0
         self._steps = 0
         cluster.optimizers.append(self)
-        self._receive(count=False)
+        with self._poller.patience(SETUP_TIMEOUT):
+            self._receive(count=False)
+        self._rows.forget_initial()
         self._ready = True
         atexit.register(self._atexit)
 

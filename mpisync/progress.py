@@ -1,6 +1,7 @@
 """Waiting on MPI requests without hanging: backoff polling, stall timeouts, peer failures."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Callable
@@ -45,6 +46,15 @@ class Poller:
         self._idle = 0
         self._idle_since = 0.0
         self._sleeps = 0
+
+    @contextlib.contextmanager
+    def patience(self, timeout: float):
+        """Within the block, waits last up to ``timeout`` seconds (set-up: MPISYNC_SETUP_TIMEOUT)."""
+        saved, self.timeout = self.timeout, max(self.timeout, timeout)
+        try:
+            yield
+        finally:
+            self.timeout = saved
 
     def idle(self) -> None:
         """Called after a poll found nothing: spin, then sleep with backoff."""

@@ -94,7 +94,8 @@ def _setup(cluster, poller: Poller, message) -> Job | None:
         raise ConfigError(f"{cluster.label}: cannot rebuild the workers' optimizer here: "
                           f"{exc}. Define the optimizer class where every rank runs it (at "
                           f"module level, not only in the workers' branch)") from exc
-    return Job(cluster, spec, pieces[cluster.ps_index], poller)
+    with poller.patience(SETUP_TIMEOUT):       # the chief's initial values may take a while
+        return Job(cluster, spec, pieces[cluster.ps_index], poller)
 
 
 class _Serving:
