@@ -74,6 +74,7 @@ class RowShards:
                     rows = torch.zeros(t.shard_rows[k], *t.row_shape, dtype=t.dtype)
                     self.units.append(_Unit(t, k, torch.nn.Parameter(rows)))
         self.kinds = [(u.spec.dtype, u.spec.row_shape) for u in self.units]
+        self.replicated = any(not u.spec.resident for u in self.units)   # workers hold them
         self.by_unit = {u.unit: u for u in self.units}
         self.arrived: list[deque] = [deque() for _ in range(self.W)]
         self.claims: list[deque] = [deque() for _ in range(self.W)]
@@ -233,7 +234,7 @@ class RowShards:
 
     def send_changed(self, workers, step: int) -> None:
         """Send each of ``workers`` the rows of the sparse weights it has not seen."""
-        if not any(not u.spec.resident for u in self.units):
+        if not self.replicated:
             return
         for w in workers:
             parts = []
@@ -241,16 +242,12 @@ class RowShards:
                 rows = True if self.full[w] else self.changed[w][n]
                 if u.spec.resident or rows is None:
                     parts.append((torch.empty(0, dtype=torch.int64), self._empty(u)))
-                    continue
-                if rows is True:
-                    local = torch.arange(u.param.shape[0])
-                    parts.append((local, u.param.detach()))
-                    continue
-                local = torch.unique(rows)
-                parts.append((local, u.param.detach()[local]))
-                self.changed[w][n] = None
-            for n in range(len(self.units)):
-                self.changed[w][n] = None
+                elif rows is True:
+                    parts.append((torch.arange(u.param.shape[0]), u.param.detach()))
+                else:
+                    local = torch.unique(rows)
+                    parts.append((local, u.param.detach()[local]))
+            self.changed[w] = [None] * len(self.units)
             self.full[w] = False
             self._send(pack_rows(step, 0, parts), self.worker_ranks[w], self.tags[Tag.CHANGED])
 
