@@ -9,12 +9,13 @@ from collections.abc import Callable, Iterable
 import torch
 from mpi4py import MPI
 
+from .allreduce import DEFAULT_BUCKET_BYTES, AllreduceChannel, LocalAverages
 from .channels import DenseChannel, ReplicatedChannel
 from .errors import ClosedError, ConfigError, DeadlockError
 from .progress import SETUP_TIMEOUT, Poller, spin_seconds
 from .ps.shard import layouts_of
 from .rebuild import changed_settings, settings_of
-from .routes import REPLICATED
+from .routes import ALLREDUCE, REPLICATED
 from .rows import RowsChannel
 from .schedule import Schedules, install_hooks
 from .spec import (
@@ -32,6 +33,15 @@ from .tracking import WriteTracker
 from .wire import FLAG_SCHEDULED, Kind, Tag
 
 __all__ = ["SyncReplicasOptimizer"]
+
+
+def _cast_state(p: torch.Tensor, key: str, value):
+    """A loaded state value as torch's load_state_dict casts it (CPU), in a tensor of its own."""
+    if not torch.is_tensor(value):
+        return value
+    if key != "step" and p.is_floating_point():
+        return value.to(dtype=p.dtype, copy=True)
+    return value.clone()
 
 
 class SyncReplicasOptimizer(torch.optim.Optimizer):
@@ -106,6 +116,20 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             to training on the combined batch) or ``"per_row"`` (each row's sum divided by
             the number of taken gradients that have the row, TensorFlow's
             ``SparseConditionalAccumulator``).
+        dense: where the dense parameters live: ``"ps"`` (default: on the ps ranks, with
+            their optimizer state) or ``"allreduce"``: the workers keep them, average their
+            gradients among themselves in buckets started from gradient hooks while
+            backward runs (after ``backward()`` each ``.grad`` holds the mean over the
+            workers, as with DDP), and each applies the wrapped optimizer to them; embedding
+            tables and partitioned parameters stay on the ps ranks. Strict sync only: no
+            backup workers, no asynchronous mode, no extra tokens. Every worker must call
+            ``backward()`` equally often between two steps, and write these parameters on
+            every worker or on none.
+        allreduce_backend: with ``dense="allreduce"``: ``"mpi"`` (default, mpi4py's
+            ``Iallreduce`` on the workers' communicator) or ``"horovod"`` (Horovod's
+            allreduce; mpisync calls ``hvd.init(comm=...)`` on the workers unless it was).
+        bucket_bytes: with ``dense="allreduce"``, the most gradient bytes per bucket
+            (default 4 MiB; a parameter larger than that gets a bucket of its own).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -119,7 +143,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                  asynchronous: bool = False, max_staleness: int | None = None,
                  named_buffers: Iterable[tuple[str, torch.Tensor]] | None = None,
                  buffers: str = "broadcast", schedule: str = "auto", partitioner=None,
-                 sparse_reduction: str = "mean"):
+                 sparse_reduction: str = "mean", dense: str = "ps",
+                 allreduce_backend: str = "mpi", bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         from .ps_ranks import _current
         cluster = _current if cluster is None else cluster
         if cluster is None:
@@ -140,7 +165,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                               spin_seconds(cluster.oversubscribed))
         options = Options(replicas_to_aggregate, total_num_replicas, num_tokens, placement,
                           reduction, deterministic, ema_decay, ema_num_updates, asynchronous,
-                          max_staleness, buffers, schedule, partitioner, sparse_reduction)
+                          max_staleness, buffers, schedule, partitioner, sparse_reduction,
+                          dense, allreduce_backend, bucket_bytes)
         opt_id = len(cluster.optimizers)
         spec, routes = self._agree(optimizer, model, options, opt_id)
         self._spec, self.plan = spec, routes.plan
@@ -162,7 +188,11 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 self._rows.send_initial()
         self._parts = unit_parts(spec)
         ReplicatedChannel(cluster._worker_comm,
-                          [by_name[n] for n in routes.names(REPLICATED)]).setup()
+                          [by_name[n] for n in routes.names(REPLICATED) + routes.names(ALLREDUCE)]
+                          ).setup()
+        self._local = self._local_averages = None
+        if spec.allreduce:
+            self._setup_allreduce([by_name[n] for n in spec.allreduce])
         self._tracker = WriteTracker(self._dense.names, self._dense.params, self._dense.pviews,
                                      cluster.label)
         self._settings = settings_of(optimizer)
@@ -208,6 +238,41 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             raise exc_type(f"{cluster.label}: {text}", collective=True)
         return spec, routes
 
+    def _setup_allreduce(self, local: list[torch.Tensor]) -> None:
+        """The parameters averaged among the workers: hooks, the chief's state, averages."""
+        spec, cluster = self._spec, self.cluster
+        self._local = AllreduceChannel(
+            local, cluster._worker_comm, self._poller, num_workers=spec.num_workers,
+            reduction=spec.reduction, bucket_bytes=spec.bucket_bytes,
+            backend=spec.allreduce_backend, opt_id=spec.opt_id, label=cluster.label)
+        ids = {id(p) for p in local}
+        self._ps_held = [p for g in self.param_groups for p in g["params"] if id(p) not in ids]
+        self._local_averages = LocalAverages(spec.ema_decay, spec.ema_num_updates,
+                                             list(zip(spec.allreduce, local)))
+        # the chief's optimizer state for them, if it had one, as for the ps-held ones
+        state = cluster._worker_comm.bcast(self._local_state() if cluster.is_chief else None,
+                                           root=0)
+        self._load_local_state(state)
+
+    def _local_state(self) -> dict[str, dict]:
+        """The wrapped optimizer's state of the parameters the workers update, by name."""
+        if self._local is None:
+            return {}
+        name_of = {id(p): n for n, p in zip(self._names, self._params)}
+        local = set(self._spec.allreduce)
+        return {name_of[id(p)]: {k: v.clone() if torch.is_tensor(v) else v
+                                 for k, v in st.items()}
+                for p, st in self._opt.state.items() if name_of.get(id(p)) in local}
+
+    def _load_local_state(self, by_name: dict[str, dict]) -> None:
+        """Replace the state of the parameters the workers update (torch's dtype rules)."""
+        by = dict(zip(self._names, self._params))
+        for n in self._spec.allreduce:
+            p = by[n]
+            self._opt.state.pop(p, None)
+            if n in by_name:
+                self._opt.state[p] = {k: _cast_state(p, k, v) for k, v in by_name[n].items()}
+
     def _initial_pieces(self, optimizer, spec, routes) -> list:
         """The wrapped optimizer's state, if it already had one, for each ps rank."""
         if not optimizer.state:
@@ -216,7 +281,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         resident = {t.name for t in spec.tables if t.resident}
         by_name = {name_of[id(p)]: st for p, st in optimizer.state.items()
-                   if name_of[id(p)] not in resident}     # a table's stand-in: nothing held
+                   if name_of[id(p)] not in resident     # a table's stand-in: nothing held
+                   and name_of[id(p)] not in spec.allreduce}     # the workers keep these
         by_unit = split_units(by_name, unit_parts(spec))
         return split_state(by_unit, {}, groups, 0, routes.owner, spec.num_ps)
 
@@ -251,6 +317,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         """
         self._check_open("zero_grad")
         self._dense.zero_grad(set_to_none)
+        if self._local is not None:
+            self._local.zero_grad(set_to_none)
         if self._rows.active:
             self._rows.zero_grad(set_to_none)
 
@@ -276,6 +344,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             return loss
         if self._settings:
             self._check_settings()
+        if self._local is not None:
+            self._local.before_step()      # collective: every worker's gradients averaged
         dense = self._dense
         written = self._tracker.written()   # first: a parameter given a new tensor is checked
         dense.gather()
@@ -285,6 +355,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         dense.push(self.global_step, self.cluster.worker_index, self._seq, flags, written)
         if self._rows.active:
             self._rows.push(self.global_step, self._seq)
+        if self._local is not None:
+            self._local_step()             # while the ps ranks apply theirs
         taken = self._receive()
         if written and not taken and not self._spec.asynchronous:
             names = [dense.names[i] for i in written]
@@ -293,6 +365,18 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                           f"it were dropped too; write parameters on every worker",
                           RuntimeWarning, stacklevel=2)
         return loss
+
+    def _local_step(self) -> None:
+        """The wrapped optimizer's step over the parameters the workers update, alone."""
+        held = [(p, p.grad) for p in self._ps_held if p.grad is not None]
+        for p, _ in held:
+            p.grad = None              # torch skips them: the ps ranks update those
+        try:
+            self._opt.step()
+        finally:
+            for p, g in held:
+                p.grad = g
+        self._local_averages.update(self.global_step + 1)
 
     def _refuse_grad_scaler(self, kwargs: dict) -> None:
         if set(kwargs) - {"grad_scaler"}:
@@ -431,6 +515,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             by_name.update(state)
             averages.update(avg)
         by_name, averages = merge_units(by_name, self._parts), merge_units(averages, self._parts)
+        by_name.update(self._local_state())
+        if self._local_averages is not None:
+            averages.update(self._local_averages.values())
         local = torch.optim.Optimizer.state_dict(self._opt)
         order = self._group_order()
         local["state"] = {i: by_name[n] for i, n in enumerate(order) if n in by_name}
@@ -459,12 +546,17 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         extra = state_dict.get("mpisync", {})
         step = extra.get("global_step", self.global_step)
         payload = None
+        by_name = {self._group_order()[int(i)]: st for i, st in state_dict["state"].items()}
+        local = set(self._spec.allreduce)
         if self.cluster.is_chief:
-            by_name = {self._group_order()[int(i)]: st for i, st in state_dict["state"].items()}
             parts = self._parts
-            payload = (split_state(split_units(by_name, parts),
-                                   split_units(extra.get("averages", {}), parts), groups, step,
-                                   self.plan.owner, self.cluster.num_ps), step)
+            held = {n: st for n, st in by_name.items() if n not in local}
+            averages = {n: v for n, v in extra.get("averages", {}).items() if n not in local}
+            payload = (split_state(split_units(held, parts), split_units(averages, parts),
+                                   groups, step, self.plan.owner, self.cluster.num_ps), step)
+        if self._local is not None:
+            self._load_local_state({n: st for n, st in by_name.items() if n in local})
+            self._local_averages.load(extra.get("averages", {}))
         if self.cluster.is_chief:
             for name, saved in extra.get("tables", {}).items():
                 for k, shard in enumerate(saved["shards"]):
@@ -512,6 +604,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         for part in self._from_every_ps(Kind.AVERAGES, "parameter averages"):
             got.update(part)
         got = merge_units(got, self._parts)
+        if self._local_averages is not None:
+            got.update(self._local_averages.values())
         return {n: got[n] for n in self._names if n in got}
 
     @contextlib.contextmanager
@@ -558,6 +652,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                           RuntimeWarning, stacklevel=2)
         self._dense.close(self.global_step, self.cluster.worker_index)
         self._rows.close()
+        if self._local is not None:
+            self._local.close()
         self._tracker.release()
         self._closed = True
 

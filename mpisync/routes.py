@@ -54,28 +54,20 @@ class Routes:
 
 def plan_routes(units: Sequence[Unit], kinds: Mapping[str, str], frozen: Sequence[str],
                 buffers: Sequence[tuple[str, int]], num_ps: int,
-                strategy: str | Callable = "greedy_sorted", dense: str = "ps") -> Routes:
+                strategy: str | Callable = "greedy_sorted") -> Routes:
     """Place every unit, and route every tensor: to ps ranks, or left with the workers.
 
     Args:
         units: the units of the tensors the optimizer updates, in creation order; a
             partitioned tensor or a table has one unit per shard, each placed on its own.
         kinds: each optimized tensor's route kind (``dense_ps``, ``partitioned``,
-            ``sparse_rows`` or ``table``).
+            ``sparse_rows``, ``table``, or ``allreduce``: kept by the workers, no unit).
         frozen: names of parameters that no optimizer group holds (fine-tuning): they are
             broadcast from the chief at set-up and left alone, as torch leaves them.
         buffers: ``(name, nbytes)`` of module buffers that travel with the parameters.
         num_ps: number of ps ranks.
         strategy: placement strategy, see ``mpisync.placement.plan``.
-        dense: ``"ps"``; ``"allreduce"`` has its place but is not built yet.
-
-    Raises:
-        NotImplementedError: for the routes this version does not build.
     """
-    if dense != "ps":
-        raise NotImplementedError(
-            f"dense={dense!r} ({ALLREDUCE} route) is not available in this version of mpisync: "
-            f"dense parameters live on the ps ranks")
     every = list(units) + [Unit(n, n, size) for n, size in buffers]
     plan = placement_mod.plan([u.name for u in every], [u.nbytes for u in every], num_ps,
                               strategy, rows=[u.rows for u in every])
@@ -83,6 +75,7 @@ def plan_routes(units: Sequence[Unit], kinds: Mapping[str, str], frozen: Sequenc
     for u in units:
         owners.setdefault(u.tensor, []).append(plan.owner(u.name))
     routes = {n: Route(kinds[n], tuple(ps)) for n, ps in owners.items()}
+    routes.update({n: Route(ALLREDUCE) for n, kind in kinds.items() if kind == ALLREDUCE})
     routes.update({n: Route(BUFFER, (plan.owner(n),)) for n, _ in buffers})
     routes.update({n: Route(REPLICATED) for n in frozen})
     return Routes(routes, plan)

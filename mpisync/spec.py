@@ -12,10 +12,12 @@ import torch
 from . import partition
 from . import placement as placement_mod
 from .accumulate import REDUCTIONS, SPARSE_REDUCTIONS
+from .allreduce import BACKENDS, DEFAULT_BUCKET_BYTES
 from .errors import ConfigError, ModelMismatchError
 from .hyper import HyperCodec
 from .rebuild import OptimizerRecipe, recipe_of
 from .routes import (
+    ALLREDUCE,
     DENSE_PS,
     PARTITIONED,
     REPLICATED,
@@ -29,6 +31,7 @@ from .tables import TableSpec, sparse_modules, table_info
 
 __all__ = [
     "BUFFER_MODES",
+    "DENSE_MODES",
     "SCHEDULE_MODES",
     "SPARSE_REDUCTIONS",
     "JobSpec",
@@ -45,9 +48,10 @@ __all__ = [
     "unit_parts",
 ]
 
-SPEC_VERSION = "mpisync.spec/3"
+SPEC_VERSION = "mpisync.spec/4"
 BUFFER_MODES = ("broadcast", "mean", "local")
 SCHEDULE_MODES = ("auto", "global_step", "local")
+DENSE_MODES = ("ps", "allreduce")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,9 @@ class Options:
     schedule: str = "auto"
     partitioner: object = None
     sparse_reduction: str = "mean"
+    dense: str = "ps"
+    allreduce_backend: str = "mpi"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,10 @@ class JobSpec:
     shard of a partitioned one, named ``"{name}/part_{k}"``; ``parts`` gives each unit's
     ``(parameter name, first row, end row)``. ``buffers`` are the module buffers that
     travel with them, as ``(name, shape, dtype, ps)``; ``tables`` the parameters whose
-    rows travel instead of the whole tensor (embedding tables).
+    rows travel instead of the whole tensor (embedding tables). With ``dense ==
+    "allreduce"`` the parameters named in ``allreduce`` stay with the workers, which
+    average their gradients among themselves and update them (the ps ranks hold no unit
+    of them).
     """
 
     opt_id: int
@@ -114,6 +124,10 @@ class JobSpec:
     parts: tuple[tuple[str, int, int], ...] = ()
     tables: tuple[TableSpec, ...] = ()
     sparse_reduction: str = "mean"
+    dense: str = "ps"
+    allreduce: tuple[str, ...] = ()
+    allreduce_backend: str = "mpi"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def digest(self) -> str:
         """A short digest of the whole spec (what every rank must agree on)."""
@@ -173,7 +187,25 @@ def _check_counts(o: Options, num_workers: int) -> tuple[int, int]:
     if o.asynchronous and o.num_tokens:
         raise ValueError(f"asynchronous mode hands out one token per applied gradient: "
                          f"num_tokens must be unset, got {o.num_tokens}")
+    if o.dense == "allreduce":
+        _check_allreduce_counts(o, R, num_workers)
     return R, max(0, R - total) if o.num_tokens is None else o.num_tokens
+
+
+def _check_allreduce_counts(o: Options, R: int, num_workers: int) -> None:
+    """dense='allreduce' is strict sync: every worker's gradient in every step."""
+    why = ("dense='allreduce' averages the dense gradients of every worker in every step "
+           "(an allreduce waits for all of them), so ")
+    if o.asynchronous:
+        raise ValueError(why + "it cannot train asynchronously; use dense='ps' for "
+                         "asynchronous training")
+    if R != num_workers:
+        raise ValueError(why + f"backup workers do not apply: replicas_to_aggregate must be "
+                         f"the number of workers ({num_workers}) or unset, got {R}; use "
+                         f"dense='ps' for backup workers")
+    if o.num_tokens:
+        raise ValueError(why + f"no worker may run ahead of the others: num_tokens must be "
+                         f"0 or unset, got {o.num_tokens}")
 
 
 def _check_options(o: Options) -> None:
@@ -187,7 +219,10 @@ def _check_options(o: Options) -> None:
             raise TypeError(f"ema_decay must be a float, got {o.ema_decay!r}")
         if not 0.0 <= o.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1), got {o.ema_decay}")
+    _check_int("bucket_bytes", o.bucket_bytes, 1)
     for name, value, allowed in (("reduction", o.reduction, REDUCTIONS),
+                                 ("dense", o.dense, DENSE_MODES),
+                                 ("allreduce_backend", o.allreduce_backend, BACKENDS),
                                  ("sparse_reduction", o.sparse_reduction, SPARSE_REDUCTIONS),
                                  ("buffers", o.buffers, BUFFER_MODES),
                                  ("schedule", o.schedule, SCHEDULE_MODES)):
@@ -287,7 +322,7 @@ def _check_whole_tensor(optimizer, tables: dict, live, partitioner) -> None:
                          f"use an element-wise optimizer")
 
 
-def _units(live, tables: dict[str, TableSpec], partitioner):
+def _units(live, tables: dict[str, TableSpec], partitioner, dense: str = "ps"):
     """Units of placement, each tensor's route kind, and each dense unit's rows."""
     units, kinds, parts = [], {}, {}
     for name, p in live:
@@ -299,6 +334,9 @@ def _units(live, tables: dict[str, TableSpec], partitioner):
                          for k, rows in enumerate(t.shard_rows))
             continue
         n = _shards(partitioner, name, p)
+        if n <= 1 and dense == "allreduce":
+            kinds[name] = ALLREDUCE         # the workers keep it: no unit on any ps
+            continue
         if n <= 1:
             kinds[name] = DENSE_PS
             units.append(Unit(name, name, nbytes))
@@ -329,7 +367,6 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
     Raises:
         TypeError, ValueError (mpisync.ConfigError for the optimizer): what is wrong, with
             the value found and the value expected.
-        NotImplementedError: a route this version does not build.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
@@ -351,7 +388,7 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
             raise ValueError(f"torch.optim.SparseAdam takes sparse gradients only, and parameter "
                              f"{dense[0]!r} gets a dense one (torch fails at its first step); "
                              f"give the dense parameters an optimizer of their own")
-    units, kinds, parts = _units(live, tables, options.partitioner)
+    units, kinds, parts = _units(live, tables, options.partitioner, options.dense)
     buffers = model.buffers if options.buffers != "local" else ()
     routes = plan_routes(units, kinds, frozen,
                          [(n, b.numel() * b.element_size()) for n, b in buffers],
@@ -375,7 +412,9 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
         tables=tuple(dataclasses.replace(t, owners=tuple(routes.owner(t.unit(k))
                                                           for k in range(t.num_shards)))
                      for t in tables.values()),
-        sparse_reduction=options.sparse_reduction)
+        sparse_reduction=options.sparse_reduction, dense=options.dense,
+        allreduce=tuple(routes.names(ALLREDUCE)), allreduce_backend=options.allreduce_backend,
+        bucket_bytes=options.bucket_bytes)
     return spec, routes
 
 
@@ -419,8 +458,9 @@ def setup_summary(spec: JobSpec | None, routes: Routes | None) -> dict[str, str]
     summary["frozen parameters"] = repr(routes.names(REPLICATED))
     for f in ("replicas_to_aggregate", "num_tokens", "reduction", "deterministic",
               "ema_decay", "ema_num_updates", "asynchronous", "max_staleness", "buffer_mode",
-              "sparse_reduction"):
+              "sparse_reduction", "dense", "allreduce_backend", "bucket_bytes"):
         summary[f] = repr(getattr(spec, f))
+    summary["parameters averaged by allreduce"] = repr(spec.allreduce)
     summary["hyper-parameter layout"] = repr(spec.hyper)
     return summary
 

@@ -3,7 +3,9 @@
 One job (2 workers, 2 ps ranks) runs every case, one optimizer after another; this
 process runs each case in plain torch and compares parameters, buffers, optimizer state,
 the hyper-parameters each ps applied at the last step (values and types) and the
-workers' param groups.
+workers' param groups. A second job runs every case again with ``dense="allreduce"``
+(dense parameters averaged among the workers and updated there, the partitioned ones
+still on the ps ranks).
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ from cases import BY_NAME, CASES, WORKERS, reference
 TOLERANCE = 1e-6     # float64 models: the sums' order differs, nothing else may
 
 
-@pytest.fixture(scope="module")
-def job():
-    run = run_mpi("exact.py", WORKERS, 2, [c.name for c in CASES], timeout=300)
+@pytest.fixture(scope="module", params=["ps", "allreduce"])
+def job(request):
+    dense = [] if request.param == "ps" else [f"--dense={request.param}"]
+    run = run_mpi("exact.py", WORKERS, 2, dense + [c.name for c in CASES], timeout=300)
     by_case: dict[str, dict[int, dict]] = {}
     for r in run.results:
         if r.get("role") == "worker":

@@ -3,7 +3,8 @@
 One job (3 workers, 2 ps ranks) runs every case of tests/scripts/tables.py, one optimizer
 after another; this process trains each case with a dense nn.Embedding in one process on
 the combined batch (torch's SparseAdam on a sparse one) and compares the table and the
-dense parameters.
+dense parameters. A second job runs them with ``dense="allreduce"``: the dense head
+averaged among the workers, the tables still on the ps ranks.
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from tables import BY_NAME, CASES, WORKERS, reference
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module")
-def job():
-    run = run_mpi("tables.py", WORKERS, 2, [c.name for c in CASES], timeout=300)
+@pytest.fixture(scope="module", params=["ps", "allreduce"])
+def job(request):
+    dense = [] if request.param == "ps" else [f"--dense={request.param}"]
+    run = run_mpi("tables.py", WORKERS, 2, dense + [c.name for c in CASES], timeout=300)
     by_case: dict[str, dict[int, dict]] = {}
     for r in run.results:
         if r.get("role") == "worker":

@@ -1,4 +1,8 @@
-"""Run the named cases of cases.py under mpisync, one optimizer after another, in one job."""
+"""Run the named cases of cases.py under mpisync, one optimizer after another, in one job.
+
+``--dense=allreduce`` first runs them all with the dense parameters averaged among the
+workers instead of held on the ps ranks.
+"""
 from __future__ import annotations
 
 import sys
@@ -10,12 +14,12 @@ import mpisync
 from mpisync.wire import Kind
 
 
-def train(cluster, name: str) -> dict:
+def train(cluster, name: str, extra: dict) -> dict:
     case = BY_NAME[name]
     w = cluster.worker_index
     m, inner = build(case, w)
     opt = mpisync.SyncReplicasOptimizer(inner, named_parameters=m.named_parameters(),
-                                        named_buffers=m.named_buffers(), **case.sync)
+                                        named_buffers=m.named_buffers(), **case.sync, **extra)
     sched = case.scheduler(opt) if case.scheduler else None
     if case.before:
         case.before(m)
@@ -36,8 +40,12 @@ def train(cluster, name: str) -> dict:
 
 
 def worker(cluster):
-    for name in sys.argv[1:]:
-        emit(role="worker", worker=cluster.worker_index, case=name, **train(cluster, name))
+    names, extra = sys.argv[1:], {}
+    if names and names[0].startswith("--dense="):
+        extra["dense"] = names.pop(0).split("=", 1)[1]
+    for name in names:
+        emit(role="worker", worker=cluster.worker_index, case=name,
+             **train(cluster, name, extra))
 
 
 if __name__ == "__main__":

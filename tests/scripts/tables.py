@@ -157,12 +157,12 @@ def reference(case: Case) -> dict:
             "head": [p.detach().tolist() for p in m.head.parameters()]}
 
 
-def train(cluster, case: Case) -> dict:
+def train(cluster, case: Case, extra: dict) -> dict:
     w = cluster.worker_index
     m = build(case, plain=False)
     opt = mpisync.SyncReplicasOptimizer(make_optimizer(case, m),
                                         named_parameters=m.named_parameters(),
-                                        **sync_kwargs(case))
+                                        **sync_kwargs(case), **extra)
     sched = scheduler(case, opt)
     ids, y = data(case.steps)
     rows = WORKERS * BATCH
@@ -190,9 +190,12 @@ def train(cluster, case: Case) -> dict:
 
 
 def worker(cluster):
-    for name in sys.argv[1:]:
+    names, extra = sys.argv[1:], {}
+    if names and names[0].startswith("--dense="):
+        extra["dense"] = names.pop(0).split("=", 1)[1]
+    for name in names:
         emit(role="worker", worker=cluster.worker_index, case=name,
-             **train(cluster, BY_NAME[name]))
+             **train(cluster, BY_NAME[name], extra))
 
 
 if __name__ == "__main__":

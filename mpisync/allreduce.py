@@ -1,0 +1,259 @@
+"""Dense parameters averaged among the workers (``dense="allreduce"``), updated on each worker.
+
+What DDP does, beside the ps ranks: gradients are summed over the workers' communicator
+in buckets, each started from gradient hooks as soon as backward has produced all of its
+gradients, and finished when backward ends, so that after ``loss.backward()`` every
+``.grad`` holds the mean over the workers (clipping it is then exact). Every worker then
+applies the wrapped optimizer to these parameters itself; their state stays on the
+workers. Embedding tables and partitioned parameters stay on the ps ranks.
+"""
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+from .errors import ConfigError
+from .progress import Poller
+
+__all__ = ["BACKENDS", "DEFAULT_BUCKET_BYTES", "AllreduceChannel", "LocalAverages"]
+
+BACKENDS = ("mpi", "horovod")
+DEFAULT_BUCKET_BYTES = 4 << 20
+
+# 16-bit floats are summed in float32: MPI has no predefined type for them
+_REDUCE_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+class _Bucket:
+    """Gradients of some parameters of one dtype, then one presence flag per parameter."""
+
+    __slots__ = ("array", "expected", "flags", "flat", "handle", "index", "left", "name",
+                 "numel", "params", "same_dtype", "views")
+
+    def __init__(self, index: int, params: list[torch.Tensor], opt_id: int):
+        dtype = params[0].dtype
+        reduce_dtype = _REDUCE_DTYPE.get(dtype, dtype)
+        self.index = index
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.flat = torch.zeros(self.numel + len(params), dtype=reduce_dtype)
+        self.flags = self.flat[self.numel:]
+        self.views, offset = [], 0
+        for p in params:
+            self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self.same_dtype = reduce_dtype == dtype
+        self.array = self.flat.numpy()        # mpi4py takes MPI's own type from its typecode
+        self.name = f"mpisync.{opt_id}.bucket{index}"
+        self.handle = None
+        self.expected = self.left = len(params)
+
+
+def _buckets(params: list[torch.Tensor], bucket_bytes: int, opt_id: int) -> list[_Bucket]:
+    """Buckets in the order backward produces gradients: the last parameters first."""
+    out: list[_Bucket] = []
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    size: dict[torch.dtype, int] = {}
+    for p in reversed(params):
+        group = by_dtype.setdefault(p.dtype, [])
+        if group and size[p.dtype] + p.numel() * p.element_size() > bucket_bytes:
+            out.append(_Bucket(len(out), group, opt_id))
+            group = by_dtype[p.dtype] = []
+            size[p.dtype] = 0
+        group.append(p)
+        size[p.dtype] = size.get(p.dtype, 0) + p.numel() * p.element_size()
+    out.extend(_Bucket(len(out), group, opt_id) for group in by_dtype.values() if group)
+    return out
+
+
+class _MpiReducer:
+    """mpi4py's ``Iallreduce``, in place, on a private copy of the workers' communicator."""
+
+    def __init__(self, worker_comm: MPI.Comm, poller: Poller):
+        self.comm = worker_comm.Dup()
+        self.poller = poller
+
+    def start(self, bucket: _Bucket):
+        return self.comm.Iallreduce(MPI.IN_PLACE, bucket.array, op=MPI.SUM)
+
+    def wait(self, handles: list) -> None:
+        self.poller.wait_all(handles, lambda: "the gradients of the other workers (allreduce)")
+
+    def close(self) -> None:
+        self.comm.Free()
+
+
+class _HorovodReducer:
+    """Horovod's allreduce, initialised on the workers' communicator (workers only)."""
+
+    users = 0
+
+    def __init__(self, worker_comm: MPI.Comm, num_workers: int, label: str):
+        try:
+            import horovod.torch as hvd
+        except ImportError as exc:
+            raise ConfigError(f"{label}: allreduce_backend='horovod' needs horovod "
+                              f"(make horovod installs it): {exc}", collective=True) from None
+        self.hvd = hvd
+        if not hvd.is_initialized():
+            hvd.init(comm=worker_comm)
+        if hvd.size() != num_workers:
+            raise ConfigError(
+                f"{label}: horovod was initialised with {hvd.size()} processes but the job "
+                f"has {num_workers} workers; let mpisync initialise it (on the workers only: "
+                f"the ps ranks take no part), or call hvd.init(comm=cluster.worker_comm)",
+                collective=True)
+        _HorovodReducer.users += 1
+
+    def start(self, bucket: _Bucket):
+        return self.hvd.allreduce_async_(bucket.flat, name=bucket.name, op=self.hvd.Sum)
+
+    def wait(self, handles: list) -> None:
+        for h in handles:
+            self.hvd.synchronize(h)
+
+    def close(self) -> None:
+        _HorovodReducer.users -= 1
+        if _HorovodReducer.users == 0:
+            self.hvd.shutdown()
+
+
+class AllreduceChannel:
+    """The dense parameters of route ``allreduce``: their gradients, averaged among workers.
+
+    One round sums every bucket over the workers, in bucket order on every worker (MPI's
+    nonblocking collectives must start in the same order everywhere). A round runs at
+    the end of each ``backward()`` that produced a gradient for one of them (buckets
+    whose gradients are all there start while backward still runs), and in ``step()`` if
+    none ran since the last step (a worker whose batch touched none of them). So every
+    worker must call ``backward()`` equally often between two steps, as with DDP.
+
+    A parameter without a gradient on some workers counts as zeros there (the mean over
+    the combined batch); one without a gradient on every worker keeps ``.grad = None``.
+    """
+
+    def __init__(self, params: list[torch.Tensor], worker_comm: MPI.Comm, poller: Poller, *,
+                 num_workers: int, reduction: str, bucket_bytes: int, backend: str,
+                 opt_id: int, label: str):
+        self.params = [p for p in params if p.is_floating_point() or p.is_complex()]
+        self.scale = 1.0 / num_workers if reduction == "mean" else 1.0
+        self.buckets = _buckets(self.params, bucket_bytes, opt_id)
+        self.reducer = (_HorovodReducer(worker_comm, num_workers, label) if backend == "horovod"
+                        else _MpiReducer(worker_comm, poller))
+        self.rounds = 0                 # rounds since the last step
+        self.in_backward = False
+        self.next = 0                   # the next bucket to start in this round
+        self.handles: list = []
+        self.bytes = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
+        # a parameter frozen now has no hook: its bucket starts when backward ends
+        self.hooked = {id(p) for b in self.buckets for p in b.params if p.requires_grad}
+        self.hooks = [p.register_post_accumulate_grad_hook(self._hook(b))
+                      for b in self.buckets for p in b.params if id(p) in self.hooked]
+
+    def _hook(self, bucket: _Bucket):
+        def ready(_param: torch.Tensor) -> None:
+            self._ready(bucket)
+        return ready
+
+    def _ready(self, bucket: _Bucket) -> None:
+        """A gradient is complete: start every bucket, in order, that is now full."""
+        if not self.in_backward:
+            self.in_backward = True
+            for b in self.buckets:
+                b.left = b.expected = sum(1 for p in b.params
+                                          if p.requires_grad and id(p) in self.hooked)
+            self.next = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        bucket.left -= 1
+        while self.next < len(self.buckets) and self.buckets[self.next].left <= 0:
+            self._start(self.buckets[self.next])
+
+    def _start(self, bucket: _Bucket) -> None:
+        for k, (p, view) in enumerate(zip(bucket.params, bucket.views)):
+            g = p.grad
+            if g is None:
+                view.zero_()
+                bucket.flags[k] = 0
+                continue
+            if g.layout is not torch.strided:
+                raise TypeError(f"parameter of shape {list(p.shape)} has a sparse gradient; "
+                                f"dense='allreduce' sums dense gradients (give the embedding "
+                                f"to the ps ranks: mpisync.Embedding)")
+            if g.data_ptr() != view.data_ptr():
+                view.copy_(g)           # deliberate: the gradient was made outside the bucket
+            bucket.flags[k] = 1
+        self.handles.append(self.reducer.start(bucket))
+        self.next = bucket.index + 1
+
+    def _finish(self) -> None:
+        """End of a round: start what is left, wait, and hand each parameter the mean."""
+        while self.next < len(self.buckets):
+            self._start(self.buckets[self.next])
+        handles, self.handles = self.handles, []
+        self.reducer.wait(handles)
+        for bucket in self.buckets:
+            self._unpack(bucket)
+        self.in_backward = False
+        self.rounds += 1
+
+    def _unpack(self, bucket: _Bucket) -> None:
+        if self.scale != 1.0:
+            bucket.flat[:bucket.numel].mul_(self.scale)
+        present = bucket.flags.tolist()
+        for p, view, count in zip(bucket.params, bucket.views, present):
+            if count == 0:
+                p.grad = None
+            elif bucket.same_dtype:
+                if p.grad is not view:
+                    p.grad = view       # backward accumulates into the bucket from now on
+            elif p.grad is None:
+                p.grad = view.to(p.dtype)
+            else:
+                p.grad.copy_(view)
+
+    def before_step(self) -> None:
+        """Call in ``step()``: a round, if no backward ran one since the last step."""
+        if self.rounds == 0:
+            self.next = 0
+            self._finish()
+        self.rounds = 0
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.reducer.close()
+
+
+class LocalAverages:
+    """Moving averages of the parameters the workers update, as the ps ranks keep theirs."""
+
+    def __init__(self, decay: float | None, num_updates: bool, named: list[tuple[str, torch.Tensor]]):
+        self.decay = decay
+        self.num_updates = num_updates
+        self.named = [(n, p) for n, p in named if p.is_floating_point()] if decay is not None else []
+        self.averages = {n: p.detach().clone() for n, p in self.named}
+
+    def update(self, t: int) -> None:
+        """After the t-th applied step (``min(decay, (1 + t) / (10 + t))`` with num_updates)."""
+        if not self.named:
+            return
+        decay = min(self.decay, (1 + t) / (10 + t)) if self.num_updates else self.decay
+        with torch.no_grad():
+            for n, p in self.named:
+                self.averages[n].lerp_(p.detach(), 1.0 - decay)
+
+    def values(self) -> dict[str, torch.Tensor]:
+        return {n: v.clone() for n, v in self.averages.items()}
+
+    def load(self, saved: dict) -> None:
+        """Saved averages; parameters without one restart from the parameter."""
+        with torch.no_grad():
+            for n, p in self.named:
+                self.averages[n].copy_(saved[n] if n in saved else p.detach())
