@@ -14,7 +14,10 @@ the gradients are filled in place). Three phases, each with ``--warmup`` untimed
 2. allreduce: ``MPI_Allreduce`` (SUM) of D MiB of float32 over the workers only
    (``cluster.worker_comm``), the ps ranks sleep in a barrier; ms per call on the chief;
 3. step: ``opt.step()`` of a ``SyncReplicasOptimizer`` around ``torch.optim.SGD``
-   (push gradients, apply on the ps, token, pull parameters); ms per step on the chief.
+   (push gradients, apply on the ps, token, pull parameters); ms per step on the chief;
+4. allreduce step: the same with ``dense="allreduce"`` (the gradients averaged among the
+   workers in buckets, SGD applied on every worker, the token still from ps 0). With no
+   backward pass here, the whole allreduce runs inside ``step()``.
 
 The chief prints one JSON object as the last line of stdout (and to ``--json-out``).
 """
@@ -116,12 +119,12 @@ def memcpy(nbytes: int, steps: int) -> list[float]:
     return times
 
 
-def sync_steps(cluster, args, numel: int) -> tuple[list[float], dict]:
+def sync_steps(cluster, args, numel: int, dense: str = "ps") -> tuple[list[float], dict]:
     """Per-step seconds of opt.step() on this worker, and the final statistics."""
     model = DenseModel(args.tensors, numel)
     opt = mpisync.SyncReplicasOptimizer(
         torch.optim.SGD(model.parameters(), lr=1e-9),
-        named_parameters=model.named_parameters(), cluster=cluster)
+        named_parameters=model.named_parameters(), cluster=cluster, dense=dense)
     times = []
     for i in range(args.warmup + args.steps):
         # set_to_none=False: after the first step the gradients are views into the send
@@ -163,19 +166,22 @@ def main() -> None:
         ar = allreduce(cluster.worker_comm, nbytes, args.warmup, args.steps)
     sleepy_barrier(cluster.comm)
     if cluster.is_ps:
-        cluster.serve()
+        cluster.serve()      # both optimizers, one after the other
         return
     steps, stats = sync_steps(cluster, args, numel)
+    reduced, _ = sync_steps(cluster, args, numel, dense="allreduce")
     if not cluster.is_chief:
         return
 
-    step_ms, ar_ms = summary_ms(steps), summary_ms(ar)
+    step_ms, ar_ms, reduced_ms = summary_ms(steps), summary_ms(ar), summary_ms(reduced)
     result = {
         "machine": machine(), "cores": os.cpu_count(),
         "workers": cluster.num_workers, "ps": cluster.num_ps, "mb": args.mb,
         "tensors": args.tensors, "steps": args.steps,
         "step_ms": step_ms, "allreduce_ms": ar_ms,
         "ratio_step_to_allreduce": round(step_ms["median"] / ar_ms["median"], 2),
+        "allreduce_step_ms": reduced_ms,
+        "ratio_allreduce_step_to_step": round(reduced_ms["median"] / step_ms["median"], 2),
         "pingpong_gbs": round(gbs, 3),
         "memcpy_ms": summary_ms(memcpy(nbytes, args.steps))["median"],
         "global_step": stats["global_step"], "gradients_dropped": stats["gradients_dropped"],

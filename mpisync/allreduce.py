@@ -13,7 +13,6 @@ import torch
 from mpi4py import MPI
 
 from .errors import ConfigError
-from .progress import Poller
 
 __all__ = ["BACKENDS", "DEFAULT_BUCKET_BYTES", "AllreduceChannel", "LocalAverages"]
 
@@ -67,17 +66,27 @@ def _buckets(params: list[torch.Tensor], bucket_bytes: int, opt_id: int) -> list
 
 
 class _MpiReducer:
-    """mpi4py's ``Iallreduce``, in place, on a private copy of the workers' communicator."""
+    """mpi4py's ``Iallreduce``, in place, on a private copy of the workers' communicator.
 
-    def __init__(self, worker_comm: MPI.Comm, poller: Poller):
+    The wait blocks in MPI: its progress engine then moves a large reduction twice as
+    fast as a loop of tests does. It cannot hang the job: a worker that fails aborts it,
+    and one that stalls stops its pushes, which ps 0 reports and ends the job for.
+    """
+
+    def __init__(self, worker_comm: MPI.Comm):
         self.comm = worker_comm.Dup()
-        self.poller = poller
 
     def start(self, bucket: _Bucket):
         return self.comm.Iallreduce(MPI.IN_PLACE, bucket.array, op=MPI.SUM)
 
-    def wait(self, handles: list) -> None:
-        self.poller.wait_all(handles, lambda: "the gradients of the other workers (allreduce)")
+    @staticmethod
+    def poke(handles: list) -> None:
+        """Let MPI move the reductions in flight while backward computes."""
+        MPI.Request.Testall(handles)
+
+    @staticmethod
+    def wait(handles: list) -> None:
+        MPI.Request.Waitall(handles)
 
     def close(self) -> None:
         self.comm.Free()
@@ -108,6 +117,10 @@ class _HorovodReducer:
     def start(self, bucket: _Bucket):
         return self.hvd.allreduce_async_(bucket.flat, name=bucket.name, op=self.hvd.Sum)
 
+    @staticmethod
+    def poke(handles: list) -> None:
+        """Horovod's own thread moves them."""
+
     def wait(self, handles: list) -> None:
         for h in handles:
             self.hvd.synchronize(h)
@@ -132,14 +145,14 @@ class AllreduceChannel:
     the combined batch); one without a gradient on every worker keeps ``.grad = None``.
     """
 
-    def __init__(self, params: list[torch.Tensor], worker_comm: MPI.Comm, poller: Poller, *,
+    def __init__(self, params: list[torch.Tensor], worker_comm: MPI.Comm, *,
                  num_workers: int, reduction: str, bucket_bytes: int, backend: str,
                  opt_id: int, label: str):
         self.params = [p for p in params if p.is_floating_point() or p.is_complex()]
         self.scale = 1.0 / num_workers if reduction == "mean" else 1.0
         self.buckets = _buckets(self.params, bucket_bytes, opt_id)
         self.reducer = (_HorovodReducer(worker_comm, num_workers, label) if backend == "horovod"
-                        else _MpiReducer(worker_comm, poller))
+                        else _MpiReducer(worker_comm))
         self.rounds = 0                 # rounds since the last step
         self.in_backward = False
         self.next = 0                   # the next bucket to start in this round
@@ -165,8 +178,11 @@ class AllreduceChannel:
             self.next = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         bucket.left -= 1
+        started = self.next
         while self.next < len(self.buckets) and self.buckets[self.next].left <= 0:
             self._start(self.buckets[self.next])
+        if self.handles and self.next == started:
+            self.reducer.poke(self.handles)
 
     def _start(self, bucket: _Bucket) -> None:
         for k, (p, view) in enumerate(zip(bucket.params, bucket.views)):

@@ -242,7 +242,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         """The parameters averaged among the workers: hooks, the chief's state, averages."""
         spec, cluster = self._spec, self.cluster
         self._local = AllreduceChannel(
-            local, cluster._worker_comm, self._poller, num_workers=spec.num_workers,
+            local, cluster._worker_comm, num_workers=spec.num_workers,
             reduction=spec.reduction, bucket_bytes=spec.bucket_bytes,
             backend=spec.allreduce_backend, opt_id=spec.opt_id, label=cluster.label)
         ids = {id(p) for p in local}

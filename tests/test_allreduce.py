@@ -129,3 +129,11 @@ def test_a_worker_that_fails_ends_the_job_while_the_others_wait_in_the_allreduce
     assert re.search(r"worker 1 \(rank 1 on [^)]*\): ValueError: boom on purpose", run.output)
     assert re.search(r"stopping because worker 1 \(rank 1 on [^)]*\) failed", run.output), \
         run.output
+
+
+def test_a_stalled_worker_ends_the_job_while_the_others_wait_in_the_allreduce():
+    run = failing("errors.py", 2, 1, ["--case", "allreduce_stall"], timeout=60,
+                  env={"MPISYNC_TIMEOUT": "5", "MPISYNC_STALL_WARNING": "2"})
+    assert re.search(r"ps 0 \(rank 2[^)]*\): StallError: .*no message for 5 s", run.output), \
+        run.output
+    assert "workers still computing: [1]" in run.output, run.output

@@ -53,7 +53,7 @@ def train(opt, net, steps: int, w: int) -> None:
             opt._opt.scale = 10.0                 # the user's handle on the wrapped optimizer
         if CASE in ("raise", "allreduce_raise") and w == 1 and i == 5:
             raise ValueError("boom on purpose in user code")
-        if CASE == "stall" and w == 1 and i == 5:
+        if CASE in ("stall", "allreduce_stall") and w == 1 and i == 5:
             time.sleep(30)
         if CASE == "killed" and w == 1 and i == 5:
             os.kill(os.getpid(), signal.SIGKILL)  # dies at once: no excepthook, no atexit
