@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import placement
+from .checkpoint import Checkpointer, latest, load, plain_state, save
 from .errors import (
     ClosedError,
     ConfigError,
@@ -18,6 +19,7 @@ from .ps_ranks import Cluster, RankLayout, init
 from .tables import Embedding, EmbeddingBag
 
 __all__ = [
+    "Checkpointer",
     "ClosedError",
     "Cluster",
     "ConfigError",
@@ -34,7 +36,11 @@ __all__ = [
     "axis_size",
     "fixed_size",
     "init",
+    "latest",
+    "load",
     "min_max",
     "placement",
+    "plain_state",
+    "save",
 ]
 __version__ = "0.3.0"

@@ -510,10 +510,17 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         entry in ``"state"``.
         """
         self._check_open("state_dict")
-        by_name, averages = {}, {}
-        for state, avg, _ in self._from_every_ps(Kind.STATE, "optimizer state"):
+        return self._state_dict(tables)[0]
+
+    def _state_dict(self, tables: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+        """``state_dict()``, and the values of the parameters the ps ranks hold, read at
+        the same global step as their state (the chief's own may be a step behind them
+        when a step went on without it)."""
+        by_name, averages, values, step = {}, {}, {}, self.global_step
+        for state, avg, _, held, step in self._from_every_ps(Kind.STATE, "optimizer state"):
             by_name.update(state)
             averages.update(avg)
+            values.update(held)
         by_name, averages = merge_units(by_name, self._parts), merge_units(averages, self._parts)
         by_name.update(self._local_state())
         if self._local_averages is not None:
@@ -521,7 +528,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         local = torch.optim.Optimizer.state_dict(self._opt)
         order = self._group_order()
         local["state"] = {i: by_name[n] for i, n in enumerate(order) if n in by_name}
-        local["mpisync"] = {"global_step": self.global_step, "plan": self.plan.digest()}
+        local["mpisync"] = {"global_step": step, "plan": self.plan.digest()}
         if tables:
             local["mpisync"]["tables"] = {
                 t.name: {"num_rows": t.num_rows, "strategy": t.strategy,
@@ -529,7 +536,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 for t in self._spec.tables if t.resident}
         if self._spec.ema_decay is not None:
             local["mpisync"]["averages"] = {n: averages[n] for n in self._names if n in averages}
-        return local
+        return local, merge_units(values, self._parts)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a consolidated state (from ``state_dict()`` or a plain torch optimizer).

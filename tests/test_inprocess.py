@@ -192,7 +192,9 @@ def test_one_process_plays_worker_ps_and_coordinator():
             for b, c in zip(net.buffers(), ref.buffers()):  # the chief's, via the ps
                 assert torch.equal(b, c)
         comm.send((Kind.STATE,), dest=0, tag=Tag.of(Tag.REQ, 0))
-        state, averages, groups = poller.wait_message(0, Tag.of(Tag.INFO, 0), lambda: "state")
+        state, averages, groups, values, version = poller.wait_message(
+            0, Tag.of(Tag.INFO, 0), lambda: "state")
+        assert torch.equal(values["0.weight"], net[0].weight.detach()) and version == 3
         assert sorted(state) == ["0.bias", "0.weight", "1.bias", "1.weight"]
         assert torch.allclose(state["0.weight"]["momentum_buffer"],
                               ref_opt.state[ref[0].weight]["momentum_buffer"], atol=1e-6)

@@ -291,7 +291,8 @@ class ShardServer:
     def _on_state(self, ctl, obj, applied) -> bool:
         groups = [] if self.optimizer is None else [
             {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        self.comm.send((self._state(), self.averages.values(), groups),
+        values = {self.name_of[id(p)]: p.detach().clone() for p in self.params}
+        self.comm.send((self._state(), self.averages.values(), groups, values, self.global_step),
                        dest=self.worker_ranks[int(ctl[2])], tag=self.tags[Tag.INFO])
         return True
 

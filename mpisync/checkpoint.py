@@ -1,0 +1,528 @@
+"""Checkpoint files: one consolidated torch file per save, written by the chief, and resume.
+
+A checkpoint is a zip file in torch's own format: ``torch.load(path, weights_only=True)``
+reads it without mpisync. It holds a dict::
+
+    {"format": "mpisync.checkpoint", "version": 1, "global_step": int,
+     "model": model.state_dict(),          # the parameters at that step, buffers
+     "optimizer": opt.state_dict(tables=False),   # torch's schema + "mpisync" entry
+     "tables": {name: {"num_rows", "row_shape", "dtype", "strategy",
+                       "shards": [{"ids", "weight", "state"}, ...]}},
+     "table_index": {name: the table's number in the optimizer's state},
+     "extra": the user's extra, "workers": W, "ps": P, "mpisync_version": str}
+
+Embedding tables that live on the ps ranks are streamed into the file one shard at a
+time, never gathered whole in one process. Writes are atomic: a temporary file in the
+same directory, fsync, rename, fsync of the directory; an interrupted write leaves the
+previous checkpoint as it was. Loading re-places everything for the job that loads it,
+which may have another number of ps ranks or workers.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import os
+import pickle
+import re
+import sys
+import time
+import warnings
+import zipfile
+from collections.abc import Iterator
+
+import torch
+from torch.serialization import _open_zipfile_writer
+
+from .errors import ConfigError
+from .state import check_state
+
+__all__ = ["FORMAT", "VERSION", "Checkpointer", "latest", "load", "plain_state", "save"]
+
+FORMAT = "mpisync.checkpoint"
+VERSION = 1
+_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+
+
+# -- writing a torch file whose big tensors arrive one at a time ---------------------------
+class _Deferred:
+    """A tensor already written to the file (record ``data/{key}``), pickled by reference."""
+
+    def __init__(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]):
+        self.key, self.dtype, self.shape = key, dtype, tuple(shape)
+
+    def __reduce_ex__(self, protocol):
+        stride, acc = [], 1
+        for d in reversed(self.shape):
+            stride.append(acc)
+            acc *= d
+        return (torch._utils._rebuild_tensor_v2,
+                (_StorageRef(self), 0, self.shape, tuple(reversed(stride)), False,
+                 collections.OrderedDict()))
+
+
+class _StorageRef:
+    def __init__(self, tensor: _Deferred):
+        self.tensor = tensor
+
+
+def _storage_type(dtype: torch.dtype):
+    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+
+
+class _Writer:
+    """torch's zip format, written record by record (``torch.load`` reads it as usual)."""
+
+    def __init__(self, f):
+        self._opener = _open_zipfile_writer(f)
+        self.zf = self._opener.__enter__()
+        self.count = 0
+
+    def tensor(self, t: torch.Tensor) -> _Deferred:
+        """Write ``t`` now; what the pickled object holds in its place."""
+        t = t.detach().contiguous()
+        key, self.count = str(self.count), self.count + 1
+        storage = t.untyped_storage()
+        if t.storage_offset() or storage.nbytes() != t.numel() * t.element_size():
+            t = t.clone()                 # a view into a bigger storage: its own bytes only
+            storage = t.untyped_storage()
+        self.zf.write_record(f"data/{key}", storage, storage.nbytes())
+        return _Deferred(key, t.dtype, tuple(t.shape))
+
+    def abort(self) -> None:
+        """End the archive after a failure (the file is thrown away; nothing may write later)."""
+        with contextlib.suppress(Exception):   # the write already failed: that is raised
+            self._opener.__exit__(None, None, None)
+        self.zf = None
+
+    def finish(self, obj) -> None:
+        """Pickle ``obj`` (its remaining tensors are written after it, as torch.save does)."""
+        storages: dict[str, torch.UntypedStorage] = {}
+        ids: dict[int, str] = {}
+        writer = self
+
+        class Pickler(pickle.Pickler):
+            def persistent_id(self, o):
+                if isinstance(o, _StorageRef):
+                    t = o.tensor
+                    numel = 1
+                    for d in t.shape:
+                        numel *= d
+                    return ("storage", _storage_type(t.dtype), t.key, "cpu", numel)
+                if isinstance(o, torch.storage.TypedStorage):
+                    st = o._untyped_storage
+                    if st.device.type != "cpu":
+                        st = st.cpu()
+                    key = ids.get(st._cdata)
+                    if key is None:
+                        key = ids[st._cdata] = str(writer.count)
+                        writer.count += 1
+                        storages[key] = st
+                    return ("storage", getattr(torch, o._pickle_storage_type()), key, "cpu",
+                            o._size())
+                return None
+
+        buf = io.BytesIO()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)     # TypedStorage is deprecated
+            Pickler(buf, protocol=2).dump(obj)
+        data = buf.getvalue()
+        self.zf.write_record("data.pkl", data, len(data))
+        self.zf.write_record(".format_version", "1", 1)
+        alignment = str(torch.serialization._get_storage_alignment())
+        self.zf.write_record(".storage_alignment", alignment, len(alignment))
+        self.zf.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for key, st in storages.items():
+            self.zf.write_record(f"data/{key}", st, st.nbytes())
+        self._opener.__exit__(None, None, None)
+
+
+def _atomic_write(path: str, fill) -> None:
+    """``fill(file)`` into a temporary file beside ``path``, then fsync and rename."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            fill(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- save ----------------------------------------------------------------------------------
+def _tables_streamed(opt, w: _Writer) -> dict:
+    """Every ``mpisync.Embedding`` table, shard by shard, each written as it arrives."""
+    out = {}
+    for t in opt._spec.tables:
+        if not t.resident:
+            continue
+        shards = []
+        for shard in opt.table_shards(t.name, with_state=True):
+            shards.append({"ids": w.tensor(shard["ids"]), "weight": w.tensor(shard["weight"]),
+                           "state": {k: w.tensor(v) if torch.is_tensor(v) else v
+                                     for k, v in (shard.get("state") or {}).items()}})
+            del shard                     # one shard in memory at a time
+        out[t.name] = {"num_rows": t.num_rows, "row_shape": list(t.row_shape),
+                       "dtype": str(t.dtype).removeprefix("torch."), "strategy": t.strategy,
+                       "shards": shards}
+    return out
+
+
+def _model_state(model: torch.nn.Module, opt, values: dict) -> dict:
+    """``model.state_dict()`` with the ps ranks' parameter values of the saved step."""
+    state = model.state_dict()
+    names = {id(p): n for n, p in model.named_parameters()}
+    key_of = {}
+    for key, v in model.state_dict(keep_vars=True).items():
+        if id(v) in names:
+            key_of[names[id(v)]] = key
+    for name, value in values.items():
+        key = key_of.get(name)
+        if key is not None and tuple(state[key].shape) == tuple(value.shape):
+            state[key] = value
+    return state
+
+
+def save(path: str | os.PathLike, model: torch.nn.Module, opt, extra=None) -> str:
+    """Write a checkpoint of ``model`` and ``opt`` at the current global step.
+
+    Call on every worker, between steps (a collective over the workers); the chief
+    writes the file, the others wait for it. ``extra`` is anything ``torch.load(...,
+    weights_only=True)`` reads back: numbers, strings, tensors, lists, dicts (an epoch,
+    a data-loader position, RNG states, ``scheduler.state_dict()``).
+
+    Returns:
+        The path written.
+
+    Raises:
+        OSError: the chief could not write the file (on every worker; nothing changed).
+    """
+    path = os.fspath(path)
+    cluster = opt.cluster
+    error = None
+    if cluster.is_chief:
+        try:
+            _write(path, model, opt, extra)
+        except Exception as exc:  # noqa: BLE001 (every worker raises it below)
+            error = f"{type(exc).__name__}: {exc}"
+    error = cluster.worker_comm.bcast(error, root=0)
+    if error is not None:
+        raise OSError(f"{cluster.label}: mpisync.save({path!r}) failed on the chief: {error}")
+    return path
+
+
+def _write(path: str, model, opt, extra) -> None:
+    state, values = opt._state_dict(tables=False)
+    order = opt._group_order()
+    table_index = {t.name: order.index(t.name) for t in opt._spec.tables
+                   if t.resident and t.name in order}
+
+    def fill(f) -> None:
+        w = _Writer(f)
+        try:
+            _fill(w)
+        except BaseException:
+            w.abort()
+            raise
+
+    def _fill(w: _Writer) -> None:
+        tables = _tables_streamed(opt, w)
+        w.finish({"format": FORMAT, "version": VERSION,
+                  "global_step": int(state["mpisync"]["global_step"]),
+                  "model": _model_state(model, opt, values), "optimizer": state,
+                  "tables": tables, "table_index": table_index, "extra": extra,
+                  "workers": opt.cluster.num_workers,
+                  "ps": opt.cluster.num_ps, "time": time.time(),
+                  "mpisync_version": _version()})
+
+    _atomic_write(path, fill)
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
+# -- load ----------------------------------------------------------------------------------
+def _read(path: str) -> dict:
+    """The checkpoint's dict, its tensors mapped from the file (nothing read yet)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{path}: not a complete checkpoint (truncated, or not a file "
+                         f"written by mpisync.save)")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 (torch raises several kinds for a broken file)
+        raise ValueError(f"{path}: not a readable checkpoint ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0]})") from None
+    if not isinstance(ck, dict) or ck.get("format") != FORMAT:
+        raise ValueError(f"{path}: not an mpisync checkpoint (no format {FORMAT!r})")
+    if ck.get("version", 0) > VERSION:
+        raise ValueError(f"{path}: written in checkpoint format version {ck['version']} by "
+                         f"mpisync {ck.get('mpisync_version', '?')}; this mpisync "
+                         f"({_version()}) reads version {VERSION} and older: upgrade mpisync")
+    return ck
+
+
+def _check_model(ck: dict, model: torch.nn.Module) -> str | None:
+    mine = model.state_dict()
+    saved = ck["model"]
+    missing = [k for k in mine if k not in saved]
+    unexpected = [k for k in saved if k not in mine]
+    if missing or unexpected:
+        return (f"the model does not match the checkpoint's: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}")
+    for k, v in mine.items():
+        if tuple(v.shape) != tuple(saved[k].shape):
+            return (f"the model does not match the checkpoint's: {k!r} has shape "
+                    f"{list(v.shape)}, the checkpoint's {list(saved[k].shape)}")
+    return None
+
+
+def _check_tables(ck: dict, opt) -> str | None:
+    mine = {t.name: t for t in opt._spec.tables if t.resident}
+    saved = ck.get("tables", {})
+    if set(mine) != set(saved):
+        return f"the checkpoint has tables {sorted(saved)}, this optimizer {sorted(mine)}"
+    for name, t in mine.items():
+        s = saved[name]
+        if s["num_rows"] != t.num_rows or list(s["row_shape"]) != list(t.row_shape):
+            return (f"table {name!r} was saved with {s['num_rows']} rows of "
+                    f"{list(s['row_shape'])}, this one has {t.num_rows} rows of "
+                    f"{list(t.row_shape)}")
+        rows = sum(len(sh["ids"]) for sh in s["shards"])
+        if rows != t.num_rows:
+            return f"table {name!r} in the checkpoint holds {rows} rows of {t.num_rows}"
+    return None
+
+
+def _check(ck: dict, model, opt) -> str | None:
+    problem = _check_model(ck, model) or _check_tables(ck, opt)
+    if problem:
+        return problem
+    order = opt._group_order()
+    shapes = {n: tuple(p.shape) for n, p in zip(opt._names, opt._params)}
+    return check_state(ck["optimizer"], opt.param_groups, order, shapes, {})
+
+
+def load(path: str | os.PathLike, model: torch.nn.Module, opt):
+    """Load a checkpoint written by ``save`` into ``model`` and ``opt``; returns ``extra``.
+
+    Call on every worker, before training or between steps. The chief reads the file
+    and checks it against the model and the optimizer before anything changes; a file
+    that is truncated, of another model, or of a newer format raises the same error on
+    every worker, naming the file and the problem, and nothing is loaded. Parameters,
+    buffers, optimizer state, moving averages, the global step and the tables are then
+    placed for this job (any number of ps ranks and workers).
+
+    Raises:
+        ConfigError: the file cannot be loaded into this model and optimizer.
+    """
+    path = os.fspath(path)
+    cluster = opt.cluster
+    payload, ck = None, None
+    if cluster.is_chief:
+        try:
+            ck = _read(path)
+            problem = _check(ck, model, opt)
+            payload = ((f"{path}: {problem}",) if problem else
+                       (None, ck["model"], _without_tables(ck["optimizer"]), ck.get("extra")))
+        except (OSError, ValueError) as exc:
+            payload = (str(exc),)
+    payload = cluster.worker_comm.bcast(payload, root=0)
+    if payload[0] is not None:
+        raise ConfigError(f"{cluster.label}: mpisync.load(): {payload[0]}", collective=True)
+    _, model_state, opt_state, extra = payload
+    model.load_state_dict(model_state)
+    if cluster.is_chief:
+        _place_tables(ck["tables"], opt)
+    opt.load_state_dict(opt_state)
+    return extra
+
+
+def _without_tables(state: dict) -> dict:
+    state = dict(state)
+    if "mpisync" in state:
+        state["mpisync"] = {k: v for k, v in state["mpisync"].items() if k != "tables"}
+    return state
+
+
+def _place_tables(saved: dict, opt) -> None:
+    """Each table shard of this job, gathered from the saved shards (any partitioning)."""
+    for t in opt._spec.tables:
+        if not t.resident:
+            continue
+        shards = saved[t.name]["shards"]
+        located = [t.locate(sh["ids"]) for sh in shards]    # this job's (shard, row)
+        for k in range(t.num_shards):
+            weight = torch.empty(t.shard_rows[k], *t.row_shape, dtype=t.dtype)
+            state: dict = {}
+            for sh, (part, row) in zip(shards, located):
+                mine = (part == k).nonzero().flatten()
+                if not len(mine):
+                    continue
+                rows = row[mine]
+                weight[rows] = sh["weight"][mine].to(t.dtype)
+                for key, value in (sh.get("state") or {}).items():
+                    if torch.is_tensor(value) and value.dim() and len(value) == len(sh["ids"]):
+                        if key not in state:
+                            state[key] = torch.zeros(t.shard_rows[k], *value.shape[1:],
+                                                     dtype=value.dtype)
+                        state[key][rows] = value[mine]
+                    elif key not in state:
+                        state[key] = value.clone() if torch.is_tensor(value) else value
+            opt._rows.write_shard(t.name, k, weight, state or None)
+
+
+# -- periodic checkpoints ------------------------------------------------------------------
+def _complete(path: str) -> bool:
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("/data.pkl") or n == "data.pkl" for n in z.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _listed(directory: str) -> list[tuple[int, str]]:
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), os.path.join(directory, n))
+             for n in names if (m := _NAME.match(n))]
+    return sorted(found)
+
+
+def latest(directory: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint ``ckpt-<step>.pt`` in ``directory``, or None.
+
+    A file cut short (a job killed while the rename had not happened cannot leave one,
+    but a copy or a full disk can) is passed over for the one before it.
+    """
+    for _, path in reversed(_listed(os.fspath(directory))):
+        if _complete(path):
+            return path
+    return None
+
+
+class Checkpointer:
+    """Periodic checkpoints ``ckpt-<global step>.pt`` in a directory, the newest ``keep``.
+
+    ``maybe_save()`` after each ``step()``, on every worker: it saves when
+    ``every_steps`` global steps passed since the last save, or (the chief's clock)
+    ``every_seconds``; with ``every_seconds`` each call is a small collective over the
+    workers, so that they agree. ``resume()`` loads the newest complete checkpoint, if
+    there is one, and returns its ``extra`` (None otherwise).
+    """
+
+    def __init__(self, directory: str | os.PathLike, model: torch.nn.Module, opt, *,
+                 keep: int | None = None, every_steps: int | None = None,
+                 every_seconds: float | None = None):
+        for name, value in (("keep", keep), ("every_steps", every_steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if every_seconds is not None and not every_seconds > 0:
+            raise ValueError(f"every_seconds must be > 0 or None, got {every_seconds!r}")
+        self.directory = os.fspath(directory)
+        self.model, self.opt = model, opt
+        self.keep, self.every_steps, self.every_seconds = keep, every_steps, every_seconds
+        self.last_step = opt.global_step
+        self.last_time = time.monotonic()
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.directory, f"ckpt-{step:09d}.pt")
+
+    def due(self) -> bool:
+        step = self.opt.global_step
+        due = self.every_steps is not None and step // self.every_steps > \
+            self.last_step // self.every_steps
+        if self.every_seconds is not None:
+            late = time.monotonic() - self.last_time >= self.every_seconds
+            due = self.opt.cluster.worker_comm.bcast(due or late, root=0)
+        return due
+
+    def maybe_save(self, extra=None) -> str | None:
+        """Save if one is due (call on every worker after each step); the path or None."""
+        if not self.due():
+            return None
+        return self.save(extra)
+
+    def save(self, extra=None) -> str:
+        """Save now (every worker), then remove all but the newest ``keep``."""
+        path = save(self.path(self.opt.global_step), self.model, self.opt, extra)
+        self.last_step, self.last_time = self.opt.global_step, time.monotonic()
+        if self.keep is not None and self.opt.cluster.is_chief:
+            for _, old in _listed(self.directory)[:-self.keep]:
+                with contextlib.suppress(OSError):
+                    os.unlink(old)
+        return path
+
+    def resume(self):
+        """Load the newest complete checkpoint, if any (every worker); its ``extra``."""
+        found = latest(self.directory) if self.opt.cluster.is_chief else None
+        found = self.opt.cluster.worker_comm.bcast(found, root=0)
+        if found is None:
+            return None
+        extra = load(found, self.model, self.opt)
+        self.last_step, self.last_time = self.opt.global_step, time.monotonic()
+        return extra
+
+
+# -- one process ---------------------------------------------------------------------------
+def _tables_whole(tables: dict) -> Iterator[tuple[str, torch.Tensor, dict]]:
+    for name, t in tables.items():
+        shards = t["shards"]
+        num_rows = t["num_rows"]
+        dtype = getattr(torch, t["dtype"])
+        weight = torch.empty(num_rows, *t["row_shape"], dtype=dtype)
+        state: dict = {}
+        for sh in shards:
+            weight[sh["ids"]] = sh["weight"].to(dtype)
+            for key, value in (sh.get("state") or {}).items():
+                if torch.is_tensor(value) and value.dim() and len(value) == len(sh["ids"]):
+                    if key not in state:
+                        state[key] = torch.zeros(num_rows, *value.shape[1:], dtype=value.dtype)
+                    state[key][sh["ids"]] = value
+                elif key not in state:
+                    state[key] = value
+        yield name, weight, state
+
+
+def plain_state(path: str | os.PathLike, model: torch.nn.Module | None = None
+                ) -> tuple[dict, dict]:
+    """``(model_state, optimizer_state)`` for a one-process model and torch optimizer.
+
+    The recipe to continue a distributed run in one process, with ``nn.Embedding`` in
+    place of ``mpisync.Embedding`` (the tables are assembled whole here)::
+
+        model_state, opt_state = mpisync.plain_state(path)
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(opt_state)   # the same param groups as in the job
+
+    The table's optimizer state goes to the table's place in the param groups, which
+    the job's optimizer numbered as here. ``model`` is not needed; it is accepted so
+    that a call can name it.
+    """
+    ck = _read(os.fspath(path))
+    model_state = {k: v.clone() for k, v in ck["model"].items()}
+    opt_state = dict(ck["optimizer"])
+    opt_state["state"] = {int(k): v for k, v in opt_state["state"].items()}
+    table_index = ck.get("table_index", {})
+    for name, weight, state in _tables_whole(ck.get("tables", {})):
+        model_state[name] = weight
+        if name in table_index and state:
+            opt_state["state"][table_index[name]] = state
+    opt_state.pop("mpisync", None)
+    return model_state, opt_state
