@@ -49,6 +49,18 @@ def test_killed_and_resumed_ends_bitwise_equal(full, tmp_path, ema, ps_before, p
         assert "averages" in got if ema else "averages" not in got
 
 
+def test_a_job_with_more_workers_and_ps_ranks_resumes_it(full, tmp_path):
+    """The consolidated state is placed anew: 3 workers and 3 ps ranks go on from step 9."""
+    _, d = full[True]
+    (tmp_path / "ckpt-000000006.pt").write_bytes((d / "ckpt-000000006.pt").read_bytes())
+    run = run_mpi("resume.py", 3, 3, ["resume", str(tmp_path), "--ema"], timeout=180)
+    got = run.by_worker()
+    assert sorted(got) == [0, 1, 2]
+    assert {g["resumed_from"] for g in got.values()} == {6}
+    assert {g["global_step"] for g in got.values()} == {STEPS}
+    assert got[0]["table"] == got[2]["table"] and got[0]["averages"] == got[1]["averages"]
+
+
 def test_keep_leaves_the_newest_files(full):
     by_worker, d = full[False]
     assert by_worker[0]["files"] == ["ckpt-000000006.pt", "ckpt-000000009.pt"]

@@ -41,11 +41,12 @@ class Net(torch.nn.Module):
         return self.head(torch.tanh(self.body(torch.cat([x, self.emb(ids).flatten(1)], 1))))
 
 
-def batch(t: int, worker: int):
+def batch(t: int, worker: int, workers: int = WORKERS):
+    """Step t's batch of one worker of ``workers`` (all of them: ``worker=-1``)."""
     g = torch.Generator().manual_seed(1000 + t)
-    x = torch.randn(WORKERS * BATCH, FEATURES, generator=g)
-    ids = torch.randint(0, ROWS, (WORKERS * BATCH, FIELDS), generator=g)
-    y = torch.randint(0, 3, (WORKERS * BATCH,), generator=g)
+    x = torch.randn(workers * BATCH, FEATURES, generator=g)
+    ids = torch.randint(0, ROWS, (workers * BATCH, FIELDS), generator=g)
+    y = torch.randint(0, 3, (workers * BATCH,), generator=g)
     rows = slice(worker * BATCH, (worker + 1) * BATCH) if worker >= 0 else slice(None)
     return x[rows], ids[rows], y[rows]
 
@@ -80,7 +81,7 @@ def worker(cluster, args) -> dict:
         sched.load_state_dict(extra["scheduler"])
         resumed_from = opt.global_step
     while opt.global_step < STEPS:
-        x, ids, y = batch(opt.global_step, w)
+        x, ids, y = batch(opt.global_step, w, cluster.num_workers)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(m(x, ids), y).backward()
         opt.step()
@@ -96,7 +97,7 @@ def worker(cluster, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["full", "kill", "resume"])
+    p.add_argument("mode", choices=["full", "kill", "resume"])  # resume: from DIR's newest
     p.add_argument("dir")
     p.add_argument("--ema", action="store_true")
     p.add_argument("--dense", default="ps")
