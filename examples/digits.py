@@ -16,6 +16,7 @@ also evaluates the moving averages of the parameters that the ps ranks keep
 from __future__ import annotations
 
 import argparse
+import textwrap
 import time
 
 import numpy as np
@@ -80,6 +81,7 @@ def train(args, cluster) -> None:
         print(f"digits: {len(x_train)} train / {len(x_test)} test samples, {W} workers, "
               f"{cluster.num_ps} ps, global batch {B * W}, "
               f"{steps_per_epoch} steps/epoch, {args.epochs} epochs", flush=True)
+        print("ranks by node:\n" + textwrap.indent(cluster.describe(), "  "), flush=True)
     start = time.perf_counter()
     mean_loss = run_epochs(args, cluster, model, opt, x_train, y_train, steps_per_epoch)
 

@@ -12,6 +12,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .nodes import HOSTMAP_ENV, encode_host_map, parse_hostfile, parse_hosts, rank_nodes
+
 __all__ = [
     "FLAVORS",
     "NUM_PS_ENV",
@@ -19,6 +21,7 @@ __all__ = [
     "detect_mpi_flavor",
     "explain_status",
     "find_mpiexec",
+    "host_map",
     "main",
     "mpiexec_command",
     "parse_args",
@@ -89,12 +92,17 @@ def mpiexec_command(
     extra: list[str] | None = None,
     as_root: bool = False,
     oversubscribe: bool = False,
+    hostfile: str | None = None,
+    hostfile_text: str | None = None,
 ) -> list[str]:
     """Build the ``mpiexec`` command line that runs ``argv`` on workers + ps ranks.
 
-    The job has ``num_workers + num_ps`` ranks; ``mpisync.init()`` makes the last
-    ``num_ps`` of them parameter servers and rank 0 the chief worker. The ps count reaches
-    every rank as ``MPISYNC_NUM_PS=<num_ps>`` in its environment.
+    The job has ``num_workers + num_ps`` ranks; ``mpisync.init()`` makes ``num_ps`` of
+    them parameter servers (the last ones on one node, one per node first on several)
+    and rank 0 the chief worker. The ps count reaches every rank as
+    ``MPISYNC_NUM_PS=<num_ps>`` in its environment; with ``hosts`` (or ``hostfile_text``)
+    the host ``mpiexec`` puts each rank on reaches it as ``MPISYNC_HOSTMAP`` (see
+    ``host_map``), so that ranks on names of one machine are told apart as nodes.
 
     Args:
         argv: the program and its arguments, run on every rank.
@@ -103,19 +111,25 @@ def mpiexec_command(
         mpiexec: name or path of the launcher.
         flavor: ``"openmpi"``, ``"mpich"`` or ``"intel"``; selects the option spelling.
         hosts: comma-separated host list (``"a,b"`` or ``"a:2,b:2"``), or None for local.
+        hostfile: path of a hostfile in ``flavor``'s syntax (``host:N`` lines for MPICH,
+            ``host slots=N`` for Open MPI), passed on as ``-f`` or ``--hostfile``.
+        hostfile_text: the hostfile's contents, read by the caller, for the host map.
         env: extra environment variables to set on every rank.
         extra: options passed to ``mpiexec`` as they are, before the program.
         as_root: allow running as root (Open MPI refuses otherwise; MPICH needs nothing).
         oversubscribe: allow more ranks than cores (Open MPI refuses otherwise; MPICH
-            needs nothing).
+            needs nothing). Open MPI also gets ``--bind-to none`` unless ``extra`` binds:
+            with ``--oversubscribe`` alone Open MPI 5 was seen to put every rank of a
+            two-node Slurm job on the first node.
 
     Returns:
         The command as a list of arguments, ready for ``subprocess``.
 
     Raises:
         ValueError: a count below 1, an empty ``argv``, an unknown ``flavor``, a bad
-            environment variable name, or an ``env`` that sets ``MPISYNC_NUM_PS`` to a
-            different value.
+            environment variable name, an ``env`` that sets ``MPISYNC_NUM_PS`` to a
+            different value, both ``hosts`` and ``hostfile``, or a host list or hostfile
+            that ``flavor``'s ``mpiexec`` would not read.
         TypeError: a count that is not an int.
     """
     _check_count("num_workers", num_workers)
@@ -124,24 +138,55 @@ def mpiexec_command(
         raise ValueError("argv is empty: give the program to run on every rank")
     if flavor not in FLAVORS:
         raise ValueError(f"flavor must be one of {', '.join(FLAVORS)}; got {flavor!r}")
-    rank_env = _rank_env(num_ps, env)
-    cmd = [mpiexec, "-n", str(num_workers + num_ps)]
+    if hosts and hostfile:
+        raise ValueError("give hosts or a hostfile, not both")
+    size = num_workers + num_ps
+    rank_env = _rank_env(num_ps, host_map(size, flavor, hosts, hostfile_text), env)
+    cmd = [mpiexec, "-n", str(size)]
     if flavor == "openmpi":
         cmd += ["--allow-run-as-root"] if as_root else []
         cmd += ["--oversubscribe"] if oversubscribe else []
+        cmd += ["--bind-to", "none"] if oversubscribe and "--bind-to" not in (extra or []) else []
         cmd += ["-H", hosts] if hosts else []
+        cmd += ["--hostfile", hostfile] if hostfile else []
         for key, value in rank_env.items():
             cmd += ["-x", f"{key}={value}"]
     else:  # mpich and intel: Hydra options
         cmd += ["-hosts", hosts] if hosts else []
+        cmd += ["-f", hostfile] if hostfile else []
         for key, value in rank_env.items():
             cmd += ["-genv", key, value]
     return cmd + list(extra or []) + list(argv)
 
 
-def _rank_env(num_ps: int, env: dict[str, str] | None) -> dict[str, str]:
-    """Every rank's extra environment: the ps count, then ``env`` (checked)."""
+def host_map(size: int, flavor: str, hosts: str | None = None,
+             hostfile_text: str | None = None) -> str | None:
+    """``MPISYNC_HOSTMAP`` for ``size`` ranks on ``hosts`` or a hostfile, or None.
+
+    The host of each rank as ``flavor``'s ``mpiexec`` places them (``rank_nodes``), in
+    runs: ``"a:2,b:2"`` for 4 ranks on ``a:2,b:2``; MPICH's ``a,b`` gives
+    ``"a:1,b:1,a:1,b:1"``. None without hosts, or where the placement is not known here
+    (Intel MPI; an Open MPI hostfile line without ``slots=``).
+
+    Raises:
+        ValueError: a host list or hostfile that ``flavor``'s ``mpiexec`` would not read.
+    """
+    if hosts:
+        entries = parse_hosts(hosts)
+    elif hostfile_text is not None:
+        entries = parse_hostfile(hostfile_text, flavor)
+    else:
+        return None
+    nodes = rank_nodes(entries, size, flavor)
+    return None if nodes is None else encode_host_map(nodes)
+
+
+def _rank_env(num_ps: int, hostmap: str | None,
+              env: dict[str, str] | None) -> dict[str, str]:
+    """Every rank's extra environment: the ps count, the host map, then ``env`` (checked)."""
     rank_env = {NUM_PS_ENV: str(num_ps)}
+    if hostmap:
+        rank_env[HOSTMAP_ENV] = hostmap
     for key, value in (env or {}).items():
         if not key or "=" in key:
             raise ValueError(f"bad environment variable name {key!r}")
@@ -199,14 +244,18 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mpisync.launch",
         description=(
-            "Run a program on WORKERS + PS MPI ranks. Rank 0 is the chief worker; the last "
-            "PS ranks are parameter servers."
+            "Run a program on WORKERS + PS MPI ranks. Rank 0 is the chief worker; the PS "
+            "parameter servers are the last ranks on one node, one per node first on several."
         ),
         usage="%(prog)s --workers N --ps P [options] -- program [args ...]",
     )
     parser.add_argument("--workers", type=_count, required=True, help="number of worker ranks")
     parser.add_argument("--ps", type=_count, required=True, help="number of parameter-server ranks")
-    parser.add_argument("--hosts", default=None, help="comma-separated hosts, e.g. a:2,b:2")
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument("--hosts", default=None, help="comma-separated hosts, e.g. a:2,b:2")
+    hosts.add_argument("--hostfile", default=None, metavar="PATH",
+                       help="hostfile in the MPI's syntax (MPICH: host:N lines; Open MPI: "
+                            "host slots=N)")
     parser.add_argument(
         "--mpiexec",
         default=None,
@@ -235,8 +284,8 @@ def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
     Without ``--`` the program starts at the first argument that is not an option.
 
     Returns:
-        A namespace with ``workers``, ``ps``, ``hosts``, ``mpiexec``, ``flavor``,
-        ``timeout`` and ``program`` (a non-empty list).
+        A namespace with ``workers``, ``ps``, ``hosts``, ``hostfile``, ``mpiexec``,
+        ``flavor``, ``timeout`` and ``program`` (a non-empty list).
 
     Raises:
         SystemExit: on bad arguments (argparse's usage error, status 2).
@@ -371,16 +420,26 @@ def main(args: Sequence[str] | None = None) -> int:
             )
             flavor = "mpich"
     num_ranks = ns.workers + ns.ps
-    cmd = mpiexec_command(
-        ns.program,
-        ns.workers,
-        ns.ps,
-        mpiexec=mpiexec,
-        flavor=flavor,
-        hosts=ns.hosts,
-        as_root=getattr(os, "geteuid", lambda: -1)() == 0,
-        oversubscribe=num_ranks > (os.cpu_count() or 1),
-    )
+    try:
+        hostfile_text = None
+        if ns.hostfile:
+            with open(ns.hostfile) as f:
+                hostfile_text = f.read()
+        cmd = mpiexec_command(
+            ns.program,
+            ns.workers,
+            ns.ps,
+            mpiexec=mpiexec,
+            flavor=flavor,
+            hosts=ns.hosts,
+            hostfile=ns.hostfile,
+            hostfile_text=hostfile_text,
+            as_root=getattr(os, "geteuid", lambda: -1)() == 0,
+            oversubscribe=num_ranks > (os.cpu_count() or 1),
+        )
+    except (OSError, ValueError) as exc:
+        print(f"{_PREFIX} {exc}", file=sys.stderr)
+        return 2
     print(f"{_PREFIX} {shlex.join(cmd)}", file=sys.stderr, flush=True)
     try:
         status = run_command(cmd, timeout=ns.timeout)

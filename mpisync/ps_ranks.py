@@ -15,15 +15,17 @@ from mpi4py import MPI
 
 from .errors import StallError, WorldTooSmallError
 from .guard import GuardedComm
+from .nodes import HOSTMAP_ENV, check_host_map, cpu_affinity, host_load, machine_id, node_of
 from .progress import DEFAULT_TIMEOUT, Poller, spin_seconds
 from .wire import Tag
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["LAYOUTS", "Cluster", "RankLayout", "comm_split", "init"]
+__all__ = ["LAYOUTS", "Cluster", "Placement", "RankLayout", "comm_split", "init", "locate"]
 
-#: Ways to pick the ps ranks (``MPISYNC_PS_LAYOUT``).
+#: Ways to pick the ps ranks (``MPISYNC_PS_LAYOUT``). Without it: ``per_node`` when the
+#: ranks span several nodes, else ``last`` (on one node the two are the same).
 LAYOUTS = ("last", "per_node")
 
 
@@ -45,15 +47,19 @@ class RankLayout:
 
     @staticmethod
     def per_node(hosts: Sequence[str], num_ps: int) -> RankLayout:
-        """One ps per node first: each node's highest rank in turn, nodes in rank order.
+        """One ps per node first: each node's highest rank in turn, the last node first.
 
-        ``hosts[r]`` names the node of rank ``r``. With more ps ranks than nodes the
-        choice goes round again (each node's next-highest rank).
+        ``hosts[r]`` names the node of rank ``r``; nodes are ordered by their lowest rank
+        and taken from the last one back. With more ps ranks than nodes the choice goes
+        round again (each node's next-highest rank). Rank 0 is never taken: it stays
+        worker 0, the chief. On one node this is ``last``.
         """
+        if not 1 <= num_ps < len(hosts):
+            raise ValueError(f"num_ps={num_ps} needs 1 <= num_ps < {len(hosts)} ranks")
         nodes: dict[str, list[int]] = {}
         for rank, host in enumerate(hosts):
             nodes.setdefault(host, []).append(rank)
-        stacks = [sorted(ranks) for ranks in nodes.values()]
+        stacks = [[r for r in ranks if r] for ranks in reversed(nodes.values())]
         chosen: list[int] = []
         while len(chosen) < num_ps:
             for stack in stacks:
@@ -64,13 +70,28 @@ class RankLayout:
 
     @staticmethod
     def choose(hosts: Sequence[str], num_ps: int, environ: Mapping[str, str]) -> RankLayout:
-        """The layout ``MPISYNC_PS_LAYOUT`` asks for (``last``, the default, or ``per_node``)."""
-        how = environ.get("MPISYNC_PS_LAYOUT", "last")
+        """The layout ``MPISYNC_PS_LAYOUT`` asks for (``last`` or ``per_node``).
+
+        Without it: ``per_node`` when ``hosts`` name more than one node, else ``last``.
+        """
+        default = "per_node" if len(set(hosts)) > 1 else "last"
+        how = environ.get("MPISYNC_PS_LAYOUT") or default
         if how not in LAYOUTS:
             raise ValueError(f"MPISYNC_PS_LAYOUT={how!r}; expected one of {LAYOUTS}")
         if how == "per_node":
             return RankLayout.per_node(hosts, num_ps)
         return RankLayout.last(len(hosts), num_ps)
+
+    def describe(self, hosts: Sequence[str]) -> str:
+        """The roles on each node, one line a node (``hosts[r]``: the node of rank ``r``).
+
+        ``n2: worker 1 (rank 2), ps 1 (rank 3)``; nodes in the order of their lowest rank.
+        """
+        nodes: dict[str, list[str]] = {}
+        for rank, host in enumerate(hosts):
+            role, index = self.role(rank)
+            nodes.setdefault(host, []).append(f"{role} {index} (rank {rank})")
+        return "\n".join(f"{host}: {', '.join(roles)}" for host, roles in nodes.items())
 
     @property
     def num_workers(self) -> int:
@@ -109,18 +130,50 @@ def comm_split(comm: MPI.Comm, layout: RankLayout) -> tuple[MPI.Comm, MPI.Comm]:
     return part, MPI.COMM_NULL
 
 
-def _host_load(comm: MPI.Comm) -> tuple[int, int]:
-    """(ranks of ``comm`` on this host, cores those ranks may run on together)."""
+@dataclass(frozen=True)
+class Placement:
+    """Where the ranks of a communicator run, found out once by ``locate``.
+
+    ``nodes[r]`` is rank ``r``'s node (see ``mpisync.nodes.node_of``); ``local_ranks`` and
+    ``local_cores`` count this rank's machine (the running kernel, however many Slurm
+    nodes or host names it has): its ranks, and the cores they may run on together.
+    """
+
+    nodes: tuple[str, ...]
+    local_ranks: int
+    local_cores: int
+    note: str = ""
+
+
+def locate(comm: MPI.Comm, environ: Mapping[str, str] | None = None) -> Placement:
+    """Name every rank's node and count this machine's load. Call on every rank of ``comm``.
+
+    A node named by the launcher's map (``MPISYNC_HOSTMAP``) is checked against MPI's own
+    idea of the node (its shared-memory domain): if MPI contradicts the map, every rank
+    uses its host name instead, and ``note`` says why.
+    """
+    environ = os.environ if environ is None else environ
+    hostname = socket.gethostname()
+    node, source = node_of(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), environ,
+                           hostname)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        try:
-            mine = sorted(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            mine = list(range(os.cpu_count() or 1))
-        cores = set().union(*local.allgather(mine))
-        return local.Get_size(), len(cores)
+        group = local.bcast(comm.Get_rank(), root=0)    # the domain's lowest rank names it
     finally:
         local.Free()
+    ranks = comm.allgather((node, source, hostname, group, machine_id(), cpu_affinity()))
+    nodes, sources, hostnames, groups, machines, affinities = zip(*ranks)
+    note = ""
+    contradicted = check_host_map(nodes, sources, groups)
+    if contradicted is not None:
+        a, b = contradicted
+        note = (f"{HOSTMAP_ENV} puts ranks {a} and {b} on {nodes[a]} and {nodes[b]}, but MPI "
+                f"runs them on one node: mpiexec placed the ranks otherwise; using host "
+                f"names")
+        nodes = tuple(h if s == HOSTMAP_ENV else n
+                      for n, s, h in zip(nodes, sources, hostnames))
+    local_ranks, local_cores = host_load(comm.Get_rank(), machines, affinities)
+    return Placement(tuple(nodes), local_ranks, local_cores, note)
 
 
 class Cluster:
@@ -131,7 +184,9 @@ class Cluster:
     communicators it created.
     """
 
-    def __init__(self, comm: MPI.Comm, layout: RankLayout, timeout: float):
+    def __init__(self, comm: MPI.Comm, layout: RankLayout, timeout: float,
+                 placement: Placement | None = None):
+        placement = locate(comm) if placement is None else placement
         self.comm = comm
         self.layout = layout
         self.rank = comm.Get_rank()
@@ -144,13 +199,14 @@ class Cluster:
         self.worker_index = None if self.is_ps else index
         self.is_chief = self.worker_index == 0
         self.timeout = timeout
-        self.host = socket.gethostname()
+        self.nodes = placement.nodes         # the node of each rank
+        self.host = self.nodes[self.rank]
         self.p2p_comm = comm.Dup()
         self._worker_comm, self.ps_comm = comm_split(comm, layout)
         self._meet_comm = (MPI.COMM_NULL if self._worker_comm == MPI.COMM_NULL
                            else self._worker_comm.Dup())
         self._meet_poller = None
-        self.local_ranks, self.local_cores = _host_load(comm)
+        self.local_ranks, self.local_cores = placement.local_ranks, placement.local_cores
         self.stats: dict | list | None = None
         self.optimizers: list = []       # this worker's optimizers, in creation order
         self.closed = False
@@ -200,9 +256,13 @@ class Cluster:
         for opt in open_optimizers:
             opt._park(False)
 
+    def describe(self) -> str:
+        """The roles on each node, one line a node: ``n2: worker 1 (rank 2), ps 1 (rank 3)``."""
+        return self.layout.describe(self.nodes)
+
     @property
     def oversubscribed(self) -> bool:
-        """More ranks on this host than cores they may run on: waits must not spin long."""
+        """More ranks on this machine than cores they may run on: waits must not spin long."""
         return self.local_ranks > self.local_cores
 
     def ps_rank(self, ps_index: int) -> int:
@@ -295,8 +355,11 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
 
     Args:
         num_ps: number of parameter-server ranks; default: the ``MPISYNC_NUM_PS``
-            environment variable, else 1. They are the last ranks, or with
-            ``MPISYNC_PS_LAYOUT=per_node`` one per node first.
+            environment variable, else 1. On one node they are the last ranks; on
+            several, one per node first (``RankLayout.per_node``);
+            ``MPISYNC_PS_LAYOUT=last`` or ``per_node`` chooses. A rank's node is
+            ``MPISYNC_NODE``, else the Slurm node it runs on, else the host the launcher
+            put it on (``python -m mpisync.launch --hosts``), else its host name.
         comm: the communicator to split; default ``MPI.COMM_WORLD``.
         timeout: seconds any wait may last before the job is declared stalled;
             default ``MPISYNC_TIMEOUT`` or 1800 (the first setup waits up to
@@ -325,9 +388,12 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
             f"rank {comm.Get_rank()}: num_ps={num_ps} needs 1 <= num_ps < world size; found "
             f"{size} MPI ranks but {num_ps} ps ranks and at least one worker need "
             f"{max(num_ps, 1) + 1}")
-    hosts = comm.allgather(socket.gethostname())
-    layout = RankLayout.choose(hosts, num_ps, os.environ)
-    _current = Cluster(comm, layout, DEFAULT_TIMEOUT if timeout is None else float(timeout))
+    placement = locate(comm)
+    if placement.note and comm.Get_rank() == 0:
+        print(f"[mpisync] {placement.note}", file=sys.stderr, flush=True)
+    layout = RankLayout.choose(placement.nodes, num_ps, os.environ)
+    _current = Cluster(comm, layout, DEFAULT_TIMEOUT if timeout is None else float(timeout),
+                       placement)
     atexit.register(_current._leave)      # a worker that ends leaves the job
     return _current
 

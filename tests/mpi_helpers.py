@@ -52,12 +52,13 @@ def _launcher() -> tuple[str, str]:
 
 
 def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 120,
-            env: dict[str, str] | None = None, expect_ok: bool = True) -> Run:
+            env: dict[str, str] | None = None, expect_ok: bool = True,
+            hosts: str | None = None) -> Run:
     """Launch ``workers + ps`` ranks of ``tests/scripts/<script>``; never hang the suite.
 
     The whole process group is killed when ``timeout`` passes, and the test fails with
     everything the ranks printed and the command that reruns the job. With ``expect_ok``
-    the job must exit 0.
+    the job must exit 0. ``hosts`` goes to ``mpiexec`` as the launcher passes it.
     """
     mpiexec, flavor = _launcher()
     result_dir = tempfile.mkdtemp(prefix="mpisync-results-")
@@ -66,7 +67,7 @@ def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 12
     cmd = mpiexec_command(
         [sys.executable, str(SCRIPTS / script), *map(str, args)], workers, ps,
         mpiexec=mpiexec, flavor=flavor, env=extra_env, as_root=os.geteuid() == 0,
-        oversubscribe=True)
+        oversubscribe=True, hosts=hosts)
     shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra_env.items()
                      if k != "RESULT_DIR") + " " + shlex.join(cmd)
     job = run_job(cmd, timeout=timeout, env=dict(os.environ, **extra_env), capture=True)

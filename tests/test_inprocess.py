@@ -46,11 +46,11 @@ def test_the_last_ranks_serve_by_default():
 def test_one_ps_per_node_first():
     hosts = ["a", "a", "a", "b", "b", "b", "c", "c"]
     layout = RankLayout.per_node(hosts, 2)
-    assert layout.ps_ranks == (2, 5)                       # each node's highest rank
-    assert layout.worker_ranks == (0, 1, 3, 4, 6, 7)
-    assert RankLayout.per_node(hosts, 4).ps_ranks == (1, 2, 5, 7)   # round again
-    assert RankLayout.choose(hosts, 2, {"MPISYNC_PS_LAYOUT": "per_node"}) == layout
-    assert RankLayout.choose(hosts, 2, {}) == RankLayout.last(8, 2)
+    assert layout.ps_ranks == (5, 7)              # each node's highest, the last node first
+    assert layout.worker_ranks == (0, 1, 2, 3, 4, 6)
+    assert RankLayout.per_node(hosts, 4).ps_ranks == (2, 5, 6, 7)   # round again
+    assert RankLayout.choose(hosts, 2, {}) == layout                # several nodes
+    assert RankLayout.choose(hosts, 2, {"MPISYNC_PS_LAYOUT": "last"}) == RankLayout.last(8, 2)
     with pytest.raises(ValueError, match="MPISYNC_PS_LAYOUT='ring'"):
         RankLayout.choose(hosts, 2, {"MPISYNC_PS_LAYOUT": "ring"})
 

@@ -12,6 +12,8 @@ from mpisync.launch import (
     NUM_PS_ENV,
     detect_mpi_flavor,
     find_mpiexec,
+    host_map,
+    main,
     mpiexec_command,
     parse_args,
     run_command,
@@ -45,10 +47,18 @@ def test_openmpi_root_oversubscribe_hosts_env_extra():
         "/opt/ompi/bin/mpirun", "-n", "3",
         "--allow-run-as-root", "--oversubscribe",
         "-H", "a:2,b:1",
-        "-x", f"{NUM_PS_ENV}=1", "-x", "OMP_NUM_THREADS=1",
+        "-x", f"{NUM_PS_ENV}=1", "-x", "MPISYNC_HOSTMAP=a:2,b:1", "-x", "OMP_NUM_THREADS=1",
         "--bind-to", "none",
         *PROG,
     ]  # fmt: skip
+
+
+def test_openmpi_oversubscribed_ranks_are_not_bound_unless_asked():
+    cmd = mpiexec_command(PROG, 3, 2, mpiexec="mpirun", flavor="openmpi", oversubscribe=True)
+    assert cmd[:6] == ["mpirun", "-n", "5", "--oversubscribe", "--bind-to", "none"]
+    cmd = mpiexec_command(PROG, 3, 2, flavor="openmpi", oversubscribe=True,
+                          extra=["--bind-to", "core"])
+    assert cmd.count("--bind-to") == 1 and "core" in cmd
 
 
 def test_openmpi_flags_only_when_asked():
@@ -82,9 +92,75 @@ def test_hydra_hosts_env_and_no_openmpi_flags(flavor):
     assert cmd == [
         "mpiexec", "-n", "4",
         "-hosts", "n1,n2",
-        "-genv", NUM_PS_ENV, "2", "-genv", "A", "x y",
+        "-genv", NUM_PS_ENV, "2", *host_map_env(flavor, "n1:1,n2:1,n1:1,n2:1"),
+        "-genv", "A", "x y",
         *PROG,
     ]  # fmt: skip
+
+
+def host_map_env(flavor, text):
+    """MPICH's round of the hosts reaches the ranks; Intel MPI's placement is not known."""
+    return ["-genv", "MPISYNC_HOSTMAP", text] if flavor == "mpich" else []
+
+
+# --- hosts and hostfiles: the host map the ranks get --------------------------------------
+
+
+@pytest.mark.parametrize("flavor, option", [("openmpi", "--hostfile"), ("mpich", "-f"),
+                                            ("intel", "-f")])
+def test_hostfile_is_passed_in_each_flavors_spelling(flavor, option):
+    cmd = mpiexec_command(PROG, 1, 1, flavor=flavor, hostfile="/h")
+    assert cmd[cmd.index(option) + 1] == "/h"
+    assert not any("MPISYNC_HOSTMAP" in part for part in cmd)   # contents not read: no map
+
+
+def test_hostfile_contents_give_the_host_map():
+    cmd = mpiexec_command(PROG, 3, 1, flavor="openmpi", hostfile="/h",
+                          hostfile_text="a slots=1  # the chief\nb slots=3\n")
+    assert "MPISYNC_HOSTMAP=a:1,b:3" in cmd
+    cmd = mpiexec_command(PROG, 3, 1, flavor="mpich", hostfile="/h",
+                          hostfile_text="# hosts\na:1\nb:3\n")
+    assert cmd[cmd.index("MPISYNC_HOSTMAP") + 1] == "a:1,b:3"
+
+
+def test_hosts_or_hostfile_not_both():
+    with pytest.raises(ValueError, match="not both"):
+        mpiexec_command(PROG, 1, 1, hosts="a", hostfile="/h")
+
+
+@pytest.mark.parametrize(
+    "size, flavor, hosts, hostfile, expected",
+    [
+        (4, "mpich", "a:2,b:2", None, "a:2,b:2"),
+        (4, "openmpi", "a:2,b:2", None, "a:2,b:2"),
+        (4, "mpich", "a,b", None, "a:1,b:1,a:1,b:1"),            # Hydra goes round
+        (4, "openmpi", "a,b", None, "a:2,b:2"),                   # Open MPI shares out
+        (5, "mpich", "a:2,b:1", None, "a:2,b:1,a:2"),
+        (5, "openmpi", "a:2,b:1", None, "a:3,b:2"),
+        (3, "openmpi", "a:3,b:3", None, "a:3"),
+        (4, "intel", "a:2,b:2", None, None),                      # placed by cores
+        (4, "openmpi", None, "a\nb\n", None),                   # slots: the cores
+        (4, "mpich", None, "a\nb\n", "a:1,b:1,a:1,b:1"),
+        (4, "mpich", None, None, None),
+    ],
+)
+def test_host_map(size, flavor, hosts, hostfile, expected):
+    assert host_map(size, flavor, hosts, hostfile) == expected
+
+
+@pytest.mark.parametrize(
+    "flavor, hosts, hostfile, message",
+    [
+        ("mpich", "a:0", None, "expected a count >= 1, got '0'"),
+        ("openmpi", "a,,b", None, "empty host name"),
+        ("mpich", None, "a slots=2\n", "MPICH's hostfiles write 'host:N'"),
+        ("openmpi", None, "a:2\n", "Open MPI's hostfiles write 'host slots=N'"),
+        ("openmpi", None, "# nothing\n", "names no host"),
+    ],
+)
+def test_host_lists_mpiexec_would_not_read(flavor, hosts, hostfile, message):
+    with pytest.raises(ValueError, match=message):
+        host_map(4, flavor, hosts, hostfile)
 
 
 def test_default_flavor_is_mpich():
@@ -160,7 +236,8 @@ def test_parse_with_double_dash():
     ns = parse_args(["--workers", "2", "--ps", "1", "--", "python", "t.py", "--ps", "9", "--"])
     assert (ns.workers, ns.ps) == (2, 1)
     assert ns.program == ["python", "t.py", "--ps", "9", "--"]
-    assert ns.hosts is None and ns.mpiexec is None and ns.timeout is None
+    assert ns.hosts is None and ns.hostfile is None
+    assert ns.mpiexec is None and ns.timeout is None
     assert ns.flavor == "auto"
 
 
@@ -173,6 +250,19 @@ def test_parse_all_options():
     )  # fmt: skip
     assert (ns.workers, ns.ps, ns.hosts, ns.mpiexec) == (4, 2, "a:3,b:3", "/x/mpirun")
     assert ns.timeout == 90.0 and ns.flavor == "openmpi" and ns.program == ["prog"]
+
+
+def test_parse_hostfile():
+    ns = parse_args(["--workers", "2", "--ps", "2", "--hostfile", "hf", "--", "p"])
+    assert ns.hostfile == "hf" and ns.hosts is None
+
+
+def test_a_hostfile_that_cannot_be_read_stops_before_mpiexec(tmp_path, capsys):
+    fake = _fake_mpiexec(tmp_path, "HYDRA build details:")
+    missing = tmp_path / "no-such-hostfile"
+    status = main(["--workers", "1", "--ps", "1", "--mpiexec", fake, "--hostfile",
+                   str(missing), "--", "p"])
+    assert status == 2 and str(missing) in capsys.readouterr().err
 
 
 def test_parse_without_double_dash():
@@ -193,6 +283,7 @@ def test_parse_without_double_dash():
         ["--workers", "2", "--ps", "1", "--timeout", "0", "--", "p"],
         ["--workers", "2", "--ps", "1", "--flavor", "lam", "--", "p"],
         ["--workers", "2", "--ps", "1", "stray", "--", "p"],
+        ["--workers", "2", "--ps", "1", "--hosts", "a", "--hostfile", "h", "--", "p"],
     ],
 )
 def test_parse_errors(argv, capsys):

@@ -1,9 +1,11 @@
-"""The Slurm batch template on a single-node Slurm cluster of this machine.
+"""The Slurm batch template on a Slurm cluster of this machine: one node, then two.
 
 ``launch/slurm/local-cluster.sh start`` installs (apt) and starts munge, slurmctld and
 slurmd; each test submits ``launch/slurm/train.sbatch`` with ``sbatch --wait`` and checks
 the job's exit code, Slurm's record of it (``sacct -c``: the job completion log), and the
-example's output. Skipped, saying why, only where root or apt is missing.
+example's output. The two-node tests come last, so that the cluster restarts once (with
+``start --nodes 2``); a test asks for the size it needs, so any order works. Skipped,
+saying why, only where root or apt is missing.
 """
 from __future__ import annotations
 
@@ -21,25 +23,47 @@ CLUSTER = ROOT / "launch" / "slurm" / "local-cluster.sh"
 TEMPLATE = ROOT / "launch" / "slurm" / "train.sbatch"
 
 
+class LocalCluster:
+    """The local cluster of this module: started with as many nodes as a test asks for."""
+
+    nodes = 0
+
+    def start(self, nodes: int) -> None:
+        if nodes == self.nodes:
+            return
+        started = subprocess.run(["bash", str(CLUSTER), "start", "--nodes", str(nodes)],
+                                 capture_output=True, text=True, timeout=600, check=False)
+        assert started.returncode == 0, started.stdout + started.stderr
+        self.nodes = nodes
+
+
 @pytest.fixture(scope="module")
-def slurm():
+def local_cluster():
     if os.geteuid() != 0:
         pytest.skip("the local Slurm cluster needs root (apt-get, daemons)")
     if shutil.which("apt-get") is None and shutil.which("sbatch") is None:
         pytest.skip("neither Slurm nor apt-get to install it is here")
-    started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True,
-                             timeout=600, check=False)
-    assert started.returncode == 0, started.stdout + started.stderr
-    yield
+    yield LocalCluster()
     subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120,
                    check=False)
 
 
-def submit(tmp_path: Path, **env: str) -> tuple[int, str, str]:
-    """Submit the template and wait: (exit code, output, Slurm's State|ExitCode)."""
+@pytest.fixture
+def slurm(local_cluster):
+    local_cluster.start(1)
+
+
+@pytest.fixture
+def slurm_two_nodes(local_cluster):
+    local_cluster.start(2)
+
+
+def submit(tmp_path: Path, *options: str, **env: str) -> tuple[int, str, str]:
+    """Submit the template with sbatch ``options`` and wait: (exit code, output, Slurm's
+    State|ExitCode)."""
     out = tmp_path / "job-%j.out"
     proc = subprocess.run(
-        ["sbatch", "--parsable", "--wait", "--time=00:05:00", f"--output={out}",
+        ["sbatch", "--parsable", "--wait", "--time=00:05:00", f"--output={out}", *options,
          "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())]),
          str(TEMPLATE)],
         cwd=ROOT, capture_output=True, text=True, timeout=400, check=False,
@@ -68,3 +92,23 @@ def test_a_job_whose_training_fails_fails_in_slurm(slurm, tmp_path):
     assert rc != 0, out
     assert record.startswith("FAILED|"), (record, out)
     assert "ValueError: boom on purpose in user code" in out, out
+
+
+def nodes_of_ps(out: str) -> dict[int, str]:
+    """The node of each ps, from the digits example's "ranks by node" lines."""
+    found = {}
+    for node, roles in re.findall(r"^  (\S+): (.*)$", out, re.MULTILINE):
+        for index in re.findall(r"ps (\d+) \(rank", roles):
+            found[int(index)] = node
+    return found
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
+def test_two_nodes_get_a_ps_each(slurm_two_nodes, tmp_path, launcher):
+    rc, out, record = submit(tmp_path, "--nodes=2", "--ntasks-per-node=2", "--ntasks=4",
+                             LAUNCHER=launcher, NUM_PS="2", ARGS="--epochs 3")
+    assert rc == 0, out
+    assert record == "COMPLETED|0:0", (record, out)
+    assert f"on n[1-2]: 2 workers + 2 ps, {launcher}" in out, out
+    assert float(re.search(r"test accuracy: ([0-9.]+)", out).group(1)) >= 0.9, out
+    assert nodes_of_ps(out) == {0: "n1", 1: "n2"}, out

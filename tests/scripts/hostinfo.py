@@ -1,4 +1,4 @@
-"""Each rank reports what init() found out about its host and how long its waits spin."""
+"""Each rank reports what init() found out about its node and machine, and its waits' spin."""
 from __future__ import annotations
 
 import os
@@ -18,4 +18,5 @@ else:
     spin = opt._poller.spin
     opt.close()
 emit(rank=cluster.rank, local_ranks=cluster.local_ranks, local_cores=cluster.local_cores,
-     oversubscribed=cluster.oversubscribed, affinity=sorted(os.sched_getaffinity(0)), spin=spin)
+     oversubscribed=cluster.oversubscribed, affinity=sorted(os.sched_getaffinity(0)), spin=spin,
+     nodes=list(cluster.nodes), host=cluster.host, ps_ranks=list(cluster.layout.ps_ranks))
