@@ -35,6 +35,23 @@ class Run:
     def by_worker(self) -> dict[int, dict]:
         return {r["worker"]: r for r in self.results if r.get("role") == "worker"}
 
+    def by_case(self) -> dict[str, dict[int, dict]]:
+        """Records of programs that run several cases: ``{case: {worker: record}}``."""
+        out: dict[str, dict[int, dict]] = {}
+        for r in self.results:
+            if r.get("role") == "worker":
+                out.setdefault(r["case"], {})[r["worker"]] = r
+        return out
+
+    def assert_every_case_ran(self, names, workers: int, steps) -> dict[str, dict[int, dict]]:
+        """Each case's records, after checking every worker ran it to ``steps(name)``."""
+        by_case = self.by_case()
+        assert sorted(by_case) == sorted(names), self.describe()
+        for name, records in by_case.items():
+            assert sorted(records) == list(range(workers)), name
+            assert {r["global_step"] for r in records.values()} == {steps(name)}, name
+        return by_case
+
     def ps(self) -> list[dict]:
         return sorted((r for r in self.results if r.get("role") == "ps"),
                       key=lambda r: r.get("ps", 0))

@@ -39,11 +39,7 @@ def _backends():
 def job(request):
     args = [f"--backend={request.param}"] + [c.name for c in CASES]
     run = run_mpi("allreduce.py", WORKERS, 1, args, timeout=300)
-    by_case: dict[str, dict[int, dict]] = {}
-    for r in run.results:
-        if r.get("role") == "worker":
-            by_case.setdefault(r["case"], {})[r["worker"]] = r
-    return run, by_case
+    return run, run.by_case()
 
 
 def max_diff(a, b) -> float:
@@ -58,11 +54,8 @@ def max_diff(a, b) -> float:
 
 
 def test_every_case_ran_on_every_worker(job):
-    run, by_case = job
-    assert sorted(by_case) == sorted(BY_NAME), run.describe()
-    for name, workers in by_case.items():
-        assert sorted(workers) == list(range(WORKERS)), name
-        assert {w["global_step"] for w in workers.values()} == {BY_NAME[name].steps}
+    run, _ = job
+    run.assert_every_case_ran(BY_NAME, WORKERS, lambda name: BY_NAME[name].steps)
 
 
 @pytest.mark.parametrize("name", [c.name for c in CASES])

@@ -25,11 +25,7 @@ TOLERANCE = 1e-6     # float64 models: the sums' order differs, nothing else may
 def job(request):
     dense = [] if request.param == "ps" else [f"--dense={request.param}"]
     run = run_mpi("exact.py", WORKERS, 2, dense + [c.name for c in CASES], timeout=300)
-    by_case: dict[str, dict[int, dict]] = {}
-    for r in run.results:
-        if r.get("role") == "worker":
-            by_case.setdefault(r["case"], {})[r["worker"]] = r
-    return run, by_case
+    return run, run.by_case()
 
 
 def max_diff(a, b) -> float:
@@ -48,12 +44,10 @@ def max_diff(a, b) -> float:
 
 
 def test_every_case_ran_on_every_worker(job):
-    run, by_case = job
-    assert sorted(by_case) == sorted(BY_NAME), run.describe()
-    for name, workers in by_case.items():
-        assert sorted(workers) == list(range(WORKERS)), name
+    run, _ = job
+    by_case = run.assert_every_case_ran(BY_NAME, WORKERS, lambda name: BY_NAME[name].steps)
+    for workers in by_case.values():
         assert {w["dropped"] for w in workers.values()} == {0}
-        assert {w["global_step"] for w in workers.values()} == {BY_NAME[name].steps}
     assert len(run.ps()) == 2 * len(CASES)          # each ps served every optimizer
 
 

@@ -25,19 +25,12 @@ TOLERANCE = 1e-5
 def job(request):
     dense = [] if request.param == "ps" else [f"--dense={request.param}"]
     run = run_mpi("tables.py", WORKERS, 2, dense + [c.name for c in CASES], timeout=300)
-    by_case: dict[str, dict[int, dict]] = {}
-    for r in run.results:
-        if r.get("role") == "worker":
-            by_case.setdefault(r["case"], {})[r["worker"]] = r
-    return run, by_case
+    return run, run.by_case()
 
 
 def test_every_case_ran_on_every_worker(job):
-    run, by_case = job
-    assert sorted(by_case) == sorted(BY_NAME), run.describe()
-    for name, workers in by_case.items():
-        assert sorted(workers) == list(range(WORKERS)), name
-        assert {w["global_step"] for w in workers.values()} == {BY_NAME[name].steps}
+    run, _ = job
+    run.assert_every_case_ran(BY_NAME, WORKERS, lambda name: BY_NAME[name].steps)
 
 
 @pytest.mark.parametrize("name", [c.name for c in CASES])
