@@ -40,6 +40,9 @@ def parse_args() -> argparse.Namespace:
                         help="moving average of the parameters kept on the ps ranks (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50, help="steps between log lines")
+    parser.add_argument("--progress", action="store_true",
+                        help="a progress bar on the chief (log lines when not a terminal) "
+                             "instead of the step lines: mpisync.Progress")
     return parser.parse_args()
 
 
@@ -83,7 +86,11 @@ def train(args, cluster) -> None:
               f"{steps_per_epoch} steps/epoch, {args.epochs} epochs", flush=True)
         print("ranks by node:\n" + textwrap.indent(cluster.describe(), "  "), flush=True)
     start = time.perf_counter()
-    mean_loss = run_epochs(args, cluster, model, opt, x_train, y_train, steps_per_epoch)
+    progress = mpisync.Progress(opt, total=args.epochs * steps_per_epoch, batch_size=B,
+                                every=args.log_every, enabled=args.progress)
+    mean_loss = run_epochs(args, cluster, model, opt, x_train, y_train, steps_per_epoch,
+                           progress)
+    progress.close()
 
     def evaluate() -> float:
         with torch.no_grad():
@@ -104,7 +111,8 @@ def train(args, cluster) -> None:
                time.perf_counter() - start)
 
 
-def run_epochs(args, cluster, model, opt, x_train, y_train, steps_per_epoch: int) -> float:
+def run_epochs(args, cluster, model, opt, x_train, y_train, steps_per_epoch: int,
+               progress: mpisync.Progress) -> float:
     """Train; each worker takes its slice of every global batch. Its mean loss at the end."""
     B, W, me = args.batch_size, cluster.num_workers, cluster.worker_index
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -122,7 +130,8 @@ def run_epochs(args, cluster, model, opt, x_train, y_train, steps_per_epoch: int
             opt.step()
             losses.append(loss.item())
             recent.append(loss.item())
-            if cluster.is_chief and opt.global_step % args.log_every == 0:
+            progress.report(loss=losses[-1])
+            if cluster.is_chief and not progress.active and opt.global_step % args.log_every == 0:
                 print(f"step {opt.global_step:5d}  epoch {epoch}  "
                       f"chief loss {np.mean(recent):.4f}  "
                       f"elapsed {time.perf_counter() - start:.2f} s", flush=True)

@@ -17,6 +17,7 @@ from .optimizer import SyncReplicasOptimizer
 from .partition import axis_size, fixed_size, min_max
 from .ps_ranks import Cluster, RankLayout, init
 from .tables import Embedding, EmbeddingBag
+from .watch import Progress
 
 __all__ = [
     "Checkpointer",
@@ -28,6 +29,7 @@ __all__ = [
     "EmbeddingBag",
     "ModelMismatchError",
     "PeerError",
+    "Progress",
     "ProtocolError",
     "RankLayout",
     "StallError",

@@ -107,6 +107,8 @@ class DenseChannel:
         self.recvs = [s.recv for s in self.shards]
         self.bytes_per_ps = [s.gbuf.nbytes for s in self.shards]
         self.pending: list[MPI.Request] = []
+        self.timed = False          # note when the token arrives (mpisync.stepclock)
+        self.token_at = 0.0
         self.piece_copies = [(_raw(self.pviews[i][start:stop]), _raw(pview))
                              for i, start, stop, pview, _ in self.pieces]
 
@@ -260,6 +262,8 @@ class DenseChannel:
                 break
             self._send_hyper(step, on_hyper(step))
             self.token_req.Start()
+        if self.timed:
+            self.token_at = time.perf_counter()
         if kind == Kind.GO:
             poller.wait_all(self.recvs, lambda: f"the parameters of step {step}")
             for j, shard in enumerate(self.shards):
@@ -307,6 +311,7 @@ class DenseChannel:
         """Leave: tell every ps (the last worker out stops them)."""
         bye = np.zeros(8, np.int64)
         bye[0], bye[1], bye[2] = Kind.CLOSE, global_step, worker
+        bye[5:7] = self.shards[0].fields[5:7]      # the last step's timings, if measured
         for j in range(len(self.shards)):
             self.comm.Send([bye, MPI.BYTE], dest=self.cluster.ps_rank(j), tag=self.tags[Tag.GRAD])
         for req in self.sends + self.recvs + [self.token_req]:

@@ -14,6 +14,7 @@ from .channels import DenseChannel, ReplicatedChannel
 from .errors import ClosedError, ConfigError, DeadlockError
 from .progress import SETUP_TIMEOUT, Poller, spin_seconds
 from .ps.shard import layouts_of
+from .ps.steplog import log_path
 from .rebuild import changed_settings, settings_of
 from .routes import ALLREDUCE, REPLICATED
 from .rows import RowsChannel
@@ -29,6 +30,7 @@ from .spec import (
     unit_parts,
 )
 from .state import check_state, merge_units, split_state, split_units
+from .stepclock import for_worker
 from .tracking import WriteTracker
 from .wire import FLAG_SCHEDULED, Kind, Tag
 
@@ -130,6 +132,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             allreduce; mpisync calls ``hvd.init(comm=...)`` on the workers unless it was).
         bucket_bytes: with ``dense="allreduce"``, the most gradient bytes per bucket
             (default 4 MiB; a parameter larger than that gets a bucket of its own).
+        stats_log: where ps 0 writes the statistics log, one JSON line per global step
+            (read it with ``python -m mpisync.stats``); default: ``MPISYNC_STATS`` (the
+            optimizers created after the first one write ``<stem>.opt<k><suffix>``);
+            ``False``: none. The chief's value counts.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -144,7 +150,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                  named_buffers: Iterable[tuple[str, torch.Tensor]] | None = None,
                  buffers: str = "broadcast", schedule: str = "auto", partitioner=None,
                  sparse_reduction: str = "mean", dense: str = "ps",
-                 allreduce_backend: str = "mpi", bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 allreduce_backend: str = "mpi", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 stats_log: str | bool | None = None):
         from .ps_ranks import _current
         cluster = _current if cluster is None else cluster
         if cluster is None:
@@ -168,6 +175,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                           max_staleness, buffers, schedule, partitioner, sparse_reduction,
                           dense, allreduce_backend, bucket_bytes)
         opt_id = len(cluster.optimizers)
+        self._stats_log = log_path(stats_log, opt_id)
         spec, routes = self._agree(optimizer, model, options, opt_id)
         self._spec, self.plan = spec, routes.plan
         self._info_tag = Tag.of(Tag.INFO, opt_id)
@@ -208,6 +216,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         with self._poller.patience(SETUP_TIMEOUT):
             self._receive(count=False)
         self._rows.forget_initial()
+        self._clock = for_worker(self._dense, cluster)    # statistics log or timeline on
         self._ready = True
         atexit.register(self._atexit)
 
@@ -230,7 +239,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         failure = first_failure(gathered, cluster.layout.worker_ranks)
         if cluster.is_chief:
             message = ("error", failure) if failure else (
-                "spec", encode(spec), self._initial_pieces(optimizer, spec, routes))
+                "spec", encode(spec), self._initial_pieces(optimizer, spec, routes),
+                {"stats_log": self._stats_log})
             for j in range(cluster.num_ps):
                 cluster.p2p_comm.send(message, dest=cluster.ps_rank(j), tag=Tag.SETUP)
         if failure is not None:
@@ -342,12 +352,33 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self.stopped:
             return loss
+        clock = self._clock
+        if clock is not None:
+            clock.begin(self.global_step)
         if self._settings:
             self._check_settings()
         if self._local is not None:
             self._local.before_step()      # collective: every worker's gradients averaged
-        dense = self._dense
         written = self._tracker.written()   # first: a parameter given a new tensor is checked
+        self._push(written)
+        if clock is not None:
+            clock.pushed()
+        if self._local is not None:
+            self._local_step()             # while the ps ranks apply theirs
+        taken = self._receive()
+        if clock is not None:
+            clock.end()
+        if written and not taken and not self._spec.asynchronous:
+            names = [self._dense.names[i] for i in written]
+            warnings.warn(f"{self.cluster.label}: the step did not take this worker's gradient "
+                          f"(it came too late), so the writes to {names} that travelled with "
+                          f"it were dropped too; write parameters on every worker",
+                          RuntimeWarning, stacklevel=2)
+        return loss
+
+    def _push(self, written: list[int]) -> None:
+        """Send this worker's gradients (after what it wrote) to every ps rank."""
+        dense = self._dense
         dense.gather()
         self._spec.hyper.encode(self.param_groups, *dense.hyper_out)
         flags = FLAG_SCHEDULED if self._mpisync_schedules.follows_global_step else 0
@@ -355,16 +386,6 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         dense.push(self.global_step, self.cluster.worker_index, self._seq, flags, written)
         if self._rows.active:
             self._rows.push(self.global_step, self._seq)
-        if self._local is not None:
-            self._local_step()             # while the ps ranks apply theirs
-        taken = self._receive()
-        if written and not taken and not self._spec.asynchronous:
-            names = [dense.names[i] for i in written]
-            warnings.warn(f"{self.cluster.label}: the step did not take this worker's gradient "
-                          f"(it came too late), so the writes to {names} that travelled with "
-                          f"it were dropped too; write parameters on every worker",
-                          RuntimeWarning, stacklevel=2)
-        return loss
 
     def _local_step(self) -> None:
         """The wrapped optimizer's step over the parameters the workers update, alone."""

@@ -10,6 +10,8 @@ import torch
 __all__ = [
     "ALIGN",
     "PARAM_HEADER_BYTES",
+    "TIMING_WORDS",
+    "TOKEN_STATS",
     "TOKEN_WORDS",
     "Control",
     "Entry",
@@ -22,13 +24,17 @@ __all__ = [
     "pack_rows",
     "region_views",
     "tensor_view",
+    "timing_view",
     "unpack_rows",
 ]
 
 ALIGN = 64
 PARAM_HEADER_BYTES = 64   # int64[8]: kind, global step, ...
-TOKEN_WORDS = 4           # int64[4]: kind, global step, argument, unused
-NOTICE_WORDS = 4          # int64[4]: kind, step, sender, flags
+TOKEN_WORDS = 4           # int64[4]: kind, global step, argument, flags (TOKEN_*)
+NOTICE_WORDS = 8          # int64[8]: kind, step, sender, flags, then APPLIED's figures:
+                          # apply us, reduce us, bytes in, bytes out (0 unless timed)
+TIMING_WORDS = 4          # uint32[4] in int64 fields 5-6 of a gradient header or CLOSE:
+                          # compute, push, wait, pull us of the worker's previous step
 
 
 class Tag:
@@ -95,6 +101,14 @@ class Kind(enum.IntEnum):
 #: Flags in a gradient header.
 FLAG_ASSIGN = 1       # an ASSIGN message with this push's written parameters was sent first
 FLAG_SCHEDULED = 2    # the hyper-parameters follow the global step (async: ask for them)
+
+#: Flags in a token's last word.
+TOKEN_STATS = 1       # ps 0 keeps the statistics log: report step timings (TIMING_WORDS)
+
+
+def timing_view(fields: np.ndarray) -> np.ndarray:
+    """The TIMING_WORDS uint32 words inside the int64 header ``fields`` (fields 5 and 6)."""
+    return fields[5:7].view(np.uint32)
 
 
 def _align(n: int) -> int:
@@ -186,7 +200,8 @@ def region_views(buf: torch.Tensor, base: int, regions) -> list[torch.Tensor]:
 class GradHeader:
     """Layout of the header that leads every gradient message to one ps rank.
 
-    int64[8] fields (kind, step, worker, seq, flags, ...), then, on the message to the
+    int64[8] fields (kind, step, worker, seq, flags, then in fields 5-6 the worker's
+    timings of its previous step, ``timing_view``), then, on the message to the
     coordinating ps only, the hyper-parameters (int64 words, then one uint8 type code
     each), then one byte per parameter of the shard: 1 if its gradient is present.
     """

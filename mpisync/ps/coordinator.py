@@ -1,16 +1,19 @@
 """The coordinator on ps 0: the step decisions of ``accumulate`` turned into messages."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
 
+from .. import timeline
 from ..accumulate import Action, StepCoordinator
 from ..errors import ConfigError, ProtocolError
 from ..progress import Poller
 from ..spec import JobSpec
-from ..wire import FLAG_SCHEDULED, NOTICE_WORDS, TOKEN_WORDS, Control, Kind, Tag
+from ..wire import FLAG_SCHEDULED, NOTICE_WORDS, TOKEN_STATS, TOKEN_WORDS, Control, Kind, Tag
+from .steplog import StepLog
 
 __all__ = ["Coordinator"]
 
@@ -26,11 +29,15 @@ class Coordinator:
     the lowest-index worker taken; in asynchronous mode, when that worker's schedule
     follows the global step and its gradient is applied at a later step than it saw,
     the worker is asked for the values at the step of application first.
+
+    With ``log`` (the statistics log) it records every push, decision and apply there,
+    and its tokens ask the workers for their step timings; with the timeline on, its
+    decisions and drops are instant events on a track of their own.
     """
 
     def __init__(self, spec: JobSpec, worker_ranks: tuple[int, ...],
                  ps_ranks: tuple[int, ...], comm: MPI.Comm, poller: Poller, label: str,
-                 local: Callable[[np.ndarray, object], None]):
+                 local: Callable[[np.ndarray, object], None], log: StepLog | None = None):
         self.spec = spec
         self.worker_ranks = worker_ranks
         self.ps_ranks = ps_ranks
@@ -51,6 +58,12 @@ class Coordinator:
         for req in self.notice_reqs:
             req.Start()
         self.token_buf = np.zeros(TOKEN_WORDS, np.int64)
+        self.log = log
+        self.observed = log is not None or timeline.current is not None
+        if log is not None:
+            self.token_buf[3] = TOKEN_STATS      # workers: send your step timings
+        if timeline.current is not None:
+            timeline.current.name_thread(1, "coordinator")
         width = spec.hyper.width
         self.hyper = [(np.zeros(width, np.int64), np.zeros(width, np.uint8))
                       for _ in range(self.W)]
@@ -81,17 +94,22 @@ class Coordinator:
         """A notice from a shard server: PUSHED / CLOSED (own rank), APPLIED (any ps)."""
         kind = notice[0]
         if kind == Kind.PUSHED:
-            _, w, step, flags, words, codes = notice
+            _, w, step, flags, words, codes, *timing = notice
             self.hyper[w][0][:] = words
             self.hyper[w][1][:] = codes
             self.pushed_at[w] = step
             self.pushes[w] += 1
             self.scheduled[w] = bool(flags & FLAG_SCHEDULED)
-            self._emit(self.steps.push(w, step))
+            if self.observed:
+                self._observe_push(w, step, timing[0] if timing else None)
+            else:
+                self._emit(self.steps.push(w, step))
         elif kind == Kind.CLOSED:
+            if self.log is not None:
+                self.log.closed(notice[1], notice[3] if len(notice) > 3 else None)
             self._emit(self.steps.close(notice[1]))
         elif kind == Kind.APPLIED:
-            self._on_applied()
+            self._on_applied(notice[1] if len(notice) > 1 else None)
         else:
             raise ProtocolError(f"{self.label}: unknown notice {kind}")
 
@@ -101,8 +119,9 @@ class Coordinator:
         progressed = False
         for buf, req in zip(self.notice_bufs, self.notice_reqs):
             if req.Test():
+                notice = (int(buf[0]), None if self.log is None else buf.copy())
                 req.Start()
-                self.on_notice((int(buf[0]), int(buf[1]), int(buf[2])))
+                self.on_notice(notice)
                 progressed = True
         if rare:
             status = MPI.Status()
@@ -117,12 +136,30 @@ class Coordinator:
             progressed = True
         return progressed
 
-    def _on_applied(self) -> None:
+    def _observe_push(self, w: int, step: int, timing) -> None:
+        """A push, recorded in the statistics log and the timeline (whether it was dropped)."""
+        dropped = self.steps.dropped_total[w]
+        actions = self.steps.push(w, step)
+        dropped = self.steps.dropped_total[w] > dropped
+        now = time.perf_counter()
+        if self.log is not None:
+            self.log.pushed(w, step, dropped, timing, now)
+        if dropped and timeline.current is not None:
+            timeline.current.instant("drop", now, {"worker": w, "computed_at": step}, tid=1)
+        self._emit(actions)
+
+    def _on_applied(self, words=None) -> None:
+        if self.log is not None and words is not None:
+            self.log.applied(words)
         self.acks += 1
         if self.acks < len(self.ps_ranks):
             return
         self.acks = 0
+        if self.log is not None:
+            self.log.step_applied(time.perf_counter())
         self._emit(self.steps.applied(self.decided))
+        if self.log is not None:
+            self.log.write_ready()       # after the tokens: off the step's critical path
         deferred, self.deferred = self.deferred, []
         for w, req in deferred:
             self._on_request(w, req)
@@ -150,6 +187,13 @@ class Coordinator:
             self.comm.Send([tok, MPI.BYTE], dest=self.worker_ranks[w], tag=self.tags[Tag.TOKEN])
 
     def _decide(self, a: Action) -> None:
+        if self.observed:
+            now = time.perf_counter()
+            if self.log is not None:
+                self.log.decided(a.step, a.taken, now)
+            if timeline.current is not None:
+                taken = [w for w, n in enumerate(a.taken) for _ in range(n)]
+                timeline.current.instant("decide", now, {"step": a.step, "taken": taken}, tid=1)
         self.decided = a.workers
         first = min(w for w, n in enumerate(a.taken) if n)
         if self.spec.asynchronous and self.scheduled[first] and self.pushed_at[first] != a.step:
@@ -233,6 +277,8 @@ class Coordinator:
                 f"worker_comm: {why}")
 
     def _shutdown(self, a: Action) -> None:
+        if self.log is not None:
+            self.log.finish(self.steps.global_step)
         self._to_shards(self.control.new(Kind.SHUTDOWN, a.step))
         # every worker's statistics after close(): the totals (small, so the sends complete
         # whether or not a worker ever reads them); per_step stays with serve()'s result

@@ -6,12 +6,14 @@ import time
 
 from mpi4py import MPI
 
+from .. import timeline
 from ..errors import ConfigError, StallError
 from ..progress import SETUP_TIMEOUT, STALL_WARNING, Poller, spin_seconds
 from ..spec import decode
 from ..wire import Kind, Tag
 from .coordinator import Coordinator
 from .shard import ShardServer
+from .steplog import StepLog
 
 __all__ = ["Job", "serve"]
 
@@ -19,7 +21,7 @@ __all__ = ["Job", "serve"]
 class Job:
     """One optimizer as served by one ps rank."""
 
-    def __init__(self, cluster, spec, piece, poller: Poller):
+    def __init__(self, cluster, spec, piece, poller: Poller, stats_log: str | None = None):
         layout = cluster.layout
         self.spec = spec
         self.comm = cluster.p2p_comm
@@ -30,10 +32,15 @@ class Job:
                                  layout.coordinator_rank, self.comm, poller, cluster.label,
                                  with_hyper=on_coordinator)
         self.shard.receive_initial(layout.chief_rank, piece)
+        self.shard.timed = stats_log is not None or timeline.current is not None
         self.coord = None
         if on_coordinator:
+            log = None if stats_log is None else StepLog(
+                stats_log, opt_id=spec.opt_id, num_workers=spec.num_workers,
+                num_ps=spec.num_ps, replicas_to_aggregate=spec.replicas_to_aggregate,
+                asynchronous=spec.asynchronous, global_step=spec.global_step)
             self.coord = Coordinator(spec, layout.worker_ranks, layout.ps_ranks, self.comm,
-                                     poller, cluster.label, self.shard.enqueue)
+                                     poller, cluster.label, self.shard.enqueue, log)
             self.coord.start()
 
     def turn(self, rare: bool = False) -> bool:
@@ -50,7 +57,7 @@ class Job:
         queued = len(self.shard.queue)
         for notice in self.shard.progress():
             if self.coord is not None:
-                self.coord.on_notice((Kind.APPLIED,))
+                self.coord.on_notice((Kind.APPLIED, notice))
             else:
                 self.comm.Send([notice, MPI.BYTE], dest=self.coordinator_rank,
                                tag=self.notice_tag)
@@ -87,7 +94,7 @@ def _setup(cluster, poller: Poller, message) -> Job | None:
               f"{text} (serving on until the workers leave or set up again)",
               file=sys.stderr, flush=True)
         return None
-    _, data, pieces = message
+    _, data, pieces, options = message     # options: what only the ps ranks need
     try:
         spec = decode(data)
     except (AttributeError, ImportError) as exc:    # a class the ps ranks do not define
@@ -95,7 +102,7 @@ def _setup(cluster, poller: Poller, message) -> Job | None:
                           f"{exc}. Define the optimizer class where every rank runs it (at "
                           f"module level, not only in the workers' branch)") from exc
     with poller.patience(SETUP_TIMEOUT):       # the chief's initial values may take a while
-        return Job(cluster, spec, pieces[cluster.ps_index], poller)
+        return Job(cluster, spec, pieces[cluster.ps_index], poller, options.get("stats_log"))
 
 
 class _Serving:
@@ -172,6 +179,7 @@ def serve(cluster) -> dict | list[dict]:
     """Serve every optimizer the workers set up, until every worker left the job."""
     poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label,
                     spin_seconds(cluster.oversubscribed))
+    timeline.start(cluster, thread="shard server")
     serving = _Serving(cluster, poller)
     last_progress, warned_at = time.monotonic(), STALL_WARNING
     while not serving.over:

@@ -82,6 +82,7 @@ class RowShards:
         self.changed: list[list] = [[None] * len(self.units) for _ in range(self.W)]
         self.full = [True] * self.W        # every worker gets whole shards first
         self.sends: list[tuple[MPI.Request, object]] = []
+        self.bytes_in = self.bytes_out = 0      # rows messages, for the statistics log
         if self.units:
             torch.sparse.check_sparse_tensor_invariants.disable()   # built here, coalesced
 
@@ -142,10 +143,10 @@ class RowShards:
         self._reap()
         return progressed
 
-    @staticmethod
-    def _recv(msg, status: MPI.Status) -> np.ndarray:
+    def _recv(self, msg, status: MPI.Status) -> np.ndarray:
         buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
         msg.Recv([buf, MPI.BYTE])
+        self.bytes_in += buf.nbytes
         return buf
 
     def _on_rows(self, buf: np.ndarray, w: int) -> None:
@@ -193,6 +194,7 @@ class RowShards:
         self._send(reply, rank, self.tags[Tag.ROWS])
 
     def _send(self, buf, rank: int, tag: int) -> None:
+        self.bytes_out += buf.nbytes
         self.sends.append((self.comm.Isend([buf, MPI.BYTE], dest=rank, tag=tag), buf))
 
     def _reap(self) -> None:

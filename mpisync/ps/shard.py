@@ -1,18 +1,21 @@
 """The shard server: one ps rank's slices of one optimizer; reduce, apply, send, answer."""
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from .. import timeline
 from ..accumulate import ShardAccumulator
 from ..errors import ProtocolError
 from ..progress import Poller
 from ..spec import JobSpec
 from ..wire import (
     FLAG_ASSIGN,
+    NOTICE_WORDS,
     PARAM_HEADER_BYTES,
     Control,
     GradHeader,
@@ -22,6 +25,7 @@ from ..wire import (
     build_layouts,
     entry_views,
     region_views,
+    timing_view,
 )
 from .averages import MovingAverages
 from .rows import RowShards
@@ -44,7 +48,7 @@ class _Slot:
     """A receive buffer for one worker's gradients, with its persistent request."""
 
     __slots__ = ("assign", "buf", "buffers", "codes", "fields", "mask", "regions", "req", "rows",
-                 "waiting", "waiting_rows", "words", "worker")
+                 "timing", "waiting", "waiting_rows", "words", "worker")
 
     def __init__(self, comm, worker: int, rank: int, tag: int, header: GradHeader,
                  layout: ShardLayout):
@@ -52,6 +56,7 @@ class _Slot:
         self.buf = np.zeros(header.nbytes + layout.nbytes, np.uint8)
         self.req = comm.Recv_init([self.buf, MPI.BYTE], source=rank, tag=tag)
         self.fields, self.words, self.codes, self.mask = header.views(self.buf)
+        self.timing = timing_view(self.fields)    # the worker's previous step, if reported
         t = torch.from_numpy(self.buf)
         self.regions = region_views(t, header.nbytes, _graded(layout.regions))
         self.buffers = region_views(t, header.nbytes, layout.buffer_regions)
@@ -119,6 +124,10 @@ class ShardServer:
                          Kind.AVERAGES: self._on_averages, Kind.LOAD: self._on_load}
         self.closed = [False] * self.W
         self.shutdown = False
+        # timed (statistics log or timeline on): what each APPLIED notice reports
+        self.timed = False
+        self.first_arrival = self.reduced_at = 0.0
+        self.bytes_in = self.bytes_out = 0
 
     def _build_tensors(self, layout: ShardLayout) -> None:
         """The parameter buffer (sent to the workers as is), its views and the optimizer."""
@@ -214,12 +223,16 @@ class ShardServer:
         if kind == Kind.CLOSE:
             self.closed[w] = True
             self._release([slot])
-            notices.append((Kind.CLOSED, w, step))
+            notices.append((Kind.CLOSED, w, step, timing_view(slot.fields)))
             return
         if kind != Kind.GRAD or nbytes != self.msg_nbytes:
             raise ProtocolError(f"{self.label}: worker {w} sent kind {kind} with {nbytes} "
                                 f"bytes, expected a gradient of {self.msg_nbytes}")
         self._post(w)
+        if self.timed:
+            self.bytes_in += nbytes
+            if not self.first_arrival:
+                self.first_arrival = time.perf_counter()
         if self.rows.active:
             self.rows.attach(slot)
         flags = int(slot.fields[4])
@@ -231,7 +244,7 @@ class ShardServer:
                 self.claims[w].append(slot)
         if self.notify:
             # views: the coordinator copies them before this worker's slot can be reused
-            notices.append((Kind.PUSHED, w, step, flags, slot.words, slot.codes))
+            notices.append((Kind.PUSHED, w, step, flags, slot.words, slot.codes, slot.timing))
         if not self.acc.offer(w, step, slot):
             self._release([slot])
 
@@ -274,11 +287,41 @@ class ShardServer:
         chosen = self.acc.chosen(step, taken)
         if any(s.waiting or s.waiting_rows for s in chosen):
             return False
+        start = self.reduced_at = time.perf_counter() if self.timed else 0.0
         self._apply(step, chosen, self.control.hyper(ctl))
         self._release(self.acc.advance(step, taken))
-        self._send_params(self.control.workers(ctl))
-        applied.append(np.array([Kind.APPLIED, step, self.ps_index, 0], np.int64))
+        notice = np.zeros(NOTICE_WORDS, np.int64)
+        notice[0], notice[1], notice[2] = Kind.APPLIED, step, self.ps_index
+        if self.timed:
+            applied_at = time.perf_counter()
+            self._send_params(self.control.workers(ctl))
+            self._report(step, start, applied_at, notice)
+        else:
+            self._send_params(self.control.workers(ctl))
+        applied.append(notice)
         return True
+
+    def _report(self, step: int, start: float, applied_at: float, notice: np.ndarray) -> None:
+        """The step's figures into its APPLIED notice, and its events onto the timeline.
+
+        ``receive`` lasts from the first gradient that arrived since the last step to the
+        start of this one; ``reduce`` includes waiting for the last parameters' sends.
+        """
+        sent_at = time.perf_counter()
+        reduced_at = self.reduced_at
+        notice[4] = int((applied_at - reduced_at) * 1e6)
+        notice[5] = int((reduced_at - start) * 1e6)
+        notice[6] = self.bytes_in + self.rows.bytes_in
+        notice[7] = self.bytes_out + self.rows.bytes_out
+        self.bytes_in = self.bytes_out = self.rows.bytes_in = self.rows.bytes_out = 0
+        tl = timeline.current
+        if tl is not None:
+            if self.first_arrival:
+                tl.span("receive", self.first_arrival, start, step)
+            tl.span("reduce", start, reduced_at, step)
+            tl.span("apply", reduced_at, applied_at, step)
+            tl.span("send", applied_at, sent_at, step)
+        self.first_arrival = 0.0
 
     def _on_reply(self, ctl, obj, applied) -> bool:
         self._send_params(self.control.workers(ctl))
@@ -317,6 +360,8 @@ class ShardServer:
         self._assign(chosen)
         if self.optimizer is not None:
             self.acc.reduce(self.grad_regions, [s.regions for s in chosen], len(chosen))
+            if self.timed:
+                self.reduced_at = time.perf_counter()
             present = np.bitwise_or.reduce([s.mask for s in chosen])
             for p, g, has in zip(self.params, self.grads, present):
                 p.grad = g if has else None
@@ -363,6 +408,8 @@ class ShardServer:
                 self.sends_active.remove(req)
             req.Start()
             self.sends_active.append(req)
+        if self.timed:
+            self.bytes_out += len(workers) * self.param_buf.nbytes
 
     def _set_version(self) -> None:
         self.param_fields[0] = Kind.PARAMS
