@@ -17,7 +17,12 @@ the gradients are filled in place). Three phases, each with ``--warmup`` untimed
    (push gradients, apply on the ps, token, pull parameters); ms per step on the chief;
 4. allreduce step: the same with ``dense="allreduce"`` (the gradients averaged among the
    workers in buckets, SGD applied on every worker, the token still from ps 0). With no
-   backward pass here, the whole allreduce runs inside ``step()``.
+   backward pass here, the whole allreduce runs inside ``step()``;
+5. with ``--stats-ab B``: 2B more optimizers like the one of phase 3, one after another,
+   alternately without and with the statistics log (``stats_log=``), ``--steps`` timed
+   steps each: the log's cost measured on and off in the same run.
+
+``MPISYNC_STATS`` and ``MPISYNC_TIMELINE`` apply to phases 3 and 4 as to any job.
 
 The chief prints one JSON object as the last line of stdout (and to ``--json-out``).
 """
@@ -45,6 +50,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=50, help="timed iterations per phase")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per phase")
     parser.add_argument("--json-out", default=None, help="also write the JSON object here")
+    parser.add_argument("--stats-ab", type=int, default=0, metavar="B",
+                        help="B optimizers without and B with the statistics log, alternating")
+    parser.add_argument("--stats-ab-log", default="/tmp/mpisync-step-bench-stats.jsonl",
+                        help="where the --stats-ab optimizers log")
     return parser.parse_args()
 
 
@@ -119,12 +128,14 @@ def memcpy(nbytes: int, steps: int) -> list[float]:
     return times
 
 
-def sync_steps(cluster, args, numel: int, dense: str = "ps") -> tuple[list[float], dict]:
+def sync_steps(cluster, args, numel: int, dense: str = "ps",
+               stats_log=None) -> tuple[list[float], dict]:
     """Per-step seconds of opt.step() on this worker, and the final statistics."""
     model = DenseModel(args.tensors, numel)
     opt = mpisync.SyncReplicasOptimizer(
         torch.optim.SGD(model.parameters(), lr=1e-9),
-        named_parameters=model.named_parameters(), cluster=cluster, dense=dense)
+        named_parameters=model.named_parameters(), cluster=cluster, dense=dense,
+        stats_log=stats_log)
     times = []
     for i in range(args.warmup + args.steps):
         # set_to_none=False: after the first step the gradients are views into the send
@@ -166,10 +177,14 @@ def main() -> None:
         ar = allreduce(cluster.worker_comm, nbytes, args.warmup, args.steps)
     sleepy_barrier(cluster.comm)
     if cluster.is_ps:
-        cluster.serve()      # both optimizers, one after the other
+        cluster.serve()      # every optimizer, one after the other
         return
     steps, stats = sync_steps(cluster, args, numel)
     reduced, _ = sync_steps(cluster, args, numel, dense="allreduce")
+    ab = {False: [], True: []}
+    for block in range(2 * args.stats_ab):
+        on = block % 2 == 1
+        ab[on] += sync_steps(cluster, args, numel, stats_log=args.stats_ab_log if on else False)[0]
     if not cluster.is_chief:
         return
 
@@ -186,6 +201,8 @@ def main() -> None:
         "memcpy_ms": summary_ms(memcpy(nbytes, args.steps))["median"],
         "global_step": stats["global_step"], "gradients_dropped": stats["gradients_dropped"],
         "wall_s": round(time.perf_counter() - wall, 2),
+        **({"stats_ab": {"blocks": args.stats_ab, "off_ms": summary_ms(ab[False]),
+                         "on_ms": summary_ms(ab[True])}} if args.stats_ab else {}),
         "mpi": " ".join(MPI.Get_library_version().split("\n")[0].split()),
         "torch": torch.__version__,
     }

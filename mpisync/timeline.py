@@ -9,6 +9,9 @@ rank's file into ``path`` (``{"traceEvents": [...]}``, plain JSON) and removes t
 it in https://ui.perfetto.dev or chrome://tracing. After a crash, ``python -m
 mpisync.stats --timeline path.json`` merges whatever the ranks left.
 
+``MPISYNC_TIMELINE_MAX_MB`` caps each rank's file (default: no cap): a rank that reaches
+it records a last event, ``timeline full``, closes its file and stops recording.
+
 The hot path looks at the module attribute ``current`` (None when off) and nothing else.
 Times come from ``time.perf_counter()`` and are written as wall-clock microseconds, so
 ranks on several hosts line up as well as the hosts' clocks agree.
@@ -27,6 +30,7 @@ current: Timeline | None = None
 
 FLUSH_EVENTS = 512
 FLUSH_SECONDS = 1.0
+MAX_BYTES = int(float(os.environ.get("MPISYNC_TIMELINE_MAX_MB", "0")) * (1 << 20))
 
 _SPAN = (',{"name":"%s","ph":"X","pid":%d,"tid":%d,"ts":%.1f,"dur":%.1f,'
          '"args":{"step":%d}}\n')
@@ -55,6 +59,8 @@ class Timeline:
         self._lines: list[str] = []
         self._offset = time.time() - time.perf_counter()     # perf_counter s -> epoch s
         self._flushed_at = time.perf_counter()
+        self._bytes = 0
+        self.max_bytes = MAX_BYTES
         self.closed = False
         meta = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
                  "args": {"name": label}},
@@ -89,18 +95,32 @@ class Timeline:
                                              "tid": tid, "args": {"name": name}}) + "\n")
 
     def flush(self, now: float | None = None) -> None:
-        """Write what is buffered to this rank's file."""
-        if self._lines:
-            self._file.write("".join(self._lines))
+        """Write what is buffered to this rank's file (and stop at ``max_bytes``)."""
+        if self._file.closed:          # full: events of a step under way are let go
             self._lines.clear()
+            return
+        if self._lines:
+            text = "".join(self._lines)
+            self._lines.clear()
+            self._file.write(text)
+            self._bytes += len(text)
         self._file.flush()
         self._flushed_at = time.perf_counter() if now is None else now
+        if self.max_bytes and self._bytes > self.max_bytes and not self.closed:
+            self._lines.append(_INSTANT % ("timeline full", self.rank, 0,
+                                           self.ts(self._flushed_at),
+                                           '{"MPISYNC_TIMELINE_MAX_MB":%g}'
+                                           % (self.max_bytes / (1 << 20))))
+            self.close()
 
     def close(self) -> None:
         """Close this rank's file; the last rank to close merges them all into ``path``."""
+        global current
         if self.closed:
             return
         self.closed = True
+        if current is self:
+            current = None         # the hot path stops recording
         self.flush()
         self._file.write("]\n")
         self._file.close()

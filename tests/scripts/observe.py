@@ -28,7 +28,7 @@ def parse():
     p.add_argument("--steps", type=int, default=20, help="global steps to train for")
     p.add_argument("--laggard", type=int, default=-1)
     p.add_argument("--sleep", type=float, default=0.0, help="the laggard, before each step")
-    p.add_argument("--sleep-at", type=int, default=-1, help="... or once, at this push")
+    p.add_argument("--sleep-at", type=int, default=-1, help="... or 1 s once, at this push")
     p.add_argument("--stats-arg", default=None, help="stats_log= instead of MPISYNC_STATS")
     p.add_argument("--progress", action="store_true")
     p.add_argument("--every", type=int, default=None)
@@ -81,7 +81,7 @@ def worker(cluster) -> dict:
     pushes = 0
     while not opt.stopped and opt.global_step < args.steps:
         if w == args.laggard and (args.sleep or pushes == args.sleep_at):
-            time.sleep(args.sleep or 0.6)
+            time.sleep(args.sleep or 1.0)
         i = pushes % 32
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(net(x[i * 16:(i + 1) * 16]),
