@@ -9,12 +9,11 @@ workers. Embedding tables and partitioned parameters stay on the ps ranks.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
-from .errors import ConfigError
-
-__all__ = ["BACKENDS", "DEFAULT_BUCKET_BYTES", "AllreduceChannel", "LocalAverages"]
+__all__ = ["BACKENDS", "DEFAULT_BUCKET_BYTES", "AllreduceChannel", "LocalAverages", "backend_problem"]
 
 BACKENDS = ("mpi", "horovod")
 DEFAULT_BUCKET_BYTES = 4 << 20
@@ -26,8 +25,8 @@ _REDUCE_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 class _Bucket:
     """Gradients of some parameters of one dtype, then one presence flag per parameter."""
 
-    __slots__ = ("array", "expected", "flags", "flat", "handle", "index", "left", "name",
-                 "numel", "params", "same_dtype", "views")
+    __slots__ = ("array", "dtype", "expected", "flags", "flat", "handle", "index", "left",
+                 "name", "numel", "params", "same_dtype", "started", "views")
 
     def __init__(self, index: int, params: list[torch.Tensor], opt_id: int):
         dtype = params[0].dtype
@@ -41,7 +40,9 @@ class _Bucket:
         for p in params:
             self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))
             offset += p.numel()
+        self.dtype = dtype
         self.same_dtype = reduce_dtype == dtype
+        self.started = False
         self.array = self.flat.numpy()        # mpi4py takes MPI's own type from its typecode
         self.name = f"mpisync.{opt_id}.bucket{index}"
         self.handle = None
@@ -65,6 +66,28 @@ def _buckets(params: list[torch.Tensor], bucket_bytes: int, opt_id: int) -> list
     return out
 
 
+def backend_problem(backend: str, worker_comm: MPI.Comm, num_workers: int) -> str | None:
+    """What keeps ``backend`` from averaging among the workers, or None (every worker).
+
+    Horovod is initialised here, on the workers' communicator, before the workers agree
+    on the set-up, so that a missing or wrongly initialised Horovod is refused on every
+    rank, the ps ranks included.
+    """
+    if backend != "horovod":
+        return None
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        return f"allreduce_backend='horovod' needs horovod (make horovod installs it): {exc}"
+    if not hvd.is_initialized():
+        hvd.init(comm=worker_comm)
+    if hvd.size() != num_workers:
+        return (f"horovod was initialised with {hvd.size()} processes but the job has "
+                f"{num_workers} workers; let mpisync initialise it (on the workers only: the "
+                f"ps ranks take no part), or call hvd.init(comm=cluster.worker_comm)")
+    return None
+
+
 class _MpiReducer:
     """mpi4py's ``Iallreduce``, in place, on a private copy of the workers' communicator.
 
@@ -73,8 +96,8 @@ class _MpiReducer:
     and one that stalls stops its pushes, which ps 0 reports and ends the job for.
     """
 
-    def __init__(self, worker_comm: MPI.Comm):
-        self.comm = worker_comm.Dup()
+    def __init__(self, comm: MPI.Comm):
+        self.comm = comm
 
     def start(self, bucket: _Bucket):
         return self.comm.Iallreduce(MPI.IN_PLACE, bucket.array, op=MPI.SUM)
@@ -89,29 +112,17 @@ class _MpiReducer:
         MPI.Request.Waitall(handles)
 
     def close(self) -> None:
-        self.comm.Free()
+        pass
 
 
 class _HorovodReducer:
-    """Horovod's allreduce, initialised on the workers' communicator (workers only)."""
+    """Horovod's allreduce, initialised on the workers' communicator (``backend_problem``)."""
 
     users = 0
 
-    def __init__(self, worker_comm: MPI.Comm, num_workers: int, label: str):
-        try:
-            import horovod.torch as hvd
-        except ImportError as exc:
-            raise ConfigError(f"{label}: allreduce_backend='horovod' needs horovod "
-                              f"(make horovod installs it): {exc}", collective=True) from None
+    def __init__(self):
+        import horovod.torch as hvd
         self.hvd = hvd
-        if not hvd.is_initialized():
-            hvd.init(comm=worker_comm)
-        if hvd.size() != num_workers:
-            raise ConfigError(
-                f"{label}: horovod was initialised with {hvd.size()} processes but the job "
-                f"has {num_workers} workers; let mpisync initialise it (on the workers only: "
-                f"the ps ranks take no part), or call hvd.init(comm=cluster.worker_comm)",
-                collective=True)
         _HorovodReducer.users += 1
 
     def start(self, bucket: _Bucket):
@@ -145,38 +156,72 @@ class AllreduceChannel:
     the combined batch); one without a gradient on every worker keeps ``.grad = None``.
     """
 
-    def __init__(self, params: list[torch.Tensor], worker_comm: MPI.Comm, *,
+    def __init__(self, params: list[torch.Tensor], names: list[str], worker_comm: MPI.Comm, *,
                  num_workers: int, reduction: str, bucket_bytes: int, backend: str,
                  opt_id: int, label: str):
+        self.label = label
+        self.name_of = {id(p): n for n, p in zip(names, params)}
         self.params = [p for p in params if p.is_floating_point() or p.is_complex()]
         self.scale = 1.0 / num_workers if reduction == "mean" else 1.0
         self.buckets = _buckets(self.params, bucket_bytes, opt_id)
-        self.reducer = (_HorovodReducer(worker_comm, num_workers, label) if backend == "horovod"
-                        else _MpiReducer(worker_comm))
+        self.comm = worker_comm.Dup()
+        self.reducer = _HorovodReducer() if backend == "horovod" else _MpiReducer(self.comm)
+        self.chief_words = self.chief_codes = None
         self.rounds = 0                 # rounds since the last step
         self.in_backward = False
         self.next = 0                   # the next bucket to start in this round
         self.handles: list = []
         self.bytes = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
-        # a parameter frozen now has no hook: its bucket starts when backward ends
-        self.hooked = {id(p) for b in self.buckets for p in b.params if p.requires_grad}
-        self.hooks = [p.register_post_accumulate_grad_hook(self._hook(b))
-                      for b in self.buckets for p in b.params if id(p) in self.hooked]
+        self.fired: set[int] = set()    # parameters whose gradient this round has
+        self.hooked: set[int] = set()
+        self.hooks: list = []
+        self._hook_new()
+
+    def _hook_new(self) -> None:
+        """Hooks on the parameters that take gradients now (a frozen one gets its hook
+        once it is unfrozen; until then its bucket waits for backward's end)."""
+        for b in self.buckets:
+            for p in b.params:
+                if p.requires_grad and id(p) not in self.hooked:
+                    self.hooked.add(id(p))
+                    self.hooks.append(p.register_post_accumulate_grad_hook(self._hook(b)))
 
     def _hook(self, bucket: _Bucket):
-        def ready(_param: torch.Tensor) -> None:
-            self._ready(bucket)
+        def ready(param: torch.Tensor) -> None:
+            self._ready(bucket, param)
         return ready
 
-    def _ready(self, bucket: _Bucket) -> None:
+    def touch(self, _tensor: torch.Tensor | None = None) -> None:
+        """A backward produced a gradient mpisync sends elsewhere (a table's rows): this
+        worker takes part in the round that backward's end runs, as the others do."""
+        if not self.in_backward:
+            self._begin()
+
+    def _begin(self) -> None:
+        self.in_backward = True
+        self.fired.clear()
+        for b in self.buckets:
+            b.started = False
+            if any(p.requires_grad and id(p) not in self.hooked for p in b.params):
+                b.left = b.expected = len(b.params) + 1     # never full before the end
+            else:
+                b.left = b.expected = sum(1 for p in b.params if p.requires_grad)
+        self.next = 0
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _ready(self, bucket: _Bucket, param: torch.Tensor) -> None:
         """A gradient is complete: start every bucket, in order, that is now full."""
         if not self.in_backward:
-            self.in_backward = True
-            for b in self.buckets:
-                b.left = b.expected = sum(1 for p in b.params
-                                          if p.requires_grad and id(p) in self.hooked)
-            self.next = 0
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._begin()
+        if id(param) in self.fired:         # a second time in one backward
+            if bucket.started:
+                raise RuntimeError(
+                    f"a parameter of shape {list(param.shape)} received a second gradient "
+                    f"in one backward pass after its bucket was sent (a parameter used "
+                    f"inside torch.utils.checkpoint(use_reentrant=True) and outside it); "
+                    f"dense='allreduce' cannot average it: use use_reentrant=False")
+            return
+        self.fired.add(id(param))
         bucket.left -= 1
         started = self.next
         while self.next < len(self.buckets) and self.buckets[self.next].left <= 0:
@@ -198,6 +243,7 @@ class AllreduceChannel:
             if g.data_ptr() != view.data_ptr():
                 view.copy_(g)           # deliberate: the gradient was made outside the bucket
             bucket.flags[k] = 1
+        bucket.started = True
         self.handles.append(self.reducer.start(bucket))
         self.next = bucket.index + 1
 
@@ -229,6 +275,15 @@ class AllreduceChannel:
 
     def before_step(self) -> None:
         """Call in ``step()``: a round, if no backward ran one since the last step."""
+        for b in self.buckets:
+            for p in b.params:
+                if p.dtype != b.dtype:
+                    raise TypeError(
+                        f"{self.label}: parameter {self.name_of[id(p)]!r} became a {p.dtype} "
+                        f"tensor after the "
+                        f"optimizer was created (it was {b.dtype}); convert the model before "
+                        f"creating the SyncReplicasOptimizer")
+        self._hook_new()
         if self.rounds == 0:
             self.next = 0
             self._finish()
@@ -241,10 +296,29 @@ class AllreduceChannel:
             elif p.grad is not None:
                 p.grad.zero_()
 
+    def chief_hyper(self, words: np.ndarray, codes: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The chief's hyper-parameters (collective), or None where they equal ``words``.
+
+        With ``dense="ps"`` a step applies the lowest-index taken worker's values, in
+        strict sync the chief's; the workers applying the step themselves take them too,
+        so a scheduler stepped on each worker's own metric cannot drive them apart.
+        """
+        if self.chief_words is None:
+            self.chief_words, self.chief_codes = np.empty_like(words), np.empty_like(codes)
+        if self.comm.Get_rank() == 0:
+            self.chief_words[:], self.chief_codes[:] = words, codes
+        self.comm.Bcast(self.chief_words, root=0)
+        self.comm.Bcast(self.chief_codes, root=0)
+        if np.array_equal(self.chief_words, words) and np.array_equal(self.chief_codes, codes):
+            return None
+        return self.chief_words, self.chief_codes
+
     def close(self) -> None:
         for h in self.hooks:
             h.remove()
         self.reducer.close()
+        self.comm.Free()
 
 
 class LocalAverages:

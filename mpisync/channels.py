@@ -336,8 +336,8 @@ class ReplicatedChannel:
             for t in self.tensors:
                 data = t.detach()
                 if data.is_contiguous():
-                    self.worker_comm.Bcast([data.numpy().view(np.uint8), MPI.BYTE], root=0)
+                    self.worker_comm.Bcast([_raw(data), MPI.BYTE], root=0)
                 else:
                     buf = data.contiguous()
-                    self.worker_comm.Bcast([buf.numpy().view(np.uint8), MPI.BYTE], root=0)
+                    self.worker_comm.Bcast([_raw(buf), MPI.BYTE], root=0)
                     data.copy_(buf)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 import torch
 from mpi4py import MPI
 
-from .allreduce import DEFAULT_BUCKET_BYTES, AllreduceChannel, LocalAverages
+from .allreduce import DEFAULT_BUCKET_BYTES, AllreduceChannel, LocalAverages, backend_problem
 from .channels import DenseChannel, ReplicatedChannel
 from .errors import ClosedError, ConfigError, DeadlockError
 from .progress import SETUP_TIMEOUT, Poller, spin_seconds
@@ -176,7 +176,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                           dense, allreduce_backend, bucket_bytes)
         opt_id = len(cluster.optimizers)
         self._stats_log = log_path(stats_log, opt_id)
-        spec, routes = self._agree(optimizer, model, options, opt_id)
+        spec, routes = self._agree(optimizer, model, options, opt_id,
+                                   self._setup_problem(optimizer, options))
         self._spec, self.plan = spec, routes.plan
         self._info_tag = Tag.of(Tag.INFO, opt_id)
         self._req_tag = Tag.of(Tag.REQ, opt_id)
@@ -221,19 +222,39 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         atexit.register(self._atexit)
 
     # -- set-up -------------------------------------------------------------------------
-    def _agree(self, optimizer, model: Model, options: Options, opt_id: int):
+    def _setup_problem(self, optimizer, options: Options) -> str | None:
+        """What the spec cannot see: another open optimizer's parameters, the backend."""
+        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        names = dict(zip(map(id, self._params), self._names))
+        for k, other in enumerate(self.cluster.optimizers):
+            if other._closed or (options.dense != "ps" and other._spec.dense != "ps"):
+                continue
+            shared = [names.get(id(p), "?") for g in other.param_groups for p in g["params"]
+                      if id(p) in mine]
+            if shared:
+                return (f"parameter {shared[0]!r} is held by SyncReplicasOptimizer #{k} too, "
+                        f"which is open: the ps ranks would update it for each of them on its "
+                        f"own; give each parameter to one optimizer (or close the other first)")
+        if options.dense == "allreduce":
+            return backend_problem(options.allreduce_backend, self.cluster._worker_comm,
+                                   self.cluster.num_workers)
+        return None
+
+    def _agree(self, optimizer, model: Model, options: Options, opt_id: int,
+               problem: str | None = None):
         """Build the spec on every worker, agree on it, and send it to the ps ranks.
 
         Every worker raises the same error when any of them found a problem, or when they
         disagree on the model, the optimizer, the placement or an option.
         """
         cluster = self.cluster
-        spec = routes = error = None
+        spec = routes = None
+        error = problem
         try:
             spec, routes = build_spec(optimizer, model, options, opt_id=opt_id,
                                       num_workers=cluster.num_workers, num_ps=cluster.num_ps)
         except (ValueError, TypeError, NotImplementedError) as exc:
-            error = str(exc)
+            error = error or str(exc)
         gathered = cluster._worker_comm.allgather(
             (error, model_summary(model), setup_summary(spec, routes)))
         failure = first_failure(gathered, cluster.layout.worker_ranks)
@@ -252,13 +273,18 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         """The parameters averaged among the workers: hooks, the chief's state, averages."""
         spec, cluster = self._spec, self.cluster
         self._local = AllreduceChannel(
-            local, cluster._worker_comm, num_workers=spec.num_workers,
+            local, list(spec.allreduce), cluster._worker_comm, num_workers=spec.num_workers,
             reduction=spec.reduction, bucket_bytes=spec.bucket_bytes,
             backend=spec.allreduce_backend, opt_id=spec.opt_id, label=cluster.label)
         ids = {id(p) for p in local}
         self._ps_held = [p for g in self.param_groups for p in g["params"] if id(p) not in ids]
         self._local_averages = LocalAverages(spec.ema_decay, spec.ema_num_updates,
                                              list(zip(spec.allreduce, local)))
+        # a backward that gives only table rows a gradient still takes part in the round
+        self._rows.on_grad = self._local.touch
+        by_name = dict(zip(self._names, self._params))
+        self._local.hooks += [by_name[t.name].register_post_accumulate_grad_hook(
+            self._local.touch) for t in spec.tables if not t.resident]
         # the chief's optimizer state for them, if it had one, as for the ps-held ones
         state = cluster._worker_comm.bcast(self._local_state() if cluster.is_chief else None,
                                            root=0)
@@ -388,13 +414,20 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             self._rows.push(self.global_step, self._seq)
 
     def _local_step(self) -> None:
-        """The wrapped optimizer's step over the parameters the workers update, alone."""
+        """The wrapped optimizer's step over the parameters the workers update, alone,
+        with the chief's hyper-parameters (as a ps rank applies a step)."""
+        own = self._dense.hyper_out            # this worker's, encoded for the push
+        chief = self._local.chief_hyper(*own)
         held = [(p, p.grad) for p in self._ps_held if p.grad is not None]
         for p, _ in held:
             p.grad = None              # torch skips them: the ps ranks update those
         try:
+            if chief is not None:
+                self._spec.hyper.decode(*chief, self.param_groups)
             self._opt.step()
         finally:
+            if chief is not None:
+                self._spec.hyper.decode(*own, self.param_groups)
             for p, g in held:
                 p.grad = g
         self._local_averages.update(self.global_step + 1)

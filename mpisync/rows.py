@@ -41,6 +41,7 @@ class RowsChannel:
 
     def __init__(self, spec: JobSpec, cluster, params: dict[str, torch.Tensor], poller: Poller):
         self.spec = spec
+        self.on_grad = None       # dense="allreduce": a table's gradient joins the round
         self.cluster = cluster
         self.comm = cluster.p2p_comm
         self.poller = poller
@@ -123,6 +124,8 @@ class RowsChannel:
                     out[positions[k]] = values
         if torch.is_grad_enabled():
             out.requires_grad_(True)
+            if self.on_grad is not None:
+                out.register_post_accumulate_grad_hook(self.on_grad)
             table.pending.append((unique, out))
         return out
 

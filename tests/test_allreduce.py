@@ -114,6 +114,8 @@ def test_the_cases_are_not_vacuous():
     ("allreduce_backend='nccl'", (r"allreduce_backend must be one of \('mpi', 'horovod'\), "
                                   r"got 'nccl'")),
     ("bucket_bytes=0", r"bucket_bytes must be >= 1, got 0"),
+    pytest.param("allreduce_backend='horovod'", r"allreduce_backend='horovod' needs horovod",
+                 marks=pytest.mark.skipif(HOROVOD, reason="horovod is installed here")),
 ])
 def test_what_allreduce_cannot_do_is_refused_on_every_worker(sync, cause):
     run = failing("errors.py", 2, 1, ["--case", "allreduce_refused", "--sync", sync], timeout=60)
@@ -135,3 +137,17 @@ def test_a_stalled_worker_ends_the_job_while_the_others_wait_in_the_allreduce():
     assert re.search(r"ps 0 \(rank 2[^)]*\): StallError: .*no message for 5 s", run.output), \
         run.output
     assert "workers still computing: [1]" in run.output, run.output
+
+
+def test_a_model_converted_after_wrapping_is_refused_naming_the_parameter():
+    run = failing("errors.py", 2, 1, ["--case", "allreduce_convert"])
+    assert re.search(r"worker \d \(rank \d on [^)]*\): TypeError: .*parameter '\d\.(weight|bias)' "
+                     r"became a torch\.float64 tensor", run.output), run.output
+
+
+def test_two_open_optimizers_over_one_parameter_are_refused():
+    run = failing("errors.py", 2, 1, ["--case", "shared_two_opts"])
+    for w in range(2):
+        assert re.search(rf"worker {w} \(rank {w} on [^)]*\).*ConfigError.*parameter "
+                         r"'0\.weight' is held by SyncReplicasOptimizer #0 too", run.output), \
+            run.output

@@ -12,7 +12,7 @@ import torch
 from mpi4py import MPI
 
 import mpisync
-from mpisync.channels import DenseChannel
+from mpisync.channels import DenseChannel, ReplicatedChannel
 from mpisync.errors import PeerError, StallError
 from mpisync.progress import SPIN_DEDICATED, SPIN_SHARED, Poller, spin_seconds
 from mpisync.ps.loop import Job
@@ -208,3 +208,10 @@ def test_one_process_plays_worker_ps_and_coordinator():
     finally:
         ps.join(10)
         comm.Free()
+
+
+def test_tensors_of_any_dtype_and_shape_broadcast_from_the_chief():
+    """bfloat16 and 0-dim parameters (a logit scale) go through the set-up broadcast."""
+    tensors = [torch.ones(3, dtype=torch.bfloat16), torch.tensor(0.5), torch.ones(2, 3).t()]
+    ReplicatedChannel(MPI.COMM_SELF, tensors).setup()
+    assert tensors[0].dtype == torch.bfloat16 and tensors[1].item() == 0.5

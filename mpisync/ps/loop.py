@@ -194,4 +194,9 @@ def serve(cluster) -> dict | list[dict]:
 
 
 def _describe(jobs: dict) -> str:
-    return "; ".join(job.describe_wait() for job in jobs.values())
+    text = "; ".join(job.describe_wait() for job in jobs.values())
+    if any(job.spec.dense == "allreduce" for job in jobs.values()):
+        text += (" (dense='allreduce': a worker that computes this long may wait in an "
+                 "allreduce that another worker never joined: every worker must run as many "
+                 "backward passes between two steps, and stop at the same step)")
+    return text

@@ -31,6 +31,8 @@ class Case:
     micro: int = 1                   # backward passes per step (gradient accumulation)
     zero: str = "none"               # zero_grad(set_to_none=True), or "zeros"
     restore_at: int | None = None    # state_dict() after this step, loaded into a new job
+    unfreeze_at: int | None = None   # the body is frozen when wrapped, trained from this step
+    plateau: bool = False            # ReduceLROnPlateau stepped with each worker's own loss
     sync: dict = field(default_factory=dict)
     steps: int = STEPS
 
@@ -50,6 +52,10 @@ CASES = [
     Case("restore-adam-ema", restore_at=2, sync={"ema_decay": 0.8}),
     Case("restore-table", model="table", restore_at=3),
     Case("sum-reduction", optimizer="sgd", sync={"reduction": "sum"}),
+    Case("unfreeze-later", optimizer="sgd", unfreeze_at=2),
+    Case("table-only-micro-batches", model="table-branch", micro=2),
+    Case("plateau-on-own-loss", plateau=True),
+    Case("scalar-parameter", model="scalar", optimizer="sgd", zero="zeros"),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
@@ -66,6 +72,8 @@ class Net(torch.nn.Module):
         self.body = torch.nn.Linear(width, 8).to(torch.float32 if kind == "mixed" else F64)
         self.head = torch.nn.Linear(8, 3).to(F64)
         self.extra = torch.nn.Parameter(torch.full((3,), 0.25, dtype=F64))
+        if kind == "scalar":
+            self.scale = torch.nn.Parameter(torch.tensor(0.5, dtype=F64))
         self.emb = None
         if kind.startswith("table"):
             w = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3), dtype=F64)
@@ -90,10 +98,14 @@ class Net(torch.nn.Module):
         out = self.head(h)
         if self.kind == "branch" and worker == 0 and t % 2:
             out = out + self.extra
+        if self.kind == "scalar":
+            out = out * self.scale.exp()        # CLIP's logit_scale: a 0-dim parameter
         return out
 
 
 def make_optimizer(case: Case, m: Net) -> torch.optim.Optimizer:
+    if case.unfreeze_at is not None:
+        m.body.requires_grad_(False)         # frozen now, in the group all the same
     if case.optimizer == "sgd":
         return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     return torch.optim.Adam(m.parameters(), lr=0.02)
@@ -128,11 +140,17 @@ def reference(case: Case) -> dict:
     decay = case.sync.get("ema_decay")
     avg = {n: p.detach().clone() for n, p in m.named_parameters()}
     scale = 1.0 if case.sync.get("reduction") == "sum" else 1.0 / WORKERS
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5) \
+        if case.plateau else None
     for t in range(case.steps):
+        if t == case.unfreeze_at:
+            m.body.requires_grad_(True)
         opt.zero_grad(set_to_none=case.zero == "none")
+        chief_loss = 0.0
         for w in range(WORKERS):
             for loss in micro_losses(case, m, w, t, x, y, ids):
                 (loss * scale).backward()
+                chief_loss += loss.item() if w == 0 else 0.0
         if case.clip:
             torch.nn.utils.clip_grad_norm_(dense_params(m), case.clip)
         opt.step()
@@ -141,6 +159,8 @@ def reference(case: Case) -> dict:
             d = min(decay, (1 + n_t) / (10 + n_t)) if case.sync.get("ema_num_updates") else decay
             for n, p in m.named_parameters():
                 avg[n].lerp_(p.detach(), 1.0 - d)
+        if plateau is not None:
+            plateau.step(chief_loss)         # the chief's values are the ones applied
     out = dict(snapshot(m, opt), table=table_of(m))
     if decay is not None:
         out["averages"] = {n: v.tolist() for n, v in avg.items() if not n.startswith("emb")}
@@ -176,8 +196,12 @@ def train(cluster, case: Case, extra: dict) -> dict:
 
     m = Net(case.model, plain=False)
     opt = wrap(m)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5) \
+        if case.plateau else None
     grads_after_backward = []
     for t in range(case.steps):
+        if t == case.unfreeze_at:
+            m.body.requires_grad_(True)
         if case.restore_at is not None and t == case.restore_at:
             saved, model_state = opt.state_dict(), m.state_dict()
             opt.close()
@@ -186,14 +210,18 @@ def train(cluster, case: Case, extra: dict) -> dict:
             opt = wrap(m)
             opt.load_state_dict(saved)
         opt.zero_grad(set_to_none=case.zero == "none")
+        own_loss = 0.0
         for loss in micro_losses(case, m, w, t, x, y, ids):
             loss.backward()
+            own_loss += loss.item()
         if t == 0:       # what backward left in .grad: the mean over the workers already
             grads_after_backward = [p.grad.tolist() if p.grad is not None else None
                                     for p in dense_params(m)]
         if case.clip:
             torch.nn.utils.clip_grad_norm_(dense_params(m), case.clip)
         opt.step()
+        if plateau is not None:
+            plateau.step(own_loss)           # a metric of this worker's batch alone
     out = snapshot(m, opt)
     if "ema_decay" in case.sync:
         out["averages"] = {n: v.tolist() for n, v in opt.averages().items()

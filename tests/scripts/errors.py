@@ -45,6 +45,8 @@ def train(opt, net, steps: int, w: int) -> None:
             scaler.update()
             continue
         loss.backward()
+        if CASE == "allreduce_convert" and i == 2:
+            net.double()                          # after wrapping: refused by the step
         if CASE == "metric_every_step":          # strict sync: a metric after every step
             opt.step()
             cluster_of(opt).worker_comm.allreduce(loss.item())
@@ -169,6 +171,9 @@ def main() -> None:
     opt = mpisync.SyncReplicasOptimizer(optimizer_for(net, w, cluster),
                                         named_parameters=net.named_parameters(),
                                         **options(w, cluster))
+    if CASE == "shared_two_opts":               # the same parameters, a second optimizer
+        mpisync.SyncReplicasOptimizer(make_optimizer("sgd", net.parameters()),
+                                      named_parameters=net.named_parameters())
     if CASE == "averages_without_ema" and w == 1:
         opt.averages()
     if CASE == "step_in_averaged" and w == 0:
