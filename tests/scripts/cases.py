@@ -8,6 +8,7 @@ per worker with the gradients averaged and the buffers handled as mpisync's
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -89,11 +90,12 @@ class ScaledSGD(torch.optim.SGD):
 
 
 def sgd(lr=0.1, **kw):
-    return lambda m: torch.optim.SGD(m.parameters(), lr=lr, **kw)
+    # a copy per optimizer: schedulers write tensor hyper-parameters in place
+    return lambda m: torch.optim.SGD(m.parameters(), **copy.deepcopy(dict(kw, lr=lr)))
 
 
 def adam(lr=0.01, **kw):
-    return lambda m: torch.optim.Adam(m.parameters(), lr=lr, **kw)
+    return lambda m: torch.optim.Adam(m.parameters(), **copy.deepcopy(dict(kw, lr=lr)))
 
 
 def two_groups(m):
