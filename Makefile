@@ -105,6 +105,36 @@ lint: venv
 bench: venv
 	$(VPY) -m mpisync.launch --workers 2 --ps 1 -- $(VPY) benchmarks/step_bench.py
 
+# TorchRec as a peer for the recommender-scale benchmark (benchmarks/README.md), in its own
+# virtualenv so that neither `make test` nor CI ever installs it. The versions are pinned
+# together: torchrec 1.8.0 without its dependencies (it asks for the CUDA fbgemm-gpu; pip
+# then says that one is missing, which is expected), the CPU build of fbgemm 1.8.0, and
+# torchmetrics 1.0.3 (newer pairs fail to load against torch 2.13). torch is named again
+# with the rest so that pip never upgrades it.
+.PHONY: venv-peers bench-recsys
+PEERS_VENV ?= .venv-peers
+PEERS_PY := $(PEERS_VENV)/bin/python
+PEERS_STAMP := $(PEERS_VENV)/.installed
+venv-peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP):
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PY) -m pip install "$(TORCH_SPEC)"
+	$(PEERS_PY) -m pip install "$(TORCH_SPEC)" "fbgemm-gpu-cpu==1.8.0"
+	$(PEERS_PY) -m pip install --no-deps "torchrec==1.8.0"
+	$(PEERS_PY) -m pip install "$(TORCH_SPEC)" tensordict tqdm pyre-extensions \
+	"torchmetrics==1.0.3"
+	$(PEERS_PY) -c "import torch, fbgemm_gpu, torchrec; \
+	from torchrec.distributed.model_parallel import DistributedModelParallel; \
+	print('torch', torch.__version__, 'fbgemm_gpu', fbgemm_gpu.__version__, \
+	'torchrec', torchrec.__version__)"
+	touch $@
+
+# mpisync (2 workers + 1 and + 2 ps), one process and, when .venv-peers exists, TorchRec:
+# one JSON summary on the last line (one round: 1-4 minutes on 2 cores).
+bench-recsys: venv
+	$(VPY) benchmarks/recsys_bench.py --all
+
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
