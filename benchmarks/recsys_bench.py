@@ -204,21 +204,10 @@ def train_mpisync(cluster, args) -> dict:
             profiled = timer.snapshot()
         ids_np, labels_np = draw(rng, args.rows, args.batch)
         ids, labels = torch.from_numpy(ids_np), torch.from_numpy(labels_np)
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        pooled = emb(ids)
-        t1 = time.perf_counter()
-        loss = loss_fn(head(pooled).squeeze(1), labels)
-        t2 = time.perf_counter()
-        loss.backward()
-        t3 = time.perf_counter()
-        opt.step()
-        t4 = time.perf_counter()
+        end = timed_step(opt, emb, head, loss_fn, ids, labels,
+                         phases if i >= args.warmup else None)
         if i == 0:
-            first_step_s = t4 - start
-        if i >= args.warmup:
-            for name, seconds in zip(PHASES, (t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                phases[name].append(seconds)
+            first_step_s = end - start
         if i >= args.warmup - 1:                 # the last warm-up step: for the check
             u = np.unique(ids_np)
             unique.append(len(u))
@@ -232,6 +221,27 @@ def train_mpisync(cluster, args) -> dict:
                 before["token_wait_s"] if before else 0.0)) * 1e3 / args.steps, 2),
             "profile_ms_per_step": profile,
             "setup_s": round(first_step_s, 2), "global_step": after["global_step"]}
+
+
+def timed_step(opt, emb, head, loss_fn, ids, labels, phases: dict | None) -> float:
+    """One training step; each phase's seconds appended to ``phases`` (if given).
+
+    Returns the clock at the step's end.
+    """
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    pooled = emb(ids)
+    t1 = time.perf_counter()
+    loss = loss_fn(head(pooled).squeeze(1), labels)
+    t2 = time.perf_counter()
+    loss.backward()
+    t3 = time.perf_counter()
+    opt.step()
+    t4 = time.perf_counter()
+    if phases is not None:
+        for name, seconds in zip(PHASES, (t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            phases[name].append(seconds)
+    return t4
 
 
 def summarise_phases(phases: dict) -> dict:
@@ -332,21 +342,10 @@ def run_local(args) -> None:
         drawn = [draw(rng, args.rows, args.batch) for rng in rngs]
         ids = torch.from_numpy(np.concatenate([d[0] for d in drawn]))
         labels = torch.from_numpy(np.concatenate([d[1] for d in drawn]))
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        pooled = emb(ids)
-        t1 = time.perf_counter()
-        loss = loss_fn(head(pooled).squeeze(1), labels)
-        t2 = time.perf_counter()
-        loss.backward()
-        t3 = time.perf_counter()
-        opt.step()
-        t4 = time.perf_counter()
+        end = timed_step(opt, emb, head, loss_fn, ids, labels,
+                         phases if i >= args.warmup else None)
         if i == 0:
-            first_step_s = t4 - start
-        if i >= args.warmup:
-            for name, seconds in zip(PHASES, (t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                phases[name].append(seconds)
+            first_step_s = end - start
     result = {
         "kind": "local", "rows": args.rows, "dim": DIM, "bag": BAG,
         "batch": args.batch * args.workers, "steps": args.steps, "warmup": args.warmup,
