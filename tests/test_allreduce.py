@@ -99,7 +99,8 @@ def test_the_cases_are_not_vacuous():
     plain, clipped = reference(BY_NAME["adam"]), reference(BY_NAME["clip-after-backward"])
     assert max_diff(plain["params"], clipped["params"]) > 1e-3
     table = reference(BY_NAME["table-adam"])
-    assert table["table"] and max_diff(table["table"], reference(BY_NAME["table-adam"])["table"]) == 0
+    initial = Net("table", plain=True).emb.weight.tolist()
+    assert max_diff(table["table"], initial) > 1e-3          # the table trains
     branch = reference(BY_NAME["branch-on-one-worker"])
     assert branch["params"]["extra"] != [0.25, 0.25, 0.25]
     no_branch = reference(BY_NAME["table-branch-one-worker"])
