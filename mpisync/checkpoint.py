@@ -34,6 +34,7 @@ from collections.abc import Iterator
 import torch
 from torch.serialization import _open_zipfile_writer
 
+from . import reshard
 from .errors import ConfigError
 from .state import check_state
 
@@ -296,14 +297,9 @@ def _check_tables(ck: dict, opt) -> str | None:
     if set(mine) != set(saved):
         return f"the checkpoint has tables {sorted(saved)}, this optimizer {sorted(mine)}"
     for name, t in mine.items():
-        s = saved[name]
-        if s["num_rows"] != t.num_rows or list(s["row_shape"]) != list(t.row_shape):
-            return (f"table {name!r} was saved with {s['num_rows']} rows of "
-                    f"{list(s['row_shape'])}, this one has {t.num_rows} rows of "
-                    f"{list(t.row_shape)}")
-        rows = sum(len(sh["ids"]) for sh in s["shards"])
-        if rows != t.num_rows:
-            return f"table {name!r} in the checkpoint holds {rows} rows of {t.num_rows}"
+        problem = reshard.check_table(saved[name], t)
+        if problem:
+            return problem
     return None
 
 
@@ -359,30 +355,20 @@ def _without_tables(state: dict) -> dict:
 
 
 def _place_tables(saved: dict, opt) -> None:
-    """Each table shard of this job, gathered from the saved shards (any partitioning)."""
+    """Each table shard of this job, built from the saved shards (any partitioning).
+
+    On the chief, one new shard at a time: see ``mpisync.reshard`` for how rows and
+    their optimizer state move and what is held meanwhile.
+    """
     for t in opt._spec.tables:
         if not t.resident:
             continue
-        shards = saved[t.name]["shards"]
-        located = [t.locate(sh["ids"]) for sh in shards]    # this job's (shard, row)
+        table = saved[t.name]
+        from_shards, _ = reshard.sources(table, t)
         for k in range(t.num_shards):
-            weight = torch.empty(t.shard_rows[k], *t.row_shape, dtype=t.dtype)
-            state: dict = {}
-            for sh, (part, row) in zip(shards, located):
-                mine = (part == k).nonzero().flatten()
-                if not len(mine):
-                    continue
-                rows = row[mine]
-                weight[rows] = sh["weight"][mine].to(t.dtype)
-                for key, value in (sh.get("state") or {}).items():
-                    if torch.is_tensor(value) and value.dim() and len(value) == len(sh["ids"]):
-                        if key not in state:
-                            state[key] = torch.zeros(t.shard_rows[k], *value.shape[1:],
-                                                     dtype=value.dtype)
-                        state[key][rows] = value[mine]
-                    elif key not in state:
-                        state[key] = value.clone() if torch.is_tensor(value) else value
-            opt._rows.write_shard(t.name, k, weight, state or None)
+            weight, state = reshard.new_shard(table, t, k, from_shards[k])
+            opt._rows.write_shard(t.name, k, weight, state)
+            del weight, state             # one new shard in memory at a time
 
 
 # -- periodic checkpoints ------------------------------------------------------------------
