@@ -31,7 +31,7 @@ from .spec import (
 )
 from .state import check_state, merge_units, split_state, split_units
 from .stepclock import for_worker
-from .tracking import WriteTracker
+from .tracking import WriteTracker, was_rebound
 from .wire import FLAG_SCHEDULED, Kind, Tag
 
 __all__ = ["SyncReplicasOptimizer"]
@@ -624,6 +624,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                     self._rows.write_shard(name, k, shard["weight"], shard.get("state"))
         written = self._tracker.written()    # model.load_state_dict() just before: kept
         kept = [self._dense.pviews[i].clone() for i in written]
+        kept_rows = [(t.param, t.param.detach().clone()) for t in self._rows.tables
+                     if t.info is None and (t.param._version != t.version or was_rebound(t.param))]
         self._request(Kind.LOAD, payload)
         err = self._answer(self.cluster.coordinator_rank, "ps 0's answer to load_state_dict")
         if err is not None:
@@ -632,6 +634,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for i, value in zip(written, kept):
                 self._dense.pviews[i].copy_(value)
+            for p, value in kept_rows:       # a write again: sent whole with the next step
+                p.copy_(value)
         self._tracker.mark(written)          # they travel with the next step
         self._mpisync_schedules.rebase(self.global_step)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TrackedParameter", "WriteTracker", "rebound"]
+__all__ = ["TrackedParameter", "WriteTracker", "rebound", "was_rebound"]
 
 _set_data = torch._C.TensorBase.data.__set__
 _rebound: set[int] = set()      # ids of tracked parameters given a new tensor by `p.data = x`
@@ -15,6 +15,11 @@ def rebound(p: torch.Tensor) -> bool:
         _rebound.discard(id(p))
         return True
     return False
+
+
+def was_rebound(p: torch.Tensor) -> bool:
+    """Whether ``p`` was given a new tensor and ``rebound`` was not asked since."""
+    return id(p) in _rebound
 
 
 class TrackedParameter(torch.nn.Parameter):
