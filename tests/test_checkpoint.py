@@ -16,9 +16,12 @@ import torch
 from mpi_helpers import SCRIPTS, failing, run_mpi
 
 sys.path.insert(0, str(SCRIPTS))
+import tables_reshard as rs
 from resume import KILL_AT, STEPS, WORKERS, Net, batch
 
 import mpisync
+from mpisync import partition, reshard
+from mpisync.tables import TableSpec
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +153,146 @@ def test_latest_passes_over_a_cut_file(tmp_path):
     torch.save({"x": 1}, tmp_path / "ckpt-000000004.pt")
     assert mpisync.latest(tmp_path) == str(tmp_path / "ckpt-000000004.pt")
     assert mpisync.latest(tmp_path / "missing") is None
+
+
+# -- tables and their optimizer state into another partitioning ------------------------------
+# shards of each case's table at save (1 ps rank) and at load with 2 and 3 ps ranks
+RESHARD_SHARDS = {"adagrad-mod": (1, 2, 3), "adagrad-fixed-div": (2, 5, 5),
+                  "sparse-adam-div-mod": (3, 2, 3), "bag-adam-axis-size": (1, 4, 4),
+                  "sparse-embedding-adagrad": (2, 3, 3)}
+
+
+@pytest.fixture(scope="module")
+def saved_at_one_ps(tmp_path_factory):
+    d = tmp_path_factory.mktemp("reshard")
+    run = run_mpi("tables_reshard.py", rs.WORKERS, 1, ["save", str(d), *rs.BY_NAME],
+                  timeout=180)
+    return run.assert_every_case_ran(rs.BY_NAME, rs.WORKERS, lambda _: rs.K), d
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def loaded(request, saved_at_one_ps):
+    """One job per layout: every case restored and unbroken; at 3 ps, a shape mismatch."""
+    _, d = saved_at_one_ps
+    shape = ["shape:adagrad-mod"] if request.param == 3 else []
+    run = run_mpi("tables_reshard.py", rs.WORKERS, request.param,
+                  ["load", str(d), *rs.BY_NAME, *shape], timeout=180)
+    steps = {name: rs.K + rs.M for name in rs.BY_NAME} | {s: 0 for s in shape}
+    return request.param, run.assert_every_case_ran(steps, rs.WORKERS, steps.get)
+
+
+@pytest.mark.parametrize("name", list(rs.BY_NAME))
+def test_tables_reshard_and_train_on_bitwise_as_an_unbroken_run(saved_at_one_ps, loaded,
+                                                                 name):
+    saved, _ = saved_at_one_ps
+    ps, by_case = loaded
+    shards = RESHARD_SHARDS[name]
+    assert {r["shards"] for r in saved[name].values()} == {shards[0]}
+    for w, got in by_case[name].items():
+        assert got["loaded_at"] == rs.K, (name, w)
+        unbroken, restored = got["unbroken"], got["restored"]
+        assert unbroken["shards"] == restored["shards"] == shards[ps - 1], (name, w)
+        assert sorted(restored) == sorted(unbroken)
+        assert restored["table_state"], (name, w)          # there is state that moved
+        for key in unbroken:
+            assert restored[key] == unbroken[key], (name, ps, w, key)   # floats exactly
+
+
+def test_a_table_of_another_shape_is_refused_on_every_worker(loaded):
+    ps, by_case = loaded
+    if ps != 3:
+        pytest.skip("the 3-ps job checks it")
+    for w, got in by_case["shape:adagrad-mod"].items():
+        for what, mine in (("rows", "25 rows of \\[4\\]"), ("dim", "24 rows of \\[5\\]")):
+            assert re.search(rf"worker {w} \(rank {w}[^)]*\): mpisync\.load\(\): "
+                             rf".*adagrad-mod\.pt: table 'emb\.weight' was saved with 24 rows "
+                             rf"of \[4\], this one has {mine}", got[what]), got[what]
+            assert got[f"{what}_step"] == 0, (w, what)
+
+
+def _spec(rows: int, n: int, strategy: str, row_shape=(3,)) -> TableSpec:
+    return TableSpec("emb.weight", rows, row_shape, torch.float32, strategy,
+                     tuple(partition.shard_rows(rows, n, strategy)), (0,) * n, True, None, None)
+
+
+def _saved(spec: TableSpec, weight, state_of) -> dict:
+    shards = []
+    for k in range(spec.num_shards):
+        ids = spec.global_ids(k, torch.arange(spec.shard_rows[k]))
+        shards.append({"ids": ids, "weight": weight[ids], "state": state_of(k, ids)})
+    return {"num_rows": spec.num_rows, "row_shape": list(spec.row_shape), "dtype": "float32",
+            "strategy": spec.strategy, "shards": shards}
+
+
+def _whole(saved: dict, spec: TableSpec) -> tuple[torch.Tensor, dict, list]:
+    """The table re-cut into ``spec``'s shards, then assembled: rows, per-row state, scalars."""
+    assert reshard.check_table(saved, spec) is None
+    from_shards, _ = reshard.sources(saved, spec)
+    weight = torch.full((spec.num_rows, *spec.row_shape), float("nan"))
+    rows: dict = {}
+    scalars = []
+    for k in range(spec.num_shards):
+        part, state = reshard.new_shard(saved, spec, k, from_shards[k])
+        ids = spec.global_ids(k, torch.arange(spec.shard_rows[k]))
+        weight[ids] = part
+        for key, value in state.items():
+            if value.dim():
+                rows.setdefault(key, torch.full((spec.num_rows, *value.shape[1:]), -1.0))
+                rows[key][ids] = value
+        scalars.append({key: v for key, v in state.items() if not v.dim()})
+    return weight, rows, scalars
+
+
+@pytest.mark.parametrize("rows", [1, 7, 30])
+def test_every_row_and_its_state_moves_to_its_new_shard(rows):
+    weight = torch.randn(rows, 3)
+    acc, per_row = torch.rand(rows, 3), torch.rand(rows)      # Adagrad-like, row-wise (rows,)
+    layouts = [(n, s) for n in (1, 2, 3, 5) for s in ("mod", "div") if n <= rows]
+    for before in layouts:
+        spec = _spec(rows, *before)
+        saved = _saved(spec, weight, lambda k, ids: {"sum": acc[ids], "row": per_row[ids],
+                                                     "step": torch.tensor(4.0)})
+        for after in layouts:
+            got, state, scalars = _whole(saved, _spec(rows, *after))
+            assert torch.equal(got, weight), (before, after)
+            assert torch.equal(state["sum"], acc) and torch.equal(state["row"], per_row)
+            assert all(s == {"step": torch.tensor(4.0)} for s in scalars)
+
+
+def test_rows_of_a_shard_without_state_start_at_zero():
+    spec = _spec(12, 2, "div")
+    saved = _saved(spec, torch.randn(12, 3),
+                   lambda k, ids: {} if k else {"exp_avg": torch.ones(6, 3),
+                                                "step": torch.tensor(2.0)})
+    _, state, scalars = _whole(saved, _spec(12, 3, "mod"))
+    assert torch.equal(state["exp_avg"], torch.cat([torch.ones(6, 3), torch.zeros(6, 3)]))
+    assert scalars == [{"step": torch.tensor(2.0)}] * 3
+    # the same partitioning: the shard that had none still has none
+    from_shards, _ = reshard.sources(saved, spec)
+    assert reshard.new_shard(saved, spec, 1, from_shards[1])[1] == {}
+
+
+def test_shards_whose_step_counters_differ_do_not_merge():
+    spec = _spec(12, 2, "div")
+    saved = _saved(spec, torch.randn(12, 3),
+                   lambda k, ids: {"exp_avg": torch.ones(len(ids), 3),
+                                   "step": torch.tensor(3.0 + k)})
+    assert reshard.check_table(saved, spec) is None                 # each keeps its own
+    assert reshard.check_table(saved, _spec(12, 4, "div")) is None  # each new shard: one old
+    problem = reshard.check_table(saved, _spec(12, 3, "mod"))
+    assert re.fullmatch(r"table 'emb\.weight': saved shards 0 and 1 hold 'step' = 3\.0 and "
+                        r"4\.0, and rows of both go to shard 0 of this job's 3 \('mod'\); load "
+                        r"it into the partitioning it was saved with \(2 shards, 'div'\), "
+                        r"where each shard keeps its own", problem), problem
+
+
+def test_a_saved_table_of_another_shape_or_with_rows_missing_is_described():
+    spec = _spec(12, 2, "mod")
+    saved = _saved(spec, torch.randn(12, 3), lambda k, ids: {})
+    assert reshard.check_table(saved, _spec(13, 2, "mod")) == (
+        "table 'emb.weight' was saved with 12 rows of [3], this one has 13 rows of [3]")
+    assert "this one has 12 rows of [4]" in reshard.check_table(saved, _spec(12, 2, "mod", (4,)))
+    saved["shards"][1]["ids"] = torch.zeros(6, dtype=torch.int64)    # row 0 7 times, odd never
+    assert reshard.check_table(saved, _spec(12, 3, "div")) == (
+        "table 'emb.weight' in the checkpoint gives shard 0 8 rows, it holds 4: the saved ids "
+        "are not each row once")
