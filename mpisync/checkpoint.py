@@ -304,7 +304,7 @@ def _check_tables(ck: dict, opt) -> str | None:
 
 
 def _check(ck: dict, model, opt) -> str | None:
-    problem = _check_model(ck, model) or _check_tables(ck, opt)
+    problem = _check_tables(ck, opt) or _check_model(ck, model)   # a table by name
     if problem:
         return problem
     order = opt._group_order()
