@@ -296,3 +296,14 @@ def test_a_saved_table_of_another_shape_or_with_rows_missing_is_described():
     assert reshard.check_table(saved, _spec(12, 3, "div")) == (
         "table 'emb.weight' in the checkpoint gives shard 0 8 rows, it holds 4: the saved ids "
         "are not each row once")
+
+
+@pytest.mark.slow
+def test_save_and_load_hold_a_few_shards_not_the_table(tmp_path):
+    """2e6 rows x 16 with Adagrad (244 MiB with its state) in 16 shards, loaded into 32."""
+    run = run_mpi("tables_reshard_memory.py", 2, 2, [str(tmp_path), 2_000_000, 16, 32],
+                  timeout=300)
+    chief = run.by_worker()[0]
+    save_anon, load_anon = chief["save_rise_mb"][0], chief["load_rise_mb"][0]
+    assert save_anon < min(6 * chief["saved_shard_mb"], chief["table_mb"] / 2), chief
+    assert load_anon < min(5 * chief["loaded_shard_mb"], chief["table_mb"] / 4), chief
