@@ -16,6 +16,18 @@ time, never gathered whole in one process. Writes are atomic: a temporary file i
 same directory, fsync, rename, fsync of the directory; an interrupted write leaves the
 previous checkpoint as it was. Loading re-places everything for the job that loads it,
 which may have another number of ps ranks or workers.
+
+Tables reshard: a job with another number of ps ranks, partitioner or partition
+strategy loads them, each row moving to its new shard with its optimizer state
+(``mpisync.reshard`` says how per-row and per-shard state are told apart, and when
+per-shard state that disagrees refuses the load). Sparse ``nn.Embedding`` weights are
+whole in ``"model"`` and their state in ``"optimizer"``, re-cut like any parameter's.
+
+Memory for tables, on the chief (no other worker touches them): saving holds one shard
+at a time (received, unpickled, written: about 4 times one saved shard with its state
+at the peak); loading maps the file and builds one new shard at a time (about 3 times
+one new shard with its state, plus the file's pages, which the kernel may drop). A ps
+rank holds its shards and about two copies of the one it sends or receives.
 """
 from __future__ import annotations
 
