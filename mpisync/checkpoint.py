@@ -8,6 +8,8 @@ reads it without mpisync. It holds a dict::
      "optimizer": opt.state_dict(tables=False),   # torch's schema + "mpisync" entry
      "tables": {name: {"num_rows", "row_shape", "dtype", "strategy",
                        "shards": [{"ids", "weight", "state"}, ...]}},
+     # a HashEmbedding's shards ("strategy": "hash") hold the rows they had, by id, and
+     # "counters": {"count", "last"} per row and the shard's "clock"
      "table_index": {name: the table's number in the optimizer's state},
      "extra": the user's extra, "workers": W, "ps": P, "mpisync_version": str}
 
@@ -15,7 +17,8 @@ Embedding tables that live on the ps ranks are streamed into the file one shard 
 time, never gathered whole in one process. Writes are atomic: a temporary file in the
 same directory, fsync, rename, fsync of the directory; an interrupted write leaves the
 previous checkpoint as it was. Loading re-places everything for the job that loads it,
-which may have another number of ps ranks or workers.
+which may have another number of ps ranks or workers; hash tables' rows are re-hashed
+into the loading job's shards, with their optimizer state and counts.
 """
 from __future__ import annotations
 
@@ -171,6 +174,9 @@ def _tables_streamed(opt, w: _Writer) -> dict:
             shards.append({"ids": w.tensor(shard["ids"]), "weight": w.tensor(shard["weight"]),
                            "state": {k: w.tensor(v) if torch.is_tensor(v) else v
                                      for k, v in (shard.get("state") or {}).items()}})
+            if "counters" in shard:       # a hash shard: its rows' sighting counts, recency
+                shards[-1]["counters"] = {k: w.tensor(v) if torch.is_tensor(v) else v
+                                          for k, v in shard["counters"].items()}
             del shard                     # one shard in memory at a time
         out[t.name] = {"num_rows": t.num_rows, "row_shape": list(t.row_shape),
                        "dtype": str(t.dtype).removeprefix("torch."), "strategy": t.strategy,
@@ -297,6 +303,23 @@ def _check_tables(ck: dict, opt) -> str | None:
         return f"the checkpoint has tables {sorted(saved)}, this optimizer {sorted(mine)}"
     for name, t in mine.items():
         s = saved[name]
+        if (s["strategy"] == "hash") != (t.hashed is not None):
+            return (f"table {name!r} was saved as a {s['strategy']!r} table, this one is a "
+                    f"{t.strategy!r} table")
+        if t.hashed is not None:
+            if list(s["row_shape"]) != list(t.row_shape):
+                return (f"hash table {name!r} was saved with rows of {list(s['row_shape'])}, "
+                        f"this one has rows of {list(t.row_shape)}")
+            counts = [0] * t.num_shards     # any number of rows, re-hashed on load
+            for sh in s["shards"]:
+                for k, c in enumerate(torch.bincount(t.locate(sh["ids"])[0],
+                                                     minlength=t.num_shards).tolist()):
+                    counts[k] += c
+            if max(counts) > t.hashed.capacity:
+                return (f"hash table {name!r}: the checkpoint has {max(counts)} rows for shard "
+                        f"{counts.index(max(counts))} of {t.num_shards}, more than its "
+                        f"capacity_per_shard={t.hashed.capacity}")
+            continue
         if s["num_rows"] != t.num_rows or list(s["row_shape"]) != list(t.row_shape):
             return (f"table {name!r} was saved with {s['num_rows']} rows of "
                     f"{list(s['row_shape'])}, this one has {t.num_rows} rows of "
@@ -361,6 +384,9 @@ def _without_tables(state: dict) -> dict:
 def _place_tables(saved: dict, opt) -> None:
     """Each table shard of this job, gathered from the saved shards (any partitioning)."""
     for t in opt._spec.tables:
+        if t.hashed is not None:
+            _place_hash_table(saved[t.name]["shards"], t, opt)
+            continue
         if not t.resident:
             continue
         shards = saved[t.name]["shards"]
@@ -383,6 +409,35 @@ def _place_tables(saved: dict, opt) -> None:
                     elif key not in state:
                         state[key] = value.clone() if torch.is_tensor(value) else value
             opt._rows.write_shard(t.name, k, weight, state or None)
+
+
+def _place_hash_table(shards: list[dict], t, opt) -> None:
+    """Each shard of a hash table: the saved rows whose ids hash to it, with their state."""
+    located = [t.locate(sh["ids"])[0] for sh in shards]
+    clock = max([int((sh.get("counters") or {}).get("clock", 0)) for sh in shards] + [0])
+    for k in range(t.num_shards):
+        picked = [(sh, (part == k).nonzero().flatten()) for sh, part in zip(shards, located)]
+        ids, weight, count, last, per_row, scalars = [], [], [], [], {}, {}
+        for sh, mine in picked:
+            counters = sh.get("counters") or {}
+            size = len(sh["ids"])
+            ids.append(sh["ids"][mine])
+            weight.append(sh["weight"][mine])
+            count.append(counters["count"][mine] if "count" in counters
+                         else torch.ones(len(mine), dtype=torch.int64))
+            last.append(counters["last"][mine] if "last" in counters
+                        else torch.zeros(len(mine), dtype=torch.int64))
+            for key, value in (sh.get("state") or {}).items():
+                if torch.is_tensor(value) and value.dim() and len(value) == size:
+                    per_row.setdefault(key, []).append(value[mine])
+                else:
+                    scalars.setdefault(key, value)
+        state = {key: torch.cat(values) for key, values in per_row.items()}
+        state.update(scalars)
+        opt._rows.write_shard(t.name, k, None, {
+            "ids": torch.cat(ids), "weight": torch.cat(weight),
+            "counters": {"count": torch.cat(count), "last": torch.cat(last), "clock": clock},
+            "state": state if any(sh.get("state") for sh in shards) else None})
 
 
 # -- periodic checkpoints ------------------------------------------------------------------
@@ -483,6 +538,8 @@ class Checkpointer:
 # -- one process ---------------------------------------------------------------------------
 def _tables_whole(tables: dict) -> Iterator[tuple[str, torch.Tensor, dict]]:
     for name, t in tables.items():
+        if t["strategy"] == "hash":
+            continue                      # rows by id, no dense form
         shards = t["shards"]
         num_rows = t["num_rows"]
         dtype = getattr(torch, t["dtype"])
