@@ -230,7 +230,8 @@ class SlotMap:
                ) -> np.ndarray:
         """Hold exactly ``ids`` (unique), in slots ``0..len(ids)-1``; returns those slots.
 
-        Candidates are forgotten and the counters start again (``live`` rows admitted).
+        Candidates are forgotten and the counters start again: ``admitted`` is the rows
+        given, ``evicted`` zero.
         """
         ids = np.asarray(ids, np.int64)
         if len(ids) > self.capacity:
@@ -246,6 +247,7 @@ class SlotMap:
         self.count[:n], self.last[:n] = count, last
         self.keys, self.key_slot = ids[order], slots[order]
         self.clock = max(int(clock), int(np.max(last)) if n else 0)
+        self.admitted = n
         return slots
 
     def stats(self) -> dict[str, int]:

@@ -91,8 +91,8 @@ def loss_of(case: Case, emb, lin, ids, y):
 
 def build(case: Case) -> torch.nn.ModuleDict:
     part = None if case.shards is None else mpisync.fixed_size(case.shards)
-    kw = dict(capacity_per_shard=case.capacity, eviction=case.eviction,
-              admit_after=case.admit_after, seed=3, partitioner=part)
+    kw = {"capacity_per_shard": case.capacity, "eviction": case.eviction,
+          "admit_after": case.admit_after, "seed": 3, "partitioner": part}
     emb = (mpisync.HashEmbeddingBag(DIM, mode="mean", **kw) if case.bag
            else mpisync.HashEmbedding(DIM, **kw))
     model = torch.nn.ModuleDict({"emb": emb, "head": head(case)})
@@ -192,7 +192,8 @@ def simulate(case: Case) -> dict:
         leaf = torch.stack([rows.get(i, torch.zeros(DIM)) for i in unique.tolist()])
         leaf.requires_grad_(True)
         opt.zero_grad()
-        loss = loss_of(case, lambda _: leaf[inverse], lin, ids, y) / WORKERS
+        loss = loss_of(case, lambda _, leaf=leaf, inverse=inverse: leaf[inverse], lin, ids,
+                       y) / WORKERS
         loss.backward()
         opt.step()
         for m, i in enumerate(unique.tolist()):
