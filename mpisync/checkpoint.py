@@ -38,6 +38,7 @@ import torch
 from torch.serialization import _open_zipfile_writer
 
 from .errors import ConfigError
+from .hashtables import check_saved_hash_table, place_hash_table
 from .state import check_state
 
 __all__ = ["FORMAT", "VERSION", "Checkpointer", "latest", "load", "plain_state", "save"]
@@ -307,19 +308,10 @@ def _check_tables(ck: dict, opt) -> str | None:
             return (f"table {name!r} was saved as a {s['strategy']!r} table, this one is a "
                     f"{t.strategy!r} table")
         if t.hashed is not None:
-            if list(s["row_shape"]) != list(t.row_shape):
-                return (f"hash table {name!r} was saved with rows of {list(s['row_shape'])}, "
-                        f"this one has rows of {list(t.row_shape)}")
-            counts = [0] * t.num_shards     # any number of rows, re-hashed on load
-            for sh in s["shards"]:
-                for k, c in enumerate(torch.bincount(t.locate(sh["ids"])[0],
-                                                     minlength=t.num_shards).tolist()):
-                    counts[k] += c
-            if max(counts) > t.hashed.capacity:
-                return (f"hash table {name!r}: the checkpoint has {max(counts)} rows for shard "
-                        f"{counts.index(max(counts))} of {t.num_shards}, more than its "
-                        f"capacity_per_shard={t.hashed.capacity}")
-            continue
+            problem = check_saved_hash_table(s, t)
+            if problem:
+                return problem
+            continue                      # any number of rows, re-hashed on load
         if s["num_rows"] != t.num_rows or list(s["row_shape"]) != list(t.row_shape):
             return (f"table {name!r} was saved with {s['num_rows']} rows of "
                     f"{list(s['row_shape'])}, this one has {t.num_rows} rows of "
@@ -385,7 +377,7 @@ def _place_tables(saved: dict, opt) -> None:
     """Each table shard of this job, gathered from the saved shards (any partitioning)."""
     for t in opt._spec.tables:
         if t.hashed is not None:
-            _place_hash_table(saved[t.name]["shards"], t, opt)
+            place_hash_table(saved[t.name]["shards"], t, opt._rows)
             continue
         if not t.resident:
             continue
@@ -409,35 +401,6 @@ def _place_tables(saved: dict, opt) -> None:
                     elif key not in state:
                         state[key] = value.clone() if torch.is_tensor(value) else value
             opt._rows.write_shard(t.name, k, weight, state or None)
-
-
-def _place_hash_table(shards: list[dict], t, opt) -> None:
-    """Each shard of a hash table: the saved rows whose ids hash to it, with their state."""
-    located = [t.locate(sh["ids"])[0] for sh in shards]
-    clock = max([int((sh.get("counters") or {}).get("clock", 0)) for sh in shards] + [0])
-    for k in range(t.num_shards):
-        picked = [(sh, (part == k).nonzero().flatten()) for sh, part in zip(shards, located)]
-        ids, weight, count, last, per_row, scalars = [], [], [], [], {}, {}
-        for sh, mine in picked:
-            counters = sh.get("counters") or {}
-            size = len(sh["ids"])
-            ids.append(sh["ids"][mine])
-            weight.append(sh["weight"][mine])
-            count.append(counters["count"][mine] if "count" in counters
-                         else torch.ones(len(mine), dtype=torch.int64))
-            last.append(counters["last"][mine] if "last" in counters
-                        else torch.zeros(len(mine), dtype=torch.int64))
-            for key, value in (sh.get("state") or {}).items():
-                if torch.is_tensor(value) and value.dim() and len(value) == size:
-                    per_row.setdefault(key, []).append(value[mine])
-                else:
-                    scalars.setdefault(key, value)
-        state = {key: torch.cat(values) for key, values in per_row.items()}
-        state.update(scalars)
-        opt._rows.write_shard(t.name, k, None, {
-            "ids": torch.cat(ids), "weight": torch.cat(weight),
-            "counters": {"count": torch.cat(count), "last": torch.cat(last), "clock": clock},
-            "state": state if any(sh.get("state") for sh in shards) else None})
 
 
 # -- periodic checkpoints ------------------------------------------------------------------

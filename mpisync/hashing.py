@@ -6,8 +6,9 @@ shard an id lives in) and the ps ranks (which slot of the shard holds it).
 - **The hash.** ``splitmix64`` (Steele, Lea and Flood's SplitMix64 finaliser) of the id
   taken as an unsigned 64-bit integer. It is fixed: the same on every rank, every run
   and every platform. Id ``i`` lives in shard ``splitmix64(i) % num_shards``.
-- **Initial rows.** Row ``i`` starts at ``N(0, 1)`` values drawn by Box-Muller from two
-  counter-based uniforms per column, ``splitmix64`` of ``(seed, i, column)``: the same
+- **Initial rows.** Row ``i`` starts at ``N(0, 1)`` values drawn by Box-Muller from the
+  two 32-bit halves of a counter-based hash per column, ``splitmix64`` of
+  ``(seed, i, column)``: the same
   ``(seed, id)`` gives the same row whatever the shard count, the rank or the order of
   first use (``initial_rows``).
 - **Slots.** A shard is a dense tensor of ``capacity`` rows; ``SlotMap`` maps the ids it
@@ -77,21 +78,60 @@ def initial_rows(ids, dim: int, seed: int = 0, dtype: torch.dtype = torch.float3
     """The initial rows of ``ids`` (``[len(ids), dim]``, ``N(0, 1)``), a pure function.
 
     Column ``c`` of id ``i``: with ``key = splitmix64(i ^ splitmix64(seed ^ salt))`` and
-    ``h_j = splitmix64(key + j * 0x9E3779B97F4A7C15)``, ``u1 = (h_{2c} >> 11 + 1) / 2**53``
-    and ``u2 = (h_{2c+1} >> 11) / 2**53``, the value is ``sqrt(-2 ln u1) cos(2 pi u2)``
+    ``h = splitmix64(key + c * 0x9E3779B97F4A7C15)``, ``u1 = ((h >> 32) + 1) / 2**32`` and
+    ``u2 = (h & 0xFFFFFFFF) / 2**32``, the value is ``sqrt(-2 ln u1) cos(2 pi u2)``
     computed in float64, then cast to ``dtype``.
     """
     u = _as_u64(ids)
     with np.errstate(over="ignore"):
         salt = splitmix64(np.uint64(seed % (1 << 64)) ^ _SEED_SALT)
         key = splitmix64(u ^ salt)
-        j = np.arange(2 * dim, dtype=np.uint64) * _GOLDEN
+        j = np.arange(dim, dtype=np.uint64) * _GOLDEN
         h = splitmix64(key[:, None] + j[None, :])
-    bits = (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-    u1 = bits[:, 0::2] + 1.0 / (1 << 53)           # (0, 1]: the log is finite
-    u2 = bits[:, 1::2]
-    z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * math.pi * u2)
-    return torch.from_numpy(z).to(dtype)
+    scale = 1.0 / (1 << 32)
+    # through uint32: numpy converts uint64 to float64 slowly
+    u1 = ((h >> np.uint64(32)).astype(np.uint32).astype(np.float64) + 1.0) * scale  # (0, 1]
+    u2 = h.astype(np.uint32).astype(np.float64) * scale       # the low half
+    np.log(u1, out=u1)
+    u1 *= -2.0
+    np.sqrt(u1, out=u1)
+    u2 *= 2.0 * math.pi
+    np.cos(u2, out=u2)
+    u1 *= u2
+    return torch.from_numpy(u1).to(dtype)
+
+
+def _smallest(columns: list[np.ndarray], k: int) -> np.ndarray:
+    """Indices of the ``k`` rows smallest by ``columns`` (compared in order; the last one
+    unique), in no particular order: a partition per column, no full sort."""
+    candidates = np.arange(len(columns[0]))
+    chosen = []
+    for col in columns:
+        if k == 0:
+            break
+        values = col[candidates]
+        if k >= len(candidates):
+            chosen.append(candidates)
+            k = 0
+            break
+        kth = _kth(values, k)
+        below = candidates[values < kth]
+        chosen.append(below)
+        k -= len(below)
+        candidates = candidates[values == kth]
+    if k:
+        chosen.append(candidates[:k])        # only if the last column repeats
+    return np.concatenate(chosen) if chosen else np.empty(0, np.int64)
+
+
+def _kth(values: np.ndarray, k: int):
+    """The ``k``-th smallest of ``values`` (1-based): a histogram for a narrow range of
+    integers (sighting counts, clocks: selection is slow on many equal values)."""
+    lo, hi = int(values.min()), int(values.max())
+    if hi - lo <= 4 * len(values):
+        cumulative = np.cumsum(np.bincount(values - lo))
+        return lo + int(np.searchsorted(cumulative, k))
+    return np.partition(values, k - 1)[k - 1]
 
 
 class SlotMap:
@@ -209,14 +249,13 @@ class SlotMap:
         if need <= 0:
             return free
         held = np.flatnonzero(self.live & (self.last < t))      # not seen by this message
-        if self.eviction == "lru":
-            order = np.lexsort((self.slot_id[held], self.last[held]))
-        else:
-            order = np.lexsort((self.slot_id[held], self.last[held], self.count[held]))
-        victims = held[order[:need]]
+        order = [self.last, self.slot_id]
+        if self.eviction == "lfu":
+            order.insert(0, self.count)
+        victims = held[_smallest([col[held] for col in order], need)]
         self.live[victims] = False
-        keep = ~np.isin(self.keys, self.slot_id[victims], assume_unique=True)
-        self.keys, self.key_slot = self.keys[keep], self.key_slot[keep]
+        gone = np.searchsorted(self.keys, self.slot_id[victims])     # all held
+        self.keys, self.key_slot = np.delete(self.keys, gone), np.delete(self.key_slot, gone)
         self.evicted += need
         return np.concatenate([free, victims])
 

@@ -19,7 +19,8 @@ from . import hashing
 from .errors import CapacityError
 from .tables import TableInfo, TableParameter
 
-__all__ = ["HashEmbedding", "HashEmbeddingBag", "HashTableInfo"]
+__all__ = ["HashEmbedding", "HashEmbeddingBag", "HashTableInfo", "check_saved_hash_table",
+           "place_hash_table"]
 
 
 class HashTableInfo(TableInfo):
@@ -193,3 +194,51 @@ class HashEmbeddingBag(_HashModule):
                                       peek=not self.training)
         return F.embedding_bag(inverse.view(input.shape), rows, offsets, mode=self.mode,
                                per_sample_weights=per_sample_weights)
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+def check_saved_hash_table(saved: dict, t) -> str | None:
+    """What keeps a checkpoint's hash table from loading into ``t`` (its TableSpec), or None."""
+    if list(saved["row_shape"]) != list(t.row_shape):
+        return (f"hash table {t.name!r} was saved with rows of {list(saved['row_shape'])}, "
+                f"this one has rows of {list(t.row_shape)}")
+    counts = [0] * t.num_shards          # any number of rows, re-hashed on load
+    for sh in saved["shards"]:
+        for k, c in enumerate(torch.bincount(t.locate(sh["ids"])[0],
+                                             minlength=t.num_shards).tolist()):
+            counts[k] += c
+    if max(counts) > t.hashed.capacity:
+        return (f"hash table {t.name!r}: the checkpoint has {max(counts)} rows for shard "
+                f"{counts.index(max(counts))} of {t.num_shards}, more than its "
+                f"capacity_per_shard={t.hashed.capacity}")
+    return None
+
+
+def place_hash_table(shards: list[dict], t, rows) -> None:
+    """Send each shard of hash table ``t`` the saved rows whose ids hash to it (with their
+    optimizer state and counts), through the worker's ``RowsChannel`` ``rows``."""
+    located = [t.locate(sh["ids"])[0] for sh in shards]
+    clock = max([int((sh.get("counters") or {}).get("clock", 0)) for sh in shards] + [0])
+    for k in range(t.num_shards):
+        picked = [(sh, (part == k).nonzero().flatten()) for sh, part in zip(shards, located)]
+        ids, weight, count, last, per_row, scalars = [], [], [], [], {}, {}
+        for sh, mine in picked:
+            counters = sh.get("counters") or {}
+            size = len(sh["ids"])
+            ids.append(sh["ids"][mine])
+            weight.append(sh["weight"][mine])
+            count.append(counters["count"][mine] if "count" in counters
+                         else torch.ones(len(mine), dtype=torch.int64))
+            last.append(counters["last"][mine] if "last" in counters
+                        else torch.zeros(len(mine), dtype=torch.int64))
+            for key, value in (sh.get("state") or {}).items():
+                if torch.is_tensor(value) and value.dim() and len(value) == size:
+                    per_row.setdefault(key, []).append(value[mine])
+                else:
+                    scalars.setdefault(key, value)
+        state = {key: torch.cat(values) for key, values in per_row.items()}
+        state.update(scalars)
+        rows.write_shard(t.name, k, None, {
+            "ids": torch.cat(ids), "weight": torch.cat(weight),
+            "counters": {"count": torch.cat(count), "last": torch.cat(last), "clock": clock},
+            "state": state if any(sh.get("state") for sh in shards) else None})

@@ -66,7 +66,8 @@ def _check_same(slots: hashing.SlotMap, ref: ReferenceShard) -> None:
     assert slots.slot_id[got["slots"]].tolist() == got["ids"].tolist()
 
 
-lookups = st.lists(st.lists(st.integers(-6, 6), max_size=6), max_size=25)
+lookups = st.lists(st.lists(st.one_of(st.integers(-6, 6), st.sampled_from([-2**63, 2**62, 2**63 - 1])),
+                            max_size=6), max_size=25)
 
 
 @settings(max_examples=150, deadline=None)
