@@ -1,9 +1,10 @@
 """mpisync: synchronous parameter-server training for PyTorch on MPI."""
 from __future__ import annotations
 
-from . import placement
+from . import hashing, placement
 from .checkpoint import Checkpointer, latest, load, plain_state, save
 from .errors import (
+    CapacityError,
     ClosedError,
     ConfigError,
     DeadlockError,
@@ -13,6 +14,7 @@ from .errors import (
     StallError,
     WorldTooSmallError,
 )
+from .hashtables import HashEmbedding, HashEmbeddingBag
 from .optimizer import SyncReplicasOptimizer
 from .partition import axis_size, fixed_size, min_max
 from .ps_ranks import Cluster, RankLayout, init
@@ -20,6 +22,7 @@ from .tables import Embedding, EmbeddingBag
 from .watch import Progress
 
 __all__ = [
+    "CapacityError",
     "Checkpointer",
     "ClosedError",
     "Cluster",
@@ -27,6 +30,8 @@ __all__ = [
     "DeadlockError",
     "Embedding",
     "EmbeddingBag",
+    "HashEmbedding",
+    "HashEmbeddingBag",
     "ModelMismatchError",
     "PeerError",
     "Progress",
@@ -37,6 +42,7 @@ __all__ = [
     "WorldTooSmallError",
     "axis_size",
     "fixed_size",
+    "hashing",
     "init",
     "latest",
     "load",

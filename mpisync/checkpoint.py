@@ -8,6 +8,8 @@ reads it without mpisync. It holds a dict::
      "optimizer": opt.state_dict(tables=False),   # torch's schema + "mpisync" entry
      "tables": {name: {"num_rows", "row_shape", "dtype", "strategy",
                        "shards": [{"ids", "weight", "state"}, ...]}},
+     # a HashEmbedding's shards ("strategy": "hash") hold the rows they had, by id, and
+     # "counters": {"count", "last"} per row and the shard's "clock"
      "table_index": {name: the table's number in the optimizer's state},
      "extra": the user's extra, "workers": W, "ps": P, "mpisync_version": str}
 
@@ -15,7 +17,8 @@ Embedding tables that live on the ps ranks are streamed into the file one shard 
 time, never gathered whole in one process. Writes are atomic: a temporary file in the
 same directory, fsync, rename, fsync of the directory; an interrupted write leaves the
 previous checkpoint as it was. Loading re-places everything for the job that loads it,
-which may have another number of ps ranks or workers.
+which may have another number of ps ranks or workers; hash tables' rows are re-hashed
+into the loading job's shards, with their optimizer state and counts.
 
 Tables reshard: a job with another number of ps ranks, partitioner or partition
 strategy loads them, each row moving to its new shard with its optimizer state
@@ -48,6 +51,7 @@ from torch.serialization import _open_zipfile_writer
 
 from . import reshard
 from .errors import ConfigError
+from .hashtables import check_saved_hash_table, place_hash_table
 from .state import check_state
 
 __all__ = ["FORMAT", "VERSION", "Checkpointer", "latest", "load", "plain_state", "save"]
@@ -184,6 +188,9 @@ def _tables_streamed(opt, w: _Writer) -> dict:
             shards.append({"ids": w.tensor(shard["ids"]), "weight": w.tensor(shard["weight"]),
                            "state": {k: w.tensor(v) if torch.is_tensor(v) else v
                                      for k, v in (shard.get("state") or {}).items()}})
+            if "counters" in shard:       # a hash shard: its rows' sighting counts, recency
+                shards[-1]["counters"] = {k: w.tensor(v) if torch.is_tensor(v) else v
+                                          for k, v in shard["counters"].items()}
             del shard                     # one shard in memory at a time
         out[t.name] = {"num_rows": t.num_rows, "row_shape": list(t.row_shape),
                        "dtype": str(t.dtype).removeprefix("torch."), "strategy": t.strategy,
@@ -309,7 +316,16 @@ def _check_tables(ck: dict, opt) -> str | None:
     if set(mine) != set(saved):
         return f"the checkpoint has tables {sorted(saved)}, this optimizer {sorted(mine)}"
     for name, t in mine.items():
-        problem = reshard.check_table(saved[name], t)
+        s = saved[name]
+        if (s["strategy"] == "hash") != (t.hashed is not None):
+            return (f"table {name!r} was saved as a {s['strategy']!r} table, this one is a "
+                    f"{t.strategy!r} table")
+        if t.hashed is not None:
+            problem = check_saved_hash_table(s, t)
+            if problem:
+                return problem
+            continue                      # any number of rows, re-hashed on load
+        problem = reshard.check_table(s, t)
         if problem:
             return problem
     return None
@@ -373,6 +389,9 @@ def _place_tables(saved: dict, opt) -> None:
     their optimizer state move and what is held meanwhile.
     """
     for t in opt._spec.tables:
+        if t.hashed is not None:
+            place_hash_table(saved[t.name]["shards"], t, opt._rows)
+            continue
         if not t.resident:
             continue
         table = saved[t.name]
@@ -481,6 +500,8 @@ class Checkpointer:
 # -- one process ---------------------------------------------------------------------------
 def _tables_whole(tables: dict) -> Iterator[tuple[str, torch.Tensor, dict]]:
     for name, t in tables.items():
+        if t["strategy"] == "hash":
+            continue                      # rows by id, no dense form
         shards = t["shards"]
         num_rows = t["num_rows"]
         dtype = getattr(torch, t["dtype"])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "CapacityError",
     "ClosedError",
     "ConfigError",
     "DeadlockError",
@@ -44,6 +45,10 @@ class ModelMismatchError(_Collective, ValueError):
 
 class DeadlockError(_Collective, RuntimeError):
     """No step can complete: workers inside step() wait for workers in a collective."""
+
+
+class CapacityError(ValueError):
+    """One lookup needs more rows on a hash-table shard than ``capacity_per_shard``."""
 
 
 class ClosedError(RuntimeError):

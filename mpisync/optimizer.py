@@ -211,6 +211,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self.global_step = -1
         self._seq = 0
         self._final_stats = None
+        self._hash_stats = None      # hash tables' counts when this worker closed
         self._wait_s = 0.0
         self._steps = 0
         cluster.optimizers.append(self)
@@ -516,8 +517,13 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         for this worker: local_steps, token_wait_s and bytes_per_ps (bytes pushed per step
         to each ps). After ``close()`` they are the job's final figures, the same on every
         worker, without ``per_step`` (reading them waits for the last worker's close;
-        ``cluster.serve()`` returns them with ``per_step``).
+        ``cluster.serve()`` returns them with ``per_step``). With ``mpisync.HashEmbedding``
+        tables, ``hash_tables`` holds each one's ``admitted``, ``evicted`` and ``live`` rows
+        (summed over its shards; after ``close()``, as they were when this worker closed).
         """
+        hashed = self._hash_stats
+        if not self._closed and any(t.hashed is not None for t in self._spec.tables):
+            hashed = self._rows.hash_stats()
         if self._closed:
             if self._final_stats is None:
                 self._final_stats = self._dense.final_stats()
@@ -528,6 +534,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         stats.update(local_steps=self._steps, token_wait_s=self._wait_s,
                      bytes_per_ps=[a + b for a, b in zip(self._dense.bytes_per_ps,
                                                          self._rows.bytes_per_ps)])
+        if hashed is not None:
+            stats["hash_tables"] = hashed
         return stats
 
     def _from_every_ps(self, kind: Kind, describe: str) -> list:
@@ -619,9 +627,13 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             self._load_local_state({n: st for n, st in by_name.items() if n in local})
             self._local_averages.load(extra.get("averages", {}))
         if self.cluster.is_chief:
+            hashed = {t.name for t in self._spec.tables if t.hashed is not None}
             for name, saved in extra.get("tables", {}).items():
                 for k, shard in enumerate(saved["shards"]):
-                    self._rows.write_shard(name, k, shard["weight"], shard.get("state"))
+                    if name in hashed:        # rows by id, with their counts
+                        self._rows.write_shard(name, k, None, shard)
+                    else:
+                        self._rows.write_shard(name, k, shard["weight"], shard.get("state"))
         written = self._tracker.written()    # model.load_state_dict() just before: kept
         kept = [self._dense.pviews[i].clone() for i in written]
         kept_rows = [(t.param, t.param.detach().clone()) for t in self._rows.tables
@@ -715,6 +727,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             warnings.warn(f"{self.cluster.label}: parameters {names} were written after the "
                           f"last step(); the ps ranks keep their values from that step",
                           RuntimeWarning, stacklevel=2)
+        if any(t.hashed is not None for t in self._spec.tables):
+            self._hash_stats = self._rows.hash_stats()
         self._dense.close(self.global_step, self.cluster.worker_index)
         self._rows.close()
         if self._local is not None:

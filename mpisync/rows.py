@@ -90,8 +90,11 @@ class RowsChannel:
                 table.info.weight = None
 
     # -- lookups --------------------------------------------------------------------------
-    def lookup(self, info, unique: torch.Tensor) -> torch.Tensor:
-        """The rows of ``unique`` (sorted unique ids), as a leaf that collects their gradient."""
+    def lookup(self, info, unique: torch.Tensor, peek: bool = False) -> torch.Tensor:
+        """The rows of ``unique`` (sorted unique ids), as a leaf that collects their gradient.
+
+        ``peek``: a hash table reads without counting a sighting (no row admitted).
+        """
         index = next(i for i, tb in enumerate(self.tables) if tb.info is info)
         table = self.tables[index]
         t = table.spec
@@ -107,7 +110,7 @@ class RowsChannel:
                 continue
             parts = [(pieces[k] if i == index else torch.empty(0, dtype=torch.int64), None)
                      for i, k in shards]
-            msg = pack_rows(-1, 0, parts)
+            msg = pack_rows(-1, int(peek), parts)
             reply = np.empty(8 * (3 + len(shards))
                              + sum(_pad8(counts[k] * t.row_bytes) for _, k in mine), np.uint8)
             rank = self.cluster.ps_rank(j)
@@ -253,8 +256,27 @@ class RowsChannel:
         self.comm.send(("read", t.unit(k), with_state), dest=rank, tag=self.tags[Tag.TABLE])
         got = self.poller.wait_message(rank, self.tags[Tag.TABLE],
                                        lambda: f"shard {k} of table {name!r}")
-        got["ids"] = t.global_ids(k, torch.arange(t.shard_rows[k]))
-        return got
+        if t.hashed is None:
+            got["ids"] = t.global_ids(k, torch.arange(t.shard_rows[k]))
+        return got       # a hash shard's ps sends the ids it holds
+
+    def hash_stats(self) -> dict[str, dict[str, int]]:
+        """Admitted, evicted and live rows of each hash table, summed over its shards."""
+        out = {}
+        for table in self.tables:
+            t = table.spec
+            if t.hashed is None:
+                continue
+            total = {"admitted": 0, "evicted": 0, "live": 0}
+            for k, owner in enumerate(t.owners):
+                rank = self.cluster.ps_rank(owner)
+                self.comm.send(("hash_stats", t.unit(k)), dest=rank, tag=self.tags[Tag.TABLE])
+                got = self.poller.wait_message(rank, self.tags[Tag.TABLE],
+                                               lambda k=k, t=t: f"counts of shard {k} of {t.name!r}")
+                for key in total:
+                    total[key] += got[key]
+            out[t.name] = total
+        return out
 
     def write_shard(self, name: str, k: int, weight: torch.Tensor | None, state: dict | None
                     ) -> None:

@@ -14,6 +14,7 @@ from . import placement as placement_mod
 from .accumulate import REDUCTIONS, SPARSE_REDUCTIONS
 from .allreduce import BACKENDS, DEFAULT_BUCKET_BYTES
 from .errors import ConfigError, ModelMismatchError
+from .hashtables import HashTableInfo
 from .hyper import HyperCodec
 from .rebuild import OptimizerRecipe, recipe_of
 from .routes import (
@@ -279,6 +280,9 @@ def _tables(live, frozen, model: Model, partitioner, num_ps: int) -> dict[str, T
             continue
         if name in frozen:    # another optimizer's (or nobody's): left alone, as torch does
             continue
+        if isinstance(info, HashTableInfo):
+            tables[name] = _hash_table(name, info, partitioner, num_ps)
+            continue
         if info is not None:
             if info.weight is not None and tuple(info.weight.shape) != (info.num_rows, info.dim):
                 raise ValueError(f"mpisync.Embedding {name!r}: weight= has shape "
@@ -298,6 +302,15 @@ def _tables(live, frozen, model: Model, partitioner, num_ps: int) -> dict[str, T
                                  tuple(partition.shard_sizes(rows, n)), (), info is not None,
                                  seed, pad)
     return tables
+
+
+def _hash_table(name: str, info: HashTableInfo, partitioner, num_ps: int) -> TableSpec:
+    """An mpisync.HashEmbedding's table: shards of ``capacity`` slots, ids hashed to them."""
+    unbounded = torch.empty(1 << 40, info.dim, dtype=info.dtype, device="meta")
+    n = _shards(info.partitioner or partitioner, name, unbounded, partition.fixed_size(num_ps))
+    capacity = info.hashed.capacity
+    return TableSpec(name, capacity * n, (info.dim,), info.dtype, "hash", (capacity,) * n, (),
+                     True, info.seed, None, info.hashed)
 
 
 #: torch optimizers whose update of a tensor looks at all of it at once (factored moments,
@@ -454,7 +467,7 @@ def setup_summary(spec: JobSpec | None, routes: Routes | None) -> dict[str, str]
             f"{t.num_rows} rows of {list(t.row_shape)} {t.dtype}, shards {list(t.shard_rows)} "
             f"({t.strategy}), " + ("on the ps ranks, " if t.resident else "sparse gradients, ")
             + ("initial values from weight=" if t.seed is None else f"seed {t.seed}")
-            + f", padding_idx {t.padding_idx}")
+            + f", padding_idx {t.padding_idx}" + (f", {t.hashed}" if t.hashed else ""))
     summary["frozen parameters"] = repr(routes.names(REPLICATED))
     for f in ("replicas_to_aggregate", "num_tokens", "reduction", "deterministic",
               "ema_decay", "ema_num_updates", "asynchronous", "max_staleness", "buffer_mode",

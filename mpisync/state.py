@@ -22,6 +22,13 @@ def _check_tables(saved: dict, tables: dict) -> str | None:
                     f"{t.num_rows} rows in {t.num_shards} shards ({t.strategy}); a table loads "
                     f"into the same partitioning")
         for k, shard in enumerate(shards):
+            if t.hashed is not None:        # a hash shard: the rows it held, by id
+                if len(shard["weight"]) > t.shard_rows[k] or \
+                        tuple(shard["weight"].shape[1:]) != t.row_shape:
+                    return (f"shard {k} of hash table {name!r} has shape "
+                            f"{list(shard['weight'].shape)}, expected at most "
+                            f"{[t.shard_rows[k], *t.row_shape]}")
+                continue
             if tuple(shard["weight"].shape) != (t.shard_rows[k], *t.row_shape):
                 return (f"shard {k} of table {name!r} has shape {list(shard['weight'].shape)}, "
                         f"expected {[t.shard_rows[k], *t.row_shape]}")

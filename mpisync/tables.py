@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from . import partition
+from . import hashing, partition
 
 __all__ = ["Embedding", "EmbeddingBag", "TableInfo", "TableParameter", "TableSpec",
            "sparse_modules", "table_info"]
@@ -36,6 +36,7 @@ class TableSpec:
     resident: bool
     seed: int | None
     padding_idx: int | None
+    hashed: hashing.HashSpec | None = None   # an mpisync.HashEmbedding: ids hashed to shards
 
     @property
     def num_shards(self) -> int:
@@ -58,17 +59,23 @@ class TableSpec:
 
     def rows_of(self, k: int) -> str:
         """What rows shard ``k`` holds, for the placement table."""
+        if self.hashed is not None:
+            return f"ids hashed to {k} of {self.num_shards} ({self.shard_rows[k]} slots)"
         if self.strategy == "mod":
             return f"ids = {k} mod {self.num_shards} ({self.shard_rows[k]} rows)"
         start = sum(self.shard_rows[:k])
         return f"{start}:{start + self.shard_rows[k]}"
 
     def locate(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(shard, local row) of each id."""
+        """(shard, local row) of each id (a hash table's local row is the id itself)."""
+        if self.hashed is not None:
+            return hashing.shard_of(ids, self.num_shards), ids
         return partition.map_ids(ids, self.num_rows, self.num_shards, self.strategy)
 
     def global_ids(self, k: int, local: torch.Tensor) -> torch.Tensor:
         """The ids of shard ``k``'s local rows ``local``."""
+        if self.hashed is not None:
+            return local
         return partition.unmap_ids(k, local, self.num_rows, self.num_shards, self.strategy)
 
 

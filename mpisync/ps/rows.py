@@ -13,6 +13,7 @@ from ..progress import Poller
 from ..spec import JobSpec
 from ..tables import TableSpec
 from ..wire import Tag, pack_rows, unpack_rows
+from .hashrows import HashRows
 
 __all__ = ["RowShards", "takes_sparse"]
 
@@ -39,11 +40,12 @@ def takes_sparse(optimizer: torch.optim.Optimizer, group: dict) -> bool:
 class _Unit:
     """One table shard held here."""
 
-    __slots__ = ("k", "param", "spec", "unit")
+    __slots__ = ("hashed", "k", "param", "spec", "unit")
 
-    def __init__(self, spec: TableSpec, k: int, param: torch.nn.Parameter):
+    def __init__(self, spec: TableSpec, k: int, param: torch.nn.Parameter, label: str = ""):
         self.spec, self.k, self.param = spec, k, param
         self.unit = spec.unit(k)
+        self.hashed = None if spec.hashed is None else HashRows(spec, k, param, label)
 
 
 class RowShards:
@@ -72,7 +74,7 @@ class RowShards:
             for k, owner in enumerate(t.owners):
                 if owner == ps_index:
                     rows = torch.zeros(t.shard_rows[k], *t.row_shape, dtype=t.dtype)
-                    self.units.append(_Unit(t, k, torch.nn.Parameter(rows)))
+                    self.units.append(_Unit(t, k, torch.nn.Parameter(rows), label))
         self.kinds = [(u.spec.dtype, u.spec.row_shape) for u in self.units]
         self.replicated = any(not u.spec.resident for u in self.units)   # workers hold them
         self.by_unit = {u.unit: u for u in self.units}
@@ -107,6 +109,8 @@ class RowShards:
         """Rows from the chief (given values), or drawn here from the table's seed."""
         for t in self.spec.tables:       # in the chief's sending order
             for u in [u for u in self.units if u.spec is t]:
+                if u.hashed is not None:
+                    continue            # rows are drawn as their ids are admitted
                 if t.seed is None:
                     data = u.param.detach()
                     req = self.comm.Irecv([data.view(torch.uint8).numpy(), MPI.BYTE],
@@ -181,11 +185,14 @@ class RowShards:
         slot.rows = None
 
     def _answer_lookup(self, buf: np.ndarray, rank: int) -> None:
-        parts = unpack_rows(buf, [None] * len(self.units), with_ids=True)[2]
+        _, peek, parts = unpack_rows(buf, [None] * len(self.units), with_ids=True)
         out = []
         for u, (local, _) in zip(self.units, parts):
             if not len(local):
                 out.append((None, None))
+                continue
+            if u.hashed is not None:
+                out.append((None, u.hashed.lookup(local, bool(peek))))
                 continue
             if int(local.max()) >= u.param.shape[0] or int(local.min()) < 0:
                 raise ProtocolError(f"{self.label}: a lookup of rows outside shard {u.unit}")
@@ -204,6 +211,7 @@ class RowShards:
     # -- applying -------------------------------------------------------------------------
     def set_grads(self, chosen: list, optimizer: torch.optim.Optimizer) -> None:
         """Each shard's gradient from the taken pushes, reduced; remember what will change."""
+        self._hash_slots(chosen, optimizer)
         count = len(chosen)
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         for n, u in enumerate(self.units):
@@ -220,6 +228,14 @@ class RowShards:
             else:
                 u.param.grad = grad.to_dense()
                 self._note(n, True)
+
+    def _hash_slots(self, chosen: list, optimizer) -> None:
+        """Hash shards: ids of the taken rows to slots; fresh slots' optimizer state reset."""
+        for n, u in enumerate(self.units):
+            if u.hashed is not None:
+                u.hashed.settle(optimizer)
+                for s in chosen:
+                    s.rows[n] = u.hashed.to_slots(s.rows[n])
 
     def _note(self, n: int, rows) -> None:
         """Rows of unit ``n`` the step changes: None, a tensor of local ids, or True (all)."""
@@ -268,6 +284,9 @@ class RowShards:
         u = self.by_unit.get(unit)
         if u is None:
             raise ProtocolError(f"{self.label}: a request for table shard {unit!r}, not held here")
+        if u.hashed is not None:
+            self._on_hash_request(u, request, rank, optimizer)
+            return
         state = optimizer.state.get(u.param, {}) if optimizer is not None else {}
         if what == "read":
             out = {"weight": u.param.detach().clone()}
@@ -283,6 +302,23 @@ class RowShards:
         except (ValueError, RuntimeError, TypeError) as exc:
             error = exc
         self.comm.send(error, dest=rank, tag=self.tags[Tag.TABLE])
+
+    def _on_hash_request(self, u: _Unit, request, rank: int, optimizer) -> None:
+        what = request[0]
+        if what == "read":
+            answer = u.hashed.read(optimizer, request[2])
+        elif what == "hash_stats":
+            answer = u.hashed.stats()
+        else:
+            answer = None
+            try:
+                if request[2] is not None:
+                    raise ValueError(f"{self.label}: hash shard {u.unit} is written with "
+                                     f"its ids, not a dense weight")
+                u.hashed.write(request[3], optimizer)
+            except (ValueError, RuntimeError, TypeError) as exc:
+                answer = exc
+        self.comm.send(answer, dest=rank, tag=self.tags[Tag.TABLE])
 
     def _write(self, u: _Unit, weight, saved, optimizer) -> None:
         with torch.no_grad():

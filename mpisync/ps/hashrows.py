@@ -1,0 +1,186 @@
+"""One hash-table shard on a ps rank: ids to slots, admission, eviction, its optimizer state.
+
+The shard's rows are a dense parameter of ``capacity`` slots that the wrapped optimizer
+steps like any table shard; this module keeps the id -> slot map beside it
+(``hashing.SlotMap``), turns the ids of lookups and row gradients into slots, writes the
+initial rows of admitted ids and resets the optimizer state of their slots.
+"""
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+
+from .. import hashing
+from ..errors import ProtocolError
+from ..tables import TableSpec
+
+__all__ = ["HashRows", "fresh_state"]
+
+
+def fresh_state(optimizer: torch.optim.Optimizer, group: dict, row_shape: tuple[int, ...],
+                dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The optimizer state one new row gets: ``{key: row}`` for state of the row's shape.
+
+    Found by stepping a fresh optimizer of the same class and hyper-parameters once over
+    a one-row parameter of zeros with a zero gradient (what the slots hold before any
+    gradient: Adagrad's ``initial_accumulator_value``, zeros for moments and buffers).
+    """
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in group.items() if k != "params" and k in accepted}
+    probe = torch.nn.Parameter(torch.zeros(1, *row_shape, dtype=dtype))
+    try:
+        opt = cls([probe], **kwargs)
+        grad = torch.zeros_like(probe)
+        probe.grad = grad.to_sparse() if isinstance(opt, torch.optim.SparseAdam) else grad
+        opt.step()
+    except (TypeError, ValueError, RuntimeError):
+        return {}                  # an optimizer that cannot be probed: zeros are used
+    return {k: v[0].clone() for k, v in opt.state[probe].items()
+            if torch.is_tensor(v) and tuple(v.shape) == tuple(probe.shape)}
+
+
+class HashRows:
+    """Shard ``k`` of a hash table on this ps rank: its slot map beside its parameter.
+
+    Lookups (``lookup``) are sightings unless they peek; admitted slots get their initial
+    rows at once and their optimizer state reset before the optimizer next reads it
+    (``settle``). Row gradients arrive with ids and become slot gradients when their step
+    is applied (``to_slots``): a row evicted in between loses its part of that step.
+    """
+
+    def __init__(self, spec: TableSpec, k: int, param: torch.nn.Parameter, label: str):
+        self.spec, self.k, self.param, self.label = spec, k, param, label
+        h = spec.hashed
+        self.slots = hashing.SlotMap(h.capacity, h.eviction, h.admit_after)
+        self.fresh: list[np.ndarray] = []       # slots admitted since the last settle
+        self._fresh_rows: dict | None = None
+
+    def _check(self, ids: torch.Tensor, what: str) -> np.ndarray:
+        a = ids.numpy()
+        if len(a) > 1 and not (a[1:] > a[:-1]).all():
+            raise ProtocolError(f"{self.label}: {what} of shard {self.spec.unit(self.k)} with "
+                                f"ids not sorted and unique")
+        if len(a) and (hashing.shard_of(ids, self.spec.num_shards) != self.k).any():
+            raise ProtocolError(f"{self.label}: {what} of shard {self.spec.unit(self.k)} with "
+                                f"ids of another shard")
+        return a
+
+    def lookup(self, ids: torch.Tensor, peek: bool) -> torch.Tensor:
+        """The rows of ``ids`` (sorted, unique); zeros for ids without a row."""
+        a = self._check(ids, "a lookup")
+        if peek:
+            slots = self.slots.peek(a)
+        else:
+            try:
+                slots, new = self.slots.see(a)
+            except ValueError as exc:
+                raise ProtocolError(f"{self.label}: shard {self.spec.unit(self.k)}: {exc}"
+                                    ) from None
+            if len(new):
+                admitted = self.slots.slot_id[new]
+                with torch.no_grad():
+                    self.param[torch.from_numpy(new)] = hashing.initial_rows(
+                        admitted, self.spec.row_shape[0], self.spec.seed, self.spec.dtype)
+                self.fresh.append(new)
+        out = torch.zeros(len(a), *self.spec.row_shape, dtype=self.spec.dtype)
+        hit = torch.from_numpy(slots >= 0)
+        out[hit] = self.param.detach()[torch.from_numpy(slots[slots >= 0])]
+        return out
+
+    def to_slots(self, part: tuple[torch.Tensor, torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, gradient rows) -> (slots, gradient rows) of the ids that have a row."""
+        ids, rows = part
+        if not len(ids):
+            return part
+        slots = torch.from_numpy(self.slots.peek(ids.numpy()))
+        keep = slots >= 0
+        if bool(keep.all()):
+            return slots, rows
+        return slots[keep], rows[keep]
+
+    def settle(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Reset the optimizer state of the slots admitted since the last call."""
+        if not self.fresh:
+            return
+        new = torch.from_numpy(np.concatenate(self.fresh))
+        self.fresh = []
+        state = optimizer.state.get(self.param) if optimizer is not None else None
+        if not state:
+            return                 # created on the optimizer's first step, fresh for all
+        fresh = self._fresh(optimizer)
+        with torch.no_grad():
+            for key, value in state.items():
+                if torch.is_tensor(value) and tuple(value.shape) == tuple(self.param.shape):
+                    if key in fresh:
+                        value[new] = fresh[key].to(value.dtype)
+                    else:
+                        value[new] = 0
+
+    def _fresh(self, optimizer) -> dict:
+        if self._fresh_rows is None:
+            group = next(g for g in optimizer.param_groups
+                         if any(p is self.param for p in g["params"]))
+            self._fresh_rows = fresh_state(optimizer, group, self.spec.row_shape,
+                                           self.spec.dtype)
+        return self._fresh_rows
+
+    # -- whole shards (checkpoints) ---------------------------------------------------------
+    def read(self, optimizer, with_state: bool) -> dict:
+        """The rows held, by id: ids, weight, optimizer state rows and the counts."""
+        self.settle(optimizer)
+        got = self.slots.export()
+        slots = torch.from_numpy(got["slots"])
+        out = {"ids": torch.from_numpy(got["ids"]), "weight": self.param.detach()[slots],
+               "counters": {"count": torch.from_numpy(got["count"]),
+                            "last": torch.from_numpy(got["last"]),
+                            "clock": self.slots.clock}}
+        if with_state:
+            state = optimizer.state.get(self.param, {}) if optimizer is not None else {}
+            out["state"] = {k: (v[slots].clone() if _per_row(v, self.param) else
+                                v.clone() if torch.is_tensor(v) else v)
+                            for k, v in state.items()}
+        return out
+
+    def write(self, saved: dict, optimizer) -> None:
+        """Hold exactly the saved rows (ids, weight, state, counters) of this shard."""
+        ids = saved["ids"].to(torch.int64)
+        if len(ids) and (hashing.shard_of(ids, self.spec.num_shards) != self.k).any():
+            raise ValueError(f"{self.label}: rows given to hash shard {self.spec.unit(self.k)} "
+                             f"whose ids hash to another shard")
+        counters = saved.get("counters") or {}
+        n = len(ids)
+        count = counters.get("count", torch.full((n,), self.spec.hashed.admit_after))
+        last = counters.get("last", torch.zeros(n, dtype=torch.int64))
+        slots = torch.from_numpy(self.slots.reload(ids.numpy(), np.asarray(count),
+                                                   np.asarray(last),
+                                                   int(counters.get("clock", 0))))
+        self.fresh = []
+        with torch.no_grad():
+            self.param.zero_()
+            self.param[slots] = saved["weight"].to(self.spec.dtype)
+        if optimizer is None or saved.get("state") is None:
+            return
+        state = optimizer.state[self.param]
+        state.clear()
+        fresh = self._fresh(optimizer) if saved["state"] else {}
+        for key, value in saved["state"].items():
+            if torch.is_tensor(value) and value.dim() and len(value) == n and \
+                    tuple(value.shape[1:]) == tuple(self.spec.row_shape):
+                full = torch.zeros(self.param.shape, dtype=value.dtype)
+                if key in fresh:
+                    full[:] = fresh[key].to(value.dtype)
+                full[slots] = value
+                state[key] = full
+            else:
+                state[key] = value.clone() if torch.is_tensor(value) else value
+
+    def stats(self) -> dict[str, int]:
+        return self.slots.stats()
+
+
+def _per_row(value, param: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and tuple(value.shape) == tuple(param.shape)

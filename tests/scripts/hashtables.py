@@ -1,0 +1,225 @@
+"""mpisync.HashEmbedding under mpisync, case by case (see test_hashtables.py).
+
+``exact`` cases: every worker looks up ids from a pool of int64 ids (negative and huge
+ones), with capacity to spare; the model holds the hash table and, beside it, an
+``mpisync.Embedding`` twin over the same ids mapped to ``0..n-1`` whose ``weight=`` is
+the hash table's initial rows. Both must end equal, row by id, and equal to plain torch.
+``evict`` cases: only worker 0 looks up (so the order of lookups is fixed), into shards
+too small for the ids; ``simulate(case)`` trains the same model in one process with the
+plain reference shard (hash_reference.py) deciding what is held.
+A case with ``save`` writes a checkpoint (``--save PATH``) that hashtables_load.py loads
+into another number of ps ranks.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from common import emit, run
+from hash_reference import ReferenceShard
+
+import mpisync
+from mpisync import hashing
+
+DIM, FIELDS, CLASSES, WORKERS = 3, 2, 3, 2
+POOL = torch.tensor([-2**63, -2**40 - 3, -977, -1, 0, 1, 7, 12345, 2**31, 2**40 + 1, 2**62,
+                     2**63 - 1, 99, -99, 5 * 10**17, -5 * 10**17, 31337, 2**33 + 5])
+
+
+@dataclass
+class Case:
+    name: str
+    kind: str = "exact"               # "exact" | "evict"
+    optimizer: str = "adagrad"        # "adagrad" | "adam" | "sgd"
+    bag: bool = False
+    capacity: int = 40
+    shards: int | None = 2            # None: one per ps rank
+    eviction: str = "lru"
+    admit_after: int = 1
+    steps: int = 5
+    batch: int = 4
+    save: bool = False
+
+
+CASES = [
+    Case("exact-adagrad"),
+    Case("exact-adam-bag-mean", optimizer="adam", bag=True, shards=None),
+    Case("evict-lru-sgd", kind="evict", optimizer="sgd", capacity=3, batch=2, steps=8),
+    Case("evict-lfu-admit2-adagrad", kind="evict", capacity=3, eviction="lfu", admit_after=2,
+         batch=2, steps=10),
+    Case("evict-lru-adagrad-saved", kind="evict", capacity=4, shards=None, batch=2, steps=8,
+         save=True),
+]
+BY_NAME = {c.name: c for c in CASES}
+
+
+def data(case: Case):
+    """Per step and worker: (ids [batch, FIELDS], labels); an empty batch if it looks nothing up."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(case.steps):
+        step = []
+        for w in range(WORKERS):
+            at = (torch.rand(case.batch, FIELDS, generator=g) ** 2 * len(POOL)).long()
+            y = torch.randint(0, CLASSES, (case.batch,), generator=g)
+            if case.kind == "evict" and w:
+                at, y = at[:0], y[:0]
+            step.append((POOL[at], y, at))
+        out.append(step)
+    return out
+
+
+def head(case: Case) -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(DIM if case.bag else DIM * FIELDS, CLASSES)
+
+
+def make_optimizer(case: Case, params) -> torch.optim.Optimizer:
+    if case.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=0.5)
+    if case.optimizer == "adam":
+        return torch.optim.Adam(params, lr=0.05)
+    return torch.optim.Adagrad(params, lr=0.3)
+
+
+def loss_of(case: Case, emb, lin, ids, y):
+    e = emb(ids)
+    out = lin(e if case.bag else e.flatten(1))
+    return torch.nn.functional.cross_entropy(out, y, reduction="sum") / case.batch
+
+
+def build(case: Case) -> torch.nn.ModuleDict:
+    part = None if case.shards is None else mpisync.fixed_size(case.shards)
+    kw = {"capacity_per_shard": case.capacity, "eviction": case.eviction,
+          "admit_after": case.admit_after, "seed": 3, "partitioner": part}
+    emb = (mpisync.HashEmbeddingBag(DIM, mode="mean", **kw) if case.bag
+           else mpisync.HashEmbedding(DIM, **kw))
+    model = torch.nn.ModuleDict({"emb": emb, "head": head(case)})
+    if case.kind == "exact":
+        initial = emb.initial_rows(POOL)
+        twin = (mpisync.EmbeddingBag(len(POOL), DIM, mode="mean", weight=initial) if case.bag
+                else mpisync.Embedding(len(POOL), DIM, weight=initial))
+        model["twin"], model["twin_head"] = twin, head(case)
+    return model
+
+
+def table_by_id(opt, name: str = "emb.weight") -> dict:
+    """The hash table's rows, optimizer state and counts, by id, and shard by shard."""
+    rows, shards = {}, []
+    for shard in opt.table_shards(name):
+        ids = shard["ids"].tolist()
+        shards.append(ids)
+        for n, i in enumerate(ids):
+            rows[str(i)] = {"weight": shard["weight"][n].tolist(),
+                            "state": {k: v[n].tolist() for k, v in shard["state"].items()
+                                      if torch.is_tensor(v) and v.dim()},
+                            "count": int(shard["counters"]["count"][n])}
+    return {"rows": rows, "shards": shards}
+
+
+def train(cluster, case: Case, save: str | None) -> dict:
+    w = cluster.worker_index
+    model = build(case)
+    opt = mpisync.SyncReplicasOptimizer(make_optimizer(case, model.parameters()),
+                                        named_parameters=model.named_parameters())
+    for step in data(case):
+        ids, y, at = step[w]
+        opt.zero_grad()
+        loss = loss_of(case, model["emb"], model["head"], ids, y)
+        if case.kind == "exact":
+            loss = loss + loss_of(case, model["twin"], model["twin_head"], at, y)
+        loss.backward()
+        opt.step()
+    out = {"global_step": opt.global_step, "table": table_by_id(opt),
+           "hash_stats": opt.stats["hash_tables"]["emb.weight"]}
+    got = out["table"]["rows"]
+    read = model["emb"].rows(POOL)          # zeros for ids without a row
+    expect = torch.zeros(len(POOL), DIM)
+    for n, i in enumerate(POOL.tolist()):
+        if str(i) in got:
+            expect[n] = torch.tensor(got[str(i)]["weight"])
+    out["rows_agree"] = bool(torch.equal(read, expect))
+    if case.kind == "exact":
+        twin = torch.zeros(len(POOL), DIM)
+        for shard in opt.table_shards("twin.weight", with_state=False):
+            twin[shard["ids"]] = shard["weight"]
+        out["twin"] = twin.tolist()
+        out["heads"] = [[p.detach().tolist() for p in model[k].parameters()]
+                        for k in ("head", "twin_head")]
+    else:
+        out["head"] = [p.detach().tolist() for p in model["head"].parameters()]
+    if case.save and save:
+        mpisync.save(save, model, opt)
+    opt.close()
+    return out
+
+
+# -- one process ---------------------------------------------------------------------------
+def reference_exact(case: Case) -> dict:
+    """Plain torch with a dense table of the pool's initial rows, on the combined batch."""
+    initial = hashing.initial_rows(POOL, DIM, 3)
+    emb = (torch.nn.EmbeddingBag(len(POOL), DIM, mode="mean", _weight=initial.clone())
+           if case.bag else torch.nn.Embedding(len(POOL), DIM, _weight=initial.clone()))
+    lin = head(case)
+    opt = make_optimizer(case, [*emb.parameters(), *lin.parameters()])
+    for step in data(case):
+        opt.zero_grad()
+        loss = sum(loss_of(case, emb, lin, at, y) for _, y, at in step) / WORKERS
+        loss.backward()
+        opt.step()
+    return {"table": emb.weight.detach(), "head": [p.detach() for p in lin.parameters()]}
+
+
+def simulate(case: Case) -> dict:
+    """The evict case in one process: the reference shards decide which rows exist."""
+    n = case.shards or 1       # saved cases run at 1 ps: one shard
+    shards = [ReferenceShard(case.capacity, case.eviction, case.admit_after) for _ in range(n)]
+    rows, acc = {}, {}
+    lin = head(case)
+    opt = make_optimizer(case, lin.parameters())
+    for step in data(case):
+        ids, y, _ = step[0]
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        where = hashing.shard_of(unique, n)
+        for k, shard in enumerate(shards):
+            admitted, evicted = shard.see(unique[where == k].tolist())
+            for i in evicted:
+                del rows[i], acc[i]
+            for i in admitted:
+                rows[i] = hashing.initial_rows(torch.tensor([i]), DIM, 3)[0]
+                acc[i] = torch.zeros(DIM)
+        leaf = torch.stack([rows.get(i, torch.zeros(DIM)) for i in unique.tolist()])
+        leaf.requires_grad_(True)
+        opt.zero_grad()
+        loss = loss_of(case, lambda _, leaf=leaf, inverse=inverse: leaf[inverse], lin, ids,
+                       y) / WORKERS
+        loss.backward()
+        opt.step()
+        for m, i in enumerate(unique.tolist()):
+            if i not in rows:
+                continue
+            g = leaf.grad[m]
+            if case.optimizer == "sgd":
+                rows[i] = rows[i] - 0.5 * g
+            else:
+                acc[i] = acc[i] + g * g
+                rows[i] = rows[i] - 0.3 * g / (acc[i].sqrt() + 1e-10)
+    return {"rows": rows, "acc": acc, "head": [p.detach() for p in lin.parameters()],
+            "shards": shards}
+
+
+def worker(cluster):
+    args = sys.argv[1:]
+    save = None
+    if "--save" in args:
+        at = args.index("--save")
+        save = args[at + 1]
+        del args[at:at + 2]
+    for name in args:
+        emit(role="worker", worker=cluster.worker_index, case=name,
+             **train(cluster, BY_NAME[name], save))
+
+
+if __name__ == "__main__":
+    run(worker)

@@ -1,0 +1,219 @@
+"""mpisync.HashEmbedding: the pure parts in one process, then two MPI jobs.
+
+The slot map (``mpisync.hashing.SlotMap``) is checked against a shard written plainly
+(tests/scripts/hash_reference.py) on generated sequences of lookups. One job (2 workers,
+1 ps) runs every case of tests/scripts/hashtables.py and saves a checkpoint; a second job
+(2 ps) loads it and ends with a lookup over capacity.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mpi_helpers import SCRIPTS, assert_every_rank_says, failing, labels, run_mpi
+
+import mpisync
+from mpisync import hashing
+from mpisync.ps.hashrows import fresh_state
+
+sys.path.insert(0, str(SCRIPTS))
+from hash_reference import ReferenceShard
+from hashtables import BY_NAME, CASES, POOL, WORKERS, reference_exact, simulate
+
+TOLERANCE = 1e-5
+
+
+# -- the hash and the initial rows ---------------------------------------------------------
+def test_splitmix64_is_the_published_function():
+    # the first outputs of SplitMix64 seeded with 0: splitmix64(0), splitmix64(golden)...
+    assert int(hashing.splitmix64(np.uint64(0))) == 0xE220A8397B1DCDAF
+    assert int(hashing.splitmix64(np.uint64(0x9E3779B97F4A7C15))) == 0x6E789E6AA1B965F4
+
+
+def test_any_int64_id_has_a_shard_and_a_row():
+    ids = torch.tensor([-2**63, -1, 0, 1, 2**63 - 1])
+    shards = hashing.shard_of(ids, 3)
+    assert shards.dtype == torch.int64 and bool(((shards >= 0) & (shards < 3)).all())
+    rows = hashing.initial_rows(ids, 5, seed=1)
+    assert rows.shape == (5, 5) and bool(torch.isfinite(rows).all())
+
+
+def test_initial_rows_depend_on_seed_and_id_only():
+    ids = torch.tensor([5, -3, 2**50, 77])
+    rows = hashing.initial_rows(ids, 4, seed=9)
+    perm = torch.tensor([2, 0, 3, 1])
+    assert torch.equal(hashing.initial_rows(ids[perm], 4, seed=9), rows[perm])
+    assert torch.equal(hashing.initial_rows(ids[1:2], 4, seed=9), rows[1:2])
+    assert not torch.equal(hashing.initial_rows(ids, 4, seed=10), rows)
+    emb = mpisync.HashEmbedding(4, capacity_per_shard=8, seed=9)
+    assert torch.equal(emb.initial_rows(ids), rows)
+    many = hashing.initial_rows(torch.arange(20000), 8)
+    assert abs(float(many.mean())) < 0.02 and abs(float(many.std()) - 1) < 0.02
+
+
+# -- the slot map against the plain reference ----------------------------------------------
+def _check_same(slots: hashing.SlotMap, ref: ReferenceShard) -> None:
+    got = slots.export()
+    assert got["ids"].tolist() == sorted(ref.rows)
+    assert got["count"].tolist() == [ref.rows[i][0] for i in sorted(ref.rows)]
+    assert got["last"].tolist() == [ref.rows[i][1] for i in sorted(ref.rows)]
+    assert slots.stats() == ref.stats()
+    assert len(set(got["slots"].tolist())) == len(got["slots"])          # one id per slot
+    assert slots.slot_id[got["slots"]].tolist() == got["ids"].tolist()
+
+
+lookups = st.lists(st.lists(st.one_of(st.integers(-6, 6), st.sampled_from([-2**63, 2**62, 2**63 - 1])),
+                            max_size=6), max_size=25)
+
+
+@settings(max_examples=150, deadline=None)
+@given(capacity=st.integers(1, 6), eviction=st.sampled_from(["lru", "lfu"]),
+       admit_after=st.integers(1, 3), messages=lookups)
+def test_slot_map_admits_and_evicts_as_the_reference(capacity, eviction, admit_after,
+                                                     messages):
+    slots = hashing.SlotMap(capacity, eviction, admit_after)
+    ref = ReferenceShard(capacity, eviction, admit_after)
+    for message in messages:
+        ids = np.array(sorted(set(message))[:capacity], np.int64)
+        admitted, _ = ref.see(ids.tolist())
+        got, new = slots.see(ids)
+        assert sorted(slots.slot_id[new].tolist()) == admitted
+        held = [i in ref.rows for i in ids.tolist()]
+        assert ((got >= 0) == np.array(held, bool)).all()
+        assert (slots.slot_id[got[got >= 0]] == ids[got >= 0]).all()
+        _check_same(slots, ref)
+        assert (slots.peek(ids) == got).all()
+
+
+def test_slot_map_refuses_more_ids_than_it_holds():
+    with pytest.raises(ValueError, match=r"5 distinct ids in one lookup of a shard that holds 4"):
+        hashing.SlotMap(4).see(np.arange(5))
+
+
+def test_slot_map_reloads_what_it_exported():
+    slots = hashing.SlotMap(5, "lfu")
+    for ids in ([1, 2, 3], [2, 9], [9, -4, 7, 8]):
+        slots.see(np.array(ids))
+    saved = slots.export()
+    again = hashing.SlotMap(5, "lfu")
+    again.reload(saved["ids"][::-1].copy(), saved["count"][::-1].copy(),
+                 saved["last"][::-1].copy(), slots.clock)
+    for key in ("ids", "count", "last"):
+        assert again.export()[key].tolist() == saved[key].tolist()
+    ref_next = slots.see(np.array([100]))[1]
+    assert slots.slot_id[ref_next].tolist() == [100]
+    again.see(np.array([100]))
+    assert again.export()["ids"].tolist() == slots.export()["ids"].tolist()
+
+
+def test_a_new_row_gets_the_optimizers_fresh_state():
+    p = torch.nn.Parameter(torch.zeros(3, 2))
+    ada = torch.optim.Adagrad([p], lr=0.1, initial_accumulator_value=0.25)
+    assert torch.equal(fresh_state(ada, ada.param_groups[0], (2,), torch.float32)["sum"],
+                       torch.full((2,), 0.25))
+    adam = torch.optim.Adam([p], lr=0.1)
+    fresh = fresh_state(adam, adam.param_groups[0], (2,), torch.float32)
+    assert sorted(fresh) == ["exp_avg", "exp_avg_sq"] and all(not v.any() for v in fresh.values())
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="capacity_per_shard must be an int >= 1, got 0"):
+        mpisync.HashEmbedding(4, capacity_per_shard=0)
+    with pytest.raises(ValueError, match=r"eviction must be one of \('lru', 'lfu'\), got 'fifo'"):
+        mpisync.HashEmbedding(4, capacity_per_shard=3, eviction="fifo")
+    with pytest.raises(ValueError, match="admit_after must be an int >= 1"):
+        mpisync.HashEmbeddingBag(4, capacity_per_shard=3, admit_after=0)
+
+
+# -- under MPI -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hash") / "ckpt.pt"
+    run = run_mpi("hashtables.py", WORKERS, 1, ["--save", path, *[c.name for c in CASES]],
+                  timeout=300)
+    return run, run.by_case(), path
+
+
+def test_every_case_ran_on_every_worker(saved):
+    run, _, _ = saved
+    run.assert_every_case_ran(BY_NAME, WORKERS, lambda name: BY_NAME[name].steps)
+
+
+def _rows(got: dict) -> dict[int, torch.Tensor]:
+    return {int(i): torch.tensor(r["weight"]) for i, r in got["table"]["rows"].items()}
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES if c.kind == "exact"])
+def test_with_room_to_spare_it_trains_as_embedding_and_plain_torch(saved, name):
+    _, by_case, _ = saved
+    ref = reference_exact(BY_NAME[name])
+    for w, got in by_case[name].items():
+        rows, twin = _rows(got), torch.tensor(got["twin"])
+        seen = {int(i) for i in POOL.tolist()} & set(rows)
+        assert seen == set(rows) and rows, (name, w, sorted(rows))
+        for n, i in enumerate(POOL.tolist()):
+            if i in rows:
+                assert (rows[i] - twin[n]).abs().max() <= 1e-6, (name, w, i, "twin")
+                assert (rows[i] - ref["table"][n]).abs().max() <= TOLERANCE, (name, w, i)
+        for mine, theirs in zip(*got["heads"]):
+            assert (torch.tensor(mine) - torch.tensor(theirs)).abs().max() <= 1e-6
+        for mine, plain in zip(got["heads"][0], ref["head"]):
+            assert (torch.tensor(mine) - plain).abs().max() <= TOLERANCE
+        assert got["hash_stats"] == {"admitted": len(rows), "evicted": 0, "live": len(rows)}
+        assert got["rows_agree"], (name, w)
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES if c.kind == "evict"])
+def test_admission_and_eviction_follow_the_reference(saved, name):
+    _, by_case, _ = saved
+    ref = simulate(BY_NAME[name])
+    shards = ref["shards"]
+    expected = {k: sum(s.stats()[k] for s in shards) for k in ("admitted", "evicted", "live")}
+    assert expected["evicted"] > 0, expected         # the case does evict
+    for w, got in by_case[name].items():
+        assert got["hash_stats"] == expected, (name, w)
+        assert [sorted(ids) for ids in got["table"]["shards"]] == \
+            [sorted(s.rows) for s in shards], (name, w)
+        rows = _rows(got)
+        for i, row in rows.items():
+            assert (row - ref["rows"][i]).abs().max() <= TOLERANCE, (name, w, i)
+            count = next(s.rows[i][0] for s in shards if i in s.rows)
+            assert got["table"]["rows"][str(i)]["count"] == count, (name, w, i)
+            state = got["table"]["rows"][str(i)]["state"]
+            if "sum" in state:
+                assert (torch.tensor(state["sum"]) - ref["acc"][i]).abs().max() <= TOLERANCE
+        for mine, plain in zip(got["head"], ref["head"]):
+            assert (torch.tensor(mine) - plain).abs().max() <= TOLERANCE, (name, w)
+        assert got["rows_agree"], (name, w)
+
+
+@pytest.fixture(scope="module")
+def loaded(saved):
+    _, _, path = saved
+    return failing("hashtables_load.py", WORKERS, 2, ["--load", path], timeout=120)
+
+
+def test_a_checkpoint_at_one_ps_loads_at_two_by_id(saved, loaded):
+    _, by_case, _ = saved
+    before = by_case["evict-lru-adagrad-saved"][0]
+    for w, got in loaded.by_worker().items():
+        assert got["num_ps"] == 2 and len(got["table"]["shards"]) == 2, loaded.describe()
+        assert got["table"]["rows"] == before["table"]["rows"], (w, loaded.describe())
+        for k, ids in enumerate(got["table"]["shards"]):
+            assert (hashing.shard_of(torch.tensor(ids, dtype=torch.int64), 2) == k).all()
+        live = before["hash_stats"]["live"]
+        assert got["hash_stats"] == {"admitted": live, "evicted": 0, "live": live}
+        assert got["global_step"] == before["global_step"]
+    assert sorted(loaded.by_worker()) == [0, 1], loaded.describe()
+
+
+def test_a_lookup_over_capacity_ends_the_job_naming_the_need(loaded):
+    cause = (r"CapacityError: worker 1 \(rank 1[^)]*\): mpisync\.HashEmbedding 'emb\.weight' "
+             r"needs 6 rows on shard 0 \(on ps \d\) for one lookup, more than its "
+             r"capacity_per_shard=4")
+    assert_every_rank_says(loaded, r"(" + cause + r"|stopping because worker 1 .*" + cause
+                           + ")", labels(WORKERS, 2))
