@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from . import placement
 from .checkpoint import Checkpointer, latest, load, plain_state, save
+from .collection import EmbeddingBagCollection
 from .errors import (
     ClosedError,
     ConfigError,
@@ -27,6 +28,7 @@ __all__ = [
     "DeadlockError",
     "Embedding",
     "EmbeddingBag",
+    "EmbeddingBagCollection",
     "ModelMismatchError",
     "PeerError",
     "Progress",
