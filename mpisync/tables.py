@@ -276,7 +276,10 @@ class EmbeddingBag(_TableModule):
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         request, finish = self.plan(input, offsets, per_sample_weights)
-        return finish(self.table.channel.exchange([request])[0])
+        channel = self.table.channel
+        if request.bags is None:             # rows: the lookup of Embedding
+            return finish(channel.lookup(self.table, request.unique))
+        return finish(channel.exchange([request])[0])
 
     def plan(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
              per_sample_weights: torch.Tensor | None = None):
