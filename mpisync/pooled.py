@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn import functional as F
 
 __all__ = ["EXCHANGE", "POOLED", "Part", "answer", "block_order", "pack_parts",
            "reply_nbytes", "row_grads", "rows_section_nbytes", "unpack_parts"]
@@ -164,20 +165,33 @@ def answer(buf: np.ndarray, params: list[torch.Tensor], groups: list[int]) -> np
         if p is None:
             continue
         _check(p, param.shape[0], "a lookup")
-        rows = param.detach()[p.ids]
         if not p.pooled:
-            blocks.append(rows)
+            blocks.append(param.detach()[p.ids])
             continue
-        if p.weights is not None:
-            rows.mul_(p.weights.view(-1, *[1] * (rows.dim() - 1)))
         if g not in sums:
             sums[g] = torch.zeros(p.num_bags, *param.shape[1:], dtype=param.dtype)
             blocks.append(sums[g])
         elif sums[g].shape[0] != p.num_bags:
             raise ValueError(f"a lookup whose parts of one table have {sums[g].shape[0]} "
                              f"and {p.num_bags} bags")
-        sums[g].index_add_(0, p.bag, rows)
+        sums[g] += _bag_sums(p, param.detach())
     return pack_blocks(blocks)
+
+
+def _bag_sums(p: Part, rows: torch.Tensor) -> torch.Tensor:
+    """Each bag's sum of the (weighted) rows of its ids in ``p``.
+
+    The worker sends each shard's ids in bag order: torch's fused ``embedding_bag`` sums
+    them without gathering the rows first; ids in another order are summed row by row.
+    """
+    if rows.dim() == 2 and bool((p.bag[1:] >= p.bag[:-1]).all()):
+        offsets = torch.searchsorted(p.bag, torch.arange(p.num_bags))
+        return F.embedding_bag(p.ids, rows, offsets, mode="sum", per_sample_weights=p.weights)
+    each = rows[p.ids]
+    if p.weights is not None:
+        each.mul_(p.weights.view(-1, *[1] * (each.dim() - 1)))
+    out = torch.zeros(p.num_bags, *rows.shape[1:], dtype=rows.dtype)
+    return out.index_add_(0, p.bag, each)
 
 
 def pack_blocks(blocks: list[torch.Tensor]) -> np.ndarray:

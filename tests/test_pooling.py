@@ -109,6 +109,21 @@ def test_pooled_bags_match_torch(name, strategy, shards):
     torch.testing.assert_close(grad, want, rtol=1e-6, atol=1e-6)
 
 
+def test_a_ps_sums_bags_in_any_order_of_their_ids():
+    weight = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([3, 9, 3, 0, 7, 7, 12])
+    bag = torch.tensor([0, 0, 1, 3, 3, 3, 4])
+    w = torch.rand(7, generator=torch.Generator().manual_seed(3))
+    replies = []
+    for order in (torch.arange(7), torch.tensor([6, 2, 0, 5, 1, 4, 3])):   # bag order, shuffled
+        msg = pack_parts(EXCHANGE, [Part(ids[order], bag[order], w[order], 5)], [])
+        replies.append(torch.from_numpy(answer(msg, [weight], [0])[:4 * 5 * DIM]).view(torch.float32)
+                       .view(5, DIM))
+    want = torch.zeros(5, DIM).index_add_(0, bag, weight[ids] * w[:, None])
+    for got in replies:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 BAD = [
     ({"mode": "mean"}, torch.arange(4), torch.tensor([0, 2]), torch.ones(4),
      (r"per_sample_weights with mode='mean'; as nn.EmbeddingBag, per_sample_weights only go "
