@@ -14,6 +14,11 @@ seeded generator (``numpy.random.default_rng([seed, worker_index])``), sum pooli
       .venv/bin/python -m mpisync.launch --workers 2 --ps 1 -- \\
           .venv/bin/python benchmarks/recsys_bench.py --kind mpisync
 
+  With ``--pool-on-ps`` the table is ``pool_on_ps=True``: a step sends each ps rank the
+  ids it owns with their bags and gets back 4,096 pooled sums, and the push carries each
+  bag's gradient with the ids instead of row gradients; every byte is then counted by
+  ``opt.stats`` (``bytes_per_ps``, ``lookup_sent_per_ps``, ``lookup_received_per_ps``).
+
 - ``local``: one plain process, ``nn.EmbeddingBag(rows, 64, mode="sum", sparse=True)`` and
   ``torch.optim.Adagrad`` on the combined batch of ``--workers`` workers (the same ids
   and labels the workers of the ``mpisync`` job draw)::
@@ -25,7 +30,8 @@ median step time over ``--steps`` timed steps after ``--warmup`` untimed ones, i
 the bytes moved per step, every rank's peak RSS.
 
 ``--all`` (a plain process, not under MPI) runs, one job after another, mpisync on 2
-workers and 1 ps rank and on 2 workers and 2 ps ranks, the one-process run (1 and 2
+workers and 1 ps rank and on 2 workers and 2 ps ranks (with ``--pool-on-ps``, each also
+pooled on the ps ranks), the one-process run (1 and 2
 threads), and, where the peers' virtualenv exists (``make venv-peers``), TorchRec
 (``torchrec_bench.py``: exact and row-wise Adagrad), and prints one JSON document with
 mpisync's figures as ratios to TorchRec's and to the one process's.
