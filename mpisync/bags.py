@@ -48,6 +48,9 @@ def bags_of(input: torch.Tensor, offsets: torch.Tensor | None,
     where = _where(label, name)
     _check_input(where, input, offsets, include_last_offset)
     _check_weights(where, input, per_sample_weights, mode)
+    if per_sample_weights is not None and per_sample_weights.dtype != dtype:
+        raise TypeError(f"{where} got per_sample_weights of dtype {per_sample_weights.dtype}; "
+                        f"as nn.EmbeddingBag, they must have the table's dtype {dtype}")
     if not flatten:
         return None
     return _flatten(input, offsets, per_sample_weights, include_last_offset, padding_idx, dtype)

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from .wire import ROWS_HEAD
+
 __all__ = ["EXCHANGE", "POOLED", "Part", "answer", "block_order", "pack_parts",
            "reply_nbytes", "row_grads", "rows_section_nbytes", "unpack_parts"]
 
@@ -209,8 +211,8 @@ def rows_section_nbytes(buf: np.ndarray, kinds: list[tuple[torch.dtype, tuple[in
                         ) -> int:
     """Where a rows message (``wire.pack_rows``, ids and values) ends inside ``buf``."""
     n = len(kinds)
-    counts = buf[24:8 * (3 + n)].view(np.int64).tolist()
-    size = 8 * (3 + n) + 8 * sum(counts)
+    counts = buf[8 * ROWS_HEAD:8 * (ROWS_HEAD + n)].view(np.int64).tolist()
+    size = 8 * (ROWS_HEAD + n) + 8 * sum(counts)
     for c, (dtype, shape) in zip(counts, kinds):
         size += _pad8(c * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
     return size

@@ -145,6 +145,9 @@ BAD = [
      torch.tensor([], dtype=torch.long), None, r"empty offsets with include_last_offset=True"),
     ({"mode": "sum", "include_last_offset": True}, torch.arange(4), torch.tensor([0, 2, 3]),
      None, r"offsets\[-1\] = 3 with include_last_offset=True; it must be the input's length 4"),
+    ({"mode": "sum"}, torch.arange(4), torch.tensor([0, 2]), torch.ones(4, dtype=torch.float64),
+     (r"per_sample_weights of dtype torch.float64; as nn.EmbeddingBag, they must have the "
+     r"table's dtype torch.float32")),
     ({"mode": "sum"}, torch.arange(4), torch.tensor([0.0, 2.0]), None,
      r"offsets of dtype torch.float32"),
 ]
