@@ -14,6 +14,11 @@ seeded generator (``numpy.random.default_rng([seed, worker_index])``), sum pooli
       .venv/bin/python -m mpisync.launch --workers 2 --ps 1 -- \\
           .venv/bin/python benchmarks/recsys_bench.py --kind mpisync
 
+  With ``--pool-on-ps`` the table is ``pool_on_ps=True``: a step sends each ps rank the
+  ids it owns with their bags and gets back 4,096 pooled sums, and the push carries each
+  bag's gradient with the ids instead of row gradients; every byte is then counted by
+  ``opt.stats`` (``bytes_per_ps``, ``lookup_sent_per_ps``, ``lookup_received_per_ps``).
+
 - ``local``: one plain process, ``nn.EmbeddingBag(rows, 64, mode="sum", sparse=True)`` and
   ``torch.optim.Adagrad`` on the combined batch of ``--workers`` workers (the same ids
   and labels the workers of the ``mpisync`` job draw)::
@@ -25,7 +30,8 @@ median step time over ``--steps`` timed steps after ``--warmup`` untimed ones, i
 the bytes moved per step, every rank's peak RSS.
 
 ``--all`` (a plain process, not under MPI) runs, one job after another, mpisync on 2
-workers and 1 ps rank and on 2 workers and 2 ps ranks, the one-process run (1 and 2
+workers and 1 ps rank and on 2 workers and 2 ps ranks (with ``--pool-on-ps``, each also
+pooled on the ps ranks), the one-process run (1 and 2
 threads), and, where the peers' virtualenv exists (``make venv-peers``), TorchRec
 (``torchrec_bench.py``: exact and row-wise Adagrad), and prints one JSON document with
 mpisync's figures as ratios to TorchRec's and to the one process's.
@@ -62,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--lr", type=float, default=0.01, help="Adagrad learning rate")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pool-on-ps", action="store_true",
+                        help="mpisync: pool the bags on the ps ranks (pool_on_ps=True); "
+                             "driver: also run the mpisync jobs that way")
     parser.add_argument("--workers", type=int, default=2,
                         help="local: workers whose batches are combined; driver: worker ranks")
     parser.add_argument("--threads", type=int, default=None,
@@ -170,6 +179,8 @@ def time_ps(timer: Timer) -> None:
                                             time.perf_counter() - starts.pop(id(opt))))
     timer.wrap(ps_rows, "reduce_rows", "reduce_row_gradients")
     timer.wrap(ps_rows.RowShards, "_answer_lookup", "answer_lookups")
+    timer.wrap(ps_rows.RowShards, "_answer_exchange", "answer_lookups")
+    timer.wrap(ps_rows.RowShards, "_with_pooled", "pooled_row_gradients")
 
 
 # ---------------------------------------------------------------- mpisync job
@@ -183,9 +194,10 @@ def train_mpisync(cluster, args) -> dict:
 
     timer = Timer()
     timer.wrap(worker_rows.RowsChannel, "lookup", "lookup_round_trip")
+    timer.wrap(worker_rows.RowsChannel, "exchange", "lookup_round_trip")
     torch.manual_seed(args.seed)
     emb = mpisync.EmbeddingBag(args.rows, DIM, mode="sum", partition_strategy="mod",
-                               seed=args.seed)
+                               seed=args.seed, pool_on_ps=args.pool_on_ps)
     head = torch.nn.Linear(DIM, 1)
     model = torch.nn.ModuleDict({"emb": emb, "head": head})
     loss_fn = torch.nn.BCEWithLogitsLoss()
@@ -196,7 +208,7 @@ def train_mpisync(cluster, args) -> dict:
                                         named_parameters=model.named_parameters(),
                                         cluster=cluster)
     phases = {k: [] for k in PHASES}
-    unique, moved = [], []
+    unique, moved, counted = [], [], []
     before, profiled = None, {}
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
@@ -212,11 +224,14 @@ def train_mpisync(cluster, args) -> dict:
             u = np.unique(ids_np)
             unique.append(len(u))
             moved.append(rows_bytes(u, cluster.num_ps))
+        if args.pool_on_ps and i >= args.warmup:
+            counted.append(counted_bytes(opt.stats))     # a request to ps 0, untimed
     after = opt.stats
     profile = Timer.per_step_ms(profiled, timer.snapshot(), args.steps)
     opt.close()
-    return {**summarise_phases(phases),
-            **worker_bytes(unique, moved, before, after),
+    moved_bytes = pooled_bytes(unique, counted) if args.pool_on_ps else \
+        worker_bytes(unique, moved, before, after)
+    return {**summarise_phases(phases), "pool_on_ps": args.pool_on_ps, **moved_bytes,
             "token_wait_ms_mean": round((after["token_wait_s"] - (
                 before["token_wait_s"] if before else 0.0)) * 1e3 / args.steps, 2),
             "profile_ms_per_step": profile,
@@ -277,6 +292,28 @@ def worker_bytes(unique: list, moved: list, before, after) -> dict:
             # the pull brings the dense parameters back: about the dense push's size
             "worker_received": med["lookup_rows_received"] + dense_pushed},
         "bytes_check": check,
+    }
+
+
+def counted_bytes(stats: dict) -> dict:
+    """The bytes of the last step as ``opt.stats`` counts them (all ps ranks together)."""
+    return {"pushed": sum(stats["bytes_per_ps"]),
+            "lookup_sent": sum(stats["lookup_sent_per_ps"]),
+            "lookup_received": sum(stats["lookup_received_per_ps"])}
+
+
+def pooled_bytes(unique: list, counted: list[dict]) -> dict:
+    """Bytes a worker moves per step with the bags pooled on the ps ranks (medians over the
+    timed steps), all counted by ``opt.stats``: the push (dense buffer, rows message with
+    the ids, bags and each bag's gradient), the lookup (ids and bags out, each ps rank's
+    pooled sums back). The pull of the dense parameters is about the dense push's size."""
+    med = {k: int(np.median([c[k] for c in counted])) for k in counted[0]}
+    return {
+        "unique_ids_per_step": int(np.median(unique)),
+        "bytes_per_step": {
+            **med, "worker_sent": med["pushed"] + med["lookup_sent"],
+            "worker_received": med["lookup_received"]},
+        "bytes_check": None,
     }
 
 
@@ -377,6 +414,8 @@ def configurations(args) -> list[tuple[str, list[str]]]:
              [py, "-m", "mpisync.launch", "--workers", W, "--ps", str(ps),
               "--timeout", str(args.timeout), "--", py, me, "--kind", "mpisync",
               *common_flags(args)]) for ps in (1, 2)]
+    if args.pool_on_ps:
+        jobs += [(f"{name}_pooled", [*command, "--pool-on-ps"]) for name, command in jobs]
     jobs += [(f"local_{t}t", [py, me, "--kind", "local", "--workers", W, "--threads", str(t),
                               *common_flags(args)]) for t in (1, 2)]
     if args.peers == "auto" and os.path.exists(PEERS_PYTHON):

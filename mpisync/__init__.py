@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from . import hashing, placement
 from .checkpoint import Checkpointer, latest, load, plain_state, save
+from .collection import EmbeddingBagCollection
 from .errors import (
     CapacityError,
     ClosedError,
@@ -30,6 +31,7 @@ __all__ = [
     "DeadlockError",
     "Embedding",
     "EmbeddingBag",
+    "EmbeddingBagCollection",
     "HashEmbedding",
     "HashEmbeddingBag",
     "ModelMismatchError",

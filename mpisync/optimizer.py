@@ -515,8 +515,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         gradients_pending (held by the open step), gradients_dropped, taken_per_worker,
         dropped_per_worker, per_step (each step's taken and dropped workers), stopped, and
         for this worker: local_steps, token_wait_s and bytes_per_ps (bytes pushed per step
-        to each ps). After ``close()`` they are the job's final figures, the same on every
-        worker, without ``per_step`` (reading them waits for the last worker's close;
+        to each ps), and of the lookups of tables during the last step, per ps:
+        lookups_per_ps (messages), lookup_sent_per_ps and lookup_received_per_ps (bytes).
+        After ``close()`` they are the job's final figures, the same on every worker,
+        without ``per_step`` (reading them waits for the last worker's close;
         ``cluster.serve()`` returns them with ``per_step``). With ``mpisync.HashEmbedding``
         tables, ``hash_tables`` holds each one's ``admitted``, ``evicted`` and ``live`` rows
         (summed over its shards; after ``close()``, as they were when this worker closed).
@@ -534,6 +536,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         stats.update(local_steps=self._steps, token_wait_s=self._wait_s,
                      bytes_per_ps=[a + b for a, b in zip(self._dense.bytes_per_ps,
                                                          self._rows.bytes_per_ps)])
+        looked = self._rows.last_lookups
+        stats.update(lookups_per_ps=list(looked[0]), lookup_sent_per_ps=list(looked[1]),
+                     lookup_received_per_ps=list(looked[2]))
         if hashed is not None:
             stats["hash_tables"] = hashed
         return stats

@@ -6,6 +6,7 @@ import torch
 from mpi4py import MPI
 
 from .errors import ProtocolError
+from .exchange import Request, exchange, pooled_sections
 from .progress import Poller
 from .spec import JobSpec
 from .tables import TableSpec, table_info
@@ -23,6 +24,7 @@ class _Table:
         self.param = param                  # the stand-in, or the whole sparse nn.Embedding weight
         self.info = table_info(param)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # (unique ids, rows leaf)
+        self.pooled: list = []               # exchange.Pooled: bags pooled at the owners
         self.cls = type(param)
         if self.info is None and type(param) is torch.nn.Parameter:
             param.__class__ = TrackedParameter   # p.data writes count as writes too
@@ -58,6 +60,10 @@ class RowsChannel:
                               if any(not spec.tables[i].resident for i, _ in shards)]
         self.sends: list[tuple[MPI.Request, np.ndarray]] = []
         self.bytes_per_ps = [0] * spec.num_ps
+        # lookups since the last push, and those of the step before it: messages, bytes
+        # sent and received per ps rank
+        self.lookups = [[0] * spec.num_ps for _ in range(3)]
+        self.last_lookups = [[0] * spec.num_ps for _ in range(3)]
         self.seq = 0
         for table in self.tables:
             if table.info is not None:
@@ -117,6 +123,7 @@ class RowsChannel:
             reqs.append(self.comm.Isend([msg, MPI.BYTE], dest=rank, tag=self.tags[Tag.LOOKUP]))
             reqs.append(self.comm.Irecv([reply, MPI.BYTE], source=rank, tag=self.tags[Tag.ROWS]))
             replies.append((j, shards, mine, reply, msg))
+            self.count_lookup(j, msg.nbytes, reply.nbytes)
         self.poller.wait_all(reqs, lambda: f"rows of table {t.name!r} from the ps ranks")
         positions = torch.split(order, counts)
         for j, shards, mine, reply, _ in replies:
@@ -132,13 +139,26 @@ class RowsChannel:
             table.pending.append((unique, out))
         return out
 
+    def exchange(self, requests: list[Request]) -> list[torch.Tensor]:
+        """Rows or pooled bags of several tables: one message per ps rank (``exchange``)."""
+        return exchange(self, requests)
+
+    def index_of(self, info) -> int:
+        """The index of the table whose ``TableInfo`` is ``info``."""
+        return next(i for i, tb in enumerate(self.tables) if tb.info is info)
+
+    def count_lookup(self, j: int, sent: int, received: int) -> None:
+        for n, add in enumerate((1, sent, received)):
+            self.lookups[n][j] += add
+
     # -- the step -------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool) -> None:
         for table in self.tables:
             if table.info is None:
                 table.param.grad = None      # a sparse gradient: None and zero add up the same
                 continue
-            for _, rows in table.pending:
+            leaves = [p.leaf for p in table.pooled]
+            for rows in [rows for _, rows in table.pending] + leaves:
                 if set_to_none or rows.grad is None:
                     rows.grad = None
                 else:
@@ -193,6 +213,9 @@ class RowsChannel:
             per_table.append((torch.split(local[order], counts),
                               torch.split(grad[order], counts)))
         empty = torch.empty(0, dtype=torch.int64)
+        sections = pooled_sections(self)
+        self.last_lookups = self.lookups
+        self.lookups = [[0] * self.spec.num_ps for _ in range(3)]
         for j, shards in enumerate(self.on_ps):
             if not shards:
                 continue
@@ -201,6 +224,8 @@ class RowsChannel:
                 got = per_table[i]
                 parts.append((empty, self._no_rows(i)) if got is None else (got[0][k], got[1][k]))
             msg = pack_rows(step, seq, parts)
+            if sections[j] is not None:     # a copy: the bags pooled at the owners follow
+                msg = np.concatenate([msg, sections[j]])
             self.bytes_per_ps[j] = msg.nbytes
             self.sends.append((self.comm.Isend([msg, MPI.BYTE], dest=self.cluster.ps_rank(j),
                                                tag=self.tags[Tag.SPARSE]), msg))
@@ -300,6 +325,7 @@ class RowsChannel:
             elif type(table.param) is TrackedParameter:
                 table.param.__class__ = table.cls
             table.pending = []
+            table.pooled = []
 
 
 def _pad8(n: int) -> int:

@@ -9,6 +9,8 @@ import torch
 from torch.nn import functional as F
 
 from . import hashing, partition
+from .bags import POOL_CHOICES, bags_of, pooling_pays
+from .exchange import Request
 
 __all__ = ["Embedding", "EmbeddingBag", "TableInfo", "TableParameter", "TableSpec",
            "sparse_modules", "table_info"]
@@ -171,9 +173,8 @@ class _TableModule(torch.nn.Module):
     def table(self) -> TableInfo:
         return self.weight._mpisync_table
 
-    def _rows(self, ids: torch.Tensor, what: str
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(the unique ids' rows, the index of each id among them, the unique ids)."""
+    def _live(self, what: str) -> TableInfo:
+        """The table, checked to be served by the ps ranks now."""
         info = self.table
         if info.channel is None:
             if info.name is not None:
@@ -183,6 +184,12 @@ class _TableModule(torch.nn.Module):
             raise RuntimeError(f"{info.label}: {what} was called before a "
                                f"SyncReplicasOptimizer holding its weight was created; its "
                                f"table lives on the ps ranks from then on")
+        return info
+
+    def _rows(self, ids: torch.Tensor, what: str
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the unique ids' rows, the index of each id among them, the unique ids)."""
+        info = self._live(what)
         _check_ids(ids, info, what)
         unique, inverse = torch.unique(ids.long(), sorted=True, return_inverse=True)
         return info.channel.lookup(info, unique), inverse, unique
@@ -232,32 +239,116 @@ class Embedding(_TableModule):
 
 
 class EmbeddingBag(_TableModule):
-    """``nn.EmbeddingBag`` over a table on the ps ranks: sums or means of rows per bag.
+    """``nn.EmbeddingBag`` over a table on the ps ranks: sums, means or maxima of rows per bag.
 
-    ``forward(input, offsets=None, per_sample_weights=None)`` as ``nn.EmbeddingBag``
-    (2-D input: one bag per row; 1-D input with ``offsets``). Otherwise as ``Embedding``.
+    ``forward(input, offsets=None, per_sample_weights=None)`` as ``nn.EmbeddingBag``: a
+    2-D input is one bag per row; a 1-D input needs ``offsets`` (where each bag starts;
+    with ``include_last_offset=True`` one more, the end of the last bag); empty bags give
+    zeros; ``padding_idx`` is left out of its bag (and of its mean);
+    ``per_sample_weights`` (the input's shape) only with ``mode="sum"``. Bad arguments
+    raise before anything is sent, naming the table and the rank.
+
+    ``pool_on_ps``: ``False`` looks up the batch's unique rows and pools them here (as
+    ``Embedding``); ``True`` sends each ps rank the ids it owns with their bags (and
+    weights) and gets back one sum per bag from each, instead of rows; the push then sends
+    each bag's gradient with the ids again, and the ps turns it into row gradients (the
+    step is the same, within float rounding). ``"auto"`` picks, per forward, the way that
+    moves fewer bytes (``mpisync.bags.pooling_pays``): pooling pays when bags hold more
+    ids than a bag's pooled row costs, e.g. bags of 20 rarely repeated ids; not when ids
+    repeat across the batch. ``mode="max"`` needs the rows, and per_sample_weights that
+    require a gradient too: ``"auto"`` looks the rows up for them, ``True`` is refused.
+    Otherwise as ``Embedding``.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, mode: str = "mean",
                  partitioner=None, partition_strategy: str = "mod",
                  weight: torch.Tensor | None = None, seed: int = 0,
-                 padding_idx: int | None = None, dtype: torch.dtype = torch.float32):
+                 padding_idx: int | None = None, include_last_offset: bool = False,
+                 pool_on_ps: bool | str = False, dtype: torch.dtype = torch.float32):
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        if not any(pool_on_ps is c or (isinstance(c, str) and pool_on_ps == c)
+                   for c in POOL_CHOICES):
+            raise ValueError(f"pool_on_ps must be False, True or 'auto', got {pool_on_ps!r}")
+        if pool_on_ps is True and mode == "max":
+            raise ValueError("pool_on_ps=True cannot pool mode='max' where the rows live (a "
+                             "maximum needs every row on the worker); use pool_on_ps=False "
+                             "or 'auto' (which looks the rows up for 'max')")
         super().__init__(num_embeddings, embedding_dim, partitioner, partition_strategy,
                          weight, seed, padding_idx, dtype)
         self.mode = mode
+        self.include_last_offset = bool(include_last_offset)
+        self.pool_on_ps = pool_on_ps
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        rows, inverse, unique = self._rows(input, "mpisync.EmbeddingBag")
+        request, finish = self.plan(input, offsets, per_sample_weights)
+        channel = self.table.channel
+        if request.bags is None:             # rows: the lookup of Embedding
+            return finish(channel.lookup(self.table, request.unique))
+        return finish(channel.exchange([request])[0])
+
+    def plan(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+             per_sample_weights: torch.Tensor | None = None):
+        """What a forward sends (an ``exchange.Request``) and how it ends: all checked, nothing
+        sent. ``EmbeddingBagCollection`` sends the plans of several tables at once."""
+        what = "mpisync.EmbeddingBag"
+        info = self._live(what)
+        _check_ids(input, info, what)
+        kw = {"mode": self.mode, "include_last_offset": self.include_last_offset,
+              "padding_idx": self.padding_idx, "dtype": info.dtype, "label": info.label,
+              "name": info.name}
+        channel = info.channel
+        index = channel.index_of(info)
+        needs_rows = self.mode == "max" or (
+            per_sample_weights is not None and per_sample_weights.requires_grad
+            and torch.is_grad_enabled())
+        if self.pool_on_ps is True and needs_rows:
+            bags_of(input, offsets, per_sample_weights, flatten=False, **kw)
+            raise ValueError(f"{info.label}: {what} {info.name!r} got per_sample_weights that "
+                             f"require a gradient; pool_on_ps=True cannot give them one (their "
+                             f"gradient needs the rows): use pool_on_ps=False or 'auto'")
+        unique = inverse = None
+        pool = self.pool_on_ps is True
+        if self.pool_on_ps == "auto" and not needs_rows:
+            bags = bags_of(input, offsets, per_sample_weights, **kw)
+            unique, inverse = torch.unique(input.long(), sorted=True, return_inverse=True)
+            spec = channel.tables[index].spec
+            pool = pooling_pays(len(bags.ids), len(unique), bags.num_bags, spec.row_bytes,
+                                0 if bags.weights is None else spec.dtype.itemsize,
+                                len(set(spec.owners)))
+        if pool:
+            bags = bags_of(input, offsets, per_sample_weights, **kw)
+            return _pooled_request(index, bags, self.mode)
+        bags_of(input, offsets, per_sample_weights, flatten=False, **kw)
+        if unique is None:
+            unique, inverse = torch.unique(input.long(), sorted=True, return_inverse=True)
         pad = None
         if self.padding_idx is not None:     # as torch: left out of its bag (and its mean)
             at = int(torch.searchsorted(unique, self.padding_idx))
             if at < len(unique) and int(unique[at]) == self.padding_idx:
                 pad = at
-        return F.embedding_bag(inverse.view(input.shape), rows, offsets, mode=self.mode,
-                               per_sample_weights=per_sample_weights, padding_idx=pad)
+
+        def finish(rows: torch.Tensor) -> torch.Tensor:
+            return F.embedding_bag(inverse.view(input.shape), rows, offsets, mode=self.mode,
+                                   per_sample_weights=per_sample_weights, padding_idx=pad,
+                                   include_last_offset=self.include_last_offset)
+
+        return Request(index, unique=unique), finish
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", mode={self.mode!r}"
+                + (f", pool_on_ps={self.pool_on_ps!r}" if self.pool_on_ps is not False else ""))
+
+
+def _pooled_request(index: int, bags, mode: str):
+    """The request of bags pooled at the owners, and the sum or mean it ends with."""
+    def finish(sums: torch.Tensor) -> torch.Tensor:
+        if mode == "mean":                  # as torch: padding left out of the count
+            return sums / bags.counts.clamp(min=1).to(sums.dtype).unsqueeze(1)
+        return sums.clone()     # a copy: the sums are the leaf whose gradient the push sends
+
+    return Request(index, bags=bags), finish
 
 
 _EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)

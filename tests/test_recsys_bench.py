@@ -62,6 +62,21 @@ def test_mpisync_run_reports_its_figures():
     assert got["step_ms"] > 0 and "optimizer_step" in got["ps_profile_ms_per_call"][0], got
 
 
+@pytest.mark.slow      # as the one above
+def test_mpisync_pooled_run_counts_its_bytes():
+    got = run([sys.executable, "-m", "mpisync.launch", "--workers", "2", "--ps", "1",
+               "--timeout", "80", "--", sys.executable, "benchmarks/recsys_bench.py",
+               "--kind", "mpisync", "--pool-on-ps", *SMALL], timeout=100)
+    assert got["global_step"] == 4 and got["pool_on_ps"] is True, got
+    moved = got["bytes_per_step"]
+    # 64 bags of 20 ids: each id and its bag out twice, 64 pooled rows back and out
+    assert moved["lookup_received"] == 64 * 256, got
+    assert moved["lookup_sent"] >= 16 * 64 * 20, got
+    assert moved["pushed"] >= 16 * 64 * 20 + 64 * 256, got
+    # the rows path sends 8 + 264 bytes a unique id (lookup, push): pooled, a third at most
+    assert 3 * moved["worker_sent"] < 272 * got["unique_ids_per_step"], got
+
+
 def test_one_process_run_reports_its_figures():
     got = run([sys.executable, "benchmarks/recsys_bench.py", "--kind", "local", *SMALL],
               timeout=60)

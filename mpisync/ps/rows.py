@@ -7,6 +7,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .. import pooled
 from ..accumulate import reduce_rows
 from ..errors import ProtocolError
 from ..progress import Poller
@@ -76,6 +77,8 @@ class RowShards:
                     rows = torch.zeros(t.shard_rows[k], *t.row_shape, dtype=t.dtype)
                     self.units.append(_Unit(t, k, torch.nn.Parameter(rows), label))
         self.kinds = [(u.spec.dtype, u.spec.row_shape) for u in self.units]
+        names = [u.spec.name for u in self.units]
+        self.groups = [names.index(n) for n in names]      # the table of each unit
         self.replicated = any(not u.spec.resident for u in self.units)   # workers hold them
         self.by_unit = {u.unit: u for u in self.units}
         self.arrived: list[deque] = [deque() for _ in range(self.W)]
@@ -142,7 +145,11 @@ class RowShards:
                                     status=status)
             if msg is None:
                 break
-            self._answer_lookup(self._recv(msg, status), status.Get_source())
+            buf = self._recv(msg, status)
+            if buf.nbytes >= 8 and int(buf[:8].view(np.int64)[0]) == pooled.EXCHANGE:
+                self._answer_exchange(buf, status.Get_source())
+            else:
+                self._answer_lookup(buf, status.Get_source())
             progressed = True
         self._reap()
         return progressed
@@ -158,7 +165,10 @@ class RowShards:
             self.discard[w] -= 1
             return
         try:
-            parts = unpack_rows(buf, self.kinds, with_ids=True)[2]
+            end = pooled.rows_section_nbytes(buf, self.kinds)
+            parts = unpack_rows(buf[:end], self.kinds, with_ids=True)[2]
+            if end < buf.nbytes:             # bags pooled here: their rows' gradients
+                parts = self._with_pooled(parts, buf, end)
         except ValueError as exc:
             raise ProtocolError(f"{self.label}: worker {w} sent table rows: {exc}") from None
         if self.claims[w]:
@@ -166,6 +176,22 @@ class RowShards:
             slot.rows, slot.waiting_rows = parts, False
         else:
             self.arrived[w].append(parts)
+
+    def _with_pooled(self, parts: list, buf: np.ndarray, start: int) -> list:
+        """A push's parts with the row gradients of its pooled bags added in: per shard
+        still (unique local ids, gradient rows), so that the step takes them as any."""
+        got = pooled.row_grads(buf, start, [u.param for u in self.units], self.groups)
+        out = []
+        for (ids, rows), more in zip(parts, got):
+            if more is None:
+                out.append((ids, rows))
+            elif not len(ids):
+                out.append(more)
+            else:
+                both, inverse = torch.unique(torch.cat([ids, more[0]]), return_inverse=True)
+                summed = torch.zeros(len(both), *rows.shape[1:], dtype=rows.dtype)
+                out.append((both, summed.index_add_(0, inverse, torch.cat([rows, more[1]]))))
+        return out
 
     def attach(self, slot) -> None:
         """A push arrived: pair it with its rows message (now, or when that arrives)."""
@@ -198,6 +224,15 @@ class RowShards:
                 raise ProtocolError(f"{self.label}: a lookup of rows outside shard {u.unit}")
             out.append((None, u.param.detach()[local]))
         reply = pack_rows(0, 0, [(None, v) if v is not None else (None, None) for _, v in out])
+        self._send(reply, rank, self.tags[Tag.ROWS])
+
+    def _answer_exchange(self, buf: np.ndarray, rank: int) -> None:
+        """A lookup of several tables, rows and bags pooled here (``mpisync.pooled``)."""
+        try:
+            reply = pooled.answer(buf, [u.param for u in self.units], self.groups)
+        except ValueError as exc:
+            raise ProtocolError(f"{self.label}: worker rank {rank} sent a lookup: {exc}"
+                                ) from None
         self._send(reply, rank, self.tags[Tag.ROWS])
 
     def _send(self, buf, rank: int, tag: int) -> None:

@@ -31,6 +31,7 @@ class Case:
     write: bool = False               # clamp the table in place after step 2 (sparse only)
     mode: str = "sum"                 # of the bags
     padding: int | None = None
+    pool: bool = False                # the bags pooled on the ps ranks (pool_on_ps=True)
     sync: dict = field(default_factory=dict)
     steps: int = STEPS
 
@@ -44,6 +45,7 @@ CASES = [
     Case("resident-sparse-adam", optimizer="sparse_adam"),
     Case("resident-bag-adagrad", kind="bag", optimizer="adagrad"),
     Case("resident-bag-mean-padding", kind="bag", mode="mean", padding=0, strategy="div"),
+    Case("resident-bag-pooled-adagrad", kind="bag", optimizer="adagrad", pool=True),
     Case("resident-padding", optimizer="adagrad", padding=0),
     Case("resident-groups-steplr", optimizer="groups", strategy="div", shards=5),
     Case("sparse-sgd", kind="sparse"),
@@ -99,7 +101,7 @@ def build(case: Case, plain: bool) -> Net:
             emb.weight.copy_(w)
     else:
         cls = mpisync.EmbeddingBag if bag else mpisync.Embedding
-        kw = {"mode": case.mode} if bag else {}
+        kw = {"mode": case.mode, "pool_on_ps": case.pool} if bag else {}
         emb = cls(ROWS, DIM, partitioner=mpisync.fixed_size(case.shards),
                   partition_strategy=case.strategy, weight=w, padding_idx=pad, **kw)
     return Net(emb, bag, head=case.optimizer != "sparse_adam")

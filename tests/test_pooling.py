@@ -1,0 +1,235 @@
+"""EmbeddingBag as torch takes it, bags pooled where the rows live, several tables at once.
+
+One-process tests check the bags (``mpisync.bags``) and the pooled messages
+(``mpisync.pooled``: what a ps answers and what it makes of a push) against
+``nn.EmbeddingBag(sparse=True)``. One MPI job (2 workers, 2 ps ranks) runs every case of
+tests/scripts/pooling.py: the rows path and the pooled path trained side by side, the
+collection beside separate tables, and the bytes of a step; small jobs end on bad input.
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+from mpi_helpers import SCRIPTS, assert_every_rank_says, failing, labels, run_mpi
+
+import mpisync
+from mpisync import partition
+from mpisync.bags import bags_of, pooling_pays
+from mpisync.pooled import EXCHANGE, POOLED, Part, answer, pack_parts, row_grads
+
+sys.path.insert(0, str(SCRIPTS))
+import pooling as script
+
+# -- one process: the bags and the messages against nn.EmbeddingBag ------------------------
+ROWS, DIM = 30, 3
+
+
+def _inputs():
+    """(name, kwargs of the module, input, offsets, per_sample_weights): what people write."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, ROWS, (17,), generator=g)
+    jagged = torch.tensor([0, 0, 3, 4, 4, 9, 16])        # empty bags, a bag of one
+    psw = torch.rand(17, generator=g) + 0.5
+    two_d = torch.randint(0, ROWS, (5, 4), generator=g)
+    two_d[1, :] = 7                                        # a bag of padding only
+    two_d[2, 1] = 7
+    return [
+        ("2d-sum", {"mode": "sum"}, two_d, None, None),
+        ("2d-mean-padding", {"mode": "mean", "padding_idx": 7}, two_d, None, None),
+        ("2d-sum-weights-padding", {"mode": "sum", "padding_idx": 7}, two_d, None,
+         torch.rand(5, 4, generator=g)),
+        ("jagged-sum", {"mode": "sum"}, ids, jagged, None),
+        ("jagged-mean-padding", {"mode": "mean", "padding_idx": int(ids[2])}, ids, jagged,
+         None),
+        ("jagged-sum-weights", {"mode": "sum"}, ids, jagged, psw),
+        ("last-offset-mean", {"mode": "mean", "include_last_offset": True}, ids,
+         torch.tensor([0, 2, 2, 9, 17]), None),
+        ("last-offset-sum-weights", {"mode": "sum", "include_last_offset": True}, ids,
+         torch.tensor([0, 5, 17]), psw),
+        ("one-empty-bag", {"mode": "mean"}, ids[:0], torch.tensor([0]), None),
+    ]
+
+
+def _pooled_at(weight: torch.Tensor, kw: dict, input, offsets, psw, shards: int, strategy: str):
+    """Forward and backward as mpisync pools them: the bags split among ``shards`` shards
+    (held by two ps ranks), each ps's reply summed, then a push's gradient turned into
+    rows on each ps. Returns (output, dense gradient of sum(output * grad_out), grad_out)."""
+    bags = bags_of(input, offsets, psw, mode=kw["mode"],
+                   include_last_offset=kw.get("include_last_offset", False),
+                   padding_idx=kw.get("padding_idx"), dtype=weight.dtype)
+    shard, local = partition.map_ids(bags.ids, ROWS, shards, strategy)
+    params = [weight[partition.unmap_ids(k, torch.arange(n), ROWS, shards, strategy)]
+              for k, n in enumerate(partition.shard_rows(ROWS, shards, strategy))]
+    parts = []
+    for k in range(shards):
+        at = shard == k
+        w = None if bags.weights is None else bags.weights[at]
+        parts.append(Part(local[at], bags.bag[at], w, bags.num_bags) if bool(at.any()) else None)
+    on = [[k for k in range(shards) if k % 2 == j] for j in range(2)]
+    sums = torch.zeros(bags.num_bags, DIM)
+    for ks in on:
+        reply = answer(pack_parts(EXCHANGE, [parts[k] for k in ks], []), [params[k] for k in ks],
+                       [0] * len(ks))
+        if len(reply):
+            sums += torch.from_numpy(reply[:4 * DIM * bags.num_bags]).view(torch.float32
+                                                                          ).view(-1, DIM)
+    leaf = sums.requires_grad_(True)
+    out = leaf / bags.counts.clamp(min=1).unsqueeze(1) if kw["mode"] == "mean" else leaf * 1
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(grad_out)
+    dense = torch.zeros(ROWS, DIM)
+    for ks in on:
+        mine = [parts[k] for k in ks]
+        if all(p is None for p in mine):
+            continue
+        got = row_grads(pack_parts(POOLED, mine, [leaf.grad]), 0, [params[k] for k in ks],
+                        [0] * len(ks))
+        for k, g in zip(ks, got):
+            if g is not None:
+                assert torch.equal(g[0], torch.unique(g[0]))    # unique local ids
+                dense[partition.unmap_ids(k, g[0], ROWS, shards, strategy)] += g[1]
+    return out.detach(), dense, grad_out
+
+
+@pytest.mark.parametrize("strategy, shards", [("mod", 3), ("div", 4)])
+@pytest.mark.parametrize("name", [c[0] for c in _inputs()])
+def test_pooled_bags_match_torch(name, strategy, shards):
+    _, kw, input, offsets, psw = next(c for c in _inputs() if c[0] == name)
+    torch.manual_seed(0)
+    ref = torch.nn.EmbeddingBag(ROWS, DIM, sparse=True, **kw)
+    out, grad, grad_out = _pooled_at(ref.weight.detach(), kw, input, offsets, psw, shards,
+                                     strategy)
+    expected = ref(input, offsets, per_sample_weights=psw)
+    torch.testing.assert_close(out, expected.detach(), rtol=1e-6, atol=1e-6)
+    expected.backward(grad_out)
+    want = ref.weight.grad.to_dense() if ref.weight.grad is not None else torch.zeros(ROWS, DIM)
+    torch.testing.assert_close(grad, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_ps_sums_bags_in_any_order_of_their_ids():
+    weight = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([3, 9, 3, 0, 7, 7, 12])
+    bag = torch.tensor([0, 0, 1, 3, 3, 3, 4])
+    w = torch.rand(7, generator=torch.Generator().manual_seed(3))
+    replies = []
+    for order in (torch.arange(7), torch.tensor([6, 2, 0, 5, 1, 4, 3])):   # bag order, shuffled
+        msg = pack_parts(EXCHANGE, [Part(ids[order], bag[order], w[order], 5)], [])
+        replies.append(torch.from_numpy(answer(msg, [weight], [0])[:4 * 5 * DIM]).view(torch.float32)
+                       .view(5, DIM))
+    want = torch.zeros(5, DIM).index_add_(0, bag, weight[ids] * w[:, None])
+    for got in replies:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+BAD = [
+    ({"mode": "mean"}, torch.arange(4), torch.tensor([0, 2]), torch.ones(4),
+     (r"per_sample_weights with mode='mean'; as nn.EmbeddingBag, per_sample_weights only go "
+     r"with mode='sum'")),
+    ({"mode": "max"}, torch.arange(4), torch.tensor([0, 2]), torch.ones(4),
+     r"per_sample_weights with mode='max'"),
+    ({"mode": "sum"}, torch.arange(4), torch.tensor([0, 3, 2]), None,
+     r"offsets that decrease: offsets\[2\] = 2 after 3"),
+    ({"mode": "sum"}, torch.arange(4), torch.tensor([1, 3]), None,
+     r"offsets starting at 1; the first bag must start at 0"),
+    ({"mode": "sum"}, torch.arange(4), torch.tensor([0, 5]), None,
+     r"offsets\[-1\] = 5, beyond the input's length 4"),
+    ({"mode": "sum"}, torch.arange(4), torch.tensor([0, 2]), torch.ones(3),
+     r"per_sample_weights of shape \[3\]; expected the input's shape \[4\]"),
+    ({"mode": "sum"}, torch.arange(4), None, None, r"1-D input without offsets"),
+    ({"mode": "sum"}, torch.zeros(2, 2, dtype=torch.long), torch.tensor([0]), None,
+     r"2-D input \[2, 2\] with offsets"),
+    ({"mode": "sum", "include_last_offset": True}, torch.arange(4),
+     torch.tensor([], dtype=torch.long), None, r"empty offsets with include_last_offset=True"),
+    ({"mode": "sum", "include_last_offset": True}, torch.arange(4), torch.tensor([0, 2, 3]),
+     None, r"offsets\[-1\] = 3 with include_last_offset=True; it must be the input's length 4"),
+    ({"mode": "sum"}, torch.arange(4), torch.tensor([0, 2]), torch.ones(4, dtype=torch.float64),
+     (r"per_sample_weights of dtype torch.float64; as nn.EmbeddingBag, they must have the "
+     r"table's dtype torch.float32")),
+    ({"mode": "sum"}, torch.arange(4), torch.tensor([0.0, 2.0]), None,
+     r"offsets of dtype torch.float32"),
+]
+
+
+@pytest.mark.parametrize("kw, input, offsets, psw, message", BAD)
+def test_bad_bags_name_the_table_and_the_rank(kw, input, offsets, psw, message):
+    with pytest.raises((ValueError, TypeError),
+                       match=r"^worker 1 \(rank 1\): mpisync\.EmbeddingBag 'emb\.weight' got "
+                       + message):
+        bags_of(input, offsets, psw, mode=kw["mode"],
+                include_last_offset=kw.get("include_last_offset", False), padding_idx=None,
+                dtype=torch.float32, label="worker 1 (rank 1)", name="emb.weight")
+    if "include_last_offset" not in kw:       # torch refuses the same (the rest: it takes
+        # the last offset as the end of the last bag, but divides a mean by the bag's ids
+        # up to the input's end)
+        with pytest.raises((ValueError, RuntimeError, TypeError, IndexError)):
+            torch.nn.EmbeddingBag(10, 2, **kw)(input, offsets, per_sample_weights=psw)
+
+
+def test_pool_on_ps_is_refused_for_max_and_must_be_a_known_choice():
+    with pytest.raises(ValueError, match=r"pool_on_ps=True cannot pool mode='max'"):
+        mpisync.EmbeddingBag(10, 2, mode="max", pool_on_ps=True)
+    with pytest.raises(ValueError, match=r"pool_on_ps must be False, True or 'auto', got 1"):
+        mpisync.EmbeddingBag(10, 2, pool_on_ps=1)
+    assert mpisync.EmbeddingBag(10, 2, mode="max", pool_on_ps="auto").pool_on_ps == "auto"
+
+
+def test_auto_pools_long_bags_of_rare_ids_and_looks_up_repeated_ones():
+    # the benchmark's batch: 4096 bags of 20 ids, nearly all distinct, 64 float32, 1 ps rank
+    assert pooling_pays(81920, 78700, 4096, 256, 0, 1)
+    # bags of one id: the pooled rows cost as much as the rows
+    assert not pooling_pays(4096, 4000, 4096, 256, 0, 2)
+    # bags of 20 drawn from 50 ids: 50 rows travel, not 4096 sums
+    assert not pooling_pays(81920, 50, 4096, 256, 0, 1)
+
+
+# -- the MPI job: rows against pooled, the collection, the bytes ---------------------------
+@pytest.fixture(scope="module")
+def job():
+    run = run_mpi("pooling.py", script.WORKERS, 2, script.NAMES, timeout=300)
+    return run.assert_every_case_ran(script.NAMES, script.WORKERS,
+                                     lambda name: 2 if name.startswith("bytes-")
+                                     else script.STEPS)
+
+
+@pytest.mark.parametrize("name", [c.name for c in script.CASES])
+def test_pooled_path_trains_as_the_rows_path_and_as_torch(job, name):
+    ref = torch.tensor(script.reference(script.BY_NAME[name]))
+    for w, got in job[name].items():
+        rows, pooled = torch.tensor(got["rows"]), torch.tensor(got["pooled"])
+        assert (rows - pooled).abs().max() <= 1e-6, (name, w)
+        assert max(got["heads"]) <= 1e-6, (name, w)
+        assert (rows - ref).abs().max() <= 1e-5, (name, w)
+        assert (rows - script.initial_table()).abs().max() > 1e-3   # it trained
+
+
+def test_a_collection_trains_as_separate_tables_in_one_lookup_per_ps(job):
+    for w, got in job["collection"].items():
+        assert max(got["diff"].values()) <= 1e-6, (w, got["diff"])
+        # per ps and step: one message for the collection's three tables, one per table apart
+        for sent, expected in got["lookups_per_ps"]:
+            assert sent == expected, (w, got["lookups_per_ps"])
+        assert max(sum(s) for s, _ in got["lookups_per_ps"]) >= 7, got["lookups_per_ps"]
+
+
+def test_pooled_bytes_are_a_quarter_of_the_rows_for_bags_of_20(job):
+    for w in range(script.WORKERS):
+        rows = job["bytes-rows"][w]["bytes_per_step"]
+        pooled = job["bytes-pooled"][w]["bytes_per_step"]
+        assert max(pooled) * 4 <= min(rows), (w, rows, pooled)
+
+
+# -- bad input in a job: every rank ends, the cause named ----------------------------------
+@pytest.mark.parametrize("case, cause", [
+    ("psw_mean", (r"ValueError: worker 1 \(rank 1[^)]*\): mpisync\.EmbeddingBag 'emb\.weight' "
+                 r"got per_sample_weights with mode='mean'")),
+    ("offsets_decrease", (r"ValueError: worker 1 \(rank 1[^)]*\): mpisync\.EmbeddingBag "
+                         r"'emb\.weight' got offsets that decrease")),
+])
+def test_bad_bags_end_the_job_naming_the_table_and_the_rank(case, cause):
+    run = failing("pooling_errors.py", 2, 1, ["--case", case], timeout=60)
+    assert re.search(cause, run.output), run.describe()
+    assert_every_rank_says(run, r"(ValueError|stopping because worker 1 \(rank 1 on [^)]*\) "
+                                r"failed: ValueError): .*'emb\.weight'", labels(2, 1))
