@@ -16,6 +16,7 @@ from .errors import (
 from .optimizer import SyncReplicasOptimizer
 from .partition import axis_size, fixed_size, min_max
 from .ps_ranks import Cluster, RankLayout, init
+from .rowwise import RowWiseAdagrad
 from .tables import Embedding, EmbeddingBag
 from .watch import Progress
 
@@ -32,6 +33,7 @@ __all__ = [
     "Progress",
     "ProtocolError",
     "RankLayout",
+    "RowWiseAdagrad",
     "StallError",
     "SyncReplicasOptimizer",
     "WorldTooSmallError",
