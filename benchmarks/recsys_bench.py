@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--lr", type=float, default=0.01, help="Adagrad learning rate")
+    parser.add_argument("--optimizer", choices=("adagrad", "rowwise"), default="adagrad",
+                        help="adagrad: torch.optim.Adagrad; rowwise: mpisync.RowWiseAdagrad "
+                             "(one accumulator per row, as TorchRec's EXACT_ROWWISE_ADAGRAD)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2,
                         help="local: workers whose batches are combined; driver: worker ranks")
@@ -168,7 +171,9 @@ def time_ps(timer: Timer) -> None:
     register_optimizer_step_post_hook(
         lambda opt, args, kwargs: timer.add("optimizer_step",
                                             time.perf_counter() - starts.pop(id(opt))))
-    timer.wrap(ps_rows, "reduce_rows", "reduce_row_gradients")
+    timer.wrap(ps_rows, "reduce_rows", "reduce_row_gradients")       # before rowopt
+    timer.wrap(ps_rows, "merge_rows", "reduce_row_gradients")
+    timer.wrap(ps_rows.RowShards, "apply_rows", "apply_rows")
     timer.wrap(ps_rows.RowShards, "_answer_lookup", "answer_lookups")
 
 
@@ -192,7 +197,7 @@ def train_mpisync(cluster, args) -> dict:
     rng = np.random.default_rng([args.seed, cluster.worker_index])
     sleepy_barrier(cluster.comm)     # every rank here: set-up timed from now
     start = time.perf_counter()
-    opt = mpisync.SyncReplicasOptimizer(torch.optim.Adagrad(model.parameters(), lr=args.lr),
+    opt = mpisync.SyncReplicasOptimizer(make_optimizer(args, model.parameters()),
                                         named_parameters=model.named_parameters(),
                                         cluster=cluster)
     phases = {k: [] for k in PHASES}
@@ -221,6 +226,17 @@ def train_mpisync(cluster, args) -> dict:
                 before["token_wait_s"] if before else 0.0)) * 1e3 / args.steps, 2),
             "profile_ms_per_step": profile,
             "setup_s": round(first_step_s, 2), "global_step": after["global_step"]}
+
+
+def make_optimizer(args, params):
+    """``--optimizer``: torch's Adagrad, or mpisync's RowWiseAdagrad (for every parameter)."""
+    import torch
+
+    if args.optimizer == "rowwise":
+        import mpisync
+
+        return mpisync.RowWiseAdagrad(params, lr=args.lr)
+    return torch.optim.Adagrad(params, lr=args.lr)
 
 
 def timed_step(opt, emb, head, loss_fn, ids, labels, phases: dict | None) -> float:
@@ -307,7 +323,7 @@ def run_mpisync(args) -> None:
         return
     ps = [(rss, seconds, calls) for p, rss, seconds, calls in ranks if p]
     result = {
-        "kind": "mpisync", "rows": args.rows, "dim": DIM, "bag": BAG,
+        "kind": "mpisync", "optimizer": args.optimizer, "rows": args.rows, "dim": DIM, "bag": BAG,
         "batch_per_worker": args.batch, "workers": num_workers, "ps": num_ps,
         "steps": args.steps, "warmup": args.warmup, **mine,
         # per ps rank over the whole run (warm-up included): ms per call of each part
@@ -334,7 +350,7 @@ def run_local(args) -> None:
     start = time.perf_counter()
     emb = torch.nn.EmbeddingBag(args.rows, DIM, mode="sum", sparse=True)
     head = torch.nn.Linear(DIM, 1)
-    opt = torch.optim.Adagrad([*emb.parameters(), *head.parameters()], lr=args.lr)
+    opt = make_optimizer(args, [*emb.parameters(), *head.parameters()])
     loss_fn = torch.nn.BCEWithLogitsLoss()
     rngs = [np.random.default_rng([args.seed, w]) for w in range(args.workers)]
     phases = {k: [] for k in PHASES}
@@ -347,7 +363,7 @@ def run_local(args) -> None:
         if i == 0:
             first_step_s = end - start
     result = {
-        "kind": "local", "rows": args.rows, "dim": DIM, "bag": BAG,
+        "kind": "local", "optimizer": args.optimizer, "rows": args.rows, "dim": DIM, "bag": BAG,
         "batch": args.batch * args.workers, "steps": args.steps, "warmup": args.warmup,
         **summarise_phases(phases), "peak_rss_mb": peak_rss_mb(), "setup_s": round(first_step_s, 2),
         "torch": torch.__version__, "threads": torch.get_num_threads(),
