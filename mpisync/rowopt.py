@@ -13,9 +13,10 @@ the sparse gradient:
 - ``torch.optim.SparseAdam``: torch's masked Adam on the rows;
 - ``mpisync.RowWiseAdagrad``: its row-wise rule (see its docstring).
 
-Torch adds a sparse tensor to a dense one row by row (``row.add_(values_row, alpha)``);
-``index_add_`` runs that same kernel per row, so products with ``alpha`` round as torch's
-do (fused multiply-add where its vector kernel uses one). The optimizer's ``state`` stays
+Where torch adds a sparse tensor times ``alpha`` to the rows (``p.add_(sparse, alpha=)``:
+an ``axpy`` per row, which may fuse the multiply and the add), the same call is made on a
+block's coalesced rows, so the products round as torch's do; a plain sum of rows
+(``alpha`` 1, exact either way) is an ``index_add_``. The optimizer's ``state`` stays
 torch's (same keys, tensors and step counters) and hyper-parameters are read from the
 param group at each call, so LR schedules, ``state_dict`` and checkpoints are unchanged.
 Anything else (another optimizer, a subclass, ``fused``/``differentiable``, complex or
@@ -192,10 +193,16 @@ def _blocks(ids: torch.Tensor, rows: torch.Tensor, maximize: bool, scratch: RowS
         yield ids[lo:lo + BLOCK_ROWS], g
 
 
+def _add_rows(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, alpha) -> None:
+    """``param[ids] += alpha * rows`` with torch's dense += sparse kernel (an axpy per row)."""
+    param.add_(torch.sparse_coo_tensor(ids[None], rows, param.shape, is_coalesced=True,
+                                       check_invariants=False), alpha=alpha)
+
+
 def _sgd(group: dict, param, ids, rows, scratch) -> None:
     lr = _to_scalar(group["lr"])
     for i, g in _blocks(ids, rows, group["maximize"], scratch):
-        param.index_add_(0, i, g, alpha=-lr)
+        _add_rows(param, i, g, -lr)
 
 
 def _adagrad(optimizer, group: dict, param, ids, rows, scratch) -> None:
@@ -217,7 +224,7 @@ def _adagrad(optimizer, group: dict, param, ids, rows, scratch) -> None:
         std = torch.index_select(state_sum, 0, i, out=scratch.get("b", shape, g.dtype))
         std.sqrt_().add_(eps)
         torch.div(g, std, out=std)
-        param.index_add_(0, i, std, alpha=-clr)
+        _add_rows(param, i, std, -clr)
 
 
 def _sparse_adam(optimizer, group: dict, param, ids, rows, scratch) -> None:

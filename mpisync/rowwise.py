@@ -105,7 +105,11 @@ def _row_means(g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def _multiplier(total: torch.Tensor, lr, eps: float) -> torch.Tensor:
-    """``lr / (sqrt(sum) + eps)``, in the accumulator's dtype (``lr`` rounded to it first)."""
+    """``lr / (sqrt(sum) + eps)``, in the accumulator's dtype (``lr`` rounded to it first).
+
+    The update adds ``g * -multiplier``: the negation is exact, and a sum with ``alpha`` 1
+    rounds once whichever kernel does it.
+    """
     std = total.sqrt().add_(eps)
     return torch.full_like(std, float(lr)).div_(std)
 
@@ -118,8 +122,8 @@ def _rowwise_dense(state: dict, group: dict, param: torch.Tensor, grad: torch.Te
         g = g.add(param, alpha=group["weight_decay"])
     total = state["sum"]
     total.add_(_row_means(g, torch.empty_like(total)))
-    mult = _multiplier(total, _to_scalar(group["lr"]), group["eps"])
-    param.sub_(g.mul(mult.view(-1, *[1] * (g.dim() - 1))))
+    mult = _multiplier(total, _to_scalar(group["lr"]), group["eps"]).neg_()
+    param.add_(g.mul(mult.view(-1, *[1] * (g.dim() - 1))))
 
 
 def rowwise_rows(state: dict, group: dict, param: torch.Tensor, ids: torch.Tensor,
@@ -139,5 +143,5 @@ def rowwise_rows(state: dict, group: dict, param: torch.Tensor, ids: torch.Tenso
         if decay:
             g = g.add(param.index_select(0, i), alpha=decay)
         total.index_add_(0, i, _row_means(g, torch.empty(len(i), dtype=total.dtype)))
-        mult = _multiplier(total.index_select(0, i), lr, eps)
-        param.index_add_(0, i, g.mul(mult.view(-1, *[1] * (g.dim() - 1))), alpha=-1)
+        mult = _multiplier(total.index_select(0, i), lr, eps).neg_()
+        param.index_add_(0, i, g.mul(mult.view(-1, *[1] * (g.dim() - 1))))
