@@ -24,6 +24,9 @@ Each prints one JSON object as the last line of stdout (the chief, for ``mpisync
 median step time over ``--steps`` timed steps after ``--warmup`` untimed ones, its phases,
 the bytes moved per step, every rank's peak RSS.
 
+``--optimizer rowwise`` trains with ``mpisync.RowWiseAdagrad`` instead of Adagrad (one
+accumulator per row, TorchRec's ``EXACT_ROWWISE_ADAGRAD``), for every parameter.
+
 ``--all`` (a plain process, not under MPI) runs, one job after another, mpisync on 2
 workers and 1 ps rank and on 2 workers and 2 ps ranks, the one-process run (1 and 2
 threads), and, where the peers' virtualenv exists (``make venv-peers``), TorchRec
@@ -389,12 +392,13 @@ def common_flags(args) -> list[str]:
 def configurations(args) -> list[tuple[str, list[str]]]:
     """``(name, command line)`` of every job the driver runs, in order."""
     me, py, W = os.path.abspath(__file__), sys.executable, str(args.workers)
+    mine = ["--optimizer", args.optimizer]          # TorchRec runs both of its own
     jobs = [(f"mpisync_{W}w{ps}p",
              [py, "-m", "mpisync.launch", "--workers", W, "--ps", str(ps),
               "--timeout", str(args.timeout), "--", py, me, "--kind", "mpisync",
-              *common_flags(args)]) for ps in (1, 2)]
+              *common_flags(args), *mine]) for ps in (1, 2)]
     jobs += [(f"local_{t}t", [py, me, "--kind", "local", "--workers", W, "--threads", str(t),
-                              *common_flags(args)]) for t in (1, 2)]
+                              *common_flags(args), *mine]) for t in (1, 2)]
     if args.peers == "auto" and os.path.exists(PEERS_PYTHON):
         peer = os.path.join(os.path.dirname(me), "torchrec_bench.py")
         jobs += [(f"torchrec_{o}",
