@@ -66,10 +66,11 @@ def merge_rows(pieces: list[tuple[torch.Tensor, torch.Tensor]], num_rows: int, c
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The taken rows summed per id, in the pieces' order, then reduced: ``(ids, rows)``.
 
-    Bitwise the values of ``accumulate.reduce_rows`` (a COO coalesce: each id's first row
-    copied, the later ones added in order), without a general sort of the rows: one
-    stable sort of the ids (runs already sorted), one gather of the first rows, one
-    ``index_add_`` of the repeated ones.
+    Each id's first row is copied and the later ones added in the pieces' order: what
+    ``accumulate.reduce_rows`` (a COO coalesce) gives when its sort keeps that order
+    (always for two pieces; its unstable sort may not for more), bitwise, without a
+    general coalesce: one stable sort of the ids (runs already sorted), one gather of
+    the first rows, one ``index_add_`` of the repeated ones.
 
     Args:
         pieces: per taken gradient, in reduction (worker) order, its local row ids (sorted,
