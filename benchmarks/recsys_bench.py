@@ -29,6 +29,9 @@ Each prints one JSON object as the last line of stdout (the chief, for ``mpisync
 median step time over ``--steps`` timed steps after ``--warmup`` untimed ones, its phases,
 the bytes moved per step, every rank's peak RSS.
 
+``--optimizer rowwise`` trains with ``mpisync.RowWiseAdagrad`` instead of Adagrad (one
+accumulator per row, TorchRec's ``EXACT_ROWWISE_ADAGRAD``), for every parameter.
+
 ``--all`` (a plain process, not under MPI) runs, one job after another, mpisync on 2
 workers and 1 ps rank and on 2 workers and 2 ps ranks (with ``--pool-on-ps``, each also
 pooled on the ps ranks), the one-process run (1 and 2
@@ -67,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--lr", type=float, default=0.01, help="Adagrad learning rate")
+    parser.add_argument("--optimizer", choices=("adagrad", "rowwise"), default="adagrad",
+                        help="adagrad: torch.optim.Adagrad; rowwise: mpisync.RowWiseAdagrad "
+                             "(one accumulator per row, as TorchRec's EXACT_ROWWISE_ADAGRAD)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pool-on-ps", action="store_true",
                         help="mpisync: pool the bags on the ps ranks (pool_on_ps=True); "
@@ -177,7 +183,9 @@ def time_ps(timer: Timer) -> None:
     register_optimizer_step_post_hook(
         lambda opt, args, kwargs: timer.add("optimizer_step",
                                             time.perf_counter() - starts.pop(id(opt))))
-    timer.wrap(ps_rows, "reduce_rows", "reduce_row_gradients")
+    timer.wrap(ps_rows, "reduce_rows", "reduce_row_gradients")       # before rowopt
+    timer.wrap(ps_rows, "merge_rows", "reduce_row_gradients")
+    timer.wrap(ps_rows.RowShards, "apply_rows", "apply_rows")
     timer.wrap(ps_rows.RowShards, "_answer_lookup", "answer_lookups")
     timer.wrap(ps_rows.RowShards, "_answer_exchange", "answer_lookups")
     timer.wrap(ps_rows.RowShards, "_with_pooled", "pooled_row_gradients")
@@ -204,7 +212,7 @@ def train_mpisync(cluster, args) -> dict:
     rng = np.random.default_rng([args.seed, cluster.worker_index])
     sleepy_barrier(cluster.comm)     # every rank here: set-up timed from now
     start = time.perf_counter()
-    opt = mpisync.SyncReplicasOptimizer(torch.optim.Adagrad(model.parameters(), lr=args.lr),
+    opt = mpisync.SyncReplicasOptimizer(make_optimizer(args, model.parameters()),
                                         named_parameters=model.named_parameters(),
                                         cluster=cluster)
     phases = {k: [] for k in PHASES}
@@ -236,6 +244,17 @@ def train_mpisync(cluster, args) -> dict:
                 before["token_wait_s"] if before else 0.0)) * 1e3 / args.steps, 2),
             "profile_ms_per_step": profile,
             "setup_s": round(first_step_s, 2), "global_step": after["global_step"]}
+
+
+def make_optimizer(args, params):
+    """``--optimizer``: torch's Adagrad, or mpisync's RowWiseAdagrad (for every parameter)."""
+    import torch
+
+    if args.optimizer == "rowwise":
+        import mpisync
+
+        return mpisync.RowWiseAdagrad(params, lr=args.lr)
+    return torch.optim.Adagrad(params, lr=args.lr)
 
 
 def timed_step(opt, emb, head, loss_fn, ids, labels, phases: dict | None) -> float:
@@ -344,7 +363,7 @@ def run_mpisync(args) -> None:
         return
     ps = [(rss, seconds, calls) for p, rss, seconds, calls in ranks if p]
     result = {
-        "kind": "mpisync", "rows": args.rows, "dim": DIM, "bag": BAG,
+        "kind": "mpisync", "optimizer": args.optimizer, "rows": args.rows, "dim": DIM, "bag": BAG,
         "batch_per_worker": args.batch, "workers": num_workers, "ps": num_ps,
         "steps": args.steps, "warmup": args.warmup, **mine,
         # per ps rank over the whole run (warm-up included): ms per call of each part
@@ -371,7 +390,7 @@ def run_local(args) -> None:
     start = time.perf_counter()
     emb = torch.nn.EmbeddingBag(args.rows, DIM, mode="sum", sparse=True)
     head = torch.nn.Linear(DIM, 1)
-    opt = torch.optim.Adagrad([*emb.parameters(), *head.parameters()], lr=args.lr)
+    opt = make_optimizer(args, [*emb.parameters(), *head.parameters()])
     loss_fn = torch.nn.BCEWithLogitsLoss()
     rngs = [np.random.default_rng([args.seed, w]) for w in range(args.workers)]
     phases = {k: [] for k in PHASES}
@@ -384,7 +403,7 @@ def run_local(args) -> None:
         if i == 0:
             first_step_s = end - start
     result = {
-        "kind": "local", "rows": args.rows, "dim": DIM, "bag": BAG,
+        "kind": "local", "optimizer": args.optimizer, "rows": args.rows, "dim": DIM, "bag": BAG,
         "batch": args.batch * args.workers, "steps": args.steps, "warmup": args.warmup,
         **summarise_phases(phases), "peak_rss_mb": peak_rss_mb(), "setup_s": round(first_step_s, 2),
         "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -410,14 +429,15 @@ def common_flags(args) -> list[str]:
 def configurations(args) -> list[tuple[str, list[str]]]:
     """``(name, command line)`` of every job the driver runs, in order."""
     me, py, W = os.path.abspath(__file__), sys.executable, str(args.workers)
+    mine = ["--optimizer", args.optimizer]          # TorchRec runs both of its own
     jobs = [(f"mpisync_{W}w{ps}p",
              [py, "-m", "mpisync.launch", "--workers", W, "--ps", str(ps),
               "--timeout", str(args.timeout), "--", py, me, "--kind", "mpisync",
-              *common_flags(args)]) for ps in (1, 2)]
+              *common_flags(args), *mine]) for ps in (1, 2)]
     if args.pool_on_ps:
         jobs += [(f"{name}_pooled", [*command, "--pool-on-ps"]) for name, command in jobs]
     jobs += [(f"local_{t}t", [py, me, "--kind", "local", "--workers", W, "--threads", str(t),
-                              *common_flags(args)]) for t in (1, 2)]
+                              *common_flags(args), *mine]) for t in (1, 2)]
     if args.peers == "auto" and os.path.exists(PEERS_PYTHON):
         peer = os.path.join(os.path.dirname(me), "torchrec_bench.py")
         jobs += [(f"torchrec_{o}",

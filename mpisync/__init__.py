@@ -19,6 +19,7 @@ from .hashtables import HashEmbedding, HashEmbeddingBag
 from .optimizer import SyncReplicasOptimizer
 from .partition import axis_size, fixed_size, min_max
 from .ps_ranks import Cluster, RankLayout, init
+from .rowwise import RowWiseAdagrad
 from .tables import Embedding, EmbeddingBag
 from .watch import Progress
 
@@ -39,6 +40,7 @@ __all__ = [
     "Progress",
     "ProtocolError",
     "RankLayout",
+    "RowWiseAdagrad",
     "StallError",
     "SyncReplicasOptimizer",
     "WorldTooSmallError",

@@ -11,6 +11,8 @@ from .. import pooled
 from ..accumulate import reduce_rows
 from ..errors import ProtocolError
 from ..progress import Poller
+from ..rowopt import RowScratch, apply_rows, handles_rows, merge_rows
+from ..rowwise import RowWiseAdagrad
 from ..spec import JobSpec
 from ..tables import TableSpec
 from ..wire import Tag, pack_rows, unpack_rows
@@ -25,11 +27,11 @@ def takes_sparse(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     """Whether the optimizer, with this group's hyper-parameters, updates only gradient rows.
 
     Then the ps hands it a sparse gradient and only those rows change: SGD without
-    momentum and weight decay, Adagrad without weight decay, SparseAdam. Any other
-    optimizer gets the dense gradient of the shard and updates every row, as it would
-    the weight of a dense ``nn.Embedding``.
+    momentum and weight decay, Adagrad without weight decay, SparseAdam,
+    ``mpisync.RowWiseAdagrad``. Any other optimizer gets the dense gradient of the shard
+    and updates every row, as it would the weight of a dense ``nn.Embedding``.
     """
-    if isinstance(optimizer, torch.optim.SparseAdam):
+    if isinstance(optimizer, (torch.optim.SparseAdam, RowWiseAdagrad)):
         return True
     if isinstance(optimizer, torch.optim.Adagrad):
         return not group.get("weight_decay")
@@ -41,12 +43,13 @@ def takes_sparse(optimizer: torch.optim.Optimizer, group: dict) -> bool:
 class _Unit:
     """One table shard held here."""
 
-    __slots__ = ("hashed", "k", "param", "spec", "unit")
+    __slots__ = ("hashed", "k", "param", "scratch", "spec", "unit")
 
     def __init__(self, spec: TableSpec, k: int, param: torch.nn.Parameter, label: str = ""):
         self.spec, self.k, self.param = spec, k, param
         self.unit = spec.unit(k)
         self.hashed = None if spec.hashed is None else HashRows(spec, k, param, label)
+        self.scratch = RowScratch()      # its reduced rows, kept until they are applied
 
 
 class RowShards:
@@ -55,7 +58,10 @@ class RowShards:
     Each push of a worker is followed by one rows message (tag SPARSE) with the rows its
     gradient touched in every shard here; ``attach`` pairs them in order, and a step
     reduces the taken ones (sum divided by their number, or per row) into a sparse
-    gradient. Lookups are answered at once with the current rows. For the sparse
+    gradient, or straight into the rows when ``rowopt.apply_rows`` handles the optimizer
+    (then ``apply_rows()`` after the optimizer's step updates them in one vectorised pass,
+    bitwise as torch's sparse step would). Lookups are answered at once with the current
+    rows. For the sparse
     ``nn.Embedding`` weights that workers hold whole, each worker is sent the rows that
     changed since it last received any, with its parameters.
     """
@@ -88,6 +94,8 @@ class RowShards:
         self.full = [True] * self.W        # every worker gets whole shards first
         self.sends: list[tuple[MPI.Request, object]] = []
         self.bytes_in = self.bytes_out = 0      # rows messages, for the statistics log
+        self.pending: list[tuple] = []          # (group, param, ids, rows) to apply
+        self.scratch = RowScratch()             # the update's temporaries
         if self.units:
             torch.sparse.check_sparse_tensor_invariants.disable()   # built here, coalesced
 
@@ -245,24 +253,58 @@ class RowShards:
 
     # -- applying -------------------------------------------------------------------------
     def set_grads(self, chosen: list, optimizer: torch.optim.Optimizer) -> None:
-        """Each shard's gradient from the taken pushes, reduced; remember what will change."""
+        """Each shard's gradient from the taken pushes, reduced; remember what will change.
+
+        The rows of a shard whose optimizer ``rowopt`` handles wait for ``apply_rows()``
+        (the shard has no ``.grad`` for the optimizer's own step); the others get a
+        sparse gradient (an optimizer that updates only gradient rows) or a dense one.
+        """
         self._hash_slots(chosen, optimizer)
         count = len(chosen)
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        how = "sum" if self.spec.reduction == "sum" else self.spec.sparse_reduction
+        self.pending = []
         for n, u in enumerate(self.units):
-            pieces = [s.rows[n] for s in chosen if len(s.rows[n][0])]
-            if not pieces:
+            slots = [s for s in chosen if len(s.rows[n][0])]
+            if not slots:
                 u.param.grad = None
                 self._note(n, None)
                 continue
-            how = "sum" if self.spec.reduction == "sum" else self.spec.sparse_reduction
-            grad = reduce_rows(pieces, (u.param.shape[0], *u.spec.row_shape), count, how)
-            if takes_sparse(optimizer, group_of[id(u.param)]):
-                u.param.grad = grad
-                self._note(n, grad.indices()[0])
-            else:
-                u.param.grad = grad.to_dense()
+            num_rows = u.param.shape[0]
+            for s in slots:
+                ids = s.rows[n][0]
+                if int(ids.min()) < 0 or int(ids.max()) >= num_rows:
+                    raise ProtocolError(f"{self.label}: worker {s.worker} sent rows outside "
+                                        f"[0, {num_rows}) of shard {u.unit}")
+            pieces = [s.rows[n] for s in slots]
+            shape = (num_rows, *u.spec.row_shape)
+            merged = merge_rows(pieces, num_rows, count, how, u.scratch)
+            if merged is None:                  # not sorted: coalesced in general
+                grad = reduce_rows(pieces, shape, count, how)
+                merged = grad.indices()[0], grad.values()
+            ids, rows = merged
+            group = group_of[id(u.param)]
+            if not takes_sparse(optimizer, group):
+                u.param.grad = self._sparse(ids, rows, shape).to_dense()
                 self._note(n, True)
+                continue
+            if handles_rows(optimizer, group, u.param):
+                u.param.grad = None
+                self.pending.append((group, u.param, ids, rows))
+            else:
+                u.param.grad = self._sparse(ids, rows, shape)
+            self._note(n, ids)
+
+    @staticmethod
+    def _sparse(ids: torch.Tensor, rows: torch.Tensor, shape: tuple) -> torch.Tensor:
+        return torch.sparse_coo_tensor(ids[None], rows, shape, is_coalesced=True,
+                                       check_invariants=False)
+
+    def apply_rows(self, optimizer: torch.optim.Optimizer) -> None:
+        """The update of the rows ``set_grads`` kept, after the optimizer's own step."""
+        for group, param, ids, rows in self.pending:
+            apply_rows(optimizer, group, param, ids, rows, self.scratch)
+        self.pending = []
 
     def _hash_slots(self, chosen: list, optimizer) -> None:
         """Hash shards: ids of the taken rows to slots; fresh slots' optimizer state reset."""

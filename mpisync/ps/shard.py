@@ -369,6 +369,8 @@ class ShardServer:
             if self.rows.active:
                 self.rows.set_grads(chosen, self.optimizer)
             self.optimizer.step()
+            if self.rows.active:
+                self.rows.apply_rows(self.optimizer)
         self._update_buffers(chosen)
         self.averages.update(step + 1)
         self.global_step = step + 1

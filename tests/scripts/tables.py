@@ -24,7 +24,7 @@ WORKERS, BATCH, STEPS = 3, 5, 6
 class Case:
     name: str
     kind: str = "resident"            # "resident" | "sparse" | "bag"
-    optimizer: str = "sgd"           # "sgd" | "adagrad" | "sparse_adam" | "adam"
+    optimizer: str = "sgd"      # "sgd" | "adagrad" | "sparse_adam" | "adam" | "rowwise*"
     strategy: str = "mod"
     shards: int = 3
     zero: str = "none"
@@ -53,6 +53,9 @@ CASES = [
     Case("sparse-sgd-momentum", kind="sparse", optimizer="sgd_momentum", shards=2),
     Case("sparse-sparse-adam", kind="sparse", optimizer="sparse_adam", shards=2),
     Case("sparse-adagrad-written", kind="sparse", optimizer="adagrad", shards=2, write=True),
+    Case("resident-rowwise", optimizer="rowwise"),
+    Case("resident-bag-rowwise-decay-div", kind="bag", optimizer="rowwise_decay", strategy="div"),
+    Case("sparse-rowwise-partitioned", kind="sparse", optimizer="rowwise", shards=2),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
@@ -90,7 +93,7 @@ def build(case: Case, plain: bool) -> Net:
     bag = case.kind == "bag"
     pad = case.padding
     if plain:
-        sparse = case.optimizer == "sparse_adam"
+        sparse = case.optimizer == "sparse_adam" or case.optimizer.startswith("rowwise")
         emb = (torch.nn.EmbeddingBag(ROWS, DIM, mode=case.mode, sparse=sparse, padding_idx=pad)
                if bag else torch.nn.Embedding(ROWS, DIM, sparse=sparse, padding_idx=pad))
         with torch.no_grad():
@@ -117,6 +120,10 @@ def make_optimizer(case: Case, m: Net) -> torch.optim.Optimizer:
         return torch.optim.Adagrad(params, lr=0.3, lr_decay=0.01)
     if case.optimizer == "adam":
         return torch.optim.Adam(params, lr=0.05)
+    if case.optimizer == "rowwise":
+        return mpisync.RowWiseAdagrad(params, lr=0.3, initial_accumulator_value=0.1)
+    if case.optimizer == "rowwise_decay":
+        return mpisync.RowWiseAdagrad(params, lr=0.2, weight_decay=0.05, eps=1e-6)
     if case.optimizer == "groups":       # the table in a group of its own, scheduled
         return torch.optim.Adagrad([{"params": m.emb.parameters(), "lr": 0.5},
                                     {"params": m.head.parameters()}], lr=0.1)
