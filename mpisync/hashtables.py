@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from . import hashing
 from .errors import CapacityError
-from .tables import TableInfo, TableParameter
+from .tables import TableInfo, TableParameter, check_id_tensor, live_table
 
 __all__ = ["HashEmbedding", "HashEmbeddingBag", "HashTableInfo", "check_saved_hash_table",
            "place_hash_table"]
@@ -72,21 +72,8 @@ class _HashModule(torch.nn.Module):
     def _rows(self, ids: torch.Tensor, what: str, peek: bool
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the unique ids' rows, the index of each id among them, the unique ids)."""
-        info = self.table
-        if info.channel is None:
-            if info.name is not None:
-                raise RuntimeError(f"{info.label}: {what} {info.name!r} was called after its "
-                                   f"SyncReplicasOptimizer was closed; its table is gone with "
-                                   f"the ps ranks' service")
-            raise RuntimeError(f"{info.label}: {what} was called before a "
-                               f"SyncReplicasOptimizer holding its weight was created; its "
-                               f"table lives on the ps ranks from then on")
-        if not torch.is_tensor(ids):
-            raise TypeError(f"{info.label}: {what} {info.name!r} got {type(ids).__name__}; "
-                            f"expected an integer tensor of ids")
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"{info.label}: {what} {info.name!r} got ids of dtype {ids.dtype}; "
-                            f"expected an integer dtype (torch.int64 or torch.int32)")
+        info = live_table(self.table, what)
+        check_id_tensor(ids, info, what)
         unique, inverse = torch.unique(ids.long(), sorted=True, return_inverse=True)
         if not peek:
             self._check_capacity(info, unique, what)

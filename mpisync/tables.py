@@ -124,13 +124,31 @@ def table_info(p: torch.Tensor) -> TableInfo | None:
     return getattr(p, "_mpisync_table", None)
 
 
-def _check_ids(ids: torch.Tensor, info: TableInfo, what: str) -> None:
+def live_table(info: TableInfo, what: str) -> TableInfo:
+    """``info``, checked to be served by the ps ranks now (a RuntimeError naming why not)."""
+    if info.channel is None:
+        if info.name is not None:
+            raise RuntimeError(f"{info.label}: {what} {info.name!r} was called after its "
+                               f"SyncReplicasOptimizer was closed; its table is gone with "
+                               f"the ps ranks' service")
+        raise RuntimeError(f"{info.label}: {what} was called before a "
+                           f"SyncReplicasOptimizer holding its weight was created; its "
+                           f"table lives on the ps ranks from then on")
+    return info
+
+
+def check_id_tensor(ids, info: TableInfo, what: str) -> None:
+    """A TypeError unless ``ids`` is a tensor of int64 or int32 ids."""
     if not torch.is_tensor(ids):
         raise TypeError(f"{info.label}: {what} {info.name!r} got {type(ids).__name__}; "
                         f"expected an integer tensor of ids")
     if ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{info.label}: {what} {info.name!r} got ids of dtype {ids.dtype}; "
                         f"expected an integer dtype (torch.int64 or torch.int32)")
+
+
+def _check_ids(ids: torch.Tensor, info: TableInfo, what: str) -> None:
+    check_id_tensor(ids, info, what)
     if ids.numel():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= info.num_rows:
@@ -175,16 +193,7 @@ class _TableModule(torch.nn.Module):
 
     def _live(self, what: str) -> TableInfo:
         """The table, checked to be served by the ps ranks now."""
-        info = self.table
-        if info.channel is None:
-            if info.name is not None:
-                raise RuntimeError(f"{info.label}: {what} {info.name!r} was called after its "
-                                   f"SyncReplicasOptimizer was closed; its table is gone with "
-                                   f"the ps ranks' service")
-            raise RuntimeError(f"{info.label}: {what} was called before a "
-                               f"SyncReplicasOptimizer holding its weight was created; its "
-                               f"table lives on the ps ranks from then on")
-        return info
+        return live_table(self.table, what)
 
     def _rows(self, ids: torch.Tensor, what: str
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
