@@ -130,10 +130,11 @@ $(PEERS_STAMP):
 	'torchrec', torchrec.__version__)"
 	touch $@
 
-# mpisync (2 workers + 1 and + 2 ps), one process and, when .venv-peers exists, TorchRec:
+# mpisync (2 workers + 1 and + 2 ps, rows and pooled), one process and, when .venv-peers
+# exists, TorchRec:
 # one JSON summary on the last line (one round: 1-4 minutes on 2 cores).
 bench-recsys: venv
-	$(VPY) benchmarks/recsys_bench.py --all
+	$(VPY) benchmarks/recsys_bench.py --all --pool-on-ps
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache
