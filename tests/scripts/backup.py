@@ -61,8 +61,9 @@ def worker(cluster) -> dict:
             elif opt.global_step >= drop_seen_at + args.after:
                 break
     opt.close()
-    final = {k: v for k, v in opt.stats.items()
-             if k not in ("local_steps", "token_wait_s", "bytes_per_ps")}
+    final = {k: v for k, v in opt.stats.items()     # less this worker's own figures
+             if k not in ("local_steps", "token_wait_s", "bytes_per_ps", "lookups_per_ps",
+                          "lookup_sent_per_ps", "lookup_received_per_ps")}
     return {"pushes": pushes, "stopped": opt.stopped, "global_step": opt.global_step,
                 "seen_stats": seen_stats, "final": final}
 
