@@ -62,7 +62,7 @@ def check_state(state_dict: dict, param_groups: list[dict], order: list[str],
         name = order[int(i)]
         for key, value in st.items():
             if torch.is_tensor(value) and value.dim() > 0 \
-                    and tuple(value.shape) != shape_of[name]:
+                    and tuple(value.shape) not in _state_shapes(shape_of[name]):
                 return (f"state {key!r} of parameter #{i} ({name!r}) has shape "
                         f"{list(value.shape)}, the parameter {list(shape_of[name])}")
     problem = _check_tables(state_dict.get("mpisync", {}).get("tables", {}), tables or {})
@@ -73,6 +73,12 @@ def check_state(state_dict: dict, param_groups: list[dict], order: list[str],
             return (f"moving average {name!r} with shape {list(value.shape)} does not match "
                     f"a parameter of the model")
     return None
+
+
+def _state_shapes(shape: tuple) -> tuple[tuple, ...]:
+    """The shapes a parameter's state tensors may have: its own, or one value per row
+    (``mpisync.RowWiseAdagrad``'s ``sum``) for a parameter of two or more dimensions."""
+    return (tuple(shape), tuple(shape[:1])) if len(shape) > 1 else (tuple(shape),)
 
 
 def split_state(state: dict[str, dict], averages: dict[str, torch.Tensor], groups: list,

@@ -118,6 +118,9 @@ def test_a_new_row_gets_the_optimizers_fresh_state():
     adam = torch.optim.Adam([p], lr=0.1)
     fresh = fresh_state(adam, adam.param_groups[0], (2,), torch.float32)
     assert sorted(fresh) == ["exp_avg", "exp_avg_sq"] and all(not v.any() for v in fresh.values())
+    rowwise = mpisync.RowWiseAdagrad([p], lr=0.1, initial_accumulator_value=0.5)
+    fresh = fresh_state(rowwise, rowwise.param_groups[0], (2,), torch.float32)
+    assert list(fresh) == ["sum"] and fresh["sum"].shape == () and float(fresh["sum"]) == 0.5
 
 
 def test_bad_arguments_are_refused():

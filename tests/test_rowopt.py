@@ -245,3 +245,17 @@ def test_rowwise_adagrad_state_dict_loads_into_a_new_one():
     other.load_state_dict(opt.state_dict())
     assert same(other.state[q]["sum"], opt.state[p]["sum"])
     assert other.param_groups[0]["lr"] == 0.1
+
+
+def test_rowwise_adagrad_state_passes_the_state_check_of_a_restore():
+    """A row-wise ``sum`` of shape (rows,) is the state of a 2-D parameter, not a mismatch."""
+    from mpisync.state import check_state
+    w, b = torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(5))
+    opt = mpisync.RowWiseAdagrad([w, b], lr=0.1)
+    w.grad, b.grad = torch.randn(5, 3), torch.randn(5)
+    opt.step()
+    sd = opt.state_dict()
+    shapes = {"w": (5, 3), "b": (5,)}
+    assert check_state(sd, opt.param_groups, ["w", "b"], shapes) is None
+    sd["state"][1]["sum"] = torch.zeros(3)
+    assert "has shape [3]" in check_state(sd, opt.param_groups, ["w", "b"], shapes)

@@ -38,8 +38,7 @@ def fresh_state(optimizer: torch.optim.Optimizer, group: dict, row_shape: tuple[
         opt.step()
     except (TypeError, ValueError, RuntimeError):
         return {}                  # an optimizer that cannot be probed: zeros are used
-    return {k: v[0].clone() for k, v in opt.state[probe].items()
-            if torch.is_tensor(v) and tuple(v.shape) == tuple(probe.shape)}
+    return {k: v[0].clone() for k, v in opt.state[probe].items() if _per_row(v, probe)}
 
 
 class HashRows:
@@ -114,7 +113,7 @@ class HashRows:
         fresh = self._fresh(optimizer)
         with torch.no_grad():
             for key, value in state.items():
-                if torch.is_tensor(value) and tuple(value.shape) == tuple(self.param.shape):
+                if _per_row(value, self.param):
                     if key in fresh:
                         value[new] = fresh[key].to(value.dtype)
                     else:
@@ -169,8 +168,8 @@ class HashRows:
         fresh = self._fresh(optimizer) if saved["state"] else {}
         for key, value in saved["state"].items():
             if torch.is_tensor(value) and value.dim() and len(value) == n and \
-                    tuple(value.shape[1:]) == tuple(self.spec.row_shape):
-                full = torch.zeros(self.param.shape, dtype=value.dtype)
+                    tuple(value.shape[1:]) in (tuple(self.spec.row_shape), ()):
+                full = torch.zeros(len(self.param), *value.shape[1:], dtype=value.dtype)
                 if key in fresh:
                     full[:] = fresh[key].to(value.dtype)
                 full[slots] = value
@@ -183,4 +182,6 @@ class HashRows:
 
 
 def _per_row(value, param: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and tuple(value.shape) == tuple(param.shape)
+    """State of each row: the parameter's shape, or one value a row (``RowWiseAdagrad``)."""
+    return torch.is_tensor(value) and tuple(value.shape) in (tuple(param.shape),
+                                                              tuple(param.shape[:1]))
