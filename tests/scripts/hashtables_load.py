@@ -30,9 +30,11 @@ def worker(cluster):
          num_ps=cluster.num_ps)
     candidates = torch.arange(-1000, 1000)
     on_first = candidates[hashing.shard_of(candidates, cluster.num_ps) == 0]
-    ids = on_first[:CASE.capacity + 2] if cluster.worker_index == 1 else on_first[:1]
     opt.zero_grad()
-    model["emb"](ids).sum().backward()
+    opt.step()          # a step of both: every worker has reported before anything changes
+    opt.zero_grad()
+    if cluster.worker_index == 1:
+        model["emb"](on_first[:CASE.capacity + 2]).sum().backward()
     opt.step()
     opt.close()
 
