@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from . import kernels
 from .wire import ROWS_HEAD
 
 __all__ = ["EXCHANGE", "POOLED", "Part", "answer", "block_order", "pack_parts",
@@ -218,12 +219,14 @@ def rows_section_nbytes(buf: np.ndarray, kinds: list[tuple[torch.dtype, tuple[in
     return size
 
 
-def row_grads(buf: np.ndarray, start: int, params: list[torch.Tensor], groups: list[int]
+def row_grads(buf: np.ndarray, start: int, params: list[torch.Tensor], groups: list[int],
+              scratches: list | None = None
               ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """A push's pooled section (from ``start``): per part, (unique local ids, row gradients).
 
     Each id's row gets its bag's gradient times its weight; an id met several times gets
-    the sum.
+    the sum, added in the order the ids came (with ``scratches``, each part's
+    ``rowopt.RowScratch``, in one compiled pass where ``mpisync.kernels`` is available).
 
     Raises:
         ValueError: a malformed section.
@@ -253,6 +256,11 @@ def row_grads(buf: np.ndarray, start: int, params: list[torch.Tensor], groups: l
         if grads[g].shape[0] != p.num_bags:
             raise ValueError(f"a push whose parts of one table have {grads[g].shape[0]} and "
                              f"{p.num_bags} bags")
+        if scratches is not None and kernels.available(grads[g]) and (
+                p.weights is None or p.weights.dtype == grads[g].dtype):
+            out.append(kernels.bag_rows(p.ids, p.bag, p.weights, grads[g],
+                                        scratches[len(out)].slots(param.shape[0])))
+            continue
         each = grads[g][p.bag]
         if p.weights is not None:
             each.mul_(p.weights.view(-1, *[1] * (each.dim() - 1)))

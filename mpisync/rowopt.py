@@ -29,6 +29,7 @@ import math
 import torch
 from torch.optim.optimizer import _get_scalar_dtype, _get_value, _to_scalar
 
+from . import kernels
 from .rowwise import RowWiseAdagrad, rowwise_rows
 
 __all__ = ["BLOCK_ROWS", "RowScratch", "apply_rows", "handles_rows", "merge_rows"]
@@ -45,6 +46,11 @@ class RowScratch:
 
     def __init__(self):
         self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def slots(self, num_rows: int) -> torch.Tensor:
+        """The shard's slot array for ``mpisync.kernels`` (-1 everywhere between calls)."""
+        return kernels.slots_for(self.kept, num_rows)
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)
@@ -101,6 +107,10 @@ def merge_rows(pieces: list[tuple[torch.Tensor, torch.Tensor]], num_rows: int, c
             return ids, rows            # as they came: no copy (dividing by 1 changes nothing)
         return ids, torch.div(rows, count, out=_buffer(scratch, "merged", tuple(rows.shape),
                                                         dtype))
+    if scratch is not None and how != "per_row" and kernels.available(
+            *[r for _, r in pieces]) and all(i.dtype == torch.int64 for i, _ in pieces):
+        return kernels.merge_pieces(pieces, count if how == "mean" and count != 1 else 0,
+                                    lambda n: scratch.get("merged", (n, *row_shape), dtype))
     all_ids = torch.cat([i for i, _ in pieces])
     all_rows = torch.cat([r for _, r in pieces]) if scratch is None else torch.cat(
         [r for _, r in pieces], out=scratch.get("pieces", (len(all_ids), *row_shape), dtype))
@@ -200,8 +210,19 @@ def _add_rows(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, alpha)
                                        check_invariants=False), alpha=alpha)
 
 
+def _compiled(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
+              *state: torch.Tensor) -> bool:
+    """Whether ``mpisync.kernels`` updates these rows (contiguous, one float dtype)."""
+    return kernels.available(param, rows) and ids.dtype == torch.int64 and all(
+        t.dtype == param.dtype and t.is_contiguous() for t in (param, rows, *state))
+
+
 def _sgd(group: dict, param, ids, rows, scratch) -> None:
     lr = _to_scalar(group["lr"])
+    if _compiled(param, ids, rows):
+        kernels.axpy_rows(ids.contiguous(), rows, -1.0 if group["maximize"] else 1.0, -lr,
+                          param)
+        return
     for i, g in _blocks(ids, rows, group["maximize"], scratch):
         _add_rows(param, i, g, -lr)
 
@@ -218,6 +239,14 @@ def _adagrad(optimizer, group: dict, param, ids, rows, scratch) -> None:
     lr = _to_scalar(group["lr"])
     clr = lr / (1 + (step - 1) * group["lr_decay"])
     eps = group["eps"]
+    if _compiled(param, ids, rows, state_sum):
+        # torch's sparse step: the gradient's rows and the new sums' rows, whole
+        std = kernels.adagrad_sum_rows(ids.contiguous(), rows,
+                                       -1.0 if group["maximize"] else 1.0, state_sum,
+                                       scratch.get("b", tuple(rows.shape), rows.dtype))
+        kernels.adagrad_apply_rows(ids, rows, std.sqrt_(), -1.0 if group["maximize"] else 1.0,
+                                   eps, -clr, param)
+        return
     for i, g in _blocks(ids, rows, group["maximize"], scratch):
         shape = tuple(g.shape)
         sq = torch.pow(g, 2, out=scratch.get("a", shape, g.dtype))

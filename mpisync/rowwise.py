@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import _get_scalar_dtype, _to_scalar
 
+from . import kernels
+
 __all__ = ["RowWiseAdagrad", "rowwise_rows"]
 
 BLOCK_ROWS = 2048
@@ -136,6 +138,14 @@ def rowwise_rows(state: dict, group: dict, param: torch.Tensor, ids: torch.Tenso
     state["step"] += 1
     total = state["sum"]
     lr, eps, decay = _to_scalar(group["lr"]), group["eps"], group["weight_decay"]
+    if not decay and param.dim() > 1 and kernels.available(param, rows) and \
+            ids.dtype == torch.int64 and rows.dtype == param.dtype and param.is_contiguous():
+        # (-g) ** 2 is g ** 2: the means need no negation; the rows' update is one pass
+        ids = ids.contiguous()
+        total.index_add_(0, ids, _row_means(rows, torch.empty(len(ids), dtype=total.dtype)))
+        mult = _multiplier(total.index_select(0, ids), lr, eps).neg_()
+        kernels.rowwise_apply_rows(ids, rows, mult, -1.0 if group["maximize"] else 1.0, param)
+        return
     for lo in range(0, len(ids), BLOCK_ROWS):
         i, g = ids[lo:lo + BLOCK_ROWS], rows[lo:lo + BLOCK_ROWS]
         if group["maximize"]:

@@ -4,16 +4,34 @@
 coalesce it replaces); ``apply_rows`` against torch's own step on the coalesced sparse
 gradient (SGD, Adagrad, SparseAdam: several steps, a changing learning rate);
 ``RowWiseAdagrad`` against a loop written from its formula, dense against sparse, and
-its row path against its own step.
+its row path against its own step. The compiled kernels (``mpisync.kernels``) and the
+torch code they stand in for are each checked where they differ (``kernels`` on and off).
 """
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import mpisync
+from mpisync import kernels, pooled
 from mpisync.accumulate import reduce_rows
 from mpisync.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def row_code(request, monkeypatch):
+    """Each test twice: with the compiled row kernels, and with the torch code alone."""
+    if request.param == "kernels":
+        if not kernels.available(torch.zeros(1)):
+            pytest.skip("no C compiler here: the row kernels are not built")
+    else:
+        monkeypatch.setattr(kernels, "_lib", None)
+    return request.param
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +78,7 @@ def worker_order(pieces, rows: int, count: int, how: str):
 
 @pytest.mark.parametrize("how", ["mean", "sum", "per_row"])
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
-def test_merged_rows_are_summed_in_worker_order(how, k):
+def test_merged_rows_are_summed_in_worker_order(how, k, row_code):
     g = torch.Generator().manual_seed(k)
     scratch = RowScratch()
     for trial in range(6):
@@ -76,7 +94,7 @@ def test_merged_rows_are_summed_in_worker_order(how, k):
             assert same(got, ref.values()) and same(ids, ref.indices()[0])
 
 
-def test_merged_rows_equal_the_coalesce_at_recommender_scale():
+def test_merged_rows_equal_the_coalesce_at_recommender_scale(row_code):
     g = torch.Generator().manual_seed(0)
     pieces = random_pieces(g, 60_000, 2, 8)
     ref = reduce_rows(pieces, (60_000, 8), 2, "mean")
@@ -84,7 +102,7 @@ def test_merged_rows_equal_the_coalesce_at_recommender_scale():
     assert same(ids, ref.indices()[0]) and same(got, ref.values())
 
 
-def test_merge_refuses_unsorted_ids_and_rows_outside_the_shard():
+def test_merge_refuses_unsorted_ids_and_rows_outside_the_shard(row_code):
     v = torch.ones(3, 2)
     assert merge_rows([(torch.tensor([0, 2, 1]), v)], 5, 1) is None
     assert merge_rows([(torch.tensor([0, 1, 1]), v)], 5, 1) is None
@@ -92,6 +110,36 @@ def test_merge_refuses_unsorted_ids_and_rows_outside_the_shard():
         merge_rows([(torch.tensor([0, 1, 5]), v)], 5, 1)
     with pytest.raises(IndexError, match=r"row -1 outside \[0, 5\)"):
         merge_rows([(torch.tensor([-1, 1, 2]), v)], 5, 1)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dim, dtype", [(3, torch.float32), (64, torch.float32),
+                                        (5, torch.float64)])
+def test_bag_gradients_become_rows_as_torch_sums_them(weighted, dim, dtype):
+    """A pooled push's bags to rows: the kernel against the gather, product and
+    ``index_add_`` of the torch code (ids repeated within and across bags), bitwise."""
+    if not kernels.available(torch.zeros(1)):
+        pytest.skip("no C compiler here: the row kernels are not built")
+    g = torch.Generator().manual_seed(dim)
+    rows, bags, n = 500, 64, 1500
+    ids = torch.randint(0, rows, (n,), generator=g)
+    bag = torch.randint(0, bags, (n,), generator=g).sort().values
+    weights = torch.randn(n, generator=g, dtype=dtype) if weighted else None
+    grads = torch.randn(bags, dim, generator=g, dtype=dtype)
+    each = grads[bag] * (weights.view(-1, 1) if weighted else 1)
+    want_ids, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    want = torch.zeros(len(want_ids), dim, dtype=dtype).index_add_(0, inverse, each)
+    scratch = RowScratch()
+    for _ in range(2):                      # the slots are left clean for the next push
+        got_ids, got = kernels.bag_rows(ids, bag, weights, grads, scratch.slots(rows))
+        assert same(got_ids, want_ids) and same(got, want)
+    assert bool((scratch.slots(rows) == -1).all())
+    part = pooled.Part(ids, bag, weights, bags)
+    buf = pooled.pack_parts(pooled.POOLED, [part], [grads])
+    param = torch.zeros(rows, dim, dtype=dtype)
+    for scratches in (None, [scratch]):     # the push's parser, torch and kernel
+        (got_ids, got), = pooled.row_grads(buf, 0, [param], [0], scratches)
+        assert same(got_ids, want_ids) and same(got, want)
 
 
 # -- applying torch's optimizers to rows -----------------------------------------------------
@@ -110,7 +158,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("dim, dtype", [(4, torch.float32), (64, torch.float32),
                                         (67, torch.float32), (5, torch.float64)])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_row_update_is_bitwise_torchs_sparse_step(name, dim, dtype):
+def test_row_update_is_bitwise_torchs_sparse_step(name, dim, dtype, row_code):
     """Several steps with a StepLR schedule; every row block size and vector tail."""
     g = torch.Generator().manual_seed(dim)
     rows = 2200                      # more than a block of rows
@@ -259,3 +307,28 @@ def test_rowwise_adagrad_state_passes_the_state_check_of_a_restore():
     assert check_state(sd, opt.param_groups, ["w", "b"], shapes) is None
     sd["state"][1]["sum"] = torch.zeros(3)
     assert "has shape [3]" in check_state(sd, opt.param_groups, ["w", "b"], shapes)
+
+
+def test_without_a_compiler_the_torch_code_steps_in(tmp_path):
+    """No C compiler (``CC`` names none): the kernels are not built, nothing fails, and
+    the row path still runs on torch; a built library is reused from the cache."""
+    code = ("import torch\nfrom mpisync import kernels\n"
+            "from mpisync.rowopt import RowScratch, merge_rows\n"
+            "print(kernels.available(torch.zeros(1)))\n"
+            "p = [(torch.tensor([0, 2]), torch.ones(2, 3)), (torch.tensor([2]), torch.ones(1, 3))]\n"
+            "ids, rows = merge_rows(p, 4, 2, 'mean', RowScratch())\n"
+            "print(ids.tolist(), rows.sum().item())\n")
+    env = dict(os.environ, MPISYNC_CACHE=str(tmp_path / "cache"), CC=str(tmp_path / "no-cc"))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:2] == ["False", "[0, 2] 4.5"], run.stdout
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("*.so"))
+    if shutil.which("cc") or shutil.which("gcc"):
+        env.pop("CC")
+        for _ in range(2):                      # built once, then loaded from the cache
+            run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                 text=True, timeout=120, check=False)
+            assert run.returncode == 0, run.stderr
+            assert run.stdout.split("\n")[:2] == ["True", "[0, 2] 4.5"], run.stdout
+        assert len(list((tmp_path / "cache").glob("rows-*.so"))) == 1

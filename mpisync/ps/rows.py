@@ -188,7 +188,8 @@ class RowShards:
     def _with_pooled(self, parts: list, buf: np.ndarray, start: int) -> list:
         """A push's parts with the row gradients of its pooled bags added in: per shard
         still (unique local ids, gradient rows), so that the step takes them as any."""
-        got = pooled.row_grads(buf, start, [u.param for u in self.units], self.groups)
+        got = pooled.row_grads(buf, start, [u.param for u in self.units], self.groups,
+                               [u.scratch for u in self.units])
         out = []
         for (ids, rows), more in zip(parts, got):
             if more is None:
