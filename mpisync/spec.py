@@ -262,7 +262,7 @@ def _check_model(optimizer: torch.optim.Optimizer, model: Model) -> list[str]:
 def _shards(partitioner, name: str, t: torch.Tensor, default=None) -> int:
     """How many shards ``partitioner`` (one, or a dict of globs) gives parameter ``name``."""
     chosen = partition.resolve(partitioner, name) or default
-    if chosen is None:
+    if chosen is None or t.dim() == 0:    # a scalar stays whole, as in TensorFlow's get_variable
         return 1
     try:
         return chosen.num_shards(tuple(t.shape), t.element_size())

@@ -453,7 +453,7 @@ class ShardServer:
         self.averages.load(piece.get("averages"))
         self.rows.reset()
         self.global_step = piece["global_step"]
-        self.acc.global_step = self.global_step
+        self._release(self.acc.reset(self.global_step))     # held for before the load
         self._set_version()
 
     def finish(self) -> None:
