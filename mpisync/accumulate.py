@@ -259,6 +259,15 @@ class StepCoordinator:
         self.computing.update(workers)
         return [Action(Kind.REPLY, global_step, workers)]
 
+    def fail_sent(self) -> None:
+        """FAIL reached the blocked workers. The loading ones hold their token again, as if
+        they had not asked; those inside step() are owed nothing more (they can only close:
+        the gradients their step took count as dropped then)."""
+        self.computing |= self.loading
+        self.loading = set()
+        self.waiting = []
+        self.held = set()
+
     def _check_load(self) -> list[Action]:
         open_workers = set(range(self.num_workers)) - self.closed
         if not self.loading or not self.loading >= open_workers:
@@ -270,6 +279,10 @@ class StepCoordinator:
         self.computing.discard(worker)
         self.closed.add(worker)
         self.loading.discard(worker)
+        # one that waited inside step() closes only after a DeadlockError: no token for it
+        self.waiting = [w for w in self.waiting if w != worker]
+        self.late = [w for w in self.late if w != worker]
+        self.held.discard(worker)
         released = self._release_held() if not self.applying else []
         return (released + self._check_load() + self._check_stall() + self._check_shutdown()
                 + self._check_deadlock())

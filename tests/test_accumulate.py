@@ -973,3 +973,14 @@ def test_reset_hands_back_everything_held():
     fifo = ShardAccumulator(asynchronous=True)
     fifo.offer(1, 0, "a")
     assert fifo.reset(0) == ["a"] and fifo.chosen(0, (0, 1)) == []
+
+
+def test_after_a_fail_the_loading_hold_their_tokens_and_the_others_get_nothing_more():
+    c = started(2, 2)
+    c.load(0)
+    c.push(1, 0)                               # FAIL: worker 0's load cannot complete
+    c.fail_sent()
+    assert c.computing == {0} and not c.loading and not c.waiting
+    assert c.close(0) == []                    # no STOP for worker 1: FAIL answered it
+    assert c.close(1) == [shutdown(0)]
+    assert c.stats()["dropped_per_worker"] == [0, 1]

@@ -274,6 +274,8 @@ class Coordinator:
         for worker in loading:
             self.comm.send(DeadlockError(text), dest=self.worker_ranks[worker],
                            tag=self.tags[Tag.INFO])
+        self.steps.fail_sent()
+        self.load_pieces = None
 
     def _deadlock_text(self, blocked: list[int], parked: list[int], step: int,
                        loading: list[int] = ()) -> str:
