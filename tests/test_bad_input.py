@@ -203,31 +203,23 @@ def test_optimizers_created_in_different_orders_are_refused_on_every_rank(job):
 
 
 # -- refused at step(), before anything is sent ---------------------------------------------
-def test_a_parameter_appended_to_a_param_group_is_refused_at_step(job):
-    assert_refused_at_step(job, "groups_appended", r"the param groups changed after the "
-                           r"SyncReplicasOptimizer was created \('a parameter not in "
-                           r"named_parameters' added\)", "ConfigError")
-
-
-def test_a_parameter_removed_from_a_param_group_is_refused_at_step(job):
-    assert_refused_at_step(job, "groups_removed", r"the param groups changed .*\('2\.bias' "
-                           r"removed\)", "ConfigError")
-
-
-def test_a_parameter_given_another_dtype_is_refused_at_step(job):
-    assert_refused_at_step(job, "dtype_changed", r"parameter '0\.weight' became a "
-                           r"torch\.float64 tensor of shape \[32, 10\] on cpu", "TypeError")
-
-
-def test_a_model_converted_to_half_is_refused_at_step_and_can_be_converted_back(job):
-    assert_refused_at_step(job, "model_half", r"parameter '0\.weight' became a torch\.float16 "
-                           r"tensor", "TypeError")
-
-
-def test_a_model_moved_to_meta_is_refused_at_step(job):
-    assert_refused_at_step(job, "model_to_meta", r"the model no longer holds parameters "
-                           r"\['0\.weight', '0\.bias', '2\.weight', '2\.bias'\] of this "
-                           r"SyncReplicasOptimizer: they were replaced", "ConfigError")
+@pytest.mark.parametrize("case, kind, pattern", [
+    pytest.param("groups_appended", "ConfigError", r"the param groups changed after the "
+                 r"SyncReplicasOptimizer was created \('a parameter not in named_parameters' "
+                 r"added\)", id="a parameter appended to a param group"),
+    pytest.param("groups_removed", "ConfigError", r"the param groups changed .*\('2\.bias' "
+                 r"removed\)", id="a parameter removed from a param group"),
+    pytest.param("dtype_changed", "TypeError", r"parameter '0\.weight' became a "
+                 r"torch\.float64 tensor of shape \[32, 10\] on cpu",
+                 id="p.data = p.data.double()"),
+    pytest.param("model_half", "TypeError", r"parameter '0\.weight' became a torch\.float16 "
+                 r"tensor", id="model.half(), then back to float"),
+    pytest.param("model_to_meta", "ConfigError", r"the model no longer holds parameters "
+                 r"\['0\.weight', '0\.bias', '2\.weight', '2\.bias'\] of this "
+                 r"SyncReplicasOptimizer: they were replaced", id="model.to('meta')"),
+])
+def test_a_model_changed_under_the_optimizer_is_refused_at_step(job, case, kind, pattern):
+    assert_refused_at_step(job, case, pattern, kind)
 
 
 def test_a_gradient_of_the_wrong_shape_is_refused_at_step(job):

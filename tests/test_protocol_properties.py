@@ -101,6 +101,7 @@ class Driver:
     loads: int = 0
     refused_loads: int = 0
     load_at: int = 0
+    last_step: int = 0
 
     def __post_init__(self):
         j = self.job
@@ -227,9 +228,14 @@ class Driver:
             push.fate = "dropped"
         item_held = self.acc.offer(w, step, push)
         assert item_held == (j.asynchronous or step >= self.acc.global_step)
+        applying = self.applying is not None
         self.deliver(self.c.push(w, step))
         if j.asynchronous and self.applying is None:
             assert not self.queue, "an async gradient waits while nothing is applied"
+        if not j.asynchronous and not fresh:
+            # a stale gradient never blocks its worker: answered at once with the newest
+            # step, or right after the step being applied
+            assert (w in self.owed) == applying, (w, self.owed, applying)
 
     def apply(self) -> None:
         """Every ps applied the step: the accumulator must hold exactly its gradients."""
@@ -301,6 +307,9 @@ class Driver:
         """The invariants after every event; stats() is also what a state request reads."""
         c, stats = self.c, self.c.stats()
         assert c.global_step == self.step
+        if self.applied_steps[-1:] != ["load"]:      # only a load moves it back
+            assert c.global_step >= self.last_step, "the global step went back"
+        self.last_step = c.global_step
         fates = {w: Counter(p.fate for p in self.pushes if p.worker == w)
                  for w in range(self.job.W)}
         for w, f in fates.items():
