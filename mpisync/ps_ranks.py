@@ -389,8 +389,7 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
                            f"rank; call it once per job and pass the cluster it returned "
                            f"(or cluster.close() first)")
     if num_ps is None:
-        num_ps = env.count("MPISYNC_NUM_PS", 1, minimum=1,
-                               expected="a number of ps ranks >= 1")
+        num_ps = env.count("MPISYNC_NUM_PS", 1, minimum=1, expected="a number of ps ranks >= 1")
     if isinstance(num_ps, bool) or not isinstance(num_ps, int):
         raise TypeError(f"rank {comm.Get_rank()}: num_ps must be an int, "
                         f"got {type(num_ps).__name__} {num_ps!r}")

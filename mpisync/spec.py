@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -296,8 +296,11 @@ def _check_model(optimizer: torch.optim.Optimizer, model: Model) -> list[str]:
 def _shards(partitioner, name: str, t: torch.Tensor, default=None) -> int:
     """How many shards ``partitioner`` (one, or a dict of globs) gives parameter ``name``."""
     chosen = partition.resolve(partitioner, name) or default
-    if chosen is None or t.dim() == 0:    # a scalar stays whole, as in TensorFlow's get_variable
+    if chosen is None:
         return 1
+    if t.dim() == 0 and not (isinstance(partitioner, Mapping) and partitioner.get(name) is chosen):
+        return 1      # a partitioner for every parameter leaves a scalar whole, as TensorFlow's
+        #               variable scopes do; one given for it by name is refused below
     try:
         return chosen.num_shards(tuple(t.shape), t.element_size())
     except ValueError as exc:

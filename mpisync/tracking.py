@@ -138,9 +138,9 @@ class WriteTracker:
         return True
 
     def _home_grad(self, i: int) -> None:
-        """Converting a model (``model.half()`` then ``model.float()``) gives a ``.grad``
-        that is mpisync's gradient buffer a new tensor too: point it back into the buffer,
-        with what it holds."""
+        """Converting a model (``model.half()``, then ``model.float()``) converts each
+        ``.grad`` too, and one that was mpisync's gradient buffer then holds another tensor:
+        point it back into the buffer, with the values written there since."""
         if self.grads is None:
             return
         g, home = self.grads[i], self.grad_homes[i]

@@ -498,8 +498,8 @@ def test_more_shards_than_rows_are_capped_at_the_rows():
 
 
 def test_a_scalar_stays_whole_under_a_partitioner_for_every_parameter():
-    """As TensorFlow's get_variable leaves a scalar unpartitioned (found by the property
-    test below: it was refused)."""
+    """As TensorFlow's variable scopes leave a scalar unpartitioned (found by the property
+    test below: it was refused). A partitioner given for it by name is still refused."""
     import torch
 
     import mpisync
@@ -514,6 +514,17 @@ def test_a_scalar_stays_whole_under_a_partitioner_for_every_parameter():
                          num_ps=2)
     assert spec.names == ("weight/part_0", "weight/part_1", "weight/part_2", "scale")
     assert spec.parts[-1] == ("scale", 0, 0) and spec.shapes[-1] == ()
+    for partitioner in ({"*": mpisync.fixed_size(3)}, {"weight": mpisync.fixed_size(3)}):
+        spec, _ = build_spec(torch.optim.SGD(model.parameters(), lr=0.1),
+                             Model(tuple(model.named_parameters())),
+                             Options(partitioner=partitioner), opt_id=0, num_workers=2,
+                             num_ps=2)
+        assert spec.names[-1] == "scale"
+    with pytest.raises(ValueError, match=r"parameter 'scale': .*0-dimensional"):
+        build_spec(torch.optim.SGD(model.parameters(), lr=0.1),
+                   Model(tuple(model.named_parameters())),
+                   Options(partitioner={"scale": mpisync.fixed_size(3)}), opt_id=0,
+                   num_workers=2, num_ps=2)
 
 
 @st.composite
@@ -550,6 +561,10 @@ def test_shards_cover_the_rows_once_and_every_unit_has_one_owner(case):
     from mpisync.wire import ALIGN
 
     params, partitioner, num_ps, strategy = case
+    if isinstance(partitioner, dict) and any(
+            t.dim() == 0 and partitioner.get(n) is not None for n, t in params):
+        partitioner = {k: v for k, v in partitioner.items() if k not in dict(params)
+                       or dict(params)[k].dim()}     # one named for a scalar is refused
     model = torch.nn.Module()          # registered in a module: known not to be sparse
     for n, t in params:
         model.register_parameter(n, torch.nn.Parameter(t))

@@ -278,7 +278,7 @@ class Coordinator:
         self.load_pieces = None
 
     def _deadlock_text(self, blocked: list[int], parked: list[int], step: int,
-                       loading: list[int] = ()) -> str:
+                       loading: list[int]) -> str:
         if loading:
             others = sorted(set(blocked) - set(loading))
             where = (f"workers {others} wait inside step() for global step {step}"
