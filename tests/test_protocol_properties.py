@@ -91,10 +91,9 @@ class Driver:
     step: int = 0                                  # the model's global step
     open_pushes: list = field(default_factory=list)   # fresh pushes the open step took
     grants: int = 0
-    applying: tuple | None = None                  # (step, pushes) of the DECIDE in flight
+    applying: tuple | None = None      # (step, pushes, workers) of the DECIDE in flight
     applied_steps: list = field(default_factory=list)
     queue: list = field(default_factory=list)      # async: pushes waiting for their apply
-    held: set = field(default_factory=set)         # async: applied, token withheld
     stopped: bool = False
     shut_down: bool = False
     failed: bool = False
@@ -330,18 +329,14 @@ class Driver:
                 recorded[(w, r["step"], "taken")] += 1
             for w in r["dropped"]:
                 recorded[(w, r["step"], "dropped")] += 1
-        expected: Counter = Counter()
-        for p in self.pushes:
-            at = p.step
-            if self.job.asynchronous:       # recorded under the step that applies it
-                continue
-            expected[(p.worker, at, "dropped" if p.fate == "dropped" else "taken")] += 1
-        if not self.job.asynchronous:
-            assert recorded == expected, (recorded, expected)
-        else:
+        if self.job.asynchronous:
             # each gradient is recorded under the step that applies it, once decided
             assert not any(k[2] == "dropped" for k in recorded)
             assert sum(recorded.values()) == len(self.pushes) - len(self.queue)
+            return
+        expected = Counter((p.worker, p.step, "dropped" if p.fate == "dropped" else "taken")
+                           for p in self.pushes)     # pending ones are recorded as taken
+        assert recorded == expected, (recorded, expected)
 
     def events(self) -> list:
         """What can happen next, given what every worker is doing."""
