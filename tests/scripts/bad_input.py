@@ -38,16 +38,12 @@ def train(opt, net, steps: int, w: int, dtype=torch.float32, device="cpu",
         opt.step()
 
 
-def described(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
 def attempt(fn) -> str | None:
-    """Run ``fn``; the error it raised, described, or None."""
+    """Run ``fn``; the error it raised (``"Type: message"``), or None."""
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 (the test reads what was raised)
-        return described(exc)
+        return f"{type(exc).__name__}: {exc}"
     return None
 
 
