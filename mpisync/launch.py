@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .nodes import HOSTMAP_ENV, encode_host_map, parse_hostfile, parse_hosts, rank_nodes
+from .survival import LOST_WORKERS_EXIT, SURVIVE_ENV
 
 __all__ = [
     "FLAVORS",
@@ -94,6 +95,7 @@ def mpiexec_command(
     oversubscribe: bool = False,
     hostfile: str | None = None,
     hostfile_text: str | None = None,
+    survive_worker_loss: bool = False,
 ) -> list[str]:
     """Build the ``mpiexec`` command line that runs ``argv`` on workers + ps ranks.
 
@@ -121,6 +123,10 @@ def mpiexec_command(
             needs nothing). Open MPI also gets ``--bind-to none`` unless ``extra`` binds:
             with ``--oversubscribe`` alone Open MPI 5 was seen to put every rank of a
             two-node Slurm job on the first node.
+        survive_worker_loss: the job goes on when workers die (``mpisync.init``):
+            ``MPISYNC_SURVIVE_WORKER_LOSS=1`` on every rank and, for Open MPI, its fault
+            tolerance (``--with-ft ulfm``). MPICH and Intel MPI cannot: their ``mpiexec``
+            ends the job when a rank dies, and rank 0 says so.
 
     Returns:
         The command as a list of arguments, ready for ``subprocess``.
@@ -142,8 +148,11 @@ def mpiexec_command(
         raise ValueError("give hosts or a hostfile, not both")
     size = num_workers + num_ps
     rank_env = _rank_env(num_ps, host_map(size, flavor, hosts, hostfile_text), env)
+    if survive_worker_loss:
+        rank_env[SURVIVE_ENV] = "1"
     cmd = [mpiexec, "-n", str(size)]
     if flavor == "openmpi":
+        cmd += ["--with-ft", "ulfm"] if survive_worker_loss else []
         cmd += ["--allow-run-as-root"] if as_root else []
         cmd += ["--oversubscribe"] if oversubscribe else []
         cmd += ["--bind-to", "none"] if oversubscribe and "--bind-to" not in (extra or []) else []
@@ -274,6 +283,12 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=f"kill the whole job after this long and exit {TIMEOUT_EXIT_CODE}",
     )
+    parser.add_argument(
+        "--survive-worker-loss",
+        action="store_true",
+        help="go on when workers die while the others can complete every step (Open MPI "
+        f"with ULFM only: mpirun --with-ft ulfm); the job then exits {LOST_WORKERS_EXIT}",
+    )
     parser.add_argument("program", nargs=argparse.REMAINDER, help="program and its arguments")
     return parser
 
@@ -285,7 +300,7 @@ def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
 
     Returns:
         A namespace with ``workers``, ``ps``, ``hosts``, ``hostfile``, ``mpiexec``,
-        ``flavor``, ``timeout`` and ``program`` (a non-empty list).
+        ``flavor``, ``timeout``, ``survive_worker_loss`` and ``program`` (a non-empty list).
 
     Raises:
         SystemExit: on bad arguments (argparse's usage error, status 2).
@@ -436,6 +451,7 @@ def main(args: Sequence[str] | None = None) -> int:
             hostfile_text=hostfile_text,
             as_root=getattr(os, "geteuid", lambda: -1)() == 0,
             oversubscribe=num_ranks > (os.cpu_count() or 1),
+            survive_worker_loss=ns.survive_worker_loss,
         )
     except (OSError, ValueError) as exc:
         print(f"{_PREFIX} {exc}", file=sys.stderr)
@@ -447,12 +463,16 @@ def main(args: Sequence[str] | None = None) -> int:
         print(f"{_PREFIX} cannot run {mpiexec}: {exc}", file=sys.stderr)
         return 127
     if status not in (0, TIMEOUT_EXIT_CODE):
-        print(f"{_PREFIX} {explain_status(status, flavor)}", file=sys.stderr, flush=True)
+        print(f"{_PREFIX} {explain_status(status, flavor, ns.survive_worker_loss)}",
+              file=sys.stderr, flush=True)
     return status
 
 
-def explain_status(status: int, flavor: str) -> str:
+def explain_status(status: int, flavor: str, survive_worker_loss: bool = False) -> str:
     """What a failed job's exit status says about how its ranks ended."""
+    if survive_worker_loss and status == LOST_WORKERS_EXIT:
+        return (f"the job trained to its end but lost workers (exit status {status}); the "
+                f"ps ranks named them above, and opt.stats['workers_lost'] lists them")
     text = f"the job failed with exit status {status}"
     signum = status - 128 if status > 128 else status if flavor == "mpich" else None
     try:

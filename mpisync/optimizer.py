@@ -140,6 +140,14 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             (read it with ``python -m mpisync.stats``); default: ``MPISYNC_STATS`` (the
             optimizers created after the first one write ``<stem>.opt<k><suffix>``);
             ``False``: none. The chief's value counts.
+        nonfinite: what a step whose averaged gradient holds NaN or Inf does (checked on
+            the ps ranks, for the parameters they hold, not the rows of tables):
+            ``"raise"`` (default: a ``NonFiniteError`` naming the parameter and the
+            workers whose gradients were not finite ends the job; the step is not applied)
+            or ``"skip"`` (one ps rank only: the step leaves the parameters and the
+            optimizer state as they were, as a loop that skips ``optimizer.step()`` for
+            that batch; the global step still counts it, and
+            ``stats["steps_skipped_nonfinite"]`` lists it).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -155,7 +163,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                  buffers: str = "broadcast", schedule: str = "auto", partitioner=None,
                  sparse_reduction: str = "mean", dense: str = "ps",
                  allreduce_backend: str = "mpi", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 stats_log: str | bool | None = None):
+                 stats_log: str | bool | None = None, nonfinite: str = "raise"):
         from .ps_ranks import _current
         cluster = _current if cluster is None else cluster
         if cluster is None:
@@ -173,11 +181,11 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._names = [n for n, _ in model.params]
         self._params = [p for _, p in model.params]
         self._poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label,
-                              spin_seconds(cluster.oversubscribed))
+                              spin_seconds(cluster.oversubscribed), cluster.losses)
         options = Options(replicas_to_aggregate, total_num_replicas, num_tokens, placement,
                           reduction, deterministic, ema_decay, ema_num_updates, asynchronous,
                           max_staleness, buffers, schedule, partitioner, sparse_reduction,
-                          dense, allreduce_backend, bucket_bytes)
+                          dense, allreduce_backend, bucket_bytes, nonfinite)
         opt_id = len(cluster.optimizers)
         self._stats_log = log_path(stats_log, opt_id)
         spec, routes = self._agree(optimizer, model, options, opt_id,
@@ -241,6 +249,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 return (f"parameter {shared[0]!r} is held by SyncReplicasOptimizer #{k} too, "
                         f"which is open: the ps ranks would update it for each of them on its "
                         f"own; give each parameter to one optimizer (or close the other first)")
+        if options.dense == "allreduce" and self.cluster.losses is not None:
+            return ("dense='allreduce' averages gradients in collectives among the workers, "
+                    "which cannot complete once a worker is lost: a job that survives lost "
+                    "workers keeps its dense parameters on the ps ranks (dense='ps')")
         if options.dense == "allreduce":
             return backend_problem(options.allreduce_backend, self.cluster._worker_comm,
                                    self.cluster.num_workers)
@@ -551,7 +563,11 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
 
         Keys: global_step, steps, gradients_applied (gradients of applied steps),
         gradients_pending (held by the open step), gradients_dropped, taken_per_worker,
-        dropped_per_worker, per_step (each step's taken and dropped workers), stopped, and
+        dropped_per_worker, per_step (each step's taken and dropped workers), stopped,
+        workers_lost (workers that died in a job that survives them: worker, rank, host,
+        the step its last gradient was computed at, and noticed_at, the time ps 0 noticed
+        it, as ``time.time()``), steps_skipped_nonfinite (steps whose
+        gradient held NaN or Inf, with ``nonfinite="skip"``), and
         for this worker: local_steps, token_wait_s and bytes_per_ps (bytes pushed per step
         to each ps), and of the lookups of tables during the last step, per ps:
         lookups_per_ps (messages), lookup_sent_per_ps and lookup_received_per_ps (bytes).

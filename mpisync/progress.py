@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 from . import environ as env
 from .errors import PeerError, StallError
+from .survival import Losses, improbe
 from .wire import Tag
 
 __all__ = ["DEFAULT_TIMEOUT", "Poller"]
@@ -43,11 +44,14 @@ class Poller:
     Busy polling steals CPU from ranks that share a core, so after ``spin`` seconds
     without progress it sleeps, doubling from 10 us up to ``MPISYNC_POLL_MAX_SLEEP``. While it waits it watches for a
     failure notice from any rank (raising ``PeerError``) and raises ``StallError``
-    when nothing completes within ``timeout`` seconds.
+    when nothing completes within ``timeout`` seconds. With ``losses`` (a job that
+    survives lost workers) a rank found dead meanwhile is noted there.
     """
 
-    def __init__(self, comm: MPI.Comm, timeout: float, label: str, spin: float = SPIN_SHARED):
+    def __init__(self, comm: MPI.Comm, timeout: float, label: str, spin: float = SPIN_SHARED,
+                 losses: Losses | None = None):
         self.comm = comm
+        self.losses = losses
         self.timeout = timeout
         self.label = label
         self.spin = spin
@@ -82,10 +86,9 @@ class Poller:
 
     def check_peer_error(self) -> None:
         """Raise ``PeerError`` if another rank announced a failure."""
-        status = MPI.Status()
-        if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=Tag.ERROR, status=status):
-            notice = self.comm.recv(source=status.Get_source(), tag=Tag.ERROR)
-            raise PeerError(f"{self.label}: stopping because {notice}")
+        msg = improbe(self.comm, self.losses, MPI.ANY_SOURCE, Tag.ERROR)
+        if msg is not None:
+            raise PeerError(f"{self.label}: stopping because {msg.recv()}")
 
     def wait_all(self, reqs: list[MPI.Request], what: Callable[[], str]) -> None:
         """Wait for every request in ``reqs``; ``what()`` describes them for a stall error."""

@@ -18,6 +18,7 @@ from .errors import ConfigError, StallError, WorldTooSmallError
 from .guard import GuardedComm
 from .nodes import HOSTMAP_ENV, check_host_map, cpu_affinity, host_load, machine_id, node_of
 from .progress import DEFAULT_TIMEOUT, Poller, spin_seconds
+from .survival import LOST_WORKERS_EXIT, SURVIVE_ENV, Losses, support
 from .wire import WIRE_VERSION, Tag
 
 if TYPE_CHECKING:
@@ -182,11 +183,12 @@ class Cluster:
 
     ``p2p_comm`` is a private duplicate of the world communicator that carries all of
     mpisync's own traffic. ``close()`` (or leaving a ``with`` block) frees the
-    communicators it created.
+    communicators it created. With ``survive`` (fault-tolerant MPI only) mpisync's
+    communicators return errors, and ``losses`` records the ranks found dead.
     """
 
     def __init__(self, comm: MPI.Comm, layout: RankLayout, timeout: float,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, survive: bool = False):
         placement = locate(comm) if placement is None else placement
         self.comm = comm
         self.layout = layout
@@ -206,6 +208,12 @@ class Cluster:
         self._worker_comm, self.ps_comm = comm_split(comm, layout)
         self._meet_comm = (MPI.COMM_NULL if self._worker_comm == MPI.COMM_NULL
                            else self._worker_comm.Dup())
+        self.losses = None
+        if survive:           # a dead rank must be an error to handle, not the job's end
+            for c in (self.p2p_comm, self._worker_comm, self._meet_comm, self.ps_comm):
+                if c != MPI.COMM_NULL:
+                    c.Set_errhandler(MPI.ERRORS_RETURN)
+            self.losses = Losses(self.p2p_comm)
         self._meet_poller = None
         self.local_ranks, self.local_cores = placement.local_ranks, placement.local_cores
         self.stats: dict | list | None = None
@@ -242,11 +250,11 @@ class Cluster:
             opt._park(True)
         if self._meet_poller is None:
             self._meet_poller = Poller(self.p2p_comm, self.timeout, self.label,
-                                       spin_seconds(self.oversubscribed))
+                                       spin_seconds(self.oversubscribed), self.losses)
         poller = self._meet_poller
         req = meet.Ibarrier()
         start = time.monotonic()
-        while not req.Test():
+        while not self._met(req, method):
             for opt in open_optimizers:
                 opt._raise_if_failed(method)
             poller.idle()
@@ -256,6 +264,23 @@ class Cluster:
         poller.busy()
         for opt in open_optimizers:
             opt._park(False)
+
+    def _met(self, req: MPI.Request, method: str) -> bool:
+        try:
+            return req.Test()
+        except MPI.Exception as exc:
+            if self.losses is None or not self.losses.note(exc):
+                raise
+            raise RuntimeError(
+                f"{self.label}: worker_comm.{method}(): {self.describe_lost()} lost: a "
+                f"collective among the workers cannot complete without them; a job that "
+                f"survives lost workers keeps such collectives out of training") from None
+
+    def describe_lost(self, ranks: Sequence[int] | None = None) -> str:
+        """``worker 2 (rank 2 on n1)``, for the ranks lost (default: every one noticed)."""
+        ranks = self.losses.lost if ranks is None else ranks
+        return ", ".join(f"{role} {index} (rank {r} on {self.nodes[r]})"
+                         for r in ranks for role, index in [self.layout.role(r)])
 
     def describe(self) -> str:
         """The roles on each node, one line a node: ``n2: worker 1 (rank 2), ps 1 (rank 3)``."""
@@ -354,7 +379,8 @@ _current: Cluster | None = None
 
 
 def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
-         timeout: float | None = None, abort_on_error: bool = True) -> Cluster:
+         timeout: float | None = None, abort_on_error: bool = True,
+         survive_worker_loss: bool | None = None) -> Cluster:
     """Split the MPI world into ps ranks and workers. Call on every rank.
 
     Args:
@@ -372,6 +398,13 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
         abort_on_error: install an exception hook that reports an uncaught exception
             with this rank's name, tells the other ranks, and aborts the whole job, so
             that one failing rank never leaves the others waiting.
+        survive_worker_loss: go on when workers die, as long as the others can complete
+            every step (at least ``replicas_to_aggregate`` left; see the README, "Losing
+            a worker"); default: ``MPISYNC_SURVIVE_WORKER_LOSS`` (set by
+            ``python -m mpisync.launch --survive-worker-loss``), else off. Needs Open MPI
+            started with ``mpirun --with-ft ulfm``; with another MPI rank 0 says why not
+            and the job ends when a rank dies, as without it. The ranks of a job that lost
+            workers and trained to its end exit with status 3 (``LOST_WORKERS_EXIT``).
 
     Raises:
         WorldTooSmallError: on every rank, when the world cannot hold ``num_ps`` ps
@@ -406,10 +439,35 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
     if placement.note and comm.Get_rank() == 0:
         print(f"[mpisync] {placement.note}", file=sys.stderr, flush=True)
     layout = RankLayout.choose(placement.nodes, num_ps, os.environ)
+    survive = _survive(survive_worker_loss, comm.Get_rank())
     _current = Cluster(comm, layout, DEFAULT_TIMEOUT if timeout is None else float(timeout),
-                       placement)
+                       placement, survive)
+    if survive:           # runs after the worker left the job, before MPI finalizes
+        atexit.register(_exit_status, _current)
     atexit.register(_current._leave)      # a worker that ends leaves the job
     return _current
+
+
+def _survive(asked: bool | None, rank: int) -> bool:
+    """Whether this job survives lost workers: asked for, and the MPI can."""
+    if asked is None:
+        asked = env.switch(SURVIVE_ENV, False)
+    if not asked:
+        return False
+    why_not = support()
+    if why_not is not None and rank == 0:
+        print(f"[mpisync] survive_worker_loss: {why_not}", file=sys.stderr, flush=True)
+    return why_not is None
+
+
+def _exit_status(cluster: Cluster) -> None:
+    """A rank that saw workers lost ends with ``LOST_WORKERS_EXIT`` once MPI finalized."""
+    if cluster.losses is None or not cluster.losses.lost or MPI.Is_finalized():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.Finalize()
+    os._exit(LOST_WORKERS_EXIT)
 
 
 def _check_versions(comm: MPI.Comm) -> None:
@@ -437,6 +495,8 @@ def _install_excepthook() -> None:
         rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else "?"
         label = cluster.label if cluster is not None else f"rank {rank}"
         text = "".join(traceback.format_exception(exc_type, exc, tb))
+        if cluster is not None and cluster.losses is not None and cluster.losses.note(exc):
+            exc = f"{cluster.describe_lost() or 'a rank'} lost ({exc})"
         sys.stderr.write(f"[mpisync] {label}: {exc_type.__name__}: {exc}\n{text}")
         sys.stderr.flush()
         if getattr(exc, "collective", False) or not MPI.Is_initialized() or MPI.Is_finalized():

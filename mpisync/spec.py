@@ -55,6 +55,7 @@ SPEC_VERSION = "mpisync.spec/4"
 BUFFER_MODES = ("broadcast", "mean", "local")
 SCHEDULE_MODES = ("auto", "global_step", "local")
 DENSE_MODES = ("ps", "allreduce")
+NONFINITE_MODES = ("raise", "skip")
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class Options:
     dense: str = "ps"
     allreduce_backend: str = "mpi"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    nonfinite: str = "raise"
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class JobSpec:
     allreduce: tuple[str, ...] = ()
     allreduce_backend: str = "mpi"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    nonfinite: str = "raise"
 
     def digest(self) -> str:
         """A short digest of the whole spec (what every rank must agree on)."""
@@ -260,7 +263,8 @@ def _check_options(o: Options) -> None:
                                  ("allreduce_backend", o.allreduce_backend, BACKENDS),
                                  ("sparse_reduction", o.sparse_reduction, SPARSE_REDUCTIONS),
                                  ("buffers", o.buffers, BUFFER_MODES),
-                                 ("schedule", o.schedule, SCHEDULE_MODES)):
+                                 ("schedule", o.schedule, SCHEDULE_MODES),
+                                 ("nonfinite", o.nonfinite, NONFINITE_MODES)):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     if not (callable(o.placement) or o.placement in placement_mod.STRATEGIES):
@@ -464,7 +468,11 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
                      for t in tables.values()),
         sparse_reduction=options.sparse_reduction, dense=options.dense,
         allreduce=tuple(routes.names(ALLREDUCE)), allreduce_backend=options.allreduce_backend,
-        bucket_bytes=options.bucket_bytes)
+        bucket_bytes=options.bucket_bytes, nonfinite=options.nonfinite)
+    if spec.nonfinite == "skip" and num_ps > 1:
+        raise ValueError(f"nonfinite='skip' needs one ps rank, got {num_ps}: each ps rank "
+                         f"checks its own part of a step, and skipping it on some only would "
+                         f"not be the step skipped; use nonfinite='raise' or one ps rank")
     return spec, routes
 
 
@@ -509,7 +517,7 @@ def setup_summary(spec: JobSpec | None, routes: Routes | None) -> dict[str, str]
     summary["frozen parameters"] = repr(routes.names(REPLICATED))
     for f in ("replicas_to_aggregate", "num_tokens", "reduction", "deterministic",
               "ema_decay", "ema_num_updates", "asynchronous", "max_staleness", "buffer_mode",
-              "sparse_reduction", "dense", "allreduce_backend", "bucket_bytes"):
+              "sparse_reduction", "dense", "allreduce_backend", "bucket_bytes", "nonfinite"):
         summary[f] = repr(getattr(spec, f))
     summary["parameters averaged by allreduce"] = repr(spec.allreduce)
     summary["hyper-parameter layout"] = repr(spec.hyper)

@@ -37,6 +37,7 @@ PARAM_HEADER_BYTES = 64   # int64[8]: kind, global step, ...
 TOKEN_WORDS = 4           # int64[4]: kind, global step, argument, flags (TOKEN_*)
 NOTICE_WORDS = 8          # int64[8]: kind, step, sender, flags, then APPLIED's figures:
                           # apply us, reduce us, bytes in, bytes out (0 unless timed)
+NOTICE_SKIPPED = 1        # APPLIED's flag: the step's gradient was not finite, not applied
 TIMING_WORDS = 4          # uint32[4] in int64 fields 5-6 of a gradient header or CLOSE:
                           # compute, push, wait, pull us of the worker's previous step
 

@@ -68,6 +68,11 @@ def _launcher() -> tuple[str, str]:
     return mpiexec, detect_mpi_flavor(mpiexec)
 
 
+def mpi_flavor() -> str:
+    """The MPI the tests launch with: ``"mpich"`` (make test) or ``"openmpi"``."""
+    return _launcher()[1]
+
+
 def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 120,
             env: dict[str, str] | None = None, expect_ok: bool = True,
             hosts: str | None = None) -> Run:

@@ -228,6 +228,17 @@ def test_a_gradient_of_the_wrong_shape_is_refused_at_step(job):
                            "ValueError")
 
 
+def test_an_unknown_nonfinite_policy_is_refused_on_every_rank(job):
+    assert_refused_everywhere(job, "nonfinite_unknown",
+                              r"nonfinite must be one of \('raise', 'skip'\), got 'ignore'")
+
+
+def test_a_nonfinite_gradient_with_skip_drops_the_step_and_training_goes_on(job):
+    for record in job[0]["nonfinite_skip"].values():
+        assert record["error"] is None and record["skipped"] == [2], record
+        assert record["global_step"] == 5 and record["matches"] is True, record
+
+
 # -- accepted, as torch accepts it ---------------------------------------------------------
 def test_step_before_any_backward_updates_nothing_as_torch(job):
     for record in job[0]["step_before_backward"].values():
@@ -270,7 +281,7 @@ def test_the_job_ends_cleanly_after_every_case(job):
     assert errors_of(job, "cluster_close", (0, 1, 2)) == {0: None, 1: None, 2: None}
     (served,) = job[0]["served"].values()
     # every optimizer that was set up, in order, with the global step it ended at
-    assert served["steps"] == [4, 4, 4, 4, 4, 4, 4, 3, 3, 1, 5, 2]
+    assert served["steps"] == [4, 4, 4, 4, 4, 4, 4, 5, 3, 3, 1, 5, 2]
 
 
 # -- the ps side ---------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import re
 import sys
 
 import pytest
-from mpi_helpers import SCRIPTS, assert_every_rank_says, failing, labels, run_mpi
+from mpi_helpers import SCRIPTS, assert_every_rank_says, failing, labels, mpi_flavor, run_mpi
 
 from mpisync.launch import run_job
 
@@ -188,6 +188,13 @@ def test_a_write_dropped_with_a_late_gradient_is_not_dropped_silently():
                      r"that travelled with it were dropped too", run.output), run.describe()
 
 
+def test_a_nonfinite_gradient_ends_the_job_naming_the_parameter_and_worker():
+    run = failing("errors.py", 2, 1, ["--case", "nonfinite"])
+    assert_every_rank_says(run, r"NonFiniteError: .*the gradient of parameter '2\.weight' for "
+                                r"global step 3 holds NaN or Inf, from workers \[1\] \(ranks "
+                                r"\[1\]\); the step is not applied", EVERY_RANK)
+
+
 def test_step_after_close_is_a_clear_error():
     out = failed("step_after_close")
     assert "worker 1 (rank 1" in out
@@ -233,12 +240,18 @@ def test_a_stalled_worker_ends_the_job_with_a_message_naming_it():
 @pytest.mark.parametrize("case", ["killed", "killed_ps"])
 def test_a_rank_that_dies_ends_the_whole_job(case):
     # SIGKILL leaves no excepthook and no MPI_Abort: the launcher must end the others,
-    # and mpisync's launcher says what the status means
-    job = run_job([sys.executable, "-m", "mpisync.launch", "--workers", "2", "--ps", "2",
-                   "--timeout", "30", "--", sys.executable, str(SCRIPTS / "errors.py"),
+    # and mpisync's launcher says what the status means. MPICH cannot survive a lost
+    # worker even when asked (Open MPI can: test_survive.py)
+    survive = ["--survive-worker-loss"] if case == "killed" and mpi_flavor() == "mpich" else []
+    job = run_job([sys.executable, "-m", "mpisync.launch", *survive, "--workers", "2", "--ps",
+                   "2", "--timeout", "30", "--", sys.executable, str(SCRIPTS / "errors.py"),
                    "--case", case, "--num-ps", "2"], timeout=60, capture=True,
                   env=dict(os.environ, MPISYNC_TIMEOUT="60", OMP_NUM_THREADS="1"))
     assert job.returncode not in (0, 124), job.output
     assert re.search(r"signal 9|Killed", job.output), job.output
     assert re.search(r"mpisync\.launch: the job failed with exit status \d+: a rank ended by "
                      r"SIGKILL \(signal 9\) or without finishing MPI", job.output), job.output
+    if survive:
+        assert re.search(r"\[mpisync\] survive_worker_loss: this MPI \(MPICH.*\) cannot "
+                         r"survive a lost rank \(only Open MPI with ULFM can\)",
+                         job.output), job.output

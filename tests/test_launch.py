@@ -11,6 +11,7 @@ import pytest
 from mpisync.launch import (
     NUM_PS_ENV,
     detect_mpi_flavor,
+    explain_status,
     find_mpiexec,
     host_map,
     main,
@@ -66,6 +67,20 @@ def test_openmpi_flags_only_when_asked():
     assert "--allow-run-as-root" not in cmd
     assert "--oversubscribe" not in cmd
     assert "-H" not in cmd
+
+
+@pytest.mark.parametrize("flavor, ft", [("openmpi", ["--with-ft", "ulfm"]), ("mpich", []),
+                                        ("intel", [])])
+def test_survive_worker_loss_asks_for_fault_tolerance_where_the_mpi_has_it(flavor, ft):
+    cmd = mpiexec_command(PROG, 3, 1, mpiexec="m", flavor=flavor, survive_worker_loss=True)
+    assert cmd[3:3 + len(ft)] == ft
+    assert ("MPISYNC_SURVIVE_WORKER_LOSS=1" in cmd
+            or cmd[cmd.index("MPISYNC_SURVIVE_WORKER_LOSS") + 1] == "1")
+    assert parse_args(["--survive-worker-loss", "--workers", "3", "--ps", "1", "--",
+                       "p"]).survive_worker_loss
+    assert "--with-ft" not in mpiexec_command(PROG, 3, 1, flavor="openmpi")
+    assert explain_status(3, flavor, survive_worker_loss=True).startswith(
+        "the job trained to its end but lost workers (exit status 3)")
 
 
 # --- mpiexec_command: MPICH / Intel (Hydra) -----------------------------------------------

@@ -1,6 +1,7 @@
 """The coordinator on ps 0: the step decisions of ``accumulate`` turned into messages."""
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
@@ -12,7 +13,17 @@ from ..accumulate import Action, StepCoordinator
 from ..errors import ConfigError, DeadlockError, ProtocolError
 from ..progress import Poller
 from ..spec import JobSpec
-from ..wire import FLAG_SCHEDULED, NOTICE_WORDS, TOKEN_STATS, TOKEN_WORDS, Control, Kind, Tag
+from ..survival import Losses, improbe
+from ..wire import (
+    FLAG_SCHEDULED,
+    NOTICE_SKIPPED,
+    NOTICE_WORDS,
+    TOKEN_STATS,
+    TOKEN_WORDS,
+    Control,
+    Kind,
+    Tag,
+)
 from .steplog import StepLog
 
 __all__ = ["Coordinator"]
@@ -37,8 +48,12 @@ class Coordinator:
 
     def __init__(self, spec: JobSpec, worker_ranks: tuple[int, ...],
                  ps_ranks: tuple[int, ...], comm: MPI.Comm, poller: Poller, label: str,
-                 local: Callable[[np.ndarray, object], None], log: StepLog | None = None):
+                 local: Callable[[np.ndarray, object], None], log: StepLog | None = None,
+                 losses: Losses | None = None):
         self.spec = spec
+        self.losses = losses
+        self.lost: dict[int, dict] = {}     # dead workers: rank, host, last step
+        self.skipped: list[int] = []        # steps whose gradient was not finite
         self.worker_ranks = worker_ranks
         self.ps_ranks = ps_ranks
         self.comm = comm
@@ -125,8 +140,7 @@ class Coordinator:
                 progressed = True
         if rare:
             status = MPI.Status()
-            msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=self.tags[Tag.REQ],
-                                    status=status)
+            msg = improbe(self.comm, self.losses, MPI.ANY_SOURCE, self.tags[Tag.REQ], status)
             if msg is not None:
                 self._on_request(self.worker_ranks.index(status.Get_source()), msg.recv())
                 progressed = True
@@ -149,6 +163,8 @@ class Coordinator:
         self._emit(actions)
 
     def _on_applied(self, words=None) -> None:
+        if words is not None and words[3] & NOTICE_SKIPPED and int(words[2]) == 0:
+            self.skipped.append(int(words[1]))
         if self.log is not None and words is not None:
             self.log.applied(words)
         self.acks += 1
@@ -184,7 +200,37 @@ class Coordinator:
         tok = self.token_buf
         tok[0], tok[1], tok[2] = kind, step, arg
         for w in workers:
-            self.comm.Send([tok, MPI.BYTE], dest=self.worker_ranks[w], tag=self.tags[Tag.TOKEN])
+            if w in self.lost:
+                continue
+            try:
+                self.comm.Send([tok, MPI.BYTE], dest=self.worker_ranks[w],
+                               tag=self.tags[Tag.TOKEN])
+            except MPI.Exception as exc:     # it died: the loop hears of it next
+                if self.losses is None or not self.losses.note(exc):
+                    raise
+
+    def lose(self, w: int, host: str) -> None:
+        """Worker ``w`` died on ``host``: named once, absent from every step from now on
+        (as if it had closed); the job ends when the others cannot complete a step."""
+        steps, rank = self.steps, self.worker_ranks[w]
+        last = self.pushed_at[w] if self.pushes[w] else None
+        self.lost[w] = {"worker": w, "rank": rank, "host": host, "last_step": last,
+                        "noticed_at": time.time()}
+        if w in steps.closed:            # it had finished training
+            return
+        alive = self.W - len(self.lost)
+        need = 1 if self.spec.asynchronous else min(self.W, self.spec.replicas_to_aggregate)
+        print(f"[mpisync] {self.label}: lost worker {w} (rank {rank} on {host}) at global "
+              f"step {steps.global_step}, its last gradient "
+              f"{'none' if last is None else f'computed at step {last}'}; {alive} of "
+              f"{self.W} workers left", file=sys.stderr, flush=True)
+        if alive < need:
+            ranks = ", ".join(f"rank {v['rank']}" for v in self.lost.values())
+            raise RuntimeError(
+                f"{self.label}: lost workers {sorted(self.lost)} ({ranks}): the {alive} left "
+                f"cannot complete a step of {self.spec.replicas_to_aggregate} gradients "
+                f"(replicas_to_aggregate); the job ends")
+        self._emit(steps.close(w))
 
     def _decide(self, a: Action) -> None:
         if self.observed:
@@ -311,7 +357,7 @@ class Coordinator:
         # whether or not a worker ever reads them); per_step stays with serve()'s result
         final = {k: v for k, v in self.stats().items() if k != "per_step"}
         self.final_sends = [self.comm.isend(final, dest=rank, tag=self.tags[Tag.INFO])
-                            for rank in self.worker_ranks]
+                            for w, rank in enumerate(self.worker_ranks) if w not in self.lost]
         self.finished = True
 
     # -- requests -------------------------------------------------------------------------
@@ -353,7 +399,8 @@ class Coordinator:
         self._emit(actions)
 
     def stats(self) -> dict:
-        return self.steps.stats()
+        return dict(self.steps.stats(), workers_lost=list(self.lost.values()),
+                    steps_skipped_nonfinite=list(self.skipped))
 
     def describe_wait(self) -> str:
         c = self.steps

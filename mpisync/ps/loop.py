@@ -10,6 +10,7 @@ from .. import timeline
 from ..errors import ConfigError, StallError
 from ..progress import SETUP_TIMEOUT, STALL_WARNING, Poller, spin_seconds
 from ..spec import decode, versions
+from ..survival import improbe
 from ..wire import Kind, Tag
 from .coordinator import Coordinator
 from .shard import ShardServer
@@ -30,7 +31,7 @@ class Job:
         on_coordinator = cluster.ps_index == 0
         self.shard = ShardServer(spec, cluster.ps_index, layout.worker_ranks,
                                  layout.coordinator_rank, self.comm, poller, cluster.label,
-                                 with_hyper=on_coordinator)
+                                 with_hyper=on_coordinator, losses=cluster.losses)
         self.shard.receive_initial(layout.chief_rank, piece)
         self.shard.timed = stats_log is not None or timeline.current is not None
         self.coord = None
@@ -40,7 +41,8 @@ class Job:
                 num_ps=spec.num_ps, replicas_to_aggregate=spec.replicas_to_aggregate,
                 asynchronous=spec.asynchronous, global_step=spec.global_step)
             self.coord = Coordinator(spec, layout.worker_ranks, layout.ps_ranks, self.comm,
-                                     poller, cluster.label, self.shard.enqueue, log)
+                                     poller, cluster.label, self.shard.enqueue, log,
+                                     cluster.losses)
             self.coord.start()
 
     def turn(self, rare: bool = False) -> bool:
@@ -62,6 +64,12 @@ class Job:
                 self.comm.Send([notice, MPI.BYTE], dest=self.coordinator_rank,
                                tag=self.notice_tag)
         return progressed or len(self.shard.queue) != queued
+
+    def lose(self, w: int, host: str) -> None:
+        """Worker ``w`` died (on ``host``): absent from now on, as if it had closed."""
+        self.shard.lose(w)
+        if self.coord is not None:
+            self.coord.lose(w, host)
 
     @property
     def done(self) -> bool:
@@ -116,7 +124,8 @@ class _Serving:
         self.cluster, self.poller = cluster, poller
         self.jobs: dict[int, Job] = {}
         self.results: list[tuple[int, dict]] = []
-        self.left: set[int] = set()           # workers that left the job (DONE)
+        self.left: set[int] = set()           # workers that left the job (DONE) or died
+        self.losses = cluster.losses
 
     @property
     def over(self) -> bool:
@@ -124,7 +133,27 @@ class _Serving:
 
     def turn(self) -> bool:
         """Turn every open job; when that finds nothing, look for the rare messages too."""
+        if self.losses is not None and self.losses.pending:
+            self._on_losses(self.losses.take())
         return self._turn_jobs(rare=False) or self._rare_turn()
+
+    def _on_losses(self, ranks: list[int]) -> None:
+        """Dead workers are absent from now on (named once, by ps 0); a dead ps ends it all."""
+        cluster = self.cluster
+        layout = cluster.layout
+        vital = [r for r in ranks if r in layout.ps_ranks or r == layout.chief_rank]
+        if vital:
+            raise RuntimeError(f"{cluster.label}: {cluster.describe_lost(vital)} lost: the job "
+                               f"cannot go on without its ps ranks (they hold the parameters) "
+                               f"or its chief (worker 0: it sets up, evaluates and saves)")
+        for rank in ranks:
+            w = layout.worker_ranks.index(rank)
+            self.left.add(w)
+            if cluster.ps_index == 0 and not self.jobs:
+                print(f"[mpisync] {cluster.label}: lost {cluster.describe_lost([rank])} "
+                      f"outside training", file=sys.stderr, flush=True)
+            for job in self.jobs.values():
+                job.lose(w, cluster.nodes[rank])
 
     def _turn_jobs(self, rare: bool) -> bool:
         progressed = False
@@ -145,7 +174,7 @@ class _Serving:
             if job is not None:
                 self.jobs[job.spec.opt_id] = job
             progressed = True
-        msg = comm.improbe(source=MPI.ANY_SOURCE, tag=Tag.DONE, status=status)
+        msg = improbe(comm, self.losses, MPI.ANY_SOURCE, Tag.DONE, status)
         if msg is not None:
             msg.recv()
             self.left.add(layout.worker_ranks.index(status.Get_source()))
@@ -182,7 +211,7 @@ class _Serving:
 def serve(cluster) -> dict | list[dict]:
     """Serve every optimizer the workers set up, until every worker left the job."""
     poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label,
-                    spin_seconds(cluster.oversubscribed))
+                    spin_seconds(cluster.oversubscribed), cluster.losses)
     timeline.start(cluster, thread="shard server")
     serving = _Serving(cluster, poller)
     last_progress, warned_at = time.monotonic(), STALL_WARNING

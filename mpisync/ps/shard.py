@@ -10,11 +10,13 @@ from mpi4py import MPI
 
 from .. import timeline
 from ..accumulate import ShardAccumulator
-from ..errors import ProtocolError
+from ..errors import NonFiniteError, ProtocolError
 from ..progress import Poller
 from ..spec import JobSpec
+from ..survival import Losses, improbe
 from ..wire import (
     FLAG_ASSIGN,
+    NOTICE_SKIPPED,
     NOTICE_WORDS,
     PARAM_HEADER_BYTES,
     Control,
@@ -79,8 +81,10 @@ class ShardServer:
 
     def __init__(self, spec: JobSpec, ps_index: int, worker_ranks: tuple[int, ...],
                  coordinator_rank: int, comm: MPI.Comm, poller: Poller, label: str,
-                 with_hyper: bool):
+                 with_hyper: bool, losses: Losses | None = None):
         self.spec = spec
+        self.losses = losses
+        self.lost: set[int] = set()        # workers found dead: absent from now on
         self.ps_index = ps_index
         self.worker_ranks = worker_ranks
         self.comm = comm
@@ -198,8 +202,7 @@ class ShardServer:
                 progressed = True
         msg = None
         if rare or any(self.claims):
-            msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=self.tags[Tag.ASSIGN],
-                                    status=status)
+            msg = improbe(self.comm, self.losses, MPI.ANY_SOURCE, self.tags[Tag.ASSIGN], status)
         if msg is not None:
             self._on_assign(msg, status)
             progressed = True
@@ -223,6 +226,10 @@ class ShardServer:
         try:
             return slot.req.Test(status)
         except MPI.Exception as exc:
+            if self.losses is not None and self.losses.note(exc):
+                self.posted[w] = None          # failed: never test it again
+                self.free[w].append(slot)
+                return False
             what = ("larger than" if exc.Get_error_class() == MPI.ERR_TRUNCATE else
                     f"that MPI could not receive ({exc.Get_error_string().splitlines()[0]}) "
                     f"as")
@@ -261,6 +268,42 @@ class ShardServer:
         if not self.acc.offer(w, step, slot):
             self._release([slot])
 
+    def lose(self, w: int) -> None:
+        """Worker ``w`` died: nothing more comes from it, nothing more goes to it."""
+        self.lost.add(w)
+        self.closed[w] = True
+        slot, self.posted[w] = self.posted[w], None
+        if slot is not None:
+            self._settle([slot.req])
+            self.free[w].append(slot)
+        sends = [self.param_sends[w]]
+        self.sends_active = [r for r in self.sends_active if r not in sends]
+        self._settle(sends)
+
+    def _settle(self, reqs) -> None:
+        """Cancel (where pending) and complete requests; a dead worker's failure is noted."""
+        for req in reqs:
+            try:
+                if not req.Test():
+                    req.Cancel()
+                    req.Wait()
+            except MPI.Exception as exc:
+                if self.losses is None or not self.losses.note(exc):
+                    raise
+
+    def _wait_sends(self) -> None:
+        """Finish sending the parameters; sends to a worker that died meanwhile fail."""
+        if self.losses is None:
+            self.poller.wait_all(self.sends_active, lambda: "parameter sends to workers")
+        else:
+            for req in self.sends_active:
+                try:
+                    self.poller.wait_all([req], lambda: "parameter sends to workers")
+                except MPI.Exception as exc:
+                    if not self.losses.note(exc):
+                        raise
+        self.sends_active = []
+
     def _on_assign(self, msg, status: MPI.Status) -> None:
         """Parameters a worker wrote between steps: they go with its next gradient."""
         buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
@@ -296,15 +339,21 @@ class ShardServer:
     def _on_decide(self, ctl, obj, applied) -> bool:
         step, taken = int(ctl[1]), self.control.taken(ctl)
         if not self.acc.ready(step, taken):
+            missing = [w for w in self.lost if taken[w]]
+            if missing:
+                raise RuntimeError(f"{self.label}: step {step} takes the gradients of workers "
+                                   f"{sorted(missing)}, which died before all of it reached "
+                                   f"this ps rank: the step cannot be applied alike everywhere")
             return False
         chosen = self.acc.chosen(step, taken)
         if any(s.waiting or s.waiting_rows for s in chosen):
             return False
         start = self.reduced_at = time.perf_counter() if self.timed else 0.0
-        self._apply(step, chosen, self.control.hyper(ctl))
+        applied_step = self._apply(step, chosen, self.control.hyper(ctl))
         self._release(self.acc.advance(step, taken))
         notice = np.zeros(NOTICE_WORDS, np.int64)
         notice[0], notice[1], notice[2] = Kind.APPLIED, step, self.ps_index
+        notice[3] = 0 if applied_step else NOTICE_SKIPPED
         if self.timed:
             applied_at = time.perf_counter()
             self._send_params(self.control.workers(ctl))
@@ -362,20 +411,23 @@ class ShardServer:
         return True
 
     # -- applying -------------------------------------------------------------------------
-    def _apply(self, step: int, chosen: list[_Slot], hyper) -> None:
-        """Writes, then the reduced gradients with the step's hyper-parameters, then averages."""
+    def _apply(self, step: int, chosen: list[_Slot], hyper) -> bool:
+        """Writes, then the reduced gradients with the step's hyper-parameters, then averages;
+        False when the gradient was not finite and the step skipped (``nonfinite="skip"``)."""
         if step != self.global_step:
             raise ProtocolError(f"{self.label}: asked to apply step {step} at version "
                                 f"{self.global_step}")
         # the parameters are the send buffer: finish sending the old ones first
-        self.poller.wait_all(self.sends_active, lambda: "parameter sends to workers")
-        self.sends_active = []
+        self._wait_sends()
         self._assign(chosen)
+        finite = True
         if self.optimizer is not None:
             self.acc.reduce(self.grad_regions, [s.regions for s in chosen], len(chosen))
             if self.timed:
                 self.reduced_at = time.perf_counter()
             present = np.bitwise_or.reduce([s.mask for s in chosen])
+            finite = self._finite(step, chosen, present)
+        if finite and self.optimizer is not None:
             for p, g, has in zip(self.params, self.grads, present):
                 p.grad = g if has else None
             self.spec.hyper.decode(*hyper, self.optimizer.param_groups)
@@ -385,9 +437,33 @@ class ShardServer:
             if self.rows.active:
                 self.rows.apply_rows(self.optimizer)
         self._update_buffers(chosen)
-        self.averages.update(step + 1)
+        if finite:
+            self.averages.update(step + 1)
         self.global_step = step + 1
         self._set_version()
+        return finite
+
+    def _finite(self, step: int, chosen: list[_Slot], present) -> bool:
+        """Whether the reduced gradient is finite: one sum a region (NaN and Inf stay in a
+        sum), then, only when a sum is not, parameter by parameter. Not finite: False
+        (``nonfinite="skip"``), or ``NonFiniteError`` naming the parameter and the workers."""
+        if all(torch.isfinite(r.sum()) for r in self.grad_regions):
+            return True
+        bad = [i for i, (g, has) in enumerate(zip(self.grads, present))
+               if has and not torch.isfinite(g).all()]
+        if not bad:                   # a sum overflowed, the values are finite
+            return True
+        if self.spec.nonfinite == "skip":
+            return False
+        entry = self.layout.entries[bad[0]]
+        name = dict(zip(self.spec.names, self.spec.parts))[entry.name][0]
+        workers = [s.worker for s in chosen if not torch.isfinite(entry_views(
+            torch.from_numpy(s.buf), self.header.nbytes, self.layout.entries)[bad[0]]).all()]
+        ranks = [self.worker_ranks[w] for w in workers]
+        raise NonFiniteError(
+            f"{self.label}: the gradient of parameter {name!r} for global step {step} holds "
+            f"NaN or Inf, from workers {workers} (ranks {ranks}); the step is not applied "
+            f"(nonfinite='raise'; nonfinite='skip' would skip such steps)")
 
     def _assign(self, chosen: list[_Slot]) -> None:
         """Each written parameter takes the value of the lowest-index worker that wrote it."""
@@ -417,6 +493,8 @@ class ShardServer:
         if self.rows.active:
             self.rows.send_changed(workers, self.global_step)
         for w in workers:
+            if w in self.lost:
+                continue
             req = self.param_sends[w]
             if req in self.sends_active:
                 req.Wait()
@@ -442,7 +520,7 @@ class ShardServer:
 
     def _table_requests(self, status: MPI.Status) -> bool:
         """A worker reads or writes one shard of a table that lives here."""
-        msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=self.tags[Tag.TABLE], status=status)
+        msg = improbe(self.comm, self.losses, MPI.ANY_SOURCE, self.tags[Tag.TABLE], status)
         if msg is None:
             return False
         request = msg.recv()
@@ -471,7 +549,7 @@ class ShardServer:
 
     def finish(self) -> None:
         """Wait for the last sends; cancel and free every persistent request."""
-        self.poller.wait_all(self.sends_active, lambda: "parameter sends to workers")
+        self._wait_sends()
         self.rows.finish()
         for w, slot in enumerate(self.posted):
             if slot is not None:
@@ -482,9 +560,7 @@ class ShardServer:
         if self.ctl_req is not None:
             reqs.append(self.ctl_req)
         for req in reqs:
-            if req.Test() is False:
-                req.Cancel()
-                req.Wait()
+            self._settle([req])
             req.Free()
 
 

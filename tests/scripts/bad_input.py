@@ -26,8 +26,8 @@ X, Y = dataset(256, seed=7)
 
 
 def train(opt, net, steps: int, w: int, dtype=torch.float32, device="cpu",
-          after_backward=None) -> None:
-    for i in range(steps):
+          after_backward=None, first: int = 0) -> None:
+    for i in range(first, first + steps):
         opt.zero_grad()
         start = 16 * (2 * i + w) % 224
         x, y = X[start:start + 16].to(device, dtype), Y[start:start + 16].to(device)
@@ -151,6 +151,33 @@ def back_from_meta(net, opt, w):
         setattr(module, attr, p)
 
 
+def case_nonfinite_skip(w, cluster):
+    """Worker 1's gradient of step 2 holds NaN and Inf: the step is skipped, training goes
+    on; ``matches``: the parameters equal a one-process loop over both workers' batches
+    that skips that step."""
+    net, ref = model(), model()
+    opt = sync_opt(net, nonfinite="skip")
+
+    def spoil():
+        if w == 1:
+            net[0].weight.grad[0, :2] = torch.tensor([float("nan"), float("inf")])
+    for i in range(5):
+        train(opt, net, 1, w, after_backward=spoil if i == 2 else None, first=i)
+    ref_opt = make_optimizer("sgd", ref.parameters())
+    for i in (0, 1, 3, 4):
+        ref_opt.zero_grad()
+        for k in (0, 1):                 # the mean of the two workers' gradients
+            start = 16 * (2 * i + k) % 224
+            (torch.nn.functional.cross_entropy(ref(X[start:start + 16]), Y[start:start + 16])
+             / 2).backward()
+        ref_opt.step()
+    matches = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                  for a, b in zip(net.parameters(), ref.parameters()))
+    opt.close()
+    return {"error": None, "matches": matches, "global_step": opt.global_step,
+            "skipped": opt.stats["steps_skipped_nonfinite"]}
+
+
 def wrong_grad_shape(net, opt, w):
     def write():                         # .grad's setter checks the shape; .data does not
         net[0].weight.grad.data = torch.ones(net[0].weight.shape[1:])
@@ -246,6 +273,8 @@ WORKER_CASES = {
     "model_half": step_refused(to_half, lambda net, opt, w: net.float()),
     "model_to_meta": step_refused(to_meta, back_from_meta),
     "grad_shape": step_refused(wrong_grad_shape, lambda net, opt, w: None),
+    "nonfinite_unknown": refused_setup(lambda net, w: sync_opt(net, nonfinite="ignore")),
+    "nonfinite_skip": case_nonfinite_skip,
     "step_before_backward": case_step_before_backward,
     "close_twice": case_close_twice,
     "used_after_close": case_used_after_close,

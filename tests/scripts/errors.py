@@ -57,6 +57,8 @@ def train(opt, net, steps: int, w: int) -> None:
             raise ValueError("boom on purpose in user code")
         if CASE in ("stall", "allreduce_stall") and w == 1 and i == 5:
             time.sleep(30)
+        if CASE == "nonfinite" and w == 1 and i == 3:
+            net[2].weight.grad[0, 0] = float("nan")    # the default policy: raise
         if CASE == "killed" and w == 1 and i == 5:
             os.kill(os.getpid(), signal.SIGKILL)  # dies at once: no excepthook, no atexit
         if CASE == "dropped_write" and w == 2 and i == 3:
