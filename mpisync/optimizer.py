@@ -505,7 +505,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self.cluster.p2p_comm.send(req, dest=self.cluster.coordinator_rank, tag=self._req_tag)
 
     def _answer(self, source: int, what: str):
-        return self._poller.wait_message(source, self._info_tag, lambda: what)
+        return self._dense.answer(source, what)
 
     @property
     def stats(self) -> dict:

@@ -206,6 +206,7 @@ class Cluster:
         self._meet_comm = (MPI.COMM_NULL if self._worker_comm == MPI.COMM_NULL
                            else self._worker_comm.Dup())
         self._meet_poller = None
+        self._helpers_comm = None       # the workers' helpers (reduce, ...): made at first use
         self.local_ranks, self.local_cores = placement.local_ranks, placement.local_cores
         self.stats: dict | list | None = None
         self.optimizers: list = []       # this worker's optimizers, in creation order
@@ -255,6 +256,54 @@ class Cluster:
         poller.busy()
         for opt in open_optimizers:
             opt._park(False)
+
+    # -- helpers among the workers (mpisync/collectives.py, mpisync/data.py) -------------
+    def reduce(self, value, op: str = "sum"):
+        """``value`` reduced over the workers, on every worker: ``"sum"``, ``"mean"``,
+        ``"max"`` or ``"min"`` of a tensor, a number, or a dict/list/tuple of them.
+
+        Collective: call it on every worker, with values of the same structure, shapes
+        and dtypes (a mismatch is a ``MismatchError`` on every worker). The workers meet
+        first as before any collective on ``worker_comm``, so it is safe between steps in
+        strict sync, and a ``DeadlockError`` instead of a hang otherwise. Result dtypes:
+        see ``mpisync.collectives``.
+        """
+        from . import collectives
+        return collectives.reduce(self._helper_comm("reduce"), value, op)
+
+    def batch_reduce(self, values, op: str = "sum") -> list:
+        """Each value of the list reduced as ``reduce`` does, all in one exchange (one
+        ``Allreduce`` per kind of number: integers, floating point, complex). Collective."""
+        from . import collectives
+        return collectives.batch_reduce(self._helper_comm("batch_reduce"), values, op)
+
+    def broadcast(self, value, src: int = 0):
+        """Worker ``src``'s value on every worker (the others' ``value`` is ignored).
+        Collective; see ``mpisync.collectives.broadcast``."""
+        from . import collectives
+        return collectives.broadcast(self._helper_comm("broadcast"), value, src)
+
+    def sampler(self, dataset, shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+        """This worker's ``mpisync.data.WorkerSampler`` (a ``DistributedSampler`` over the
+        workers only): every example once per epoch, or ``n // W`` each with
+        ``drop_last``; call ``set_epoch(epoch)`` before each epoch."""
+        if self.is_ps:
+            raise RuntimeError(f"{self.label}: sampler() is for workers")
+        from .data import WorkerSampler
+        return WorkerSampler(dataset, self.num_workers, self.worker_index, shuffle, seed,
+                             drop_last)
+
+    def _helper_comm(self, what: str) -> MPI.Intracomm:
+        """Meet the workers as before a collective on ``worker_comm``, then a private
+        communicator of the workers for the helper's own collectives."""
+        if self.is_ps:
+            raise RuntimeError(f"{self.label}: {what}() is a collective among the workers; "
+                               f"ps ranks call cluster.serve()")
+        self._check_open(what)
+        self._before_collective(what, self._meet_comm)
+        if self._helpers_comm is None:
+            self._helpers_comm = self._worker_comm.Dup()     # every worker is here: met
+        return self._helpers_comm
 
     def describe(self) -> str:
         """The roles on each node, one line a node: ``n2: worker 1 (rank 2), ps 1 (rank 3)``."""
@@ -330,8 +379,9 @@ class Cluster:
             return
         self._leave()
         self.closed = True
-        for comm in (self.p2p_comm, self._meet_comm, self._worker_comm, self.ps_comm):
-            if comm != MPI.COMM_NULL:
+        for comm in (self.p2p_comm, self._meet_comm, self._worker_comm, self.ps_comm,
+                     self._helpers_comm):
+            if comm is not None and comm != MPI.COMM_NULL:
                 comm.Free()
 
     def __enter__(self) -> Self:
