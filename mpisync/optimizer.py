@@ -136,6 +136,13 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             (read it with ``python -m mpisync.stats``); default: ``MPISYNC_STATS`` (the
             optimizers created after the first one write ``<stem>.opt<k><suffix>``);
             ``False``: none. The chief's value counts.
+        colocate: groups of names whose parameters (or buffers, or single shards
+            ``"name/part_k"``) must live on the same ps rank, as TensorFlow's
+            ``colocate_vars_with``: ``[["enc.weight", "enc.bias"], ...]``. Every placement
+            strategy honours them (``print(opt.plan)`` marks each group); partitioned
+            parameters and tables are colocated shard by shard (see
+            ``mpisync.routes.colocated_units``). A name that no ps holds, or that is in two
+            groups, is an error on every worker.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -151,7 +158,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                  buffers: str = "broadcast", schedule: str = "auto", partitioner=None,
                  sparse_reduction: str = "mean", dense: str = "ps",
                  allreduce_backend: str = "mpi", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 stats_log: str | bool | None = None):
+                 stats_log: str | bool | None = None, colocate=None):
         from .ps_ranks import _current
         cluster = _current if cluster is None else cluster
         if cluster is None:
@@ -173,7 +180,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         options = Options(replicas_to_aggregate, total_num_replicas, num_tokens, placement,
                           reduction, deterministic, ema_decay, ema_num_updates, asynchronous,
                           max_staleness, buffers, schedule, partitioner, sparse_reduction,
-                          dense, allreduce_backend, bucket_bytes)
+                          dense, allreduce_backend, bucket_bytes, colocate=colocate or ())
         opt_id = len(cluster.optimizers)
         self._stats_log = log_path(stats_log, opt_id)
         spec, routes = self._agree(optimizer, model, options, opt_id,

@@ -76,6 +76,7 @@ class Options:
     dense: str = "ps"
     allreduce_backend: str = "mpi"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    colocate: object = ()
 
 
 @dataclass(frozen=True)
@@ -405,7 +406,7 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
     buffers = model.buffers if options.buffers != "local" else ()
     routes = plan_routes(units, kinds, frozen,
                          [(n, b.numel() * b.element_size()) for n, b in buffers],
-                         num_ps, options.placement)
+                         num_ps, options.placement, colocate=options.colocate or ())
     dense = [(u, parts[u]) for u in parts]
     by_name = dict(live)
     spec = JobSpec(
@@ -460,6 +461,7 @@ def setup_summary(spec: JobSpec | None, routes: Routes | None) -> dict[str, str]
     if spec is None or routes is None:
         return {}
     summary = {f"optimizer {k}": v for k, v in spec.recipe.summary().items()}
+    summary["colocate"] = repr([list(group) for group in routes.plan.colocate])
     for name, owner in zip(routes.plan.names, routes.plan.owners):
         summary[f"placement of {name!r}"] = f"ps {owner}"
     for t in spec.tables:
