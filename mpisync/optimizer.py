@@ -32,6 +32,7 @@ from .spec import (
 from .state import check_state, merge_units, split_state, split_units
 from .stepclock import for_worker
 from .tracking import WriteTracker, was_rebound
+from .updates import apply_fn, ps_pieces, register, targets_of
 from .wire import FLAG_SCHEDULED, Kind, Tag
 
 __all__ = ["SyncReplicasOptimizer"]
@@ -207,6 +208,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                           [by_name[n] for n in routes.names(REPLICATED) + routes.names(ALLREDUCE)]
                           ).setup()
         self._local = self._local_averages = None
+        self._updates, self._local_updates, self._ps_updates = [], [], False   # opt.update()
         if spec.allreduce:
             self._setup_allreduce([by_name[n] for n in spec.allreduce])
         self._tracker = WriteTracker(self._dense.names, self._dense.params, self._dense.pviews,
@@ -438,6 +440,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 self._spec.hyper.decode(*own, self.param_groups)
             for p, g in held:
                 p.grad = g
+        for fn, name, p in self._local_updates:      # opt.update()'s, where these live
+            apply_fn(fn, p.detach(), name)
         self._local_averages.update(self.global_step + 1)
 
     def _refuse_grad_scaler(self, kwargs: dict) -> None:
@@ -674,6 +678,63 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if problem:
             raise ConfigError(f"{self.cluster.label}: load_state_dict(): {problem}",
                               collective=True)
+
+    def update(self, name_or_glob: str, fn: Callable | None, rows: str = "all") -> None:
+        """Run ``fn`` where the parameters ``name_or_glob`` names live, after every step.
+
+        TensorFlow's ``StrategyExtended.update``: ``fn`` changes a parameter in place (or
+        returns its new value) on the ps rank that owns it, after the optimizer's step
+        and before the moving averages, so that a constraint (max-norm, non-negativity,
+        clipping) never needs the whole parameter on a worker; the workers get the
+        constrained values with the parameters of the step. It equals
+        ``optimizer.step(); fn(p)`` in one process for every parameter the glob matches
+        (``fnmatch``), from the next applied step on. A partitioned parameter's or a
+        table's shards each get their own rows (a row-wise ``fn`` is exact, one over the
+        whole tensor is not), and ``rows="touched"`` gives a table's ``fn`` only the rows
+        a step changed (after one pass over all of them): exact for row-wise constraints
+        that leave a row satisfying them unchanged. See ``mpisync.updates``.
+
+        ``fn`` must be importable where the ps ranks run: a function (or a
+        ``functools.partial`` of one, or an instance of a class) defined at module
+        level, not only in the workers' branch; lambdas and functions defined inside
+        functions are refused. Functions run in the order registered; ``fn=None`` removes
+        those registered for ``name_or_glob``. Registrations are code, not state:
+        checkpoints do not hold them; register them again in a job that resumes.
+
+        Collective: call it on every worker at the same point, with the same arguments,
+        before training or between two steps (as ``load_state_dict()``).
+
+        Raises:
+            ConfigError: on every worker, when any worker's ``fn`` cannot reach the ps
+                ranks or fails on a stand-in of what it gets, the glob matches nothing
+                (or a parameter the optimizer does not update), or ``rows`` is unknown.
+            MismatchError: on every worker, when the workers registered differently.
+        """
+        from .collectives import agree
+        self._check_open("update")
+        targets = targets_of(self._spec, {n: (tuple(p.shape), p.dtype)
+                                          for n, p in zip(self._names, self._params)})
+        frozen = [n for n in self._names if n not in targets]
+        error, regs = None, self._updates
+        try:
+            regs = register(self._updates, name_or_glob, fn, rows, targets, frozen)
+        except ConfigError as exc:
+            error = str(exc)
+        agree(self.cluster._helper_comm("update"), f"{self.cluster.label}: update()", error,
+              {"the number of registrations": str(len(regs)),
+               **{f"registration {i}": r.describe() for i, r in enumerate(regs)}})
+        pieces = ps_pieces(regs, self.cluster.num_ps)
+        if any(pieces) or self._ps_updates:          # the ps ranks' functions change
+            self._request(Kind.UPDATE, pieces)
+            err = self._answer(self.cluster.coordinator_rank, "ps 0's answer to update()")
+            if err is not None:
+                raise err                            # every worker hears it: nothing changed
+            self._receive(count=False)               # a grant: go on with these parameters
+            self._ps_updates = any(pieces)
+        by_name = dict(zip(self._names, self._params))
+        self._updates = regs
+        self._local_updates = [(r.fn, t.tensor, by_name[t.tensor])
+                               for r in regs for t in r.targets if t.ps is None]
 
     def averages(self) -> dict[str, torch.Tensor]:
         """The moving averages of the floating-point parameters, ``{name: tensor}``.

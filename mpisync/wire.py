@@ -96,6 +96,7 @@ class Kind(enum.IntEnum):
     PARK = 20       # request: this worker is in a collective among the workers
     UNPARK = 21     # request: ... and left it
     STILL = 22      # request: ... and is still in it (asked by the coordinator)
+    UPDATE = 23     # ctl / request: the functions opt.update() registered, for each ps
 
 
 #: Flags in a gradient header.

@@ -12,6 +12,7 @@ from ..accumulate import Action, StepCoordinator
 from ..errors import ConfigError, ProtocolError
 from ..progress import Poller
 from ..spec import JobSpec
+from ..updates import problem as update_problem
 from ..wire import FLAG_SCHEDULED, NOTICE_WORDS, TOKEN_STATS, TOKEN_WORDS, Control, Kind, Tag
 from .steplog import StepLog
 
@@ -77,6 +78,7 @@ class Coordinator:
         self.decided: tuple[int, ...] = ()
         self.deferred: list[tuple[int, tuple]] = []
         self.load_pieces = None
+        self.load_kind = Kind.LOAD          # or UPDATE: what the workers asked to load
         self.handlers = {Kind.DECIDE: self._decide, Kind.GO: self._go, Kind.REPLY: self._reply,
                          Kind.GRANT: self._grant, Kind.STOP: self._stop,
                          Kind.LOAD: self._load, Kind.SHUTDOWN: self._shutdown,
@@ -233,6 +235,13 @@ class Coordinator:
     def _load(self, a: Action) -> None:
         pieces, step = self.load_pieces
         self.load_pieces = None
+        if self.load_kind == Kind.UPDATE:     # opt.update(): functions, no state
+            self._to_shards(self.control.new(Kind.UPDATE, a.step, has_obj=True), pieces)
+            for w in a.workers:
+                self.comm.send(None, dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
+            self.steps.loaded(a.step)         # they go on with the parameters they hold
+            self._token(Kind.GRANT, a.step, a.workers)
+            return
         self._to_shards(self.control.new(Kind.LOAD, step, has_obj=True), pieces)
         for w in a.workers:
             self.comm.send(None, dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
@@ -307,22 +316,36 @@ class Coordinator:
             self.deferred.append((w, req))   # answered at version global_step, after the apply
         elif kind in (Kind.STATE, Kind.AVERAGES):
             self._to_shards(self.control.new(kind, self.steps.global_step, arg=w))
-        elif kind == Kind.LOAD:
-            self._on_load_request(w, req[1])
+        elif kind in (Kind.LOAD, Kind.UPDATE):
+            self._on_load_request(w, req[1], kind)
         else:
             raise ProtocolError(f"{self.label}: unknown request {kind!r} from worker {w}")
 
-    def _on_load_request(self, w: int, payload) -> None:
-        if payload is not None:
-            self.load_pieces = payload
-        try:
-            actions = self.steps.load(w)
-        except RuntimeError as exc:
-            self.comm.send(ConfigError(f"{self.label}: {exc}; call load_state_dict() on every "
-                                       f"worker at the same point, before training or between "
-                                       f"two steps"),
+    def _on_load_request(self, w: int, payload, kind: Kind = Kind.LOAD) -> None:
+        """A state to load (LOAD), or opt.update()'s functions (UPDATE, from every worker)."""
+        what = "load_state_dict()" if kind == Kind.LOAD else "opt.update()"
+        error, everyone = None, False
+        if not self.steps.loading:
+            self.load_kind = kind             # the first worker to ask says what is loaded
+        elif kind != self.load_kind:
+            error = f"worker {w} called {what} while other workers wait in another call"
+        if error is None and kind == Kind.UPDATE:
+            error = update_problem(payload)   # the same for every worker: each is told
+            everyone, payload = error is not None, (payload, self.steps.global_step)
+        if error is None:
+            try:
+                actions = self.steps.load(w)
+            except RuntimeError as exc:
+                error = str(exc).replace("load_state_dict()", what)
+        if error is not None:
+            if not everyone:
+                error += (f"; call {what} on every worker at the same point, before training "
+                          f"or between two steps")
+            self.comm.send(ConfigError(f"{self.label}: {error}", collective=everyone),
                            dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
             return
+        if payload is not None:
+            self.load_pieces = payload
         self._emit(actions)
 
     def stats(self) -> dict:

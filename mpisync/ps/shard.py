@@ -13,6 +13,7 @@ from ..accumulate import ShardAccumulator
 from ..errors import ProtocolError
 from ..progress import Poller
 from ..spec import JobSpec
+from ..updates import Updates
 from ..wire import (
     FLAG_ASSIGN,
     NOTICE_WORDS,
@@ -121,7 +122,9 @@ class ShardServer:
         self.coordinator_rank = coordinator_rank
         self.handlers = {Kind.DECIDE: self._on_decide, Kind.REPLY: self._on_reply,
                          Kind.SHUTDOWN: self._on_shutdown, Kind.STATE: self._on_state,
-                         Kind.AVERAGES: self._on_averages, Kind.LOAD: self._on_load}
+                         Kind.AVERAGES: self._on_averages, Kind.LOAD: self._on_load,
+                         Kind.UPDATE: self._on_update}
+        self.updates = Updates()           # functions opt.update() registered
         self.closed = [False] * self.W
         self.shutdown = False
         # timed (statistics log or timeline on): what each APPLIED notice reports
@@ -348,6 +351,13 @@ class ShardServer:
         self._load(obj)
         return True
 
+    def _on_update(self, ctl, obj, applied) -> bool:
+        """The functions of ``opt.update()`` for this rank's units (they replace any before)."""
+        tensors = {e.name: (p.detach(), None) for e, p in zip(self.layout.entries, self.params)}
+        tensors.update((u.unit, (u.param.detach(), n)) for n, u in enumerate(self.rows.units))
+        self.updates.set(obj, tensors)
+        return True
+
     # -- applying -------------------------------------------------------------------------
     def _apply(self, step: int, chosen: list[_Slot], hyper) -> None:
         """Writes, then the reduced gradients with the step's hyper-parameters, then averages."""
@@ -371,6 +381,7 @@ class ShardServer:
             self.optimizer.step()
             if self.rows.active:
                 self.rows.apply_rows(self.optimizer)
+        self.updates.run(self.rows)          # opt.update()'s functions, after the step
         self._update_buffers(chosen)
         self.averages.update(step + 1)
         self.global_step = step + 1
