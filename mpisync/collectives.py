@@ -165,27 +165,48 @@ def agree(comm: MPI.Intracomm, what: str, error: str | None, fields: dict[str, s
     if differ:
         w = differ[0]
         field = next(k for k in [*ref, *gathered[w][1]] if ref.get(k) != gathered[w][1].get(k))
-        raise MismatchError(
+        error = MismatchError(
             f"{what}: workers {differ} differ from worker 0 in {field} (worker {w}: "
             f"{gathered[w][1].get(field, 'none')}; worker 0: {ref[field]}); every worker must "
             f"call it alike: the same arguments, and values of the same structure, shapes "
             f"and dtypes", collective=True)
+        error.field = field            # the same on every rank
+        raise error
 
 
-def _structure(value) -> tuple[list[_Leaf], object, str, str | None]:
-    """(leaves, skeleton, signature, problem) of a value to reduce."""
+def _structure(value) -> tuple[list[_Leaf], object, list[str], str | None]:
+    """(leaves, skeleton, signature tokens, problem) of a value to reduce."""
     leaves: list[_Leaf] = []
     tokens: list[str] = []
     try:
         skeleton = _flatten(value, "value", leaves, tokens)
     except ConfigError as exc:
-        return [], None, "", str(exc)
+        return [], None, [], str(exc)
     except RecursionError:
-        return [], None, "", "value is nested too deeply (or contains itself)"
+        return [], None, [], "value is nested too deeply (or contains itself)"
+    return leaves, skeleton, tokens, None
+
+
+def _signature(tokens: list[str]) -> str:
+    """The structure as text, or its digest for a big nest (the agreement stays small)."""
     text = " ".join(tokens)
-    if len(text) > 200:      # a digest, so that the agreement stays small for big nests
-        text = f"{len(leaves)} leaves, digest {hashlib.sha256(text.encode()).hexdigest()[:16]}"
-    return leaves, skeleton, text, None
+    if len(text) <= 200:
+        return text
+    return f"{len(tokens)} parts, digest {hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def _first_difference(comm: MPI.Intracomm, tokens: list[str], error: MismatchError):
+    """``error`` with the first part of the structure that differs (a big nest's digests
+    say only that it does). Collective: every rank raised ``error`` alike and is here."""
+    gathered = comm.allgather(tokens)
+    for w, theirs in enumerate(gathered[1:], start=1):
+        for i in range(max(len(theirs), len(gathered[0]))):
+            a = gathered[0][i] if i < len(gathered[0]) else "nothing"
+            b = theirs[i] if i < len(theirs) else "nothing"
+            if a != b:
+                return MismatchError(f"{error} First difference: part {i} of the structure is "
+                                     f"{b} on worker {w}, {a} on worker 0", collective=True)
+    return error
 
 
 def reduce(comm: MPI.Intracomm, value, op: str = "sum"):
@@ -213,9 +234,15 @@ def batch_reduce(comm: MPI.Intracomm, values: Sequence, op: str = "sum") -> list
 
 
 def _reduce(comm: MPI.Intracomm, value, op, what: str, problem: str | None = None):
-    leaves, skeleton, text, error = _structure(value)
+    leaves, skeleton, tokens, error = _structure(value)
     error = problem or error or _check_op(op, leaves)
-    agree(comm, what, error, {"the operation": repr(op), "the structure": text})
+    text = _signature(tokens)
+    try:
+        agree(comm, what, error, {"the operation": repr(op), "the structure": text})
+    except MismatchError as exc:
+        if exc.field != "the structure":      # the same on every rank: all go on alike
+            raise
+        raise _first_difference(comm, tokens, exc) from None
     return _rebuild(skeleton, _reduce_leaves(comm, leaves, op))
 
 
