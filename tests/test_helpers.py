@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from mpi_helpers import SCRIPTS, run_mpi
+from mpi_helpers import SCRIPTS, assert_every_rank_says, failing, labels, run_mpi
 
 import mpisync
 from mpisync import collectives, updates
@@ -75,6 +75,10 @@ BAD = {  # case: (error, what its message must say)
     "leaf": ("ConfigError", r"worker 2: value\[1\] is a str"),
     "complex_max": ("ConfigError", r"op='max' is not defined for complex"),
     "batch_not_a_list": ("ConfigError", r"values must be a list or tuple"),
+    "big_structure": ("MismatchError", (r"workers \[2\] differ from worker 0 in the structure "
+                                       r"\(worker 2: 41 parts, digest .* First difference: "
+                                       r"part 18 of the structure is tensor:float32\[4\] on "
+                                       r"worker 2, tensor:float32\[3\] on worker 0")),
     "src_range": ("ConfigError", r"src must be a worker index in range\(3\), got 3"),
     "src_differs": ("MismatchError", r"in src \(worker 1: 1; worker 0: 0\)"),
     "unpicklable": ("ConfigError", r"worker 1: its value cannot be broadcast"),
@@ -92,6 +96,16 @@ def test_bad_input_is_the_same_error_on_every_worker(job, case):
 def test_after_bad_input_the_helpers_and_training_go_on(job):
     for rec in records(job, "after_bad").values():
         assert rec["bad"] == [], rec
+
+
+def test_a_reduction_that_a_step_waits_for_fails_fast_on_every_worker():
+    """Strict sync, worker 1 runs one step more while worker 0 reduces: the reduction meets
+    the workers first, as worker_comm's collectives do, so both get a DeadlockError."""
+    run = failing("errors.py", 2, 1, ["--case", "reduce_uneven"])
+    assert_every_rank_says(run, r"DeadlockError: .*workers \[1\] wait inside step\(\) for "
+                                r"global step \d+, which needs gradients from workers \[0\]",
+                           labels(2, 0))
+    assert "this worker is in worker_comm.reduce()" in run.output, run.describe()
 
 
 def test_a_ps_rank_is_refused(job):

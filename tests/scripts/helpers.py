@@ -313,6 +313,8 @@ def bad_reductions(cluster) -> None:
         "leaf": lambda: cluster.reduce([1.0, "text" if w == 2 else 2.0]),
         "complex_max": lambda: cluster.reduce(torch.ones(2, dtype=torch.complex64), "max"),
         "batch_not_a_list": lambda: cluster.batch_reduce(torch.ones(2)),
+        "big_structure": lambda: cluster.reduce({f"t{i:02d}": torch.ones(
+            4 if (w, i) == (2, 17) else 3) for i in range(40)}),
         "src_range": lambda: cluster.broadcast(1.0, src=W),
         "src_differs": lambda: cluster.broadcast(1.0, src=w % 2),
         "unpicklable": lambda: cluster.broadcast({"f": lambda: 0} if w == 1 else None, src=1),
