@@ -4,8 +4,11 @@ What ``cluster.reduce``, ``cluster.batch_reduce`` and ``cluster.broadcast`` run,
 communicator of the workers only (the ps ranks take no part). Each call first agrees on
 what every worker passed (one small ``allgather``: the operation, a digest of the
 structure, any problem a worker found), so that a mismatch is the same clear error on every
-worker instead of a hang or garbage; then the values travel fused: one ``Allreduce`` per
-kind of number present (integers, floating point, complex), one ``Bcast`` of raw bytes.
+worker instead of a hang or garbage; then the values travel fused. Values of at most
+``SMALL_BYTES`` (16 KiB; metrics, counts, statistics) travel with the agreement itself and
+every worker reduces them in worker order: one collective in all. Larger ones take one
+``Allreduce`` per kind of number present (integers, floating point, complex). A broadcast
+is one ``bcast`` of the structure and one ``Bcast`` of the tensors' raw bytes.
 
 Result types, for each leaf (a tensor, a Python or NumPy number):
 
@@ -18,10 +21,11 @@ Result types, for each leaf (a tensor, a Python or NumPy number):
 - ``"mean"`` is the sum divided by the number of workers. Floating-point and complex
   leaves keep their dtype; integer and bool tensors give ``torch.get_default_dtype()``
   (the exact integer sum divided in float64, then cast) and Python ints and bools a
-  Python float: unlike ``torch.distributed``'s ``AVG``, a mean of counts is not truncated.
+  Python float: a mean of counts is not rounded to an integer.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import numbers
@@ -34,13 +38,15 @@ from mpi4py import MPI
 
 from .errors import ConfigError, MismatchError
 
-__all__ = ["OPS", "agree", "batch_reduce", "broadcast", "reduce"]
+__all__ = ["OPS", "SMALL_BYTES", "agree", "batch_reduce", "broadcast", "reduce"]
 
 #: Reductions: the sum, the mean over the workers, the elementwise maximum and minimum.
 OPS = ("sum", "mean", "max", "min")
 _MPI_OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _KINDS = (torch.int64, torch.float32, torch.float64, torch.complex128)   # on the wire
 _ALIGN = 16            # bytes: where each tensor of a broadcast starts in its buffer
+#: Values of at most this many bytes (on the wire) travel with the agreement itself.
+SMALL_BYTES = 16 << 10
 
 
 class _Leaf:
@@ -150,18 +156,20 @@ def _container(cls: type, parts, fallback: type):
         return parts
 
 
-def agree(comm: MPI.Intracomm, what: str, error: str | None, fields: dict[str, str]) -> None:
+def agree(comm: MPI.Intracomm, what: str, error: str | None, fields: dict[str, str],
+          payload=None) -> list:
     """Gather every rank's problem and ``fields``; raise the same error on every rank.
 
     Collective. A problem any rank found is a ``ConfigError`` on every rank, naming that
     rank; a field that differs from rank 0's, a ``MismatchError`` naming the ranks.
+    ``payload`` travels along: returns every rank's, in rank order.
     """
-    gathered = comm.allgather((error, fields))
-    for w, (problem, _) in enumerate(gathered):
+    gathered = comm.allgather((error, fields, payload))
+    for w, (problem, _, _) in enumerate(gathered):
         if problem is not None:
             raise ConfigError(f"{what}: worker {w}: {problem}", collective=True)
     ref = gathered[0][1]
-    differ = [w for w, (_, theirs) in enumerate(gathered) if theirs != ref]
+    differ = [w for w, (_, theirs, _) in enumerate(gathered) if theirs != ref]
     if differ:
         w = differ[0]
         field = next(k for k in [*ref, *gathered[w][1]] if ref.get(k) != gathered[w][1].get(k))
@@ -172,6 +180,7 @@ def agree(comm: MPI.Intracomm, what: str, error: str | None, fields: dict[str, s
             f"and dtypes", collective=True)
         error.field = field            # the same on every rank
         raise error
+    return [p for _, _, p in gathered]
 
 
 def _structure(value) -> tuple[list[_Leaf], object, list[str], str | None]:
@@ -236,14 +245,27 @@ def batch_reduce(comm: MPI.Intracomm, values: Sequence, op: str = "sum") -> list
 def _reduce(comm: MPI.Intracomm, value, op, what: str, problem: str | None = None):
     leaves, skeleton, tokens, error = _structure(value)
     error = problem or error or _check_op(op, leaves)
-    text = _signature(tokens)
+    small = _wire_bytes(leaves) <= SMALL_BYTES
+    buffers = {} if error else _buffers(leaves, small)
     try:
-        agree(comm, what, error, {"the operation": repr(op), "the structure": text})
+        gathered = agree(comm, what, error,
+                         {"the operation": repr(op), "the structure": _signature(tokens)},
+                         buffers if small else None)
     except MismatchError as exc:
         if exc.field != "the structure":      # the same on every rank: all go on alike
             raise
         raise _first_difference(comm, tokens, exc) from None
-    return _rebuild(skeleton, _reduce_leaves(comm, leaves, op))
+    for kind, buf in buffers.items():
+        if small:        # every worker's values came with the agreement: in worker order
+            combine = {"max": np.maximum, "min": np.minimum}.get(op, np.add)
+            buffers[kind] = functools.reduce(combine, (g[kind] for g in gathered))
+        elif isinstance(buf, torch.Tensor):          # one tensor of this kind: read in place
+            out = np.empty(buf.numel(), dtype=buf.numpy().dtype)
+            comm.Allreduce(buf.numpy().reshape(-1), out, op=_MPI_OPS[op])
+            buffers[kind] = out
+        elif buf.size:
+            comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
+    return _rebuild(skeleton, _results(leaves, buffers, op, comm.Get_size()))
 
 
 def _check_op(op, leaves: list[_Leaf]) -> str | None:
@@ -256,20 +278,34 @@ def _check_op(op, leaves: list[_Leaf]) -> str | None:
     return None
 
 
-def _reduce_leaves(comm: MPI.Intracomm, leaves: list[_Leaf], op: str) -> list:
-    """Each kind's leaves in one new buffer, one ``Allreduce`` each; results in leaf order."""
-    size = comm.Get_size()
+def _buffers(leaves: list[_Leaf], small: bool) -> dict[str, np.ndarray | torch.Tensor]:
+    """Each kind's leaves in one new buffer, by kind's name. A large kind of one tensor
+    already in host memory as that kind is not copied: the tensor itself, to be read."""
+    out: dict[str, np.ndarray | torch.Tensor] = {}
+    for kind in _KINDS:
+        mine = [leaf.tensor.reshape(-1).to(device="cpu", dtype=kind)
+                for leaf in leaves if leaf.kind == kind]
+        if len(mine) == 1 and not small and mine[0].is_contiguous():
+            out[str(kind)] = mine[0]
+        elif mine:
+            out[str(kind)] = torch.cat(mine).numpy()       # a copy: never the caller's memory
+    return out
+
+
+def _wire_bytes(leaves: list[_Leaf]) -> int:
+    return sum(leaf.numel * torch.empty(0, dtype=leaf.kind).element_size() for leaf in leaves)
+
+
+def _results(leaves: list[_Leaf], buffers: dict[str, np.ndarray], op: str, size: int) -> list:
+    """The reduced leaves, cut from the reduced buffers, in leaf order."""
     results: list = [None] * len(leaves)
     for kind in _KINDS:
         mine = [i for i, leaf in enumerate(leaves) if leaf.kind == kind]
-        if not mine:
-            continue
-        buf = torch.cat([leaves[i].tensor.reshape(-1).to(device="cpu", dtype=kind)
-                         for i in mine])                  # a copy: never the caller's tensor
-        if buf.numel():
-            comm.Allreduce(MPI.IN_PLACE, buf.numpy(), op=_MPI_OPS[op])
-        for i, piece in zip(mine, torch.split(buf, [leaves[i].numel for i in mine])):
-            results[i] = _back(leaves[i], piece, op, size)
+        if mine:
+            pieces = torch.split(torch.from_numpy(buffers[str(kind)]),
+                                 [leaves[i].numel for i in mine])
+            for i, piece in zip(mine, pieces):
+                results[i] = _back(leaves[i], piece, op, size)
     return results
 
 
