@@ -194,9 +194,12 @@ def expect_error(case: str, w: int, call, role: str = "worker") -> None:
 
 # -- reductions ------------------------------------------------------------------------------
 def values(w: int, r: int) -> dict:
-    """Worker ``w``'s values of round ``r``: every dtype, 0-dim, empty, numbers, nests."""
+    """Worker ``w``'s values of round ``r``: every dtype, 0-dim, empty, numbers, nests;
+    in round 2 more than SMALL_BYTES, which take the Allreduce (the others travel with the
+    agreement)."""
     g = torch.Generator().manual_seed(100 * r + w)
-    return {
+    large = {"large": torch.randn(64, 80, generator=g)} if r == 2 else {}
+    return {**large,
         "f32": torch.randn(5, 3, generator=g),
         "f64": torch.randn(4, generator=g, dtype=torch.float64),
         "f16": torch.randn(6, generator=g).half(),
