@@ -1,7 +1,6 @@
 """Data over the workers: a sampler that gives each worker its share of every epoch."""
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sized
 
 import torch
@@ -30,12 +29,9 @@ class WorkerSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_workers, rank=worker_index, shuffle=shuffle,
                          seed=seed, drop_last=drop_last)
         n = len(dataset)
-        if drop_last:
-            self.num_samples = n // num_workers
-        else:                   # no padding: the first n % W workers take one more
-            self.num_samples = math.ceil((n - worker_index) / num_workers) if n > worker_index \
-                else 0
-        self.total_size = n if not drop_last else self.num_samples * num_workers
+        self.total_size = n // num_workers * num_workers if drop_last else n
+        # no padding: without drop_last the first n % W workers take one more
+        self.num_samples = len(range(worker_index, self.total_size, num_workers))
 
     def __iter__(self) -> Iterator[int]:
         n = len(self.dataset)
