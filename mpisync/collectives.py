@@ -13,15 +13,21 @@ is one ``bcast`` of the structure and one ``Bcast`` of the tensors' raw bytes.
 Result types, for each leaf (a tensor, a Python or NumPy number):
 
 - ``"sum"``, ``"max"``, ``"min"`` keep the dtype (or Python type), as
-  ``torch.distributed.all_reduce`` does in place. Integers and bools travel as int64 and
-  are cast back (an integer sum wraps as the dtype does); bool: ``"sum"`` and ``"max"`` are
-  a logical or, ``"min"`` a logical and. float16, bfloat16 and float32 are summed in
-  float32 (one rounding to the dtype at the end), float64 in float64. Complex values
-  support ``"sum"`` and ``"mean"`` only.
+  ``torch.distributed.all_reduce`` does in place. Integer and bool tensors and NumPy
+  integers travel as int64 and are cast back (an integer sum wraps as the dtype does);
+  bool: ``"sum"`` and ``"max"`` are a logical or, ``"min"`` a logical and. Python ints
+  are exact at any size, as Python's own arithmetic: they travel with the agreement.
+  float16, bfloat16 and float32 are summed in float32 (one rounding to the dtype at the
+  end), float64 in float64. ``"max"`` and ``"min"`` propagate NaN, as ``torch.maximum``
+  does. Complex values support ``"sum"`` and ``"mean"`` only.
 - ``"mean"`` is the sum divided by the number of workers. Floating-point and complex
   leaves keep their dtype; integer and bool tensors give ``torch.get_default_dtype()``
-  (the exact integer sum divided in float64, then cast) and Python ints and bools a
-  Python float: a mean of counts is not rounded to an integer.
+  (summed in float64, which never wraps, then divided and cast) and Python ints and
+  bools a Python float: a mean of counts is not rounded to an integer.
+
+Results are new tensors, detached from autograd (as ``torch.distributed``'s in-place
+collectives leave no graph): reduce the value a loss was computed from, not for its
+gradient.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import hashlib
 import math
 import numbers
 import pickle
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -50,19 +57,29 @@ SMALL_BYTES = 16 << 10
 
 
 class _Leaf:
-    """One number or tensor of a value: how it travels and how it comes back."""
+    """One number or tensor of a value: how it travels and how it comes back.
 
-    __slots__ = ("back", "device", "dtype", "kind", "numel", "shape", "tensor")
+    A Python int travels as itself (``number``; ``kind`` None), every other leaf as a
+    tensor of its ``kind``.
+    """
 
-    def __init__(self, tensor: torch.Tensor, back: str):
-        self.tensor = tensor
+    __slots__ = ("back", "device", "dtype", "kind", "number", "numel", "shape", "tensor")
+
+    def __init__(self, tensor: torch.Tensor | None, back: str, number: int | None = None):
+        self.tensor, self.number = tensor, number
         self.back = back                 # "tensor", "ndarray", "numpy", "int", "float", "bool"
+        if tensor is None:               # a Python int
+            self.dtype = self.kind = self.device = None
+            self.shape, self.numel = (), 0
+            return
         self.dtype, self.shape = tensor.dtype, tuple(tensor.shape)
         self.numel = tensor.numel()
         self.device = tensor.device
         self.kind = _kind_of(tensor.dtype)
 
     def signature(self) -> str:
+        if self.tensor is None:
+            return self.back
         return f"{self.back}:{str(self.dtype).replace('torch.', '')}{list(self.shape)}"
 
 
@@ -80,41 +97,47 @@ def _kind_of(dtype: torch.dtype) -> torch.dtype:
 def _leaf(value, path: str) -> _Leaf:
     """A leaf from a tensor or a number; ConfigError naming ``path`` for anything else."""
     if torch.is_tensor(value):
-        if value.is_sparse or value.layout != torch.strided:
-            raise ConfigError(f"{path} is a {value.layout} tensor; reduce dense tensors")
-        if value.dtype == torch.uint64:
-            raise ConfigError(f"{path} is a uint64 tensor, which does not fit int64 on the wire")
+        if value.is_sparse or value.layout != torch.strided or value.is_quantized:
+            what = "quantized" if value.is_quantized else str(value.layout)
+            raise ConfigError(f"{path} is a {what} tensor; reduce dense tensors")
+        _check_unsigned(value.dtype, path)
         return _Leaf(value.detach(), "tensor")
-    if isinstance(value, np.ndarray):
-        return _Leaf(torch.from_numpy(np.ascontiguousarray(value)), "ndarray")
-    if isinstance(value, np.generic) and isinstance(value, (np.number, np.bool_)):
+    if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "biufc":
+        _check_unsigned(value.dtype, path)
+        if isinstance(value, np.ndarray):
+            return _Leaf(torch.from_numpy(np.ascontiguousarray(value)), "ndarray")
         return _Leaf(torch.from_numpy(np.asarray(value)), "numpy")
     if isinstance(value, bool):
         return _Leaf(torch.tensor(int(value), dtype=torch.int64), "bool")
     if isinstance(value, numbers.Integral):
-        try:
-            return _Leaf(torch.tensor(int(value), dtype=torch.int64), "int")
-        except RuntimeError:
-            raise ConfigError(f"{path} = {value} does not fit in int64") from None
+        return _Leaf(None, "int", int(value))
     if isinstance(value, numbers.Real):
         return _Leaf(torch.tensor(float(value), dtype=torch.float64), "float")
     raise ConfigError(f"{path} is a {type(value).__name__}; expected a tensor, a number, or a "
                       f"dict, list or tuple of them")
 
 
+def _check_unsigned(dtype, path: str) -> None:
+    """64-bit unsigned integers do not fit the int64 they travel in: refused."""
+    if dtype == torch.uint64 or (isinstance(dtype, np.dtype) and dtype == np.uint64):
+        raise ConfigError(f"{path} is of dtype uint64, which does not fit int64 on the wire; "
+                          f"convert it to int64")
+
+
 class _Node:
     """A container of a value, its leaves replaced (by their index, for tensors to send).
 
     ``mapping``: a mapping's keys in the caller's order; None for a list or tuple.
+    ``factory``: a ``defaultdict``'s ``default_factory``.
     """
 
-    __slots__ = ("cls", "items", "mapping")
+    __slots__ = ("cls", "factory", "items", "mapping")
 
-    def __init__(self, cls: type, items: list, mapping: list | None):
-        self.cls, self.items, self.mapping = cls, items, mapping
+    def __init__(self, cls: type, items: list, mapping: list | None, factory=None):
+        self.cls, self.items, self.mapping, self.factory = cls, items, mapping, factory
 
     def __reduce__(self):
-        return _Node, (self.cls, self.items, self.mapping)
+        return _Node, (self.cls, self.items, self.mapping, self.factory)
 
 
 def _flatten(value, path: str, leaves: list, tokens: list) -> object:
@@ -124,7 +147,7 @@ def _flatten(value, path: str, leaves: list, tokens: list) -> object:
         keys = sorted(value, key=repr)
         tokens.append(f"dict[{', '.join(map(repr, keys))}]")
         return _Node(type(value), [(k, _flatten(value[k], f"{path}[{k!r}]", leaves, tokens))
-                                   for k in keys], list(value))
+                                   for k in keys], list(value), _factory(value))
     if isinstance(value, (list, tuple)):
         tokens.append(f"{type(value).__name__}({len(value)})")
         return _Node(type(value), [_flatten(v, f"{path}[{i}]", leaves, tokens)
@@ -140,18 +163,24 @@ def _rebuild(skeleton, results: list):
         return results[skeleton]
     if skeleton.mapping is not None:            # in this worker's own key order
         got = {k: _rebuild(s, results) for k, s in skeleton.items}
-        return _container(skeleton.cls, {k: got[k] for k in skeleton.mapping}, dict)
-    return _container(skeleton.cls, [_rebuild(s, results) for s in skeleton.items], list)
+        return _container(skeleton, {k: got[k] for k in skeleton.mapping})
+    return _container(skeleton, [_rebuild(s, results) for s in skeleton.items])
 
 
-def _container(cls: type, parts, fallback: type):
-    """``parts`` (a dict or a list) in a container of type ``cls``, where it can be built."""
-    if cls is fallback:
+def _factory(mapping):
+    """A ``defaultdict``'s ``default_factory`` (None for other mappings)."""
+    return mapping.default_factory if isinstance(mapping, defaultdict) else None
+
+
+def _container(node: _Node, parts):
+    """``parts`` (a dict or a list) in a container of ``node``'s type, where it can be built."""
+    cls = node.cls
+    if cls is type(parts):
         return parts
     if hasattr(cls, "_fields"):                 # a namedtuple
         return cls(*parts)
     try:
-        return cls(parts)
+        return cls(node.factory, parts) if issubclass(cls, defaultdict) else cls(parts)
     except TypeError:                           # a container that cannot be built so
         return parts
 
@@ -193,6 +222,8 @@ def _structure(value) -> tuple[list[_Leaf], object, list[str], str | None]:
         return [], None, [], str(exc)
     except RecursionError:
         return [], None, [], "value is nested too deeply (or contains itself)"
+    except Exception as exc:  # noqa: BLE001 - any failure must reach every worker, not hang
+        return [], None, [], f"its value cannot be reduced: {type(exc).__name__}: {exc}"
     return leaves, skeleton, tokens, None
 
 
@@ -245,27 +276,71 @@ def batch_reduce(comm: MPI.Intracomm, values: Sequence, op: str = "sum") -> list
 def _reduce(comm: MPI.Intracomm, value, op, what: str, problem: str | None = None):
     leaves, skeleton, tokens, error = _structure(value)
     error = problem or error or _check_op(op, leaves)
-    small = _wire_bytes(leaves) <= SMALL_BYTES
-    buffers = {} if error else _buffers(leaves, small)
+    small, buffers, payload = True, {}, None
+    if error is None:
+        try:
+            small, buffers, payload = _outgoing(leaves, op)
+        except Exception as exc:  # noqa: BLE001 - any failure must reach every worker
+            error = f"its value cannot be reduced: {type(exc).__name__}: {exc}"
     try:
         gathered = agree(comm, what, error,
                          {"the operation": repr(op), "the structure": _signature(tokens)},
-                         buffers if small else None)
+                         payload)
     except MismatchError as exc:
         if exc.field != "the structure":      # the same on every rank: all go on alike
             raise
         raise _first_difference(comm, tokens, exc) from None
-    for kind, buf in buffers.items():
-        if small:        # every worker's values came with the agreement: in worker order
-            combine = {"max": np.maximum, "min": np.minimum}.get(op, np.add)
-            buffers[kind] = functools.reduce(combine, (g[kind] for g in gathered))
-        elif isinstance(buf, torch.Tensor):          # one tensor of this kind: read in place
-            out = np.empty(buf.numel(), dtype=buf.numpy().dtype)
-            comm.Allreduce(buf.numpy().reshape(-1), out, op=_MPI_OPS[op])
-            buffers[kind] = out
-        elif buf.size:
-            comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
-    return _rebuild(skeleton, _results(leaves, buffers, op, comm.Get_size()))
+    if small:            # every worker's values came with the agreement: in worker order
+        combine = {"max": np.maximum, "min": np.minimum}.get(op, np.add)   # NaN propagates
+        for kind in buffers:
+            buffers[kind] = functools.reduce(combine, (g["buffers"][kind] for g in gathered))
+    else:
+        nan = {kind for g in gathered for kind in g["nan"]}
+        for kind, buf in buffers.items():
+            buffers[kind] = _allreduce(comm, buf, op, kind in nan)
+    numbers_ = _python_ints(op, [g["ints"] for g in gathered], comm.Get_size())
+    return _rebuild(skeleton, _results(leaves, buffers, numbers_, op, comm.Get_size()))
+
+
+def _outgoing(leaves: list[_Leaf], op: str) -> tuple[bool, dict, dict]:
+    """(small, this worker's buffers by kind, what travels with the agreement)."""
+    if op == "mean":     # an integer mean is summed in float64: it cannot wrap
+        for leaf in leaves:
+            if leaf.kind == torch.int64:
+                leaf.kind = torch.float64
+    small = _wire_bytes(leaves) <= SMALL_BYTES
+    buffers = _buffers(leaves, small)
+    nan = []             # kinds whose MPI maximum (minimum) would drop a NaN of this worker
+    if not small and op in ("max", "min"):
+        nan = [kind for kind, buf in buffers.items()
+               if kind != str(torch.int64) and bool(np.isnan(np.asarray(buf)).any())]
+    return small, buffers, {"buffers": buffers if small else None, "nan": nan,
+                            "ints": [leaf.number for leaf in leaves if leaf.kind is None]}
+
+
+def _allreduce(comm: MPI.Intracomm, buf, op: str, nan: bool) -> np.ndarray:
+    """One kind's values reduced by MPI; ``nan``: some worker has a NaN that MPI's maximum
+    or minimum would drop, so the elements where any worker has one are set to NaN."""
+    if isinstance(buf, torch.Tensor):            # one tensor of this kind: read in place
+        send = buf.numpy().reshape(-1)
+        out = np.empty(send.size, dtype=send.dtype)
+    else:
+        send, out = MPI.IN_PLACE, buf
+    if nan:
+        where = np.isnan(out if send is MPI.IN_PLACE else send).astype(np.uint8)
+        comm.Allreduce(MPI.IN_PLACE, where, op=MPI.MAX)
+    if out.size:
+        comm.Allreduce(send, out, op=_MPI_OPS[op])
+    if nan:
+        out[where.astype(bool)] = np.nan
+    return out
+
+
+def _python_ints(op: str, ints: list[list[int]], size: int) -> list:
+    """The Python ints of every worker reduced as Python does (exact at any size)."""
+    combine = {"max": max, "min": min}.get(op, sum)
+    out = [combine(column) for column in zip(*ints)]
+    return [total / size for total in out] if op == "mean" else out
 
 
 def _check_op(op, leaves: list[_Leaf]) -> str | None:
@@ -273,7 +348,7 @@ def _check_op(op, leaves: list[_Leaf]) -> str | None:
         return f"op must be one of {OPS}, got {op!r}"
     if op in ("max", "min"):
         for leaf in leaves:
-            if leaf.dtype.is_complex:
+            if leaf.dtype is not None and leaf.dtype.is_complex:
                 return f"op={op!r} is not defined for complex values ({leaf.signature()})"
     return None
 
@@ -293,12 +368,19 @@ def _buffers(leaves: list[_Leaf], small: bool) -> dict[str, np.ndarray | torch.T
 
 
 def _wire_bytes(leaves: list[_Leaf]) -> int:
-    return sum(leaf.numel * torch.empty(0, dtype=leaf.kind).element_size() for leaf in leaves)
+    return sum(leaf.numel * torch.empty(0, dtype=leaf.kind).element_size() for leaf in leaves
+               if leaf.kind is not None)
 
 
-def _results(leaves: list[_Leaf], buffers: dict[str, np.ndarray], op: str, size: int) -> list:
-    """The reduced leaves, cut from the reduced buffers, in leaf order."""
+def _results(leaves: list[_Leaf], buffers: dict[str, np.ndarray], ints: list, op: str,
+             size: int) -> list:
+    """The reduced leaves, cut from the reduced buffers (Python ints: ``ints``), in leaf
+    order."""
     results: list = [None] * len(leaves)
+    python = iter(ints)
+    for i, leaf in enumerate(leaves):
+        if leaf.kind is None:
+            results[i] = next(python)
     for kind in _KINDS:
         mine = [i for i, leaf in enumerate(leaves) if leaf.kind == kind]
         if mine:
@@ -313,7 +395,7 @@ def _back(leaf: _Leaf, piece: torch.Tensor, op: str, size: int):
     """One reduced leaf in its own dtype, shape, device and type."""
     if op == "mean":
         integral = not (leaf.dtype.is_floating_point or leaf.dtype.is_complex)
-        if integral and leaf.back in ("int", "bool"):
+        if integral and leaf.back == "bool":
             return float(piece.to(torch.float64).item() / size)
         if integral:
             out = (piece.to(torch.float64) / size).to(torch.get_default_dtype())
@@ -380,27 +462,30 @@ def _pack(value) -> tuple[object, torch.Tensor | None]:
 
     def strip(v):
         if torch.is_tensor(v):
-            if v.layout != torch.strided:
-                raise TypeError(f"a {v.layout} tensor; broadcast dense tensors")
+            if v.layout != torch.strided or v.is_quantized:
+                what = "quantized" if v.is_quantized else str(v.layout)
+                raise TypeError(f"a {what} tensor; broadcast dense tensors")
             tensors.append(v.detach())
             return _Tensor(len(tensors) - 1)
         if isinstance(v, Mapping):
-            return _Node(type(v), [(k, strip(x)) for k, x in v.items()], list(v))
+            return _Node(type(v), [(k, strip(x)) for k, x in v.items()], list(v), _factory(v))
         if isinstance(v, (list, tuple)):
             return _Node(type(v), [strip(x) for x in v], None)
         return v
     try:
         skeleton = strip(value)
         pickle.dumps(skeleton)            # what bcast does: fail here, where every rank hears
+        metas, flat, offset = [], [], 0
+        for t in tensors:               # each at a multiple of 16 bytes: viewed in place there
+            raw = t.contiguous().reshape(-1).view(torch.uint8).cpu()
+            metas.append((t.dtype, tuple(t.shape), t.device.type, offset))
+            pad = -len(raw) % _ALIGN
+            flat += [raw, torch.zeros(pad, dtype=torch.uint8)] if pad else [raw]
+            offset += len(raw) + pad
     except (TypeError, AttributeError, RecursionError, pickle.PicklingError) as exc:
         return f"its value cannot be broadcast: {exc}", None
-    metas, flat, offset = [], [], 0
-    for t in tensors:                   # each at a multiple of 16 bytes: viewed in place there
-        raw = t.contiguous().reshape(-1).view(torch.uint8).cpu()
-        metas.append((t.dtype, tuple(t.shape), t.device.type, offset))
-        pad = -len(raw) % _ALIGN
-        flat += [raw, torch.zeros(pad, dtype=torch.uint8)] if pad else [raw]
-        offset += len(raw) + pad
+    except Exception as exc:  # noqa: BLE001 - any failure must reach every worker, not hang
+        return f"its value cannot be broadcast: {type(exc).__name__}: {exc}", None
     data = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
     return (skeleton, metas, data.numel()), data
 
@@ -426,6 +511,6 @@ def _unpack(skeleton, metas: list, data: torch.Tensor):
         if not isinstance(v, _Node):
             return v
         if v.mapping is not None:
-            return _container(v.cls, {k: fill(x) for k, x in v.items}, dict)
-        return _container(v.cls, [fill(x) for x in v.items], list)
+            return _container(v, {k: fill(x) for k, x in v.items})
+        return _container(v, [fill(x) for x in v.items])
     return fill(skeleton)
