@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sized
 
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, IterableDataset
 
 __all__ = ["WorkerSampler"]
 
@@ -22,10 +22,23 @@ class WorkerSampler(DistributedSampler):
     sampler would repeat examples instead, so that the shares are equal).
     ``drop_last=True``: every worker gets ``n // W`` examples and the last ``n % W`` of
     the epoch's order are left out (other ones each epoch when shuffled), as torch does.
+
+    As with torch's sampler, every worker must pass the same dataset (length) and ``seed``:
+    each computes the order itself, with no messages.
+
+    Raises:
+        TypeError: ``dataset`` is an ``IterableDataset`` or has no ``len()``.
     """
 
     def __init__(self, dataset: Sized, num_workers: int, worker_index: int,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+        if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized):
+            kind = "an IterableDataset" if isinstance(dataset, IterableDataset) else \
+                f"a {type(dataset).__name__} without len()"
+            raise TypeError(f"a sampler deals out the indices of a map-style dataset (len() and "
+                            f"[i]), got {kind}; an iterable dataset shards itself: in its "
+                            f"__iter__, keep the examples i with i % cluster.num_workers == "
+                            f"cluster.worker_index")
         super().__init__(dataset, num_replicas=num_workers, rank=worker_index, shuffle=shuffle,
                          seed=seed, drop_last=drop_last)
         n = len(dataset)

@@ -43,13 +43,14 @@ class Metric:
 
     def update(self, value, weight=1.0) -> None:
         """Record ``value`` (a number or a tensor, each element a record) with ``weight``
-        (broadcast over ``value``'s elements). Local: no communication."""
+        (broadcast to ``value``'s shape: a number, or a tensor of a shape that broadcasts
+        to it). Local: no communication."""
         value = _float64(value, "value")
         weight = _float64(weight, "weight", value.device)
-        try:
-            value, weight = torch.broadcast_tensors(value, weight)
+        try:                  # to value's shape: a weight never adds records (torchmetrics)
+            weight = torch.broadcast_to(weight, value.shape)
         except RuntimeError:
-            raise ValueError(f"weight of shape {list(weight.shape)} does not broadcast over a "
+            raise ValueError(f"weight of shape {list(weight.shape)} does not broadcast to a "
                              f"value of shape {list(value.shape)}") from None
         self._add((value * weight).sum(), weight.sum())
 
@@ -109,7 +110,8 @@ class Accuracy(Metric):
 
     ``update(preds, target)``: ``preds`` are class scores ``(N, C, ...)`` (the arg-max
     over dimension 1 is the prediction), labels of ``target``'s shape, or, for floating
-    ``preds`` of ``target``'s shape, probabilities compared with ``threshold``.
+    ``preds`` of ``target``'s shape (or ``(N, 1, ...)``: one score per example, as a binary
+    classifier gives), probabilities compared with ``threshold``.
     """
 
     def __init__(self, threshold: float = 0.5, cluster=None):
@@ -118,9 +120,9 @@ class Accuracy(Metric):
 
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:  # type: ignore[override]
         preds, target = torch.as_tensor(preds).detach(), torch.as_tensor(target).detach()
-        if preds.dim() == target.dim() + 1:
-            preds = preds.argmax(dim=1)
-        elif preds.shape == target.shape and preds.is_floating_point():
+        if preds.dim() == target.dim() + 1:      # (N, 1, ...): one binary score each
+            preds = preds.argmax(dim=1) if preds.shape[1] > 1 else preds.squeeze(1)
+        if preds.shape == target.shape and preds.is_floating_point():
             preds = preds >= self.threshold
         if preds.shape != target.shape:
             raise ValueError(f"Accuracy: predictions of shape {list(preds.shape)} for targets "
