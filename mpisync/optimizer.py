@@ -518,6 +518,15 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
     def _answer(self, source: int, what: str):
         return self._dense.answer(source, what)
 
+    def _load_answer(self, what: str) -> None:
+        """Wait for ps 0's answer to a load or an update: None, or raise the error it sent
+        (a text is its deadlock reason: other workers wait in a collective among them)."""
+        err = self._answer(self.cluster.coordinator_rank, f"ps 0's answer to {what}")
+        if isinstance(err, str):
+            raise DeadlockError(f"{err} (this worker is in {what})")
+        if err is not None:
+            raise err
+
     @property
     def stats(self) -> dict:
         """Step statistics from the coordinator, plus this worker's own figures.
@@ -655,9 +664,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         kept_rows = [(t.param, t.param.detach().clone()) for t in self._rows.tables
                      if t.info is None and (t.param._version != t.version or was_rebound(t.param))]
         self._request(Kind.LOAD, payload)
-        err = self._answer(self.cluster.coordinator_rank, "ps 0's answer to load_state_dict")
-        if err is not None:
-            raise err
+        self._load_answer("load_state_dict()")
         self._receive(count=False)
         with torch.no_grad():
             for i, value in zip(written, kept):
@@ -726,9 +733,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         pieces = ps_pieces(regs, self.cluster.num_ps)
         if any(pieces) or self._ps_updates:          # the ps ranks' functions change
             self._request(Kind.UPDATE, pieces)
-            err = self._answer(self.cluster.coordinator_rank, "ps 0's answer to update()")
-            if err is not None:
-                raise err                            # every worker hears it: nothing changed
+            self._load_answer("update()")            # an error: every worker hears it
             self._receive(count=False)               # a grant: go on with these parameters
             self._ps_updates = any(pieces)
         by_name = dict(zip(self._names, self._params))

@@ -11,9 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 from mpi4py import MPI
 
-from .errors import StallError, WorldTooSmallError
+from .errors import MismatchError, StallError, WorldTooSmallError
 from .guard import GuardedComm
 from .nodes import HOSTMAP_ENV, check_host_map, cpu_affinity, host_load, machine_id, node_of
 from .progress import DEFAULT_TIMEOUT, Poller, spin_seconds
@@ -207,6 +208,7 @@ class Cluster:
                            else self._worker_comm.Dup())
         self._meet_poller = None
         self._helpers_comm = None       # the workers' helpers (reduce, ...): made at first use
+        self._abandoned: list = []      # meetings left by an error: their requests and buffers
         self.local_ranks, self.local_cores = placement.local_ranks, placement.local_cores
         self.stats: dict | list | None = None
         self.optimizers: list = []       # this worker's optimizers, in creation order
@@ -232,8 +234,14 @@ class Cluster:
                                         self._meet_comm, owned=True)
         return self._guarded
 
-    def _before_collective(self, method: str, meet: MPI.Intracomm) -> None:
-        """Meet the members before a collective, watching for steps that cannot complete."""
+    def _before_collective(self, method: str, meet: MPI.Intracomm,
+                           call: str | None = None) -> None:
+        """Meet the members before a collective, watching for steps that cannot complete.
+
+        The members tell each other which collective they are in (``call``, default
+        ``worker_comm.<method>()``): members in different ones raise ``MismatchError``
+        alike, where the collectives themselves would wait for each other forever.
+        """
         if self.closed:
             raise RuntimeError(f"{self.label}: worker_comm.{method}() after cluster.close(): "
                                f"the communicator is freed")
@@ -244,18 +252,28 @@ class Cluster:
             self._meet_poller = Poller(self.p2p_comm, self.timeout, self.label,
                                        spin_seconds(self.oversubscribed))
         poller = self._meet_poller
-        req = meet.Ibarrier()
+        call = call or f"worker_comm.{method}()"
+        mine = np.frombuffer(call.encode()[:_CALL_BYTES].ljust(_CALL_BYTES), dtype=np.uint8)
+        calls = np.empty((meet.Get_size(), _CALL_BYTES), dtype=np.uint8)
+        req = meet.Iallgather(mine, calls)
         start = time.monotonic()
-        while not req.Test():
-            for opt in open_optimizers:
-                opt._raise_if_failed(method)
-            poller.idle()
-            if time.monotonic() - start > poller.timeout:
-                raise StallError(f"{self.label}: worker_comm.{method}(): the other workers did "
-                                 f"not reach it within {poller.timeout:g} s (MPISYNC_TIMEOUT)")
+        try:
+            while not req.Test():
+                for opt in open_optimizers:
+                    opt._raise_if_failed(method)
+                poller.idle()
+                if time.monotonic() - start > poller.timeout:
+                    raise StallError(f"{self.label}: worker_comm.{method}(): the other workers "
+                                     f"did not reach it within {poller.timeout:g} s "
+                                     f"(MPISYNC_TIMEOUT)")
+        except BaseException:
+            self._abandoned.append((req, mine, calls))   # MPI may still write into calls
+            raise
         poller.busy()
         for opt in open_optimizers:
             opt._park(False)
+        _check_calls([bytes(row).rstrip().decode(errors="replace") for row in calls],
+                     self.label, "worker" if meet is self._meet_comm else "rank")
 
     # -- helpers among the workers (mpisync/collectives.py, mpisync/data.py) -------------
     def reduce(self, value, op: str = "sum"):
@@ -300,7 +318,8 @@ class Cluster:
             raise RuntimeError(f"{self.label}: {what}() is a collective among the workers; "
                                f"ps ranks call cluster.serve()")
         self._check_open(what)
-        self._before_collective(what, self._meet_comm)
+        call = "opt.update()" if what == "update" else f"cluster.{what}()"
+        self._before_collective(what, self._meet_comm, call)
         if self._helpers_comm is None:
             self._helpers_comm = self._worker_comm.Dup()     # every worker is here: met
         return self._helpers_comm
@@ -394,6 +413,21 @@ class Cluster:
     def __repr__(self) -> str:
         return (f"Cluster({self.label}, num_workers={self.num_workers}, "
                 f"num_ps={self.num_ps})")
+
+
+#: Bytes of the name of the collective each member of a meeting tells the others.
+_CALL_BYTES = 48
+
+
+def _check_calls(calls: list[str], label: str, member: str) -> None:
+    """Raise ``MismatchError`` when the members of a meeting are in different collectives
+    (on every member alike: each has every member's ``calls``)."""
+    if len(set(calls)) > 1:
+        each = ", ".join(f"{member} {i} in {c}" for i, c in enumerate(calls))
+        raise MismatchError(f"{label}: the workers met for different collectives ({each}); "
+                            f"every worker must call the same collectives, in the same order "
+                            f"(Metric.compute() is a cluster.batch_reduce(); mpisync.save(), "
+                            f"load() and Checkpointer use worker_comm)", collective=True)
 
 
 _current: Cluster | None = None
