@@ -215,16 +215,33 @@ class Updates:
         self.items = [[pickle.loads(data), rows, [(u, *tensors[u]) for u in units], True]
                       for data, rows, units in piece]
 
-    def run(self, table_rows=None) -> None:
+    def refresh(self) -> None:
+        """After a load (or a table written): the next run gives every row to each function,
+        ``rows="touched"`` included, as after its registration."""
+        for item in self.items:
+            item[3] = True
+
+    def run(self, table_rows=None, step: int | None = None) -> None:
         """Every function over its tensors; ``table_rows`` (the ps's ``RowShards``) gives
-        the rows a step touched and takes the rows a function changed."""
+        the rows a step touched and takes the rows a function changed.
+
+        Raises:
+            RuntimeError: a function raised; the message names it, the tensor and the step.
+        """
         for item in self.items:
             fn, rows, targets, fresh = item
             for unit, t, n in targets:
-                if n is None:
-                    apply_fn(fn, t, unit)
-                else:
-                    _run_on_shard(fn, unit, t, n, rows == "touched" and not fresh, table_rows)
+                try:
+                    if n is None:
+                        apply_fn(fn, t, unit)
+                    else:
+                        _run_on_shard(fn, unit, t, n, rows == "touched" and not fresh,
+                                      table_rows)
+                except Exception as exc:
+                    after = "" if step is None else f" after global step {step}"
+                    raise RuntimeError(f"the function {_name(fn)} given to opt.update() failed "
+                                       f"on {unit!r}{after}: {type(exc).__name__}: {exc}"
+                                       ) from exc
             item[3] = False
 
 

@@ -319,6 +319,10 @@ class RowShards:
     def _note(self, n: int, rows) -> None:
         """Rows of unit ``n`` the step changes: None, a tensor of local ids, or True (all)."""
         self.step_rows[n] = rows
+        self._changed(n, rows)
+
+    def _changed(self, n: int, rows) -> None:
+        """Rows of unit ``n`` the workers holding its weight must get with the step's."""
         if self.units[n].spec.resident or rows is None:
             return
         for w in range(self.W):
@@ -332,9 +336,10 @@ class RowShards:
 
     def changed_by_update(self, n: int, rows: torch.Tensor) -> None:
         """Rows of unit ``n`` that a function of ``opt.update`` changed after the step: the
-        workers holding the weight get them with the step's own."""
+        workers holding the weight get them with the step's own (the rows the step itself
+        touched stay what ``rows="touched"`` functions get)."""
         if len(rows):
-            self._note(n, rows)
+            self._changed(n, rows)
 
     def send_changed(self, workers, step: int) -> None:
         """Send each of ``workers`` the rows of the sparse weights it has not seen."""

@@ -349,6 +349,7 @@ class ShardServer:
 
     def _on_load(self, ctl, obj, applied) -> bool:
         self._load(obj)
+        self.updates.refresh()             # loaded rows: opt.update()'s functions see all
         return True
 
     def _on_update(self, ctl, obj, applied) -> bool:
@@ -381,7 +382,7 @@ class ShardServer:
             self.optimizer.step()
             if self.rows.active:
                 self.rows.apply_rows(self.optimizer)
-        self.updates.run(self.rows)          # opt.update()'s functions, after the step
+        self.updates.run(self.rows, step + 1)    # opt.update()'s functions, after the step
         self._update_buffers(chosen)
         self.averages.update(step + 1)
         self.global_step = step + 1
@@ -445,6 +446,8 @@ class ShardServer:
             return False
         request = msg.recv()
         self.rows.on_table_request(request, status.Get_source(), self.optimizer)
+        if request[0] not in ("read", "hash_stats"):    # rows written: as after a load
+            self.updates.refresh()
         return True
 
     def _load(self, piece: dict) -> None:
