@@ -348,10 +348,11 @@ def check_groups(colocate: Iterable[Sequence[str]]) -> tuple[tuple[str, ...], ..
             if not isinstance(name, str):
                 raise TypeError(f"colocate group {g} holds {type(name).__name__} {name!r}; "
                                 f"expected parameter names (str)")
+            if name in seen and seen[name] == g:
+                raise ValueError(f"{name!r} is in colocate group {g} twice; name it once")
             if name in seen:
-                where = f"groups {seen[name]} and {g}" if seen[name] != g else f"group {g} twice"
-                raise ValueError(f"{name!r} is in colocate {where}; a name may be in one "
-                                 f"group only (merge the groups)")
+                raise ValueError(f"{name!r} is in colocate groups {seen[name]} and {g}; a name "
+                                 f"may be in one group only (merge the groups)")
             seen[name] = g
         groups.append(group)
     return tuple(groups)

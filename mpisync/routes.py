@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import fnmatch
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -91,23 +92,27 @@ def colocated_units(colocate: Sequence[Sequence[str]], units: Sequence[Unit],
                     ) -> list[tuple[str, ...]]:
     """Groups of tensor names as groups of the units the plan places.
 
-    A name is a tensor (a parameter or a buffer) or one unit of one (``"w/part_2"``). A
-    whole tensor is one unit; a partitioned parameter or a table has one per shard, and
-    its members are colocated shard by shard: shard k of each member with shard k of
-    the others, so every member of such a group must have as many shards (name single
-    shards to colocate them otherwise).
+    A name is a tensor (a parameter or a buffer), one unit of one (``"w/part_2"``), or a
+    glob (``fnmatch``: ``"enc.*"``) standing for every tensor it matches. A whole tensor
+    is one unit; a partitioned parameter or a table has one per shard, and its members are
+    colocated shard by shard: shard k of each member with shard k of the others, so every
+    member of such a group must have as many shards (name single shards to colocate them
+    otherwise).
 
     Raises:
         TypeError: ``colocate`` is not a list of lists of names.
         ValueError: a name that no ps holds (unknown, frozen, or averaged among the
-            workers with ``dense="allreduce"``), or members with different shard counts.
+            workers with ``dense="allreduce"``), a glob that matches none of them, a name
+            in two groups, or members with different shard counts.
     """
-    groups = placement_mod.check_groups(colocate)
     kinds = kinds or {}
     of_tensor: dict[str, list[str]] = {}
     for u in units:
         of_tensor.setdefault(u.tensor, []).append(u.name)
     unit_names = {u.name for u in units}
+    groups = placement_mod.check_groups(
+        [_expand(group, list(of_tensor), unit_names)
+         for group in placement_mod.check_groups(colocate)])
     out: list[tuple[str, ...]] = []
     for group in groups:
         members = [(name, of_tensor.get(name) or _unit_of(name, unit_names, kinds, frozen))
@@ -128,6 +133,22 @@ def _shards(unit_names: list[str]) -> str:
     return "whole" if len(unit_names) == 1 else f"in {len(unit_names)} shards"
 
 
+def _expand(group: Sequence[str], tensors: list[str], unit_names: set[str]) -> list[str]:
+    """A group with each glob replaced by the tensors it matches (in model order)."""
+    out: list[str] = []
+    for name in group:
+        if name in unit_names or name in tensors or not any(c in name for c in "*?["):
+            matched = [name]
+        else:
+            matched = [t for t in tensors if fnmatch.fnmatchcase(t, name)]
+            if not matched:
+                raise ValueError(f"colocate: {name!r} matches none of the parameters and "
+                                 f"buffers the ps ranks hold ({', '.join(tensors[:8])}"
+                                 f"{', ...' if len(tensors) > 8 else ''})")
+        out += [m for m in matched if m not in out]
+    return out
+
+
 def _unit_of(name: str, unit_names: set[str], kinds: Mapping[str, str],
              frozen: Sequence[str]) -> list[str]:
     if name in unit_names:
@@ -140,4 +161,6 @@ def _unit_of(name: str, unit_names: set[str], kinds: Mapping[str, str],
                          f"no ps holds it")
     close = difflib.get_close_matches(name, sorted(unit_names | set(kinds)), n=3)
     hint = f"; did you mean {close}?" if close else ""
-    raise ValueError(f"colocate: no parameter or buffer is named {name!r}{hint}")
+    raise ValueError(f"colocate: no parameter or buffer is named {name!r}{hint} (module "
+                     f"buffers are placed only when named_buffers= is given and buffers is "
+                     f"not 'local')")
