@@ -51,7 +51,10 @@ def test_every_worker_got_through_the_job(job):
 @pytest.mark.parametrize("round_", range(3))
 def test_reduce_equals_mpi_allreduce_of_the_same_values(job, op, round_):
     """Every dtype (f16, bf16, f32, f64, int, uint8, bool), 0-dim and empty tensors,
-    Python and NumPy numbers, nests: MPI's own result, the same on every worker."""
+    Python and NumPy numbers, nests: MPI's own result, the same on every worker. Python
+    ints beyond int64 are exact (as mpi4py's reduction of Python objects), the mean of
+    int64 values whose sum wraps does not wrap, and NaN wins max and min (rounds 1 and 2:
+    with the agreement and by MPI's Allreduce)."""
     for w, rec in records(job, f"reduce_{op}_{round_}").items():
         assert rec["bad"] == [], (w, rec["bad"])
 
@@ -82,6 +85,15 @@ BAD = {  # case: (error, what its message must say)
     "src_range": ("ConfigError", r"src must be a worker index in range\(3\), got 3"),
     "src_differs": ("MismatchError", r"in src \(worker 1: 1; worker 0: 0\)"),
     "unpicklable": ("ConfigError", r"worker 1: its value cannot be broadcast"),
+    "meta_on_one": ("ConfigError", (r"reduce\(\): worker 1: its value cannot be reduced: "
+                                    r"NotImplementedError")),
+    "meta_broadcast": ("ConfigError", (r"worker 1: its value cannot be broadcast: "
+                                       r"NotImplementedError")),
+    "uint64": ("ConfigError", r"value is of dtype uint64, which does not fit int64"),
+    "other_collective": ("MismatchError", (r"the workers met for different collectives \(worker "
+                                           r"0 in cluster\.reduce\(\), worker 1 in "
+                                           r"worker_comm\.bcast\(\), worker 2 in "
+                                           r"worker_comm\.bcast\(\)\)")),
 }
 
 
@@ -106,6 +118,15 @@ def test_a_reduction_that_a_step_waits_for_fails_fast_on_every_worker():
                                 r"global step \d+, which needs gradients from workers \[0\]",
                            labels(2, 0))
     assert "this worker is in worker_comm.reduce()" in run.output, run.describe()
+
+
+def test_an_update_and_a_load_that_wait_for_each_other_fail_fast_on_every_worker():
+    """Worker 0 registers a function while worker 1 loads a state: each waits for the
+    other's request; both get a DeadlockError (no TypeError, no hang)."""
+    run = failing("errors.py", 2, 1, ["--case", "update_vs_load"])
+    assert_every_rank_says(run, r"DeadlockError: .*wait inside step\(\)", labels(2, 0))
+    assert "(this worker is in load_state_dict())" in run.output, run.describe()
+    assert "TypeError" not in run.output, run.describe()
 
 
 def test_a_ps_rank_is_refused(job):
@@ -205,6 +226,13 @@ def test_the_constraints_hold_in_the_workers_copies(job):
             assert norms.max().item() <= limit + 1e-6, (name, norms.max())
 
 
+def test_rows_touched_after_a_load_see_every_loaded_row_first(job):
+    """A state loaded between steps brings back rows over the limit that the next step
+    does not touch: the function of rows="touched" passes over every row once again."""
+    for w, rec in records(job, "update_after_load").items():
+        assert rec["norm"] <= 0.7 + 1e-6, (w, rec)
+
+
 def test_a_function_applies_from_its_registration_until_its_removal(job):
     """The clip of "lin.*" ran after steps 2 and 3 only: neither never nor to the end."""
     got = torch.tensor(records(job, "update_ps")[0]["params"]["lin.weight"])
@@ -222,7 +250,7 @@ UPDATE_BAD = {
     "update_frozen": ("ConfigError", "'frozen' is in no param group"),
     "update_rows": ("ConfigError", "rows must be one of"),
     "update_fails_on_stand_in": ("ConfigError", "fn raised ValueError: wanted a vector"),
-    "update_differs": ("MismatchError", ("workers [1, 2] differ from worker 0 in registration 5 "
+    "update_differs": ("MismatchError", ("workers [1, 2] differ from worker 0 in registration 6 "
                                          "(worker 1: 'part' -> Clip")),
     "update_only_on_workers": ("ConfigError", ("the ps ranks cannot load a function given to "
                                               "opt.update(): AttributeError")),
@@ -290,13 +318,15 @@ def test_result_dtypes(self_comm, dtype, op, expected):
 def test_python_and_numpy_types_and_containers_come_back_as_given(self_comm):
     point = collections.namedtuple("point", "x y")
     value = collections.OrderedDict(b=point(1, 2.5), a=[True, np.int16(3), np.ones(2)],
-                                    c=(torch.tensor(4),))
+                                    c=(torch.tensor(4),), d=collections.defaultdict(list, e=[1]))
     got = collectives.reduce(self_comm, value, "mean")
-    assert type(got) is collections.OrderedDict and list(got) == ["b", "a", "c"]
+    assert type(got) is collections.OrderedDict and list(got) == ["b", "a", "c", "d"]
+    assert type(got["d"]) is collections.defaultdict and got["d"].default_factory is list
     assert type(got["b"]) is point and got["b"] == (1.0, 2.5) and type(got["b"].x) is float
     assert got["a"][0] == 1.0 and type(got["a"][1]) is np.float32
     assert isinstance(got["a"][2], np.ndarray) and got["c"][0].dtype == torch.float32
     assert collectives.reduce(self_comm, 7, "max") == 7
+    assert collectives.reduce(self_comm, 2**100, "sum") == 2**100      # exact, as Python
     assert type(collectives.reduce(self_comm, True, "sum")) is bool
     assert collectives.batch_reduce(self_comm, (1, 2.0)) == [1, 2.0]
 
@@ -360,8 +390,37 @@ def test_metric_locally_with_weights_and_thresholds():
     m.update(torch.tensor([1.0, 3.0]), weight=torch.tensor([3.0, 1.0]))
     m.update(2.0, weight=2)
     assert m.compute(local=True) == pytest.approx((3 + 3 + 4) / 6)
+    with pytest.raises(ValueError, match=r"weight of shape \[2, 1\] does not broadcast to a "
+                                         r"value of shape \[2\]"):
+        m.update(torch.tensor([1.0, 3.0]), weight=torch.ones(2, 1))   # would add records
+    assert m.compute(local=True) == pytest.approx((3 + 3 + 4) / 6)
     acc = mpisync.Accuracy(threshold=0.0)
     acc.update(torch.tensor([-1.0, 2.0, 0.5]), torch.tensor([0.0, 1.0, 0.0]))
     assert acc.compute(local=True) == pytest.approx(2 / 3)
+    binary = mpisync.Accuracy()              # (N, 1): one probability each, not one class
+    binary.update(torch.tensor([[0.9], [0.2], [0.7], [0.4]]), torch.tensor([1, 0, 0, 0]))
+    assert binary.compute(local=True) == pytest.approx(3 / 4)
     with pytest.raises(ValueError, match="aggregation"):
         mpisync.Metric("median")
+
+
+def test_a_sampler_refuses_an_iterable_dataset_naming_the_way():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+        def __len__(self):
+            return 10
+    for dataset, what in ((Stream(), "an IterableDataset"), (iter(range(3)), "without len()")):
+        with pytest.raises(TypeError, match=re.escape(f"{what}; an iterable dataset shards")):
+            WorkerSampler(dataset, 2, 0)
+
+
+def test_a_function_that_fails_on_a_ps_names_itself_the_tensor_and_the_step():
+    fails = updates.Updates()
+    data = updates.check_fn(script.needs_one_dim)
+    fails.set([(data, "all", ["w"])], {"w": (torch.zeros(2, 2), None)})
+    with pytest.raises(RuntimeError, match=(r"the function needs_one_dim given to opt.update\(\) "
+                                            r"failed on 'w' after global step 7: ValueError: "
+                                            r"wanted a vector")):
+        fails.run(step=7)

@@ -587,6 +587,24 @@ def test_colocating_what_no_ps_holds_or_unequal_shards_is_refused(groups, shown)
         _colocated_spec(groups)
 
 
+def test_a_glob_names_every_tensor_it_matches():
+    _, routes = _colocated_spec([["0.b*", "1.running_*", "1.num*"]])
+    assert routes.plan.colocate == (
+        ("0.bias", "1.running_mean", "1.running_var", "1.num_batches_tracked"),)
+    for groups, shown in (([["1.b*"], ["1.bias"]], "'1.bias' is in colocate groups 0 and 1"),
+                          ([["nope*"]], ("colocate: 'nope*' matches none of the parameters "
+                                         "and buffers the ps ranks hold (0.weight, 0.bias"))):
+        with pytest.raises(ValueError, match=re.escape(shown)):
+            _colocated_spec(groups)
+
+
+def test_a_buffer_kept_by_the_workers_is_named_as_such():
+    with pytest.raises(ValueError, match=re.escape(
+            "no parameter or buffer is named '1.running_mean' (module buffers are placed only "
+            "when named_buffers= is given and buffers is not 'local')")):
+        _colocated_spec([["1.running_mean", "0.bias"]], buffers="local")
+
+
 def test_allreduce_parameters_have_no_ps_to_share():
     with pytest.raises(ValueError, match="'1.bias' is averaged among the workers"):
         _colocated_spec([["1.bias", "0.weight/part_0"]], dense="allreduce")

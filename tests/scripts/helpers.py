@@ -9,6 +9,7 @@ goes on. Each check prints a RESULT record.
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import torch
@@ -52,6 +53,9 @@ UPDATES = {"emb_dense": (functools.partial(max_norm, limit=1.0), "all"),
            "part": (functools.partial(renorm_in_place, limit=0.8), "all"),
            "table.weight": (functools.partial(renorm_in_place, limit=0.7), "touched"),
            "sparse.weight": (functools.partial(max_norm, limit=0.9), "all")}
+# a second function on the sparse nn.Embedding, on the rows each step touched: it must get
+# those rows, not the ones the first function changed
+SECOND = ("sparse.weight", functools.partial(renorm_in_place, limit=0.6), "touched")
 CLIP_FROM, CLIP_UNTIL = 2, 4          # "lin.*" clipped after the steps 2 and 3 only
 
 
@@ -111,7 +115,7 @@ def reference(clip: tuple[int, int] = (CLIP_FROM, CLIP_UNTIL)) -> dict:
         F.mse_loss(net(ids), y).backward()
         opt.step()
         with torch.no_grad():
-            for name, (fn, _) in UPDATES.items():
+            for name, (fn, _) in [*UPDATES.items(), (SECOND[0], SECOND[1:])]:
                 out = fn(params[name])
                 if out is not None:
                     params[name].copy_(out)
@@ -142,7 +146,8 @@ def train_with_updates(cluster, dense: str = "ps") -> None:
         emit(role="worker", worker=w, case="colocated",
              owners=[[plan.owner(u) for u in g] for g in plan.colocate],
              groups=[list(g) for g in plan.colocate], table=str(plan))
-    for name, (fn, rows) in UPDATES.items():
+    initial = opt.state_dict()            # the table's rows as made: most over the limit
+    for name, (fn, rows) in [*UPDATES.items(), (SECOND[0], SECOND[1:])]:
         opt.update(name, fn, rows=rows)
     for step in range(STEPS):
         if step == CLIP_FROM:
@@ -160,6 +165,14 @@ def train_with_updates(cluster, dense: str = "ps") -> None:
     emit(role="worker", worker=w, case=f"update_{dense}", global_step=opt.global_step,
          params={n: p.detach().tolist() for n, p in params.items() if n != "frozen"},
          averages={n: a.tolist() for n, a in opt.averages().items()})
+    if dense == "ps":     # loaded rows, touched by no step yet: rows="touched" sees them too
+        opt.load_state_dict(initial)
+        ids, y = batch(0)
+        opt.zero_grad()
+        F.mse_loss(net(ids[w * B:(w + 1) * B]), y[w * B:(w + 1) * B]).backward()
+        opt.step()
+        emit(role="worker", worker=w, case="update_after_load",
+             norm=net.table.rows(torch.arange(30)).norm(dim=1).max().item())
     opt.close()
 
 
@@ -199,18 +212,24 @@ def values(w: int, r: int) -> dict:
     agreement)."""
     g = torch.Generator().manual_seed(100 * r + w)
     large = {"large": torch.randn(64, 80, generator=g)} if r == 2 else {}
+    f32 = torch.randn(5, 3, generator=g)
+    if w == 1 and r:          # max and min propagate NaN, in small values and large ones
+        f32[0, 0] = math.nan
+        if r == 2:
+            large["large"][3, 5] = math.nan
     return {**large,
-        "f32": torch.randn(5, 3, generator=g),
+        "f32": f32,
         "f64": torch.randn(4, generator=g, dtype=torch.float64),
         "f16": torch.randn(6, generator=g).half(),
         "bf16": torch.randn(6, generator=g).bfloat16(),
         "i32": torch.randint(-50, 50, (7,), generator=g, dtype=torch.int32),
         "i64": torch.randint(-10**12, 10**12, (2, 2), generator=g),
+        "i64_big": torch.full((2,), 2**62 + w),         # its sum wraps, its mean must not
         "u8": torch.randint(0, 80, (3,), generator=g, dtype=torch.uint8),
         "bool": torch.rand(5, generator=g) > 0.5,
         "zero_dim": torch.tensor(1.5 + w),
         "empty": torch.empty(0, 4),
-        "numbers": [w + 1, 0.25 * w + r, w % 2 == 0],
+        "numbers": [w + 1, 0.25 * w + r, w % 2 == 0, 2**70 + w],   # Python ints: exact
         "numpy": (np.float32(w + 0.5), np.arange(3, dtype=np.int16) * (w + r)),
         "nested": {"a": [torch.arange(3) * (w + 1), (2.0 * w, torch.ones(2, dtype=torch.float64))]},
     }
@@ -243,12 +262,16 @@ def _mpi_tensor(comm, t: torch.Tensor, op: str) -> torch.Tensor:
         mop = {"sum": MPI.LOR, "mean": MPI.SUM, "max": MPI.LOR, "min": MPI.LAND}[op]
     elif t.dtype in (torch.float16, torch.bfloat16):     # MPI has no such type: float32
         send = t.float().numpy()
-    elif op == "mean" and not t.is_floating_point():
-        send = t.numpy().astype(np.int64)
+    elif op == "mean" and not t.is_floating_point():     # summed in float64: no wrapping
+        send = t.numpy().astype(np.float64)
     else:
         send = t.numpy()
     out = np.empty_like(send)
     comm.Allreduce(np.ascontiguousarray(send), out, op=mop)
+    if op in ("max", "min") and t.is_floating_point():    # NaN wins, as in torch.maximum
+        nan = np.array(np.isnan(send), dtype=np.int32)
+        comm.Allreduce(MPI.IN_PLACE, nan, op=MPI.LOR)
+        out[nan.astype(bool)] = np.nan
     res = torch.from_numpy(out)
     if op != "mean":
         return res.to(t.dtype)
@@ -277,7 +300,8 @@ def mismatches(got, ref, exact: bool = False, path: str = "value") -> list[str]:
         rtol = 0 if exact or not b.is_floating_point() else (
             1e-12 if b.dtype == torch.float64 else 1e-6)
         wide = torch.complex128 if b.is_complex() else torch.float64
-        return [] if torch.allclose(a.to(wide), b.to(wide), rtol=rtol, atol=0) else [
+        return [] if torch.allclose(a.to(wide), b.to(wide), rtol=rtol, atol=0,
+                                    equal_nan=True) else [
             f"{path}: {a.tolist()} != {b.tolist()}"]
     ok = got == ref if exact or not isinstance(ref, float) else abs(got - ref) <= 1e-12 * abs(ref)
     return [] if ok else [f"{path}: {got!r} != {ref!r}"]
@@ -321,6 +345,14 @@ def bad_reductions(cluster) -> None:
         "src_range": lambda: cluster.broadcast(1.0, src=W),
         "src_differs": lambda: cluster.broadcast(1.0, src=w % 2),
         "unpicklable": lambda: cluster.broadcast({"f": lambda: 0} if w == 1 else None, src=1),
+        # failures of one worker's value that are no ConfigError: still every worker's error
+        "meta_on_one": lambda: cluster.reduce(torch.empty(3, device="meta") if w == 1
+                                              else torch.ones(3)),
+        "meta_broadcast": lambda: cluster.broadcast(torch.empty(2, device="meta") if w == 1
+                                                    else None, src=1),
+        "uint64": lambda: cluster.reduce(np.uint64(3)),
+        "other_collective": lambda: (cluster.reduce(1.0) if w == 0
+                                     else cluster.worker_comm.bcast(1.0)),
     }
     for name, call in cases.items():
         expect_error(f"bad_{name}", w, call)
