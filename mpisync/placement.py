@@ -259,8 +259,9 @@ def plan(
             strategies one choice by its total bytes, and a callable is called once, for
             the first member with the group's total bytes.
         max_ps_bytes: the most bytes one ps may hold; a plan that puts more on a ps (or a
-            group larger than that) is refused. The greedy strategies give each item to
-            the least-loaded ps, so when they exceed it, no ps could take that item.
+            group larger than that) is refused. Where the greedy strategies' choices put
+            more on a ps, they pack the items largest first, each on the first ps with room
+            (first-fit decreasing), and refuse only when that finds no plan either.
 
     Returns:
         The :class:`Plan`.
@@ -312,6 +313,9 @@ def plan(
             f"strategy must be a str in {STRATEGIES} or a callable, "
             f"got {type(strategy).__name__} {strategy!r}"
         )
+    if (max_ps_bytes is not None and strategy_name in ("greedy", "greedy_sorted")
+            and max(_loads(item_owners, item_sizes, num_ps)) > max_ps_bytes):
+        item_owners = _first_fit(item_sizes, num_ps, max_ps_bytes) or item_owners
     owners = [0] * len(names)
     for item, owner in zip(items, item_owners):
         for i in item:
@@ -324,6 +328,25 @@ def plan(
                          f"{list(result.ps_bytes)} bytes: add ps ranks, split large parameters "
                          f"(a partitioner) or use a greedy strategy")
     return result
+
+
+def _loads(owners: Sequence[int], sizes: Sequence[int], num_ps: int) -> list[int]:
+    loads = [0] * num_ps
+    for owner, size in zip(owners, sizes):
+        loads[owner] += size
+    return loads
+
+
+def _first_fit(sizes: Sequence[int], num_ps: int, cap: int) -> list[int] | None:
+    """Largest first, each item to the first ps with room under ``cap`` (first-fit
+    decreasing): a plan under the cap where the least-loaded choice found none, or None."""
+    owners, loads = [0] * len(sizes), [0] * num_ps
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        ps = next((p for p in range(num_ps) if loads[p] + sizes[i] <= cap), None)
+        if ps is None:
+            return None
+        owners[i], loads[ps] = ps, loads[ps] + sizes[i]
+    return owners
 
 
 def check_groups(colocate: Iterable[Sequence[str]]) -> tuple[tuple[str, ...], ...]:

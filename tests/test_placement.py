@@ -622,6 +622,22 @@ def test_colocating_what_no_ps_holds_or_unequal_shards_is_refused(groups, shown)
         _colocated_spec(groups)
 
 
+@pytest.mark.parametrize("strategy", ["greedy", "greedy_sorted"])
+def test_a_cap_that_a_packing_meets_is_met_where_the_greedy_choice_misses_it(strategy):
+    """3, 3, 2, 2, 2 bytes on 2 ps of 6 bytes: least-loaded first gives 7 and 5; the
+    first-fit packing 6 and 6. Round robin and a callable keep their own choices."""
+    names, sizes = ["a", "b", "c", "d", "e"], [3, 3, 2, 2, 2]
+    assert max(plan(names, sizes, 2, strategy).ps_bytes) == 7
+    got = plan(names, sizes, 2, strategy, max_ps_bytes=6)
+    assert got.ps_bytes == (6, 6) and got.owners == (0, 0, 1, 1, 1)
+    grouped = plan(names, sizes, 2, strategy, colocate=[["c", "d"]], max_ps_bytes=6)
+    assert grouped.ps_bytes == (6, 6) and grouped.owner("c") == grouped.owner("d")
+    with pytest.raises(ValueError, match="over max_ps_bytes=5"):
+        plan(names, sizes, 2, strategy, max_ps_bytes=5)
+    with pytest.raises(ValueError, match="placement round_robin puts 7 bytes on ps 0"):
+        plan(names, sizes, 2, "round_robin", max_ps_bytes=6)
+
+
 def test_a_glob_names_every_tensor_it_matches():
     _, routes = _colocated_spec([["0.b*", "1.running_*", "1.num*"]])
     assert routes.plan.colocate == (
