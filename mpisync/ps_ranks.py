@@ -253,7 +253,7 @@ class Cluster:
             self._meet_poller = Poller(self.p2p_comm, self.timeout, self.label,
                                        spin_seconds(self.oversubscribed))
         poller = self._meet_poller
-        call = call or f"worker_comm.{method}()"
+        call = call or f"worker_comm.{_SAME_CALL.get(method, method)}()"
         mine = np.frombuffer(call.encode()[:_CALL_BYTES].ljust(_CALL_BYTES), dtype=np.uint8)
         calls = np.empty((meet.Get_size(), _CALL_BYTES), dtype=np.uint8)
         req = meet.Iallgather(mine, calls)
@@ -421,6 +421,8 @@ class Cluster:
 
 #: Bytes of the name of the collective each member of a meeting tells the others.
 _CALL_BYTES = 48
+#: Methods that are the same MPI collective under another name: they meet as that one.
+_SAME_CALL = {"barrier": "Barrier"}
 
 
 def _check_calls(calls: list[str], label: str, member: str) -> None:

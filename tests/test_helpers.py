@@ -105,6 +105,11 @@ def test_bad_input_is_the_same_error_on_every_worker(job, case):
         assert re.search(pattern, rec["message"]), (w, rec["message"])
 
 
+def test_the_same_collective_under_another_name_meets(job):
+    got = records(job, "barrier_either_spelling")
+    assert len(got) == 3 and all(rec["error"] is None for rec in got.values()), got
+
+
 def test_after_bad_input_the_helpers_and_training_go_on(job):
     for rec in records(job, "after_bad").values():
         assert rec["bad"] == [], rec

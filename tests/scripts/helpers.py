@@ -356,6 +356,9 @@ def bad_reductions(cluster) -> None:
     }
     for name, call in cases.items():
         expect_error(f"bad_{name}", w, call)
+    # one MPI collective under two names (both MPI_Barrier): no error
+    expect_error("barrier_either_spelling", w, lambda: (cluster.worker_comm.barrier() if w == 0
+                                                        else cluster.worker_comm.Barrier()))
     got = cluster.batch_reduce([torch.tensor([1.0, 2.0]) * (w + 1), torch.tensor([1j * w])])
     emit(role="worker", worker=w, case="after_bad",
          bad=mismatches(got, [torch.tensor([6.0, 12.0]), torch.tensor([3j])]))
