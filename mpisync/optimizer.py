@@ -142,8 +142,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             optimizers created after the first one write ``<stem>.opt<k><suffix>``);
             ``False``: none. The chief's value counts.
         colocate: groups of names whose parameters (or buffers, or single shards
-            ``"name/part_k"``) must live on the same ps rank, as TensorFlow's
-            ``colocate_vars_with``: ``[["enc.weight", "enc.bias"], ...]``. Every placement
+            ``"name/part_k"``, or globs: ``"enc.*"``) must live on the same ps rank, as
+            TensorFlow's ``colocate_vars_with``: ``[["enc.weight", "enc.bias"], ...]``. Every placement
             strategy honours them (``print(opt.plan)`` marks each group); partitioned
             parameters and tables are colocated shard by shard (see
             ``mpisync.routes.colocated_units``). A name that no ps holds, or that is in two
