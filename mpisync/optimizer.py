@@ -148,6 +148,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             parameters and tables are colocated shard by shard (see
             ``mpisync.routes.colocated_units``). A name that no ps holds, or that is in two
             groups, is an error on every worker.
+        max_ps_bytes: the most bytes of parameters, buffers and table shards one ps rank
+            may hold (``mpisync.placement.plan``): a colocated group larger than that, or a
+            placement that puts more on a ps, is an error on every worker at set-up.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -163,7 +166,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                  buffers: str = "broadcast", schedule: str = "auto", partitioner=None,
                  sparse_reduction: str = "mean", dense: str = "ps",
                  allreduce_backend: str = "mpi", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 stats_log: str | bool | None = None, colocate=None):
+                 stats_log: str | bool | None = None, colocate=None,
+                 max_ps_bytes: int | None = None):
         from .ps_ranks import _current
         cluster = _current if cluster is None else cluster
         if cluster is None:
@@ -185,7 +189,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         options = Options(replicas_to_aggregate, total_num_replicas, num_tokens, placement,
                           reduction, deterministic, ema_decay, ema_num_updates, asynchronous,
                           max_staleness, buffers, schedule, partitioner, sparse_reduction,
-                          dense, allreduce_backend, bucket_bytes, colocate=colocate or ())
+                          dense, allreduce_backend, bucket_bytes, colocate=colocate or (),
+                          max_ps_bytes=max_ps_bytes)
         opt_id = len(cluster.optimizers)
         self._stats_log = log_path(stats_log, opt_id)
         spec, routes = self._agree(optimizer, model, options, opt_id,

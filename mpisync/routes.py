@@ -57,7 +57,8 @@ class Routes:
 def plan_routes(units: Sequence[Unit], kinds: Mapping[str, str], frozen: Sequence[str],
                 buffers: Sequence[tuple[str, int]], num_ps: int,
                 strategy: str | Callable = "greedy_sorted",
-                colocate: Sequence[Sequence[str]] = ()) -> Routes:
+                colocate: Sequence[Sequence[str]] = (),
+                max_ps_bytes: int | None = None) -> Routes:
     """Place every unit, and route every tensor: to ps ranks, or left with the workers.
 
     Args:
@@ -72,11 +73,13 @@ def plan_routes(units: Sequence[Unit], kinds: Mapping[str, str], frozen: Sequenc
         strategy: placement strategy, see ``mpisync.placement.plan``.
         colocate: groups of tensor (or unit) names that share their ps, see
             ``colocated_units``.
+        max_ps_bytes: the most bytes one ps may hold, see ``mpisync.placement.plan``.
     """
     every = list(units) + [Unit(n, n, size) for n, size in buffers]
     groups = colocated_units(colocate, every, kinds, frozen)
     plan = placement_mod.plan([u.name for u in every], [u.nbytes for u in every], num_ps,
-                              strategy, rows=[u.rows for u in every], colocate=groups)
+                              strategy, rows=[u.rows for u in every], colocate=groups,
+                              max_ps_bytes=max_ps_bytes)
     owners: dict[str, list[int]] = {}
     for u in units:
         owners.setdefault(u.tensor, []).append(plan.owner(u.name))

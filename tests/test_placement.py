@@ -638,6 +638,22 @@ def test_a_cap_that_a_packing_meets_is_met_where_the_greedy_choice_misses_it(str
         plan(names, sizes, 2, "round_robin", max_ps_bytes=6)
 
 
+def test_the_optimizer_s_memory_cap_holds_shard_by_shard_groups_or_refuses_them():
+    """Shard k of 0.weight (1600 bytes) with shard k of 1.weight (40): 1640 bytes a group."""
+    groups = [["0.weight", "1.weight"]]
+    for strategy in ("greedy", "greedy_sorted", "round_robin"):
+        _, routes = _colocated_spec(groups, placement=strategy, max_ps_bytes=2000)
+        assert max(routes.plan.ps_bytes) <= 2000, (strategy, routes.plan.ps_bytes)
+        for group in routes.plan.colocate:
+            assert len({routes.plan.owner(u) for u in group}) == 1, group
+    with pytest.raises(ValueError, match=re.escape(
+            "colocated group ['0.weight/part_0', '1.weight/part_0'] holds 1640 bytes, more "
+            "than one ps may hold (max_ps_bytes=1600)")):
+        _colocated_spec(groups, max_ps_bytes=1600)
+    with pytest.raises(ValueError, match="max_ps_bytes must be >= 1, got 0"):
+        _colocated_spec(groups, max_ps_bytes=0)
+
+
 def test_a_glob_names_every_tensor_it_matches():
     _, routes = _colocated_spec([["0.b*", "1.running_*", "1.num*"]])
     assert routes.plan.colocate == (
