@@ -543,8 +543,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         """This worker is (no longer) in a collective among the workers: it pushes nothing."""
         self._request(Kind.PARK if parked else Kind.UNPARK, self._seq)   # pushes so far
 
-    def _raise_if_failed(self, method: str) -> None:
-        """While in a collective: answer ps 0's question, or raise what it found."""
+    def _raise_if_failed(self, call: str) -> None:
+        """While in a collective (``call``: ``"worker_comm.allreduce()"``, ...): answer ps
+        0's question, or raise what it found."""
         msg = self.cluster.p2p_comm.improbe(source=self.cluster.coordinator_rank,
                                             tag=self._info_tag)
         if msg is None:
@@ -553,7 +554,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if isinstance(answer, tuple):        # ("still?", step): yes, still in the collective
             self._request(Kind.STILL)
             return
-        raise DeadlockError(f"{answer} (this worker is in worker_comm.{method}())")
+        raise DeadlockError(f"{answer} (this worker is in {call})")
 
     def _request(self, *req) -> None:
         self.cluster.p2p_comm.send(req, dest=self.cluster.coordinator_rank, tag=self._req_tag)
@@ -562,11 +563,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         return self._dense.answer(source, what)
 
     def _load_answer(self, what: str) -> None:
-        """Wait for ps 0's answer to a load or an update: None, or raise the error it sent
-        (a text is its deadlock reason: other workers wait in a collective among them)."""
+        """Wait for ps 0's answer to a load or an update: None, or raise the error it sent."""
         err = self._answer(self.cluster.coordinator_rank, f"ps 0's answer to {what}")
-        if isinstance(err, str):
-            raise DeadlockError(f"{err} (this worker is in {what})")
         if err is not None:
             raise err
 

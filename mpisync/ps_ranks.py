@@ -246,6 +246,7 @@ class Cluster:
         if self.closed:
             raise RuntimeError(f"{self.label}: worker_comm.{method}() after cluster.close(): "
                                f"the communicator is freed")
+        call = call or f"worker_comm.{method}()"
         open_optimizers = [o for o in self.optimizers if not o._closed]
         for opt in open_optimizers:
             opt._park(True)
@@ -253,18 +254,18 @@ class Cluster:
             self._meet_poller = Poller(self.p2p_comm, self.timeout, self.label,
                                        spin_seconds(self.oversubscribed))
         poller = self._meet_poller
-        call = call or f"worker_comm.{_SAME_CALL.get(method, method)}()"
-        mine = np.frombuffer(call.encode()[:_CALL_BYTES].ljust(_CALL_BYTES), dtype=np.uint8)
+        told = _SAME_CALL.get(call, call).encode()[:_CALL_BYTES].ljust(_CALL_BYTES)
+        mine = np.frombuffer(told, dtype=np.uint8)
         calls = np.empty((meet.Get_size(), _CALL_BYTES), dtype=np.uint8)
         req = meet.Iallgather(mine, calls)
         start = time.monotonic()
         try:
             while not req.Test():
                 for opt in open_optimizers:
-                    opt._raise_if_failed(method)
+                    opt._raise_if_failed(call)
                 poller.idle()
                 if time.monotonic() - start > poller.timeout:
-                    raise StallError(f"{self.label}: worker_comm.{method}(): the other workers "
+                    raise StallError(f"{self.label}: {call}: the other workers "
                                      f"did not reach it within {poller.timeout:g} s "
                                      f"(MPISYNC_TIMEOUT)")
         except BaseException:
@@ -422,7 +423,7 @@ class Cluster:
 #: Bytes of the name of the collective each member of a meeting tells the others.
 _CALL_BYTES = 48
 #: Methods that are the same MPI collective under another name: they meet as that one.
-_SAME_CALL = {"barrier": "Barrier"}
+_SAME_CALL = {"worker_comm.barrier()": "worker_comm.Barrier()"}
 
 
 def _check_calls(calls: list[str], label: str, member: str) -> None:

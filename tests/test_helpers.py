@@ -122,15 +122,17 @@ def test_a_reduction_that_a_step_waits_for_fails_fast_on_every_worker():
     assert_every_rank_says(run, r"DeadlockError: .*workers \[1\] wait inside step\(\) for "
                                 r"global step \d+, which needs gradients from workers \[0\]",
                            labels(2, 0))
-    assert "this worker is in worker_comm.reduce()" in run.output, run.describe()
+    assert "this worker is in cluster.reduce()" in run.output, run.describe()
 
 
 def test_an_update_and_a_load_that_wait_for_each_other_fail_fast_on_every_worker():
-    """Worker 0 registers a function while worker 1 loads a state: each waits for the
-    other's request; both get a DeadlockError (no TypeError, no hang)."""
+    """Worker 0 registers a function (its workers meet first) while worker 1 loads a
+    state: each waits for the other; both get a DeadlockError naming both calls."""
     run = failing("errors.py", 2, 1, ["--case", "update_vs_load"])
-    assert_every_rank_says(run, r"DeadlockError: .*wait inside step\(\)", labels(2, 0))
-    assert "(this worker is in load_state_dict())" in run.output, run.describe()
+    assert_every_rank_says(run, r"DeadlockError: .*workers \[1\] wait in load_state_dict\(\) "
+                                r"for every open worker to call it, but workers \[0\] are in a "
+                                r"collective", labels(2, 0))
+    assert "(this worker is in opt.update())" in run.output, run.describe()
     assert "TypeError" not in run.output, run.describe()
 
 

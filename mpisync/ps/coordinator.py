@@ -295,9 +295,10 @@ class Coordinator:
             if parked:
                 where += (" and " if where else "") + f"workers {parked} are in a collective " \
                          f"on worker_comm"
-            return (f"{self.label}: workers {loading} wait in load_state_dict() for every "
-                    f"open worker to call it, but {where}: call load_state_dict() on every "
-                    f"worker at the same point, before training or between two steps")
+            call = "load_state_dict()" if self.load_kind == Kind.LOAD else "opt.update()"
+            return (f"{self.label}: workers {loading} wait in {call} for every open worker "
+                    f"to call it, but {where}: call {call} on every worker at the same "
+                    f"point, before training or between two steps")
         spec = self.spec
         if spec.asynchronous or spec.num_tokens or spec.replicas_to_aggregate < spec.num_workers:
             why = ("with backup workers, num_tokens or asynchronous updates the workers do not "
