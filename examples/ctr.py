@@ -207,8 +207,12 @@ def build(args, kind: str, num_ps: int = 1):
 
 
 def run_epochs(args, model, opt, train, steps_per_epoch: int, *, num_workers: int = 1,
-               worker_index: int = 0, log: bool = True) -> float:
-    """Train; each worker takes its slice of every global batch. Its mean loss at the end."""
+               worker_index: int = 0, log: bool = True, metrics=None) -> float:
+    """Train; each worker takes its slice of every global batch. Its mean loss at the end.
+
+    ``metrics``: ``(mpisync.Mean, mpisync.Accuracy)`` that record each batch's log-loss
+    and click accuracy locally, reset each epoch (read them on every worker afterwards).
+    """
     ids, dense, clicks, _ = train
     B, W, me = args.batch_size, num_workers, worker_index
     loss_fn = torch.nn.BCEWithLogitsLoss()
@@ -216,6 +220,8 @@ def run_epochs(args, model, opt, train, steps_per_epoch: int, *, num_workers: in
     for epoch in range(args.epochs):
         perm = torch.randperm(len(ids),
                               generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
+        for metric in metrics or ():
+            metric.reset()
         for i in range(steps_per_epoch):
             # a SyncReplicasOptimizer with backup workers stops once the others have
             # finished; a plain torch optimizer has no such attribute and never stops
@@ -223,9 +229,13 @@ def run_epochs(args, model, opt, train, steps_per_epoch: int, *, num_workers: in
                 return float(np.mean(losses))
             idx = perm[(i * W + me) * B:(i * W + me + 1) * B]
             opt.zero_grad()
-            loss = loss_fn(model(ids[idx], dense[idx]), clicks[idx])
+            logits = model(ids[idx], dense[idx])
+            loss = loss_fn(logits, clicks[idx])
             loss.backward()
             opt.step()
+            if metrics is not None:           # local records: no communication
+                metrics[0].update(loss.detach(), weight=len(idx))
+                metrics[1].update(logits.detach(), clicks[idx])
             step += 1
             losses.append(loss.item())
             recent.append(loss.item())
@@ -270,14 +280,15 @@ def header(args, train, test, num_workers: int, num_ps: int, steps_per_epoch: in
             f"{args.epochs} epochs")
 
 
-def report(scores, seconds: float, stats: dict | None = None, losses=None) -> None:
+def report(scores, seconds: float, stats: dict | None = None, train_metrics=None) -> None:
     (model_ll, model_auc), (const_ll, _), (true_ll, true_auc) = (
         scores["model"], scores["constant"], scores["true"])
     print(f"test log-loss: {model_ll:.4f} (constant predictor: {const_ll:.4f}, "
           f"true model: {true_ll:.4f})")
     print(f"test AUC: {model_auc:.4f} (constant predictor: 0.5, true model: {true_auc:.4f})")
-    if losses is not None:
-        print("mean training loss of each worker: " + ", ".join(f"{x:.4f}" for x in losses))
+    if train_metrics is not None:
+        print(f"last epoch, every worker's examples: training log-loss {train_metrics[0]:.4f}, "
+              f"click accuracy {train_metrics[1]:.3f}")
     line = f"training took {seconds:.2f} s"
     if stats is not None:
         line += (f"; global_step {stats['global_step']}, "
@@ -314,14 +325,15 @@ def train(args, cluster) -> None:
     if cluster.is_chief:
         print(header(args, train_set, test, W, cluster.num_ps, steps), flush=True)
     start = time.perf_counter()
-    mean_loss = run_epochs(args, model, opt, train_set, steps, num_workers=W,
-                           worker_index=cluster.worker_index, log=cluster.is_chief)
+    metrics = mpisync.Mean(), mpisync.Accuracy(threshold=0.0)     # logits: click if > 0
+    run_epochs(args, model, opt, train_set, steps, num_workers=W,
+               worker_index=cluster.worker_index, log=cluster.is_chief, metrics=metrics)
     # the embedding's rows live on the ps ranks: evaluate before close() stops them
     scores = evaluate(model, train_set, test) if cluster.is_chief else None
     opt.close()                               # on every worker, then collectives among them
-    losses = cluster.worker_comm.gather(mean_loss, root=0)
+    train_metrics = [m.compute() for m in metrics]      # collective: every worker reads
     if cluster.is_chief:
-        report(scores, time.perf_counter() - start, opt.stats, losses)
+        report(scores, time.perf_counter() - start, opt.stats, train_metrics)
 
 
 def main() -> None:

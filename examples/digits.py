@@ -6,11 +6,13 @@ nothing is downloaded. Run it on 2 workers and 1 ps rank (this is ``make demo``)
     .venv/bin/python -m mpisync.launch --workers 2 --ps 1 -- .venv/bin/python examples/digits.py
 
 or with more ranks, e.g. ``--workers 3 --ps 2``. Every worker builds the same model from
-the same seed and reads its own shard of each global batch: each epoch is one permutation,
-identical on every worker, cut into global batches of ``batch_size * num_workers``
-samples, and worker ``i`` takes the ``i``-th slice. The chief (worker 0) logs, evaluates
-on the held-out test set at the end and exits non-zero if the accuracy is below 0.9. It
-also evaluates the moving averages of the parameters that the ps ranks keep
+the same seed and reads its own share of each epoch through ``cluster.sampler`` (one
+permutation per epoch, the same on every worker, dealt out to the workers; ``drop_last``
+so that every worker runs as many steps). Training loss and accuracy are
+``mpisync.Mean`` and ``mpisync.Accuracy``: each worker records its batches locally and
+the workers combine them when read, over every example of the epoch. The chief (worker 0)
+logs, evaluates on the held-out test set at the end and exits non-zero if the accuracy is
+below 0.9. It also evaluates the moving averages of the parameters that the ps ranks keep
 (``--ema-decay``, with TensorFlow's ``num_updates`` warm-up).
 """
 from __future__ import annotations
@@ -19,7 +21,6 @@ import argparse
 import textwrap
 import time
 
-import numpy as np
 import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -76,7 +77,7 @@ def train(args, cluster) -> None:
         replicas_to_aggregate=args.replicas_to_aggregate, cluster=cluster,
         ema_decay=args.ema_decay or None, ema_num_updates=True)
     B, W = args.batch_size, cluster.num_workers
-    steps_per_epoch = len(x_train) // (B * W)   # drop the ragged end: equal step counts
+    steps_per_epoch = len(x_train) // W // B  # drop the ragged ends: equal step counts
     if steps_per_epoch == 0:                  # on every worker; close() runs at exit
         raise SystemExit(f"--batch-size {B} x {W} workers exceeds the {len(x_train)} "
                          f"training samples")
@@ -88,63 +89,77 @@ def train(args, cluster) -> None:
     start = time.perf_counter()
     progress = mpisync.Progress(opt, total=args.epochs * steps_per_epoch, batch_size=B,
                                 every=args.log_every, enabled=args.progress)
-    mean_loss = run_epochs(args, cluster, model, opt, x_train, y_train, steps_per_epoch,
-                           progress)
+    loss, accuracy = mpisync.Mean(), mpisync.Accuracy()      # this worker's records
+    run_epochs(args, cluster, model, opt, x_train, y_train, progress, loss, accuracy)
     progress.close()
 
     def evaluate() -> float:
         with torch.no_grad():
             return (model(x_test).argmax(1) == y_test).float().mean().item()
 
-    accuracy = averaged_accuracy = None
+    test_accuracy = averaged_accuracy = None
     if cluster.is_chief:                      # the model holds the newest pulled parameters
-        accuracy = evaluate()
+        test_accuracy = evaluate()
         if args.ema_decay:
             with opt.averaged():              # ... and here their moving averages
                 averaged_accuracy = evaluate()
     # The safe end of training: close on every worker first (a worker still inside step()
     # then finishes it without us, or stops), then collectives among the workers.
     opt.close()
-    losses = cluster.worker_comm.gather(mean_loss, root=0)
+    train_metrics = loss.compute(), accuracy.compute()   # collective: every worker
     if cluster.is_chief:
-        report(args, opt.stats, accuracy, averaged_accuracy, losses,
+        report(args, opt.stats, test_accuracy, averaged_accuracy, train_metrics,
                time.perf_counter() - start)
 
 
-def run_epochs(args, cluster, model, opt, x_train, y_train, steps_per_epoch: int,
-               progress: mpisync.Progress) -> float:
-    """Train; each worker takes its slice of every global batch. Its mean loss at the end."""
-    B, W, me = args.batch_size, cluster.num_workers, cluster.worker_index
+def run_epochs(args, cluster, model, opt, x_train, y_train, progress: mpisync.Progress,
+               loss_metric: mpisync.Mean, accuracy: mpisync.Accuracy) -> None:
+    """Train on this worker's share of each epoch, recording loss and accuracy locally.
+
+    In strict sync every worker is between the same two steps at an epoch's end, so the
+    chief can print the epoch's metrics there (``compute()`` is collective); with backup
+    workers they are read once, after ``opt.close()``.
+    """
+    data = torch.utils.data.TensorDataset(x_train, y_train)
+    sampler = cluster.sampler(data, shuffle=True, seed=args.seed, drop_last=True)
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, sampler=sampler,
+                                         drop_last=True)
+    strict = args.replicas_to_aggregate in (None, cluster.num_workers)
     loss_fn = torch.nn.CrossEntropyLoss()
-    losses, recent, start = [], [], time.perf_counter()
+    start = time.perf_counter()
     for epoch in range(args.epochs):
-        perm = torch.randperm(len(x_train),
-                              generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
-        for i in range(steps_per_epoch):
+        sampler.set_epoch(epoch)              # a new order each epoch, the same on every worker
+        loss_metric.reset()
+        accuracy.reset()
+        for x, y in loader:
             if opt.stopped:                   # backup workers: the others have finished
-                return float(np.mean(losses))
-            idx = perm[(i * W + me) * B:(i * W + me + 1) * B]
+                return
             opt.zero_grad()
-            loss = loss_fn(model(x_train[idx]), y_train[idx])
+            scores = model(x)
+            loss = loss_fn(scores, y)
             loss.backward()
             opt.step()
-            losses.append(loss.item())
-            recent.append(loss.item())
-            progress.report(loss=losses[-1])
+            loss_metric.update(loss.detach(), weight=len(y))    # local: no communication
+            accuracy.update(scores.detach(), y)
+            progress.report(loss=loss.item())
             if cluster.is_chief and not progress.active and opt.global_step % args.log_every == 0:
                 print(f"step {opt.global_step:5d}  epoch {epoch}  "
-                      f"chief loss {np.mean(recent):.4f}  "
+                      f"chief loss {loss_metric.compute(local=True):.4f}  "
                       f"elapsed {time.perf_counter() - start:.2f} s", flush=True)
-                recent.clear()
-    return float(np.mean(losses[-steps_per_epoch:]))
+        if strict and epoch < args.epochs - 1:
+            epoch_loss, epoch_accuracy = loss_metric.compute(), accuracy.compute()
+            if cluster.is_chief and not progress.active:
+                print(f"epoch {epoch}: training loss {epoch_loss:.4f}, training accuracy "
+                      f"{epoch_accuracy:.3f} (every worker's examples)", flush=True)
 
 
-def report(args, stats, accuracy, averaged_accuracy, losses, seconds) -> None:
+def report(args, stats, accuracy, averaged_accuracy, train_metrics, seconds) -> None:
     print(f"test accuracy: {accuracy:.3f}")
     if averaged_accuracy is not None:
         print(f"test accuracy of the moving averages (decay {args.ema_decay}): "
               f"{averaged_accuracy:.3f}")
-    print("mean training loss of each worker: " + ", ".join(f"{x:.4f}" for x in losses))
+    print(f"last epoch, every worker's examples: training loss {train_metrics[0]:.4f}, "
+          f"training accuracy {train_metrics[1]:.3f}")
     print(f"training took {seconds:.2f} s; global_step {stats['global_step']}, "
           f"gradients_applied {stats['gradients_applied']}, "
           f"gradients_dropped {stats['gradients_dropped']}, "

@@ -4,11 +4,13 @@ from __future__ import annotations
 from . import hashing, placement
 from .checkpoint import Checkpointer, latest, load, plain_state, save
 from .collection import EmbeddingBagCollection
+from .data import WorkerSampler
 from .errors import (
     CapacityError,
     ClosedError,
     ConfigError,
     DeadlockError,
+    MismatchError,
     ModelMismatchError,
     NonFiniteError,
     PeerError,
@@ -17,6 +19,7 @@ from .errors import (
     WorldTooSmallError,
 )
 from .hashtables import HashEmbedding, HashEmbeddingBag
+from .metrics import Accuracy, Mean, Metric, Sum
 from .optimizer import SyncReplicasOptimizer
 from .partition import axis_size, fixed_size, min_max
 from .ps_ranks import Cluster, RankLayout, init
@@ -25,6 +28,7 @@ from .tables import Embedding, EmbeddingBag
 from .watch import Progress
 
 __all__ = [
+    "Accuracy",
     "CapacityError",
     "Checkpointer",
     "ClosedError",
@@ -36,6 +40,9 @@ __all__ = [
     "EmbeddingBagCollection",
     "HashEmbedding",
     "HashEmbeddingBag",
+    "Mean",
+    "Metric",
+    "MismatchError",
     "ModelMismatchError",
     "NonFiniteError",
     "PeerError",
@@ -44,7 +51,9 @@ __all__ = [
     "RankLayout",
     "RowWiseAdagrad",
     "StallError",
+    "Sum",
     "SyncReplicasOptimizer",
+    "WorkerSampler",
     "WorldTooSmallError",
     "axis_size",
     "fixed_size",

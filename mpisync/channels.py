@@ -324,8 +324,17 @@ class DenseChannel:
 
     def final_stats(self) -> dict:
         """The job's final statistics; waits for the last worker's close (after close())."""
-        return self.poller.wait_message(self.cluster.coordinator_rank, self.tags[Tag.INFO],
-                                        lambda: "the final statistics (every worker's close)")
+        return self.answer(self.cluster.coordinator_rank,
+                           "the final statistics (every worker's close)")
+
+    def answer(self, source: int, what: str):
+        """The next answer from ``source``, past the coordinator's questions whether this
+        worker is still in a collective among the workers: one that comes after the
+        worker left it is stale (its UNPARK tells the coordinator)."""
+        while True:
+            got = self.poller.wait_message(source, self.tags[Tag.INFO], lambda: what)
+            if not (isinstance(got, tuple) and len(got) == 2 and got[0] == "still?"):
+                return got
 
 
 class ReplicatedChannel:

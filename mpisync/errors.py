@@ -6,6 +6,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "DeadlockError",
+    "MismatchError",
     "ModelMismatchError",
     "NonFiniteError",
     "PeerError",
@@ -38,6 +39,11 @@ class ConfigError(_Collective, ValueError):
     """An argument is invalid; collective when every rank of the job raises it."""
 
     collective = False
+
+
+class MismatchError(_Collective, ValueError):
+    """Workers called a collective helper (``cluster.reduce``, ...) with values or arguments
+    that do not agree: another structure, shape, dtype, operation or source."""
 
 
 class ModelMismatchError(_Collective, ValueError):

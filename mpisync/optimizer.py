@@ -35,6 +35,7 @@ from .spec import (
 from .state import check_state, merge_units, split_state, split_units
 from .stepclock import for_worker
 from .tracking import WriteTracker, was_rebound
+from .updates import apply_fn, ps_pieces, register, targets_of
 from .wire import FLAG_SCHEDULED, Kind, Tag
 
 __all__ = ["SyncReplicasOptimizer"]
@@ -148,6 +149,16 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             optimizer state as they were, as a loop that skips ``optimizer.step()`` for
             that batch; the global step still counts it, and
             ``stats["steps_skipped_nonfinite"]`` lists it).
+        colocate: groups of names whose parameters (or buffers, or single shards
+            ``"name/part_k"``, or globs: ``"enc.*"``) must live on the same ps rank, as
+            TensorFlow's ``colocate_vars_with``: ``[["enc.weight", "enc.bias"], ...]``. Every placement
+            strategy honours them (``print(opt.plan)`` marks each group); partitioned
+            parameters and tables are colocated shard by shard (see
+            ``mpisync.routes.colocated_units``). A name that no ps holds, or that is in two
+            groups, is an error on every worker.
+        max_ps_bytes: the most bytes of parameters, buffers and table shards one ps rank
+            may hold (``mpisync.placement.plan``): a colocated group larger than that, or a
+            placement that puts more on a ps, is an error on every worker at set-up.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -163,7 +174,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                  buffers: str = "broadcast", schedule: str = "auto", partitioner=None,
                  sparse_reduction: str = "mean", dense: str = "ps",
                  allreduce_backend: str = "mpi", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 stats_log: str | bool | None = None, nonfinite: str = "raise"):
+                 stats_log: str | bool | None = None, nonfinite: str = "raise",
+                 colocate=None, max_ps_bytes: int | None = None):
         from .ps_ranks import _current
         cluster = _current if cluster is None else cluster
         if cluster is None:
@@ -185,7 +197,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         options = Options(replicas_to_aggregate, total_num_replicas, num_tokens, placement,
                           reduction, deterministic, ema_decay, ema_num_updates, asynchronous,
                           max_staleness, buffers, schedule, partitioner, sparse_reduction,
-                          dense, allreduce_backend, bucket_bytes, nonfinite)
+                          dense, allreduce_backend, bucket_bytes, nonfinite,
+                          colocate=colocate or (), max_ps_bytes=max_ps_bytes)
         opt_id = len(cluster.optimizers)
         self._stats_log = log_path(stats_log, opt_id)
         spec, routes = self._agree(optimizer, model, options, opt_id,
@@ -213,6 +226,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                           [by_name[n] for n in routes.names(REPLICATED) + routes.names(ALLREDUCE)]
                           ).setup()
         self._local = self._local_averages = None
+        self._updates, self._local_updates, self._ps_updates = [], [], False   # opt.update()
         if spec.allreduce:
             self._setup_allreduce([by_name[n] for n in spec.allreduce])
         self._tracker = WriteTracker(self._dense.names, self._dense.params, self._dense.pviews,
@@ -461,6 +475,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 self._spec.hyper.decode(*own, self.param_groups)
             for p, g in held:
                 p.grad = g
+        for fn, name, p in self._local_updates:      # opt.update()'s, where these live
+            apply_fn(fn, p.detach(), name)
         self._local_averages.update(self.global_step + 1)
 
     def _refuse_grad_scaler(self, kwargs: dict) -> None:
@@ -539,8 +555,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         """This worker is (no longer) in a collective among the workers: it pushes nothing."""
         self._request(Kind.PARK if parked else Kind.UNPARK, self._seq)   # pushes so far
 
-    def _raise_if_failed(self, method: str) -> None:
-        """While in a collective: answer ps 0's question, or raise what it found."""
+    def _raise_if_failed(self, call: str) -> None:
+        """While in a collective (``call``: ``"worker_comm.allreduce()"``, ...): answer ps
+        0's question, or raise what it found."""
         msg = self.cluster.p2p_comm.improbe(source=self.cluster.coordinator_rank,
                                             tag=self._info_tag)
         if msg is None:
@@ -549,13 +566,19 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if isinstance(answer, tuple):        # ("still?", step): yes, still in the collective
             self._request(Kind.STILL)
             return
-        raise DeadlockError(f"{answer} (this worker is in worker_comm.{method}())")
+        raise DeadlockError(f"{answer} (this worker is in {call})")
 
     def _request(self, *req) -> None:
         self.cluster.p2p_comm.send(req, dest=self.cluster.coordinator_rank, tag=self._req_tag)
 
     def _answer(self, source: int, what: str):
-        return self._poller.wait_message(source, self._info_tag, lambda: what)
+        return self._dense.answer(source, what)
+
+    def _load_answer(self, what: str) -> None:
+        """Wait for ps 0's answer to a load or an update: None, or raise the error it sent."""
+        err = self._answer(self.cluster.coordinator_rank, f"ps 0's answer to {what}")
+        if err is not None:
+            raise err
 
     @property
     def stats(self) -> dict:
@@ -698,9 +721,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         kept_rows = [(t.param, t.param.detach().clone()) for t in self._rows.tables
                      if t.info is None and (t.param._version != t.version or was_rebound(t.param))]
         self._request(Kind.LOAD, payload)
-        err = self._answer(self.cluster.coordinator_rank, "ps 0's answer to load_state_dict")
-        if err is not None:
-            raise err
+        self._load_answer("load_state_dict()")
         self._receive(count=False)
         with torch.no_grad():
             for i, value in zip(written, kept):
@@ -721,6 +742,61 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if problem:
             raise ConfigError(f"{self.cluster.label}: load_state_dict(): {problem}",
                               collective=True)
+
+    def update(self, name_or_glob: str, fn: Callable | None, rows: str = "all") -> None:
+        """Run ``fn`` where the parameters ``name_or_glob`` names live, after every step.
+
+        TensorFlow's ``StrategyExtended.update``: ``fn`` changes a parameter in place (or
+        returns its new value) on the ps rank that owns it, after the optimizer's step
+        and before the moving averages, so that a constraint (max-norm, non-negativity,
+        clipping) never needs the whole parameter on a worker; the workers get the
+        constrained values with the parameters of the step. It equals
+        ``optimizer.step(); fn(p)`` in one process for every parameter the glob matches
+        (``fnmatch``), from the next applied step on. A partitioned parameter's or a
+        table's shards each get their own rows (a row-wise ``fn`` is exact, one over the
+        whole tensor is not), and ``rows="touched"`` gives a table's ``fn`` only the rows
+        a step changed (after one pass over all of them): exact for row-wise constraints
+        that leave a row satisfying them unchanged. See ``mpisync.updates``.
+
+        ``fn`` must be importable where the ps ranks run: a function (or a
+        ``functools.partial`` of one, or an instance of a class) defined at module
+        level, not only in the workers' branch; lambdas and functions defined inside
+        functions are refused. Functions run in the order registered; ``fn=None`` removes
+        those registered for ``name_or_glob``. Registrations are code, not state:
+        checkpoints do not hold them; register them again in a job that resumes.
+
+        Collective: call it on every worker at the same point, with the same arguments,
+        before training or between two steps (as ``load_state_dict()``).
+
+        Raises:
+            ConfigError: on every worker, when any worker's ``fn`` cannot reach the ps
+                ranks or fails on a stand-in of what it gets, the glob matches nothing
+                (or a parameter the optimizer does not update), or ``rows`` is unknown.
+            MismatchError: on every worker, when the workers registered differently.
+        """
+        from .collectives import agree
+        self._check_open("update")
+        targets = targets_of(self._spec, {n: (tuple(p.shape), p.dtype)
+                                          for n, p in zip(self._names, self._params)})
+        frozen = [n for n in self._names if n not in targets]
+        error, regs = None, self._updates
+        try:
+            regs = register(self._updates, name_or_glob, fn, rows, targets, frozen)
+        except ConfigError as exc:
+            error = str(exc)
+        agree(self.cluster._helper_comm("update"), f"{self.cluster.label}: update()", error,
+              {"the number of registrations": str(len(regs)),
+               **{f"registration {i}": r.describe() for i, r in enumerate(regs)}})
+        pieces = ps_pieces(regs, self.cluster.num_ps)
+        if any(pieces) or self._ps_updates:          # the ps ranks' functions change
+            self._request(Kind.UPDATE, pieces)
+            self._load_answer("update()")            # an error: every worker hears it
+            self._receive(count=False)               # a grant: go on with these parameters
+            self._ps_updates = any(pieces)
+        by_name = dict(zip(self._names, self._params))
+        self._updates = regs
+        self._local_updates = [(r.fn, t.tensor, by_name[t.tensor])
+                               for r in regs for t in r.targets if t.ps is None]
 
     def averages(self) -> dict[str, torch.Tensor]:
         """The moving averages of the floating-point parameters, ``{name: tensor}``.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import heapq
 import json
@@ -9,7 +10,7 @@ import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["STRATEGIES", "Plan", "greedy", "greedy_sorted", "plan", "round_robin"]
+__all__ = ["STRATEGIES", "Plan", "check_groups", "greedy", "greedy_sorted", "plan", "round_robin"]
 
 #: Built-in strategy names; the first one is the default.
 STRATEGIES = ("greedy_sorted", "greedy", "round_robin")
@@ -25,7 +26,8 @@ class Plan:
     """Owner of every parameter, one entry per name in creation order.
 
     Every rank builds its own ``Plan`` from the same names and sizes and gets the same
-    one; compare :meth:`digest` across ranks to check that they did.
+    one; compare :meth:`digest` across ranks to check that they did. ``colocate`` lists
+    the groups of names that share their owner (each group in creation order).
     """
 
     names: tuple[str, ...]
@@ -34,6 +36,7 @@ class Plan:
     num_ps: int
     strategy: str
     rows: tuple[str, ...] = ()
+    colocate: tuple[tuple[str, ...], ...] = ()
     _index: dict = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +67,12 @@ class Plan:
         object.__setattr__(self, "owners", owners)
         object.__setattr__(self, "num_ps", num_ps)
         object.__setattr__(self, "_index", {name: i for i, name in enumerate(names)})
+        groups = _canonical(check_groups(self.colocate), self._index)
+        object.__setattr__(self, "colocate", groups)
+        for group in groups:
+            if len({self.owner(n) for n in group}) > 1:
+                raise ValueError(f"colocated names {list(group)} have owners "
+                                 f"{[self.owner(n) for n in group]}; a group has one owner")
 
     def owner(self, name: str) -> int:
         """Return the ps index that owns parameter ``name``.
@@ -130,14 +139,18 @@ class Plan:
         name_w = max([len("name")] + [len(name) for name in self.names])
         bytes_w = max([len("bytes"), len(str(total))])
         rows = self.rows if any(self.rows) else ("",) * len(self.names)
+        group_of = {n: f"g{i}" for i, group in enumerate(self.colocate) for n in group}
         title = (
             f"placement: {len(self.names)} parameters and shards on {self.num_ps} ps "
-            f"(strategy {self.strategy}, digest {self.digest()})"
+            f"(strategy {self.strategy}, digest {self.digest()}"
+            + (f", {len(self.colocate)} colocated groups" if self.colocate else "") + ")"
         )
+        with_w = 7 if self.colocate else 0
         lines = [title, f"{'name':<{name_w}}  {'bytes':>{bytes_w}}  ps"
-                 + ("  rows" if any(rows) else "")]
+                 + ("  colocated" if with_w else "") + ("  rows" if any(rows) else "")]
         for name, size, owner, r in zip(self.names, self.sizes_bytes, self.owners, rows):
-            lines.append(f"{name:<{name_w}}  {size:>{bytes_w}}  {owner:<2}  {r}".rstrip())
+            group = f"  {group_of.get(name, '-'):<{with_w + 2}}" if with_w else ""
+            lines.append(f"{name:<{name_w}}  {size:>{bytes_w}}  {owner:<2}{group}  {r}".rstrip())
         lines.append("")
         lines.append(f"{'ps':<{name_w}}  {'bytes':>{bytes_w}}   share")
         for ps, load in enumerate(ps_bytes):
@@ -226,6 +239,8 @@ def plan(
     num_ps: int,
     strategy: str | StrategyFn = "greedy_sorted",
     rows: Sequence[str] = (),
+    colocate: Iterable[Sequence[str]] = (),
+    max_ps_bytes: int | None = None,
 ) -> Plan:
     """Place every parameter on one ps index; deterministic, so every rank gets the same plan.
 
@@ -237,15 +252,28 @@ def plan(
             ``fn(name, nbytes, ps_bytes) -> ps index`` called in creation order with
             the bytes placed on each ps so far.
         rows: for the table, what rows each name holds ("" for a whole tensor).
+        colocate: groups of names that must share their ps (TensorFlow's
+            ``colocate_vars_with``), e.g. ``[["enc.weight", "enc.bias"]]``. Every strategy
+            places a group as one item of the group's total size, where its first member
+            comes in creation order: ``round_robin`` gives it one turn, the greedy
+            strategies one choice by its total bytes, and a callable is called once, for
+            the first member with the group's total bytes.
+        max_ps_bytes: the most bytes one ps may hold; a plan that puts more on a ps (or a
+            group larger than that) is refused. Where the greedy strategies' choices put
+            more on a ps, they pack the items largest first, each on the first ps with room
+            (first-fit decreasing), and refuse only when that finds no plan either.
 
     Returns:
         The :class:`Plan`.
 
     Raises:
         TypeError: ``num_ps`` is not an int, a name is not a str, a size is not an int,
-            or ``strategy`` is neither a str nor callable.
+            ``strategy`` is neither a str nor callable, or ``colocate`` is not a list of
+            lists of names.
         ValueError: ``num_ps < 1``, duplicate names, a length mismatch, a negative size,
-            an unknown strategy name, or a callable strategy returning a bad index.
+            an unknown strategy name, a callable strategy returning a bad index, a
+            colocated name that is not in ``names`` or is in two groups, or a plan over
+            ``max_ps_bytes``.
     """
     num_ps = _check_num_ps(num_ps)
     names = _check_names(names)
@@ -255,6 +283,12 @@ def plan(
             f"got {len(names)} names but {len(sizes)} sizes; expected one size per name"
         )
     sizes = _check_sizes(sizes, names)
+    index = {name: i for i, name in enumerate(names)}
+    groups = _canonical(check_groups(colocate), index)
+    items = _items(len(names), groups, index)        # each a list of name indices
+    item_sizes = [sum(sizes[i] for i in item) for item in items]
+    if max_ps_bytes is not None:
+        _check_cap(max_ps_bytes, items, item_sizes, names)
 
     if isinstance(strategy, str):
         if strategy not in _BUILTIN:
@@ -263,22 +297,129 @@ def plan(
                 "or a callable fn(name, nbytes, ps_bytes) -> ps index"
             )
         strategy_name = strategy
-        owners = _BUILTIN[strategy](sizes, num_ps)
+        item_owners = _BUILTIN[strategy](item_sizes, num_ps)
     elif callable(strategy):
         builtin_name = next((k for k, fn in _BUILTIN.items() if fn is strategy), None)
         if builtin_name is not None:
             # The module's own functions take (sizes, num_ps): treat them as their names.
             strategy_name = builtin_name
-            owners = _BUILTIN[builtin_name](sizes, num_ps)
+            item_owners = _BUILTIN[builtin_name](item_sizes, num_ps)
         else:
             strategy_name = getattr(strategy, "__name__", type(strategy).__name__)
-            owners = _call_strategy(strategy, strategy_name, names, sizes, num_ps)
+            item_owners = _call_strategy(strategy, strategy_name,
+                                         [names[item[0]] for item in items], item_sizes, num_ps)
     else:
         raise TypeError(
             f"strategy must be a str in {STRATEGIES} or a callable, "
             f"got {type(strategy).__name__} {strategy!r}"
         )
-    return Plan(names, sizes, tuple(owners), num_ps, strategy_name, tuple(rows))
+    if (max_ps_bytes is not None and strategy_name in ("greedy", "greedy_sorted")
+            and max(_loads(item_owners, item_sizes, num_ps)) > max_ps_bytes):
+        item_owners = _first_fit(item_sizes, num_ps, max_ps_bytes) or item_owners
+    owners = [0] * len(names)
+    for item, owner in zip(items, item_owners):
+        for i in item:
+            owners[i] = owner
+    result = Plan(names, sizes, tuple(owners), num_ps, strategy_name, tuple(rows), groups)
+    if max_ps_bytes is not None and result.max_load_bytes > max_ps_bytes:
+        ps = result.ps_bytes.index(result.max_load_bytes)
+        raise ValueError(f"placement {strategy_name} puts {result.max_load_bytes} bytes on ps "
+                         f"{ps}, over max_ps_bytes={max_ps_bytes}; the ps hold "
+                         f"{list(result.ps_bytes)} bytes: add ps ranks, split large parameters "
+                         f"(a partitioner) or use a greedy strategy")
+    return result
+
+
+def _loads(owners: Sequence[int], sizes: Sequence[int], num_ps: int) -> list[int]:
+    loads = [0] * num_ps
+    for owner, size in zip(owners, sizes):
+        loads[owner] += size
+    return loads
+
+
+def _first_fit(sizes: Sequence[int], num_ps: int, cap: int) -> list[int] | None:
+    """Largest first, each item to the first ps with room under ``cap`` (first-fit
+    decreasing): a plan under the cap where the least-loaded choice found none, or None."""
+    owners, loads = [0] * len(sizes), [0] * num_ps
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        ps = next((p for p in range(num_ps) if loads[p] + sizes[i] <= cap), None)
+        if ps is None:
+            return None
+        owners[i], loads[ps] = ps, loads[ps] + sizes[i]
+    return owners
+
+
+def check_groups(colocate: Iterable[Sequence[str]]) -> tuple[tuple[str, ...], ...]:
+    """``colocate`` as a tuple of groups of names, after checking its types and shape.
+
+    Raises:
+        TypeError: not a list of lists of str (a group given as one str included).
+        ValueError: an empty group, or a name in two groups (or twice in one).
+    """
+    if isinstance(colocate, (str, bytes)) or not isinstance(colocate, Iterable):
+        raise TypeError(f"colocate must be a list of groups of names, e.g. "
+                        f"[['enc.weight', 'enc.bias']], got {colocate!r}")
+    groups, seen = [], {}
+    for g, group in enumerate(colocate):
+        if isinstance(group, (str, bytes)) or not isinstance(group, Iterable):
+            raise TypeError(f"colocate group {g} must be a list of names, got {group!r}; "
+                            f"write colocate=[[{group!r}, ...]]")
+        group = tuple(group)
+        if not group:
+            raise ValueError(f"colocate group {g} is empty")
+        for name in group:
+            if not isinstance(name, str):
+                raise TypeError(f"colocate group {g} holds {type(name).__name__} {name!r}; "
+                                f"expected parameter names (str)")
+            if name in seen and seen[name] == g:
+                raise ValueError(f"{name!r} is in colocate group {g} twice; name it once")
+            if name in seen:
+                raise ValueError(f"{name!r} is in colocate groups {seen[name]} and {g}; a name "
+                                 f"may be in one group only (merge the groups)")
+            seen[name] = g
+        groups.append(group)
+    return tuple(groups)
+
+
+def _canonical(groups: Sequence[Sequence[str]], index: dict[str, int]
+               ) -> tuple[tuple[str, ...], ...]:
+    """Groups in creation order (members, then groups by first member); unknown names refused."""
+    for group in groups:
+        for name in group:
+            if name not in index:
+                close = difflib.get_close_matches(name, list(index), n=3)
+                hint = f"; did you mean {close}?" if close else ""
+                raise ValueError(f"colocate: {name!r} is not one of the plan's {len(index)} "
+                                 f"names{hint}")
+    ordered = [tuple(sorted(group, key=index.__getitem__)) for group in groups]
+    return tuple(sorted(ordered, key=lambda group: index[group[0]]))
+
+
+def _items(count: int, groups: Sequence[Sequence[str]], index: dict[str, int]) -> list[list[int]]:
+    """Units of placement in creation order: each group where its first member is, once."""
+    group_of = {index[n]: g for g, group in enumerate(groups) for n in group}
+    items, placed = [], set()
+    for i in range(count):
+        g = group_of.get(i)
+        if g is None:
+            items.append([i])
+        elif g not in placed:
+            placed.add(g)
+            items.append([index[n] for n in groups[g]])
+    return items
+
+
+def _check_cap(max_ps_bytes, items: list[list[int]], item_sizes: list[int],
+               names: Sequence[str]) -> None:
+    if isinstance(max_ps_bytes, bool) or not isinstance(max_ps_bytes, int):
+        raise TypeError(f"max_ps_bytes must be an int, got {max_ps_bytes!r}")
+    for item, size in zip(items, item_sizes):
+        if size > max_ps_bytes:
+            what = (f"colocated group {[names[i] for i in item]}" if len(item) > 1
+                    else f"parameter {names[item[0]]!r}")
+            raise ValueError(f"{what} holds {size} bytes, more than one ps may hold "
+                             f"(max_ps_bytes={max_ps_bytes}); split it with a partitioner or "
+                             f"colocate less")
 
 
 def _least_loaded(sizes: Sequence[int], order: Iterable[int], num_ps: int) -> list[int]:

@@ -11,10 +11,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 from mpi4py import MPI
 
 from . import environ as env
-from .errors import ConfigError, StallError, WorldTooSmallError
+from .errors import ConfigError, MismatchError, StallError, WorldTooSmallError
 from .guard import GuardedComm
 from .nodes import HOSTMAP_ENV, check_host_map, cpu_affinity, host_load, machine_id, node_of
 from .progress import DEFAULT_TIMEOUT, Poller, spin_seconds
@@ -215,6 +216,8 @@ class Cluster:
                     c.Set_errhandler(MPI.ERRORS_RETURN)
             self.losses = Losses(self.p2p_comm)
         self._meet_poller = None
+        self._helpers_comm = None       # the workers' helpers (reduce, ...): made at first use
+        self._abandoned: list = []      # meetings left by an error: their requests and buffers
         self.local_ranks, self.local_cores = placement.local_ranks, placement.local_cores
         self.stats: dict | list | None = None
         self.optimizers: list = []       # this worker's optimizers, in creation order
@@ -240,11 +243,18 @@ class Cluster:
                                         self._meet_comm, owned=True)
         return self._guarded
 
-    def _before_collective(self, method: str, meet: MPI.Intracomm) -> None:
-        """Meet the members before a collective, watching for steps that cannot complete."""
+    def _before_collective(self, method: str, meet: MPI.Intracomm,
+                           call: str | None = None) -> None:
+        """Meet the members before a collective, watching for steps that cannot complete.
+
+        The members tell each other which collective they are in (``call``, default
+        ``worker_comm.<method>()``): members in different ones raise ``MismatchError``
+        alike, where the collectives themselves would wait for each other forever.
+        """
         if self.closed:
             raise RuntimeError(f"{self.label}: worker_comm.{method}() after cluster.close(): "
                                f"the communicator is freed")
+        call = call or f"worker_comm.{method}()"
         open_optimizers = [o for o in self.optimizers if not o._closed]
         for opt in open_optimizers:
             opt._park(True)
@@ -252,27 +262,86 @@ class Cluster:
             self._meet_poller = Poller(self.p2p_comm, self.timeout, self.label,
                                        spin_seconds(self.oversubscribed), self.losses)
         poller = self._meet_poller
-        req = meet.Ibarrier()
+        told = _SAME_CALL.get(call, call).encode()[:_CALL_BYTES].ljust(_CALL_BYTES)
+        mine = np.frombuffer(told, dtype=np.uint8)
+        calls = np.empty((meet.Get_size(), _CALL_BYTES), dtype=np.uint8)
+        req = meet.Iallgather(mine, calls)
         start = time.monotonic()
-        while not self._met(req, method):
-            for opt in open_optimizers:
-                opt._raise_if_failed(method)
-            poller.idle()
-            if time.monotonic() - start > poller.timeout:
-                raise StallError(f"{self.label}: worker_comm.{method}(): the other workers did "
-                                 f"not reach it within {poller.timeout:g} s (MPISYNC_TIMEOUT)")
+        try:
+            while not self._met(req, call):
+                for opt in open_optimizers:
+                    opt._raise_if_failed(call)
+                poller.idle()
+                if time.monotonic() - start > poller.timeout:
+                    raise StallError(f"{self.label}: {call}: the other workers "
+                                     f"did not reach it within {poller.timeout:g} s "
+                                     f"(MPISYNC_TIMEOUT)")
+        except BaseException:
+            self._abandoned.append((req, mine, calls))   # MPI may still write into calls
+            raise
         poller.busy()
         for opt in open_optimizers:
             opt._park(False)
+        _check_calls([bytes(row).rstrip().decode(errors="replace") for row in calls],
+                     self.label, "worker" if meet is self._meet_comm else "rank")
 
-    def _met(self, req: MPI.Request, method: str) -> bool:
+    # -- helpers among the workers (mpisync/collectives.py, mpisync/data.py) -------------
+    def reduce(self, value, op: str = "sum"):
+        """``value`` reduced over the workers, on every worker: ``"sum"``, ``"mean"``,
+        ``"max"`` or ``"min"`` of a tensor, a number, or a dict/list/tuple of them.
+
+        Collective: call it on every worker, with values of the same structure, shapes
+        and dtypes (a mismatch is a ``MismatchError`` on every worker). The workers meet
+        first as before any collective on ``worker_comm``, so it is safe between steps in
+        strict sync, and a ``DeadlockError`` instead of a hang otherwise. Result dtypes:
+        see ``mpisync.collectives``.
+        """
+        from . import collectives
+        return collectives.reduce(self._helper_comm("reduce"), value, op)
+
+    def batch_reduce(self, values, op: str = "sum") -> list:
+        """Each value of the list reduced as ``reduce`` does, all in one exchange (one
+        ``Allreduce`` per kind of number: integers, floating point, complex). Collective."""
+        from . import collectives
+        return collectives.batch_reduce(self._helper_comm("batch_reduce"), values, op)
+
+    def broadcast(self, value, src: int = 0):
+        """Worker ``src``'s value on every worker (the others' ``value`` is ignored).
+        Collective; see ``mpisync.collectives.broadcast``."""
+        from . import collectives
+        return collectives.broadcast(self._helper_comm("broadcast"), value, src)
+
+    def sampler(self, dataset, shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+        """This worker's ``mpisync.data.WorkerSampler`` (a ``DistributedSampler`` over the
+        workers only): every example once per epoch, or ``n // W`` each with
+        ``drop_last``; call ``set_epoch(epoch)`` before each epoch."""
+        if self.is_ps:
+            raise RuntimeError(f"{self.label}: sampler() is for workers")
+        from .data import WorkerSampler
+        return WorkerSampler(dataset, self.num_workers, self.worker_index, shuffle, seed,
+                             drop_last)
+
+    def _helper_comm(self, what: str) -> MPI.Intracomm:
+        """Meet the workers as before a collective on ``worker_comm``, then a private
+        communicator of the workers for the helper's own collectives."""
+        if self.is_ps:
+            raise RuntimeError(f"{self.label}: {what}() is a collective among the workers; "
+                               f"ps ranks call cluster.serve()")
+        self._check_open(what)
+        call = "opt.update()" if what == "update" else f"cluster.{what}()"
+        self._before_collective(what, self._meet_comm, call)
+        if self._helpers_comm is None:
+            self._helpers_comm = self._worker_comm.Dup()     # every worker is here: met
+        return self._helpers_comm
+
+    def _met(self, req: MPI.Request, call: str) -> bool:
         try:
             return req.Test()
         except MPI.Exception as exc:
             if self.losses is None or not self.losses.note(exc):
                 raise
             raise RuntimeError(
-                f"{self.label}: worker_comm.{method}(): {self.describe_lost()} lost: a "
+                f"{self.label}: {call}: {self.describe_lost()} lost: a "
                 f"collective among the workers cannot complete without them; a job that "
                 f"survives lost workers keeps such collectives out of training") from None
 
@@ -359,8 +428,9 @@ class Cluster:
         for opt in self.optimizers:      # nothing may be left unread on the communicators
             opt._final()
         self.closed = True
-        for comm in (self.p2p_comm, self._meet_comm, self._worker_comm, self.ps_comm):
-            if comm != MPI.COMM_NULL:
+        for comm in (self.p2p_comm, self._meet_comm, self._worker_comm, self.ps_comm,
+                     self._helpers_comm):
+            if comm is not None and comm != MPI.COMM_NULL:
                 comm.Free()
 
     def __enter__(self) -> Self:
@@ -373,6 +443,23 @@ class Cluster:
     def __repr__(self) -> str:
         return (f"Cluster({self.label}, num_workers={self.num_workers}, "
                 f"num_ps={self.num_ps})")
+
+
+#: Bytes of the name of the collective each member of a meeting tells the others.
+_CALL_BYTES = 48
+#: Methods that are the same MPI collective under another name: they meet as that one.
+_SAME_CALL = {"worker_comm.barrier()": "worker_comm.Barrier()"}
+
+
+def _check_calls(calls: list[str], label: str, member: str) -> None:
+    """Raise ``MismatchError`` when the members of a meeting are in different collectives
+    (on every member alike: each has every member's ``calls``)."""
+    if len(set(calls)) > 1:
+        each = ", ".join(f"{member} {i} in {c}" for i, c in enumerate(calls))
+        raise MismatchError(f"{label}: the workers met for different collectives ({each}); "
+                            f"every worker must call the same collectives, in the same order "
+                            f"(Metric.compute() is a cluster.batch_reduce(); mpisync.save(), "
+                            f"load() and Checkpointer use worker_comm)", collective=True)
 
 
 _current: Cluster | None = None

@@ -1,13 +1,15 @@
 """Routes: how each parameter (or buffer) travels, from the placement plan (no MPI)."""
 from __future__ import annotations
 
+import difflib
+import fnmatch
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import placement as placement_mod
 
 __all__ = ["ALLREDUCE", "BUFFER", "DENSE_PS", "PARTITIONED", "REPLICATED", "SPARSE_ROWS",
-           "TABLE", "Route", "Routes", "Unit", "plan_routes"]
+           "TABLE", "Route", "Routes", "Unit", "colocated_units", "plan_routes"]
 
 DENSE_PS = "dense_ps"          # whole on ps j: pushed as gradients, pulled as parameters
 BUFFER = "buffer"              # a module buffer kept on ps j: pushed and pulled as values
@@ -54,7 +56,9 @@ class Routes:
 
 def plan_routes(units: Sequence[Unit], kinds: Mapping[str, str], frozen: Sequence[str],
                 buffers: Sequence[tuple[str, int]], num_ps: int,
-                strategy: str | Callable = "greedy_sorted") -> Routes:
+                strategy: str | Callable = "greedy_sorted",
+                colocate: Sequence[Sequence[str]] = (),
+                max_ps_bytes: int | None = None) -> Routes:
     """Place every unit, and route every tensor: to ps ranks, or left with the workers.
 
     Args:
@@ -67,10 +71,15 @@ def plan_routes(units: Sequence[Unit], kinds: Mapping[str, str], frozen: Sequenc
         buffers: ``(name, nbytes)`` of module buffers that travel with the parameters.
         num_ps: number of ps ranks.
         strategy: placement strategy, see ``mpisync.placement.plan``.
+        colocate: groups of tensor (or unit) names that share their ps, see
+            ``colocated_units``.
+        max_ps_bytes: the most bytes one ps may hold, see ``mpisync.placement.plan``.
     """
     every = list(units) + [Unit(n, n, size) for n, size in buffers]
+    groups = colocated_units(colocate, every, kinds, frozen)
     plan = placement_mod.plan([u.name for u in every], [u.nbytes for u in every], num_ps,
-                              strategy, rows=[u.rows for u in every])
+                              strategy, rows=[u.rows for u in every], colocate=groups,
+                              max_ps_bytes=max_ps_bytes)
     owners: dict[str, list[int]] = {}
     for u in units:
         owners.setdefault(u.tensor, []).append(plan.owner(u.name))
@@ -79,3 +88,82 @@ def plan_routes(units: Sequence[Unit], kinds: Mapping[str, str], frozen: Sequenc
     routes.update({n: Route(BUFFER, (plan.owner(n),)) for n, _ in buffers})
     routes.update({n: Route(REPLICATED) for n in frozen})
     return Routes(routes, plan)
+
+
+def colocated_units(colocate: Sequence[Sequence[str]], units: Sequence[Unit],
+                    kinds: Mapping[str, str] | None = None, frozen: Sequence[str] = ()
+                    ) -> list[tuple[str, ...]]:
+    """Groups of tensor names as groups of the units the plan places.
+
+    A name is a tensor (a parameter or a buffer), one unit of one (``"w/part_2"``), or a
+    glob (``fnmatch``: ``"enc.*"``) standing for every tensor it matches. A whole tensor
+    is one unit; a partitioned parameter or a table has one per shard, and its members are
+    colocated shard by shard: shard k of each member with shard k of the others, so every
+    member of such a group must have as many shards (name single shards to colocate them
+    otherwise).
+
+    Raises:
+        TypeError: ``colocate`` is not a list of lists of names.
+        ValueError: a name that no ps holds (unknown, frozen, or averaged among the
+            workers with ``dense="allreduce"``), a glob that matches none of them, a name
+            in two groups, or members with different shard counts.
+    """
+    kinds = kinds or {}
+    of_tensor: dict[str, list[str]] = {}
+    for u in units:
+        of_tensor.setdefault(u.tensor, []).append(u.name)
+    unit_names = {u.name for u in units}
+    groups = placement_mod.check_groups(
+        [_expand(group, list(of_tensor), unit_names)
+         for group in placement_mod.check_groups(colocate)])
+    out: list[tuple[str, ...]] = []
+    for group in groups:
+        members = [(name, of_tensor.get(name) or _unit_of(name, unit_names, kinds, frozen))
+                   for name in group]
+        counts = {len(us) for _, us in members}
+        if len(counts) > 1:
+            (a, ua), (b, ub) = next((m, n) for m in members for n in members
+                                    if len(m[1]) != len(n[1]))
+            raise ValueError(f"colocate group {list(group)}: {a!r} is {_shards(ua)} and {b!r} "
+                             f"{_shards(ub)}; partitioned members are colocated shard by "
+                             f"shard, so each needs as many shards (or name single shards, "
+                             f"{ua[0]!r}, ...)")
+        out.extend(tuple(us[k] for _, us in members) for k in range(counts.pop()))
+    return out
+
+
+def _shards(unit_names: list[str]) -> str:
+    return "whole" if len(unit_names) == 1 else f"in {len(unit_names)} shards"
+
+
+def _expand(group: Sequence[str], tensors: list[str], unit_names: set[str]) -> list[str]:
+    """A group with each glob replaced by the tensors it matches (in model order)."""
+    out: list[str] = []
+    for name in group:
+        if name in unit_names or name in tensors or not any(c in name for c in "*?["):
+            matched = [name]
+        else:
+            matched = [t for t in tensors if fnmatch.fnmatchcase(t, name)]
+            if not matched:
+                raise ValueError(f"colocate: {name!r} matches none of the parameters and "
+                                 f"buffers the ps ranks hold ({', '.join(tensors[:8])}"
+                                 f"{', ...' if len(tensors) > 8 else ''})")
+        out += [m for m in matched if m not in out]
+    return out
+
+
+def _unit_of(name: str, unit_names: set[str], kinds: Mapping[str, str],
+             frozen: Sequence[str]) -> list[str]:
+    if name in unit_names:
+        return [name]
+    if kinds.get(name) == ALLREDUCE:
+        raise ValueError(f"colocate: {name!r} is averaged among the workers (dense='allreduce'), "
+                         f"no ps holds it")
+    if name in frozen:
+        raise ValueError(f"colocate: {name!r} is held by no param group of the optimizer, so "
+                         f"no ps holds it")
+    close = difflib.get_close_matches(name, sorted(unit_names | set(kinds)), n=3)
+    hint = f"; did you mean {close}?" if close else ""
+    raise ValueError(f"colocate: no parameter or buffer is named {name!r}{hint} (module "
+                     f"buffers are placed only when named_buffers= is given and buffers is "
+                     f"not 'local')")

@@ -80,6 +80,8 @@ class Options:
     allreduce_backend: str = "mpi"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     nonfinite: str = "raise"
+    colocate: object = ()
+    max_ps_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,8 @@ def _check_options(o: Options) -> None:
         if not 0.0 <= o.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1), got {o.ema_decay}")
     _check_int("bucket_bytes", o.bucket_bytes, 1)
+    if o.max_ps_bytes is not None:
+        _check_int("max_ps_bytes", o.max_ps_bytes, 1)
     for name, value, allowed in (("reduction", o.reduction, REDUCTIONS),
                                  ("dense", o.dense, DENSE_MODES),
                                  ("allreduce_backend", o.allreduce_backend, BACKENDS),
@@ -446,7 +450,8 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
     buffers = model.buffers if options.buffers != "local" else ()
     routes = plan_routes(units, kinds, frozen,
                          [(n, b.numel() * b.element_size()) for n, b in buffers],
-                         num_ps, options.placement)
+                         num_ps, options.placement, colocate=options.colocate or (),
+                         max_ps_bytes=options.max_ps_bytes)
     dense = [(u, parts[u]) for u in parts]
     by_name = dict(live)
     spec = JobSpec(
@@ -506,6 +511,7 @@ def setup_summary(spec: JobSpec | None, routes: Routes | None) -> dict[str, str]
         return {}
     summary = {"mpisync": versions()}
     summary.update((f"optimizer {k}", v) for k, v in spec.recipe.summary().items())
+    summary["colocate"] = repr([list(group) for group in routes.plan.colocate])
     for name, owner in zip(routes.plan.names, routes.plan.owners):
         summary[f"placement of {name!r}"] = f"ps {owner}"
     for t in spec.tables:

@@ -31,7 +31,7 @@ __all__ = [
 
 #: The version of the message layouts below: every rank of a job must use the same one
 #: (``mpisync.init`` checks). Change it with any change to a layout or a message's meaning.
-WIRE_VERSION = 1
+WIRE_VERSION = 2       # 2: Kind.UPDATE (opt.update())
 ALIGN = 64
 PARAM_HEADER_BYTES = 64   # int64[8]: kind, global step, ...
 TOKEN_WORDS = 4           # int64[4]: kind, global step, argument, flags (TOKEN_*)
@@ -101,6 +101,7 @@ class Kind(enum.IntEnum):
     PARK = 20       # request: this worker is in a collective among the workers
     UNPARK = 21     # request: ... and left it
     STILL = 22      # request: ... and is still in it (asked by the coordinator)
+    UPDATE = 23     # ctl / request: the functions opt.update() registered, for each ps
 
 
 #: Flags in a gradient header.

@@ -20,7 +20,7 @@ from mpi_helpers import assert_every_rank_says, failing, labels, run_mpi
 
 import mpisync
 from mpisync import environ, progress
-from mpisync.wire import Tag
+from mpisync.wire import WIRE_VERSION, Tag
 
 WORKERS = (0, 1)
 
@@ -65,15 +65,16 @@ def assert_refused_at_step(job, case: str, pattern: str, kind: str):
 def test_ranks_that_run_different_mpisync_versions_are_refused_naming_both(job):
     for rank, error in errors_of(job, "version_differs", (0, 1, 2)).items():
         assert error == (f"ConfigError: rank {rank}: every rank must run the same mpisync: "
-                         f"rank 1 runs mpisync 0.0.1 (wire format 1) where rank 0 runs mpisync "
-                         f"{mpisync.__version__} (wire format 1)")
+                         f"rank 1 runs mpisync 0.0.1 (wire format {WIRE_VERSION}) where rank 0 "
+                         f"runs mpisync {mpisync.__version__} (wire format {WIRE_VERSION})")
 
 
 def test_ranks_with_different_wire_formats_are_refused_naming_both(job):
     for rank, error in errors_of(job, "wire_differs", (0, 1, 2)).items():
         assert re.fullmatch(rf"ConfigError: rank {rank}: every rank must run the same mpisync: "
-                            r"rank 2 runs mpisync \S+ \(wire format 2\) where rank 0 runs "
-                            r"mpisync \S+ \(wire format 1\)", error), error
+                            rf"rank 2 runs mpisync \S+ \(wire format {WIRE_VERSION + 1}\) where "
+                            rf"rank 0 runs mpisync \S+ \(wire format {WIRE_VERSION}\)",
+                            error), error
 
 
 def test_init_twice_is_refused_on_every_rank(job):
@@ -335,6 +336,7 @@ def test_a_ps_rank_refuses_a_set_up_from_another_mpisync():
 
     with pytest.raises(mpisync.ConfigError, match=r"ps 0 \(rank 1 on here\): the workers run "
                                                   r"mpisync 0\.0\.1 \(wire format 1\) and "
-                                                  r"this ps rank mpisync \S+ \(wire format 1\)"):
+                                                  rf"this ps rank mpisync \S+ \(wire format "
+                                                  rf"{WIRE_VERSION}\)"):
         _setup(Rank(), Poller(None, 5, "ps 0"),
                ("spec", b"", [None], {"mpisync": "0.0.1 (wire format 1)"}))

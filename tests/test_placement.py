@@ -76,6 +76,7 @@ def optimum_max_load(sizes: list[int], num_ps: int) -> int:
 def test_public_api() -> None:
     assert set(placement.__all__) == {
         "Plan",
+        "check_groups",
         "plan",
         "STRATEGIES",
         "round_robin",
@@ -495,6 +496,196 @@ def test_more_shards_than_rows_are_capped_at_the_rows():
     spec, routes = _partitioned_spec(2, {"1.bias": mpisync.fixed_size(50)})
     assert len([p for p in spec.parts if p[0] == "1.bias"]) == 7
     assert "1.bias/part_6" in str(routes.plan)
+
+
+# --- colocation -------------------------------------------------------------------------
+
+
+def _grouped(num_ps, strategy, groups, sizes=None):
+    names = [f"p{i}" for i in range(12)]
+    sizes = sizes or [(i * 7919) % 1000 + 1 for i in range(12)]
+    return plan(names, sizes, num_ps, strategy, colocate=groups)
+
+
+def by_name_then_bias(name: str, nbytes: int, loads: tuple) -> int:
+    return int(np.argmin(loads)) if nbytes > 500 else len(loads) - 1
+
+
+@pytest.mark.parametrize("strategy", [*STRATEGIES, by_name_then_bias])
+@pytest.mark.parametrize("num_ps", [2, 3, 5])
+def test_a_colocated_group_shares_its_owner_under_every_strategy(strategy, num_ps):
+    groups = [["p7", "p0", "p3"], ["p11", "p4"], ["p9"]]
+    p = _grouped(num_ps, strategy, groups)
+    for group in groups:
+        assert len({p.owner(n) for n in group}) == 1, p.table()
+    assert p.colocate == (("p0", "p3", "p7"), ("p4", "p11"), ("p9",))   # creation order
+
+
+def test_a_group_is_placed_as_one_item_where_its_first_member_comes():
+    sizes = [10, 10, 10, 10]
+    names = ["a", "b", "c", "d"]
+    # round robin: the group {a, c} takes one turn (a's), then b and d take the next ones
+    assert plan(names, sizes, 3, "round_robin", colocate=[["c", "a"]]).owners == (0, 1, 0, 2)
+    # greedy: the group weighs 20, so b and d go elsewhere first
+    assert plan(names, sizes, 2, "greedy", colocate=[["a", "c"]]).owners == (0, 1, 0, 1)
+    # greedy_sorted: e (25) first, then the group (20), then c and d (10 each)
+    assert plan([*names, "e"], [10, 10, 10, 10, 25], 2, "greedy_sorted",
+                colocate=[["a", "b"]]).owners == (1, 1, 1, 0, 0)
+    calls = []
+
+    def record(name, nbytes, loads):
+        calls.append((name, nbytes, loads))
+        return 0
+    plan(names, sizes, 2, record, colocate=[["d", "b"]])
+    assert calls == [("a", 10, (0, 0)), ("b", 20, (10, 0)), ("c", 10, (30, 0))]
+
+
+def test_no_group_means_the_plan_of_before():
+    for strategy in STRATEGIES:
+        assert plan(NAMES, SIZES, 2, strategy, colocate=[]) == plan(NAMES, SIZES, 2, strategy)
+        assert plan(NAMES, SIZES, 2, strategy, colocate=[["fc1.w"]]).owners == \
+            plan(NAMES, SIZES, 2, strategy).owners
+
+
+@pytest.mark.parametrize("groups, error, shown", [
+    ([["embed", "nope"]], ValueError, "'nope' is not one of the plan's 5 names"),
+    ([["embed", "fc1.w"], ["fc1.w"]], ValueError, "'fc1.w' is in colocate groups 0 and 1"),
+    ([["embed", "embed"]], ValueError, "'embed' is in colocate group 0 twice"),
+    ([[]], ValueError, "colocate group 0 is empty"),
+    (["embed"], TypeError, "colocate group 0 must be a list of names, got 'embed'"),
+    ("embed", TypeError, "colocate must be a list of groups of names"),
+    ([["embed", 3]], TypeError, "colocate group 0 holds int 3"),
+])
+def test_an_impossible_group_is_refused(groups, error, shown):
+    with pytest.raises(error, match=re.escape(shown)):
+        plan(NAMES, SIZES, 2, colocate=groups)
+
+
+def test_a_memory_cap_refuses_a_group_or_a_plan_over_it():
+    with pytest.raises(ValueError, match=re.escape(
+            "colocated group ['embed', 'fc2.w'] holds 700 bytes, more than one ps may hold "
+            "(max_ps_bytes=600)")):
+        plan(NAMES, SIZES, 2, colocate=[["fc2.w", "embed"]], max_ps_bytes=600)
+    with pytest.raises(ValueError, match="puts 550 bytes on ps 0, over max_ps_bytes=500"):
+        plan(NAMES, SIZES, 2, "round_robin", max_ps_bytes=500)
+    assert plan(NAMES, SIZES, 2, max_ps_bytes=500).max_load_bytes <= 500
+    with pytest.raises(TypeError, match="max_ps_bytes must be an int"):
+        plan(NAMES, SIZES, 2, max_ps_bytes=1.5)
+
+
+def test_a_plan_with_a_split_group_is_refused_and_groups_are_shown():
+    with pytest.raises(ValueError, match=r"colocated names \['embed', 'fc1.w'\] have owners"):
+        Plan(tuple(NAMES), tuple(SIZES), (0, 1, 0, 1, 0), 2, "x", colocate=(("embed", "fc1.w"),))
+    text = plan(NAMES, SIZES, 2, colocate=[["fc2.b", "fc1.w"]]).table()
+    assert "1 colocated groups" in text
+    assert re.search(r"^fc1\.w +100 +\d +g0$", text, re.MULTILINE), text
+    assert re.search(r"^embed +400 +\d +-$", text, re.MULTILINE), text
+
+
+def _colocated_spec(colocate, **options):
+    import torch
+
+    import mpisync
+    from mpisync.spec import Model, Options, build_spec
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.BatchNorm1d(30),
+                              torch.nn.Linear(30, 7))
+    net[2].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1)
+    options.setdefault("partitioner", {"0.weight": mpisync.fixed_size(3),
+                                       "1.weight": mpisync.fixed_size(3)})
+    return build_spec(opt, Model(tuple(net.named_parameters()), tuple(net.named_buffers())),
+                      Options(colocate=colocate, **options), opt_id=0, num_workers=2, num_ps=3)
+
+
+def test_partitioned_parameters_and_buffers_are_colocated_shard_by_shard():
+    _, routes = _colocated_spec([["1.weight", "0.weight"], ["1.running_mean", "0.bias"]])
+    p = routes.plan
+    assert p.colocate == (("0.weight/part_0", "1.weight/part_0"),
+                          ("0.weight/part_1", "1.weight/part_1"),
+                          ("0.weight/part_2", "1.weight/part_2"),
+                          ("0.bias", "1.running_mean"))
+    for group in p.colocate:
+        assert len({p.owner(n) for n in group}) == 1, p.table()
+    _, single = _colocated_spec([["0.weight/part_1", "0.bias"]])
+    assert single.plan.owner("0.weight/part_1") == single.plan.owner("0.bias")
+
+
+@pytest.mark.parametrize("groups, shown", [
+    ([["0.weight", "0.bias"]], "'0.weight' is in 3 shards and '0.bias' whole"),
+    ([["2.weight", "0.bias"]], "'2.weight' is held by no param group"),
+    ([["0.bias", "O.bias"]], "no parameter or buffer is named 'O.bias'; did you mean"),
+])
+def test_colocating_what_no_ps_holds_or_unequal_shards_is_refused(groups, shown):
+    with pytest.raises(ValueError, match=re.escape(shown)):
+        _colocated_spec(groups)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "greedy_sorted"])
+def test_a_cap_that_a_packing_meets_is_met_where_the_greedy_choice_misses_it(strategy):
+    """3, 3, 2, 2, 2 bytes on 2 ps of 6 bytes: least-loaded first gives 7 and 5; the
+    first-fit packing 6 and 6. Round robin and a callable keep their own choices."""
+    names, sizes = ["a", "b", "c", "d", "e"], [3, 3, 2, 2, 2]
+    assert max(plan(names, sizes, 2, strategy).ps_bytes) == 7
+    got = plan(names, sizes, 2, strategy, max_ps_bytes=6)
+    assert got.ps_bytes == (6, 6) and got.owners == (0, 0, 1, 1, 1)
+    grouped = plan(names, sizes, 2, strategy, colocate=[["c", "d"]], max_ps_bytes=6)
+    assert grouped.ps_bytes == (6, 6) and grouped.owner("c") == grouped.owner("d")
+    with pytest.raises(ValueError, match="over max_ps_bytes=5"):
+        plan(names, sizes, 2, strategy, max_ps_bytes=5)
+    with pytest.raises(ValueError, match="placement round_robin puts 7 bytes on ps 0"):
+        plan(names, sizes, 2, "round_robin", max_ps_bytes=6)
+
+
+def test_the_optimizer_s_memory_cap_holds_shard_by_shard_groups_or_refuses_them():
+    """Shard k of 0.weight (1600 bytes) with shard k of 1.weight (40): 1640 bytes a group."""
+    groups = [["0.weight", "1.weight"]]
+    for strategy in ("greedy", "greedy_sorted", "round_robin"):
+        _, routes = _colocated_spec(groups, placement=strategy, max_ps_bytes=2000)
+        assert max(routes.plan.ps_bytes) <= 2000, (strategy, routes.plan.ps_bytes)
+        for group in routes.plan.colocate:
+            assert len({routes.plan.owner(u) for u in group}) == 1, group
+    with pytest.raises(ValueError, match=re.escape(
+            "colocated group ['0.weight/part_0', '1.weight/part_0'] holds 1640 bytes, more "
+            "than one ps may hold (max_ps_bytes=1600)")):
+        _colocated_spec(groups, max_ps_bytes=1600)
+    with pytest.raises(ValueError, match="max_ps_bytes must be >= 1, got 0"):
+        _colocated_spec(groups, max_ps_bytes=0)
+
+
+def test_a_glob_names_every_tensor_it_matches():
+    _, routes = _colocated_spec([["0.b*", "1.running_*", "1.num*"]])
+    assert routes.plan.colocate == (
+        ("0.bias", "1.running_mean", "1.running_var", "1.num_batches_tracked"),)
+    for groups, shown in (([["1.b*"], ["1.bias"]], "'1.bias' is in colocate groups 0 and 1"),
+                          ([["nope*"]], ("colocate: 'nope*' matches none of the parameters "
+                                         "and buffers the ps ranks hold (0.weight, 0.bias"))):
+        with pytest.raises(ValueError, match=re.escape(shown)):
+            _colocated_spec(groups)
+
+
+def test_a_buffer_kept_by_the_workers_is_named_as_such():
+    with pytest.raises(ValueError, match=re.escape(
+            "no parameter or buffer is named '1.running_mean' (module buffers are placed only "
+            "when named_buffers= is given and buffers is not 'local')")):
+        _colocated_spec([["1.running_mean", "0.bias"]], buffers="local")
+
+
+def test_allreduce_parameters_have_no_ps_to_share():
+    with pytest.raises(ValueError, match="'1.bias' is averaged among the workers"):
+        _colocated_spec([["1.bias", "0.weight/part_0"]], dense="allreduce")
+
+
+def test_the_set_up_agreement_compares_the_groups():
+    from mpisync.spec import setup_summary
+
+    a = setup_summary(*_colocated_spec([["0.bias", "1.bias"]]))
+    b = setup_summary(*_colocated_spec([["1.bias", "0.bias"]]))
+    c = setup_summary(*_colocated_spec([["0.bias", "1.running_var"]]))
+    assert a == b                                   # the order within a group does not matter
+    assert a["colocate"] != c["colocate"]
+    assert list(a).index("colocate") < min(i for i, k in enumerate(a) if "placement" in k)
 
 
 def test_a_scalar_stays_whole_under_a_partitioner_for_every_parameter():

@@ -14,6 +14,7 @@ from ..errors import ConfigError, DeadlockError, ProtocolError
 from ..progress import Poller
 from ..spec import JobSpec
 from ..survival import Losses, improbe
+from ..updates import problem as update_problem
 from ..wire import (
     FLAG_SCHEDULED,
     NOTICE_SKIPPED,
@@ -92,6 +93,7 @@ class Coordinator:
         self.decided: tuple[int, ...] = ()
         self.deferred: list[tuple[int, tuple]] = []
         self.load_pieces = None
+        self.load_kind = Kind.LOAD          # or UPDATE: what the workers asked to load
         self.handlers = {Kind.DECIDE: self._decide, Kind.GO: self._go, Kind.REPLY: self._reply,
                          Kind.GRANT: self._grant, Kind.STOP: self._stop,
                          Kind.LOAD: self._load, Kind.SHUTDOWN: self._shutdown,
@@ -279,6 +281,13 @@ class Coordinator:
     def _load(self, a: Action) -> None:
         pieces, step = self.load_pieces
         self.load_pieces = None
+        if self.load_kind == Kind.UPDATE:     # opt.update(): functions, no state
+            self._to_shards(self.control.new(Kind.UPDATE, a.step, has_obj=True), pieces)
+            for w in a.workers:
+                self.comm.send(None, dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
+            self.steps.loaded(a.step)         # they go on with the parameters they hold
+            self._token(Kind.GRANT, a.step, a.workers)
+            return
         self._to_shards(self.control.new(Kind.LOAD, step, has_obj=True), pieces)
         for w in a.workers:
             self.comm.send(None, dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
@@ -332,9 +341,10 @@ class Coordinator:
             if parked:
                 where += (" and " if where else "") + f"workers {parked} are in a collective " \
                          f"on worker_comm"
-            return (f"{self.label}: workers {loading} wait in load_state_dict() for every "
-                    f"open worker to call it, but {where}: call load_state_dict() on every "
-                    f"worker at the same point, before training or between two steps")
+            call = "load_state_dict()" if self.load_kind == Kind.LOAD else "opt.update()"
+            return (f"{self.label}: workers {loading} wait in {call} for every open worker "
+                    f"to call it, but {where}: call {call} on every worker at the same "
+                    f"point, before training or between two steps")
         spec = self.spec
         if spec.asynchronous or spec.num_tokens or spec.replicas_to_aggregate < spec.num_workers:
             why = ("with backup workers, num_tokens or asynchronous updates the workers do not "
@@ -380,22 +390,36 @@ class Coordinator:
             self.deferred.append((w, req))   # answered at version global_step, after the apply
         elif kind in (Kind.STATE, Kind.AVERAGES):
             self._to_shards(self.control.new(kind, self.steps.global_step, arg=w))
-        elif kind == Kind.LOAD:
-            self._on_load_request(w, req[1])
+        elif kind in (Kind.LOAD, Kind.UPDATE):
+            self._on_load_request(w, req[1], kind)
         else:
             raise ProtocolError(f"{self.label}: unknown request {kind!r} from worker {w}")
 
-    def _on_load_request(self, w: int, payload) -> None:
-        if payload is not None:
-            self.load_pieces = payload
-        try:
-            actions = self.steps.load(w)
-        except RuntimeError as exc:
-            self.comm.send(ConfigError(f"{self.label}: {exc}; call load_state_dict() on every "
-                                       f"worker at the same point, before training or between "
-                                       f"two steps"),
+    def _on_load_request(self, w: int, payload, kind: Kind = Kind.LOAD) -> None:
+        """A state to load (LOAD), or opt.update()'s functions (UPDATE, from every worker)."""
+        what = "load_state_dict()" if kind == Kind.LOAD else "opt.update()"
+        error, everyone = None, False
+        if not self.steps.loading:
+            self.load_kind = kind             # the first worker to ask says what is loaded
+        elif kind != self.load_kind:
+            error = f"worker {w} called {what} while other workers wait in another call"
+        if error is None and kind == Kind.UPDATE:
+            error = update_problem(payload)   # the same for every worker: each is told
+            everyone, payload = error is not None, (payload, self.steps.global_step)
+        if error is None:
+            try:
+                actions = self.steps.load(w)
+            except RuntimeError as exc:
+                error = str(exc).replace("load_state_dict()", what)
+        if error is not None:
+            if not everyone:
+                error += (f"; call {what} on every worker at the same point, before training "
+                          f"or between two steps")
+            self.comm.send(ConfigError(f"{self.label}: {error}", collective=everyone),
                            dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
             return
+        if payload is not None:
+            self.load_pieces = payload
         self._emit(actions)
 
     def stats(self) -> dict:

@@ -95,6 +95,7 @@ class RowShards:
         self.sends: list[tuple[MPI.Request, object]] = []
         self.bytes_in = self.bytes_out = 0      # rows messages, for the statistics log
         self.pending: list[tuple] = []          # (group, param, ids, rows) to apply
+        self.step_rows: list = [None] * len(self.units)    # rows the last step changed
         self.scratch = RowScratch()             # the update's temporaries
         if self.units:
             torch.sparse.check_sparse_tensor_invariants.disable()   # built here, coalesced
@@ -317,6 +318,11 @@ class RowShards:
 
     def _note(self, n: int, rows) -> None:
         """Rows of unit ``n`` the step changes: None, a tensor of local ids, or True (all)."""
+        self.step_rows[n] = rows
+        self._changed(n, rows)
+
+    def _changed(self, n: int, rows) -> None:
+        """Rows of unit ``n`` the workers holding its weight must get with the step's."""
         if self.units[n].spec.resident or rows is None:
             return
         for w in range(self.W):
@@ -327,6 +333,13 @@ class RowShards:
                 self.changed[w][n] = True
             else:
                 self.changed[w][n] = rows if have is None else torch.cat([have, rows])
+
+    def changed_by_update(self, n: int, rows: torch.Tensor) -> None:
+        """Rows of unit ``n`` that a function of ``opt.update`` changed after the step: the
+        workers holding the weight get them with the step's own (the rows the step itself
+        touched stay what ``rows="touched"`` functions get)."""
+        if len(rows):
+            self._changed(n, rows)
 
     def send_changed(self, workers, step: int) -> None:
         """Send each of ``workers`` the rows of the sparse weights it has not seen."""

@@ -14,6 +14,7 @@ from ..errors import NonFiniteError, ProtocolError
 from ..progress import Poller
 from ..spec import JobSpec
 from ..survival import Losses, improbe
+from ..updates import Updates
 from ..wire import (
     FLAG_ASSIGN,
     NOTICE_SKIPPED,
@@ -125,7 +126,9 @@ class ShardServer:
         self.coordinator_rank = coordinator_rank
         self.handlers = {Kind.DECIDE: self._on_decide, Kind.REPLY: self._on_reply,
                          Kind.SHUTDOWN: self._on_shutdown, Kind.STATE: self._on_state,
-                         Kind.AVERAGES: self._on_averages, Kind.LOAD: self._on_load}
+                         Kind.AVERAGES: self._on_averages, Kind.LOAD: self._on_load,
+                         Kind.UPDATE: self._on_update}
+        self.updates = Updates()           # functions opt.update() registered
         self.closed = [False] * self.W
         self.shutdown = False
         # timed (statistics log or timeline on): what each APPLIED notice reports
@@ -408,6 +411,14 @@ class ShardServer:
 
     def _on_load(self, ctl, obj, applied) -> bool:
         self._load(obj)
+        self.updates.refresh()             # loaded rows: opt.update()'s functions see all
+        return True
+
+    def _on_update(self, ctl, obj, applied) -> bool:
+        """The functions of ``opt.update()`` for this rank's units (they replace any before)."""
+        tensors = {e.name: (p.detach(), None) for e, p in zip(self.layout.entries, self.params)}
+        tensors.update((u.unit, (u.param.detach(), n)) for n, u in enumerate(self.rows.units))
+        self.updates.set(obj, tensors)
         return True
 
     # -- applying -------------------------------------------------------------------------
@@ -436,6 +447,8 @@ class ShardServer:
             self.optimizer.step()
             if self.rows.active:
                 self.rows.apply_rows(self.optimizer)
+        if finite:                               # opt.update()'s functions, after the step
+            self.updates.run(self.rows, step + 1)
         self._update_buffers(chosen)
         if finite:
             self.averages.update(step + 1)
@@ -525,6 +538,8 @@ class ShardServer:
             return False
         request = msg.recv()
         self.rows.on_table_request(request, status.Get_source(), self.optimizer)
+        if request[0] not in ("read", "hash_stats"):    # rows written: as after a load
+            self.updates.refresh()
         return True
 
     def _load(self, piece: dict) -> None:

@@ -137,6 +137,13 @@ def after_training(opt, net, cluster, w: int) -> None:
         cluster.worker_comm.allreduce(opt.global_step)
     if CASE == "collective_uneven_split":
         SUB[0].allreduce(opt.global_step)        # on a communicator made from worker_comm
+    if CASE == "reduce_uneven":
+        cluster.reduce(opt.global_step)          # mpisync's helper meets as worker_comm does
+    if CASE == "update_vs_load":                 # each waits for the other's request
+        if w == 0:
+            opt.update("0.weight", torch.Tensor.relu_)
+        else:
+            opt.load_state_dict(opt.state_dict())
     if CASE == "collective_early_but_safe" and cluster.is_chief:
         steps = cluster.worker_comm.gather(opt.global_step)    # the others close first
         print(f"gathered while open: {steps}", flush=True)
@@ -190,6 +197,7 @@ def main() -> None:
              "collective_after_close": 5 if w == 0 else 20,
              "collective_deadlock": 5 if w < 2 else 20,
              "collective_uneven": 3 + w, "collective_uneven_split": 3 + w,
+             "reduce_uneven": 3 + w, "update_vs_load": 3,
              "metric_every_step": 60}.get(CASE, 20)
     if CASE == "killed_ps":
         steps = 10**6  # still training when the ps dies
