@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -164,11 +165,43 @@ class Timer:
         return {k: round((v - before.get(k, 0.0)) * 1e3 / steps, 2) for k, v in after.items()}
 
 
-def time_ps(timer: Timer) -> None:
+def cpu_s() -> float:
+    """This process's CPU time (user and system), seconds."""
+    return time.process_time()
+
+
+def faults() -> int:
+    """This process's minor page faults so far (fresh pages touched)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+class StepCPU:
+    """A ps rank's CPU time per step over the steps it applies after step ``first - 1``
+    (the workers' timed steps; with no warm-up, after step 0)."""
+
+    def __init__(self, first: int):
+        self.first, self.start, self.last, self.steps = max(first - 1, 0), None, None, 0
+
+    def after_apply(self, step: int) -> None:
+        if step == self.first:
+            self.start = (cpu_s(), faults())
+        elif self.start is not None:
+            self.last, self.steps = (cpu_s(), faults()), self.steps + 1
+
+    def per_step(self) -> tuple[float | None, float | None]:
+        """(CPU ms, minor page faults) per step."""
+        if not self.steps:
+            return None, None
+        return (round((self.last[0] - self.start[0]) * 1e3 / self.steps, 2),
+                round((self.last[1] - self.start[1]) / self.steps, 1))
+
+
+def time_ps(timer: Timer, cpu: StepCPU | None = None) -> None:
     """On a ps rank: time the optimizer's steps, the reduction of row gradients and lookups.
 
     Wraps mpisync's ps-side methods by name for this benchmark only; a name that is not
-    there (mpisync changed) is left out of the profile.
+    there (mpisync changed) is left out of the profile. ``cpu`` counts the CPU time of
+    the steps applied after the warm-up.
     """
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
@@ -183,12 +216,21 @@ def time_ps(timer: Timer) -> None:
     register_optimizer_step_post_hook(
         lambda opt, args, kwargs: timer.add("optimizer_step",
                                             time.perf_counter() - starts.pop(id(opt))))
-    timer.wrap(ps_rows, "reduce_rows", "reduce_row_gradients")       # before rowopt
-    timer.wrap(ps_rows, "merge_rows", "reduce_row_gradients")
+    timer.wrap(ps_rows.RowShards, "_on_rows", "receive_rows")          # each push's rows
+    timer.wrap(ps_rows.RowShards, "set_grads", "reduce_row_gradients")  # the step's sums
     timer.wrap(ps_rows.RowShards, "apply_rows", "apply_rows")
     timer.wrap(ps_rows.RowShards, "_answer_lookup", "answer_lookups")
     timer.wrap(ps_rows.RowShards, "_answer_exchange", "answer_lookups")
-    timer.wrap(ps_rows.RowShards, "_with_pooled", "pooled_row_gradients")
+    if cpu is not None:
+        from mpisync.ps import shard
+
+        apply = shard.ShardServer._apply
+
+        def counted(self, step, *args, **kwargs):
+            apply(self, step, *args, **kwargs)
+            cpu.after_apply(step)
+
+        shard.ShardServer._apply = counted
 
 
 # ---------------------------------------------------------------- mpisync job
@@ -217,23 +259,30 @@ def train_mpisync(cluster, args) -> dict:
                                         cluster=cluster)
     phases = {k: [] for k in PHASES}
     unique, moved, counted = [], [], []
-    before, profiled = None, {}
+    before, profiled, cpu, faulted = None, {}, 0.0, 0
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             before = opt.stats if i else None    # a request to ps 0, untimed
             profiled = timer.snapshot()
         ids_np, labels_np = draw(rng, args.rows, args.batch)
         ids, labels = torch.from_numpy(ids_np), torch.from_numpy(labels_np)
+        cpu_at, faults_at = cpu_s(), faults()
         end = timed_step(opt, emb, head, loss_fn, ids, labels,
                          phases if i >= args.warmup else None)
+        if i >= args.warmup:
+            cpu += cpu_s() - cpu_at
+            faulted += faults() - faults_at
         if i == 0:
             first_step_s = end - start
-        if i >= args.warmup - 1:                 # the last warm-up step: for the check
+        # the rows path's bytes from each step's unique ids (the last warm-up step: for the
+        # check); pooled, only the count, from one step (the bytes are opt.stats')
+        if i >= args.warmup - 1 and (not args.pool_on_ps or not unique):
             u = np.unique(ids_np)
             unique.append(len(u))
             moved.append(rows_bytes(u, cluster.num_ps))
         if args.pool_on_ps and i >= args.warmup:
             counted.append(counted_bytes(opt.stats))     # a request to ps 0, untimed
+    cpu_ms = round(cpu * 1e3 / args.steps, 2)
     after = opt.stats
     profile = Timer.per_step_ms(profiled, timer.snapshot(), args.steps)
     opt.close()
@@ -242,7 +291,8 @@ def train_mpisync(cluster, args) -> dict:
     return {**summarise_phases(phases), "pool_on_ps": args.pool_on_ps, **moved_bytes,
             "token_wait_ms_mean": round((after["token_wait_s"] - (
                 before["token_wait_s"] if before else 0.0)) * 1e3 / args.steps, 2),
-            "profile_ms_per_step": profile,
+            "profile_ms_per_step": profile, "cpu_ms_per_step": cpu_ms,
+            "page_faults_per_step": round(faulted / args.steps, 1),
             "setup_s": round(first_step_s, 2), "global_step": after["global_step"]}
 
 
@@ -347,9 +397,9 @@ def run_mpisync(args) -> None:
     wall = time.perf_counter()
     # the first optimizer torch builds imports torch._dynamo (seconds): not the set-up's time
     torch.optim.Adagrad([torch.zeros(1, requires_grad=True)], lr=0.1)
-    mine, timer = None, Timer()
+    mine, timer, cpu = None, Timer(), StepCPU(args.warmup)
     if cluster.is_ps:
-        time_ps(timer)
+        time_ps(timer, cpu)
         sleepy_barrier(cluster.comm)     # the workers have built their models
         cluster.serve()                  # until every worker has left the job
     else:
@@ -358,10 +408,11 @@ def run_mpisync(args) -> None:
     is_ps, num_workers, num_ps = cluster.is_ps, cluster.num_workers, cluster.num_ps
     cluster.close()
     sleepy_barrier(world)
-    ranks = world.gather((is_ps, peak_rss_mb(), timer.snapshot(), timer.calls), root=0)
+    ranks = world.gather((is_ps, peak_rss_mb(), timer.snapshot(), timer.calls,
+                          cpu.per_step()), root=0)
     if world.rank != 0:
         return
-    ps = [(rss, seconds, calls) for p, rss, seconds, calls in ranks if p]
+    ps = [(rss, seconds, calls) for p, rss, seconds, calls, _ in ranks if p]
     result = {
         "kind": "mpisync", "optimizer": args.optimizer, "rows": args.rows, "dim": DIM, "bag": BAG,
         "batch_per_worker": args.batch, "workers": num_workers, "ps": num_ps,
@@ -369,7 +420,10 @@ def run_mpisync(args) -> None:
         # per ps rank over the whole run (warm-up included): ms per call of each part
         "ps_profile_ms_per_call": [{k: round(s[k] * 1e3 / c[k], 2) for k in s}
                                    for _, s, c in ps],
-        "worker_peak_rss_mb": [r for p, r, _, _ in ranks if not p],
+        "worker_peak_rss_mb": [r for p, r, _, _, _ in ranks if not p],
+        # CPU time (user + system) per timed step: the workers', then each ps rank's
+        "ps_cpu_ms_per_step": [c[0] for p, _, _, _, c in ranks if p],
+        "ps_page_faults_per_step": [c[1] for p, _, _, _, c in ranks if p],
         "ps_peak_rss_mb": [r for r, _, _ in ps],
         "table_bytes": args.rows * DIM * 4,
         "wall_s": round(time.perf_counter() - wall, 2),

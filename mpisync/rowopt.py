@@ -169,30 +169,38 @@ def handles_rows(optimizer: torch.optim.Optimizer, group: dict, param: torch.Ten
 
 @torch.no_grad()
 def apply_rows(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor,
-               ids: torch.Tensor, rows: torch.Tensor, scratch: RowScratch | None = None) -> None:
+               ids: torch.Tensor, rows: torch.Tensor, scratch: RowScratch | None = None,
+               div: float = 0) -> None:
     """One step of ``optimizer`` on the rows ``ids`` of ``param``, whose gradient is ``rows``.
 
     Bitwise ``optimizer.step()`` with ``param.grad`` the coalesced sparse tensor of
-    ``(ids, rows)`` (and no other gradient in the group); the optimizer's state for
-    ``param`` is created and advanced as torch's step would. Only for what
-    ``handles_rows`` accepts.
+    ``(ids, rows / div)`` (``rows`` where ``div`` is 0; and no other gradient in the
+    group); the optimizer's state for ``param`` is created and advanced as torch's step
+    would. Only for what ``handles_rows`` accepts.
 
     Args:
-        ids: sorted unique row ids (int64); rows: their gradient rows.
+        ids: unique row ids (int64), in any order; rows: their gradient rows.
         scratch: buffers to reuse across calls.
+        div: where not 0, ``rows`` are sums the gradient is divided from (the mean of
+            the taken gradients), each element divided before anything else.
     """
     scratch = scratch or RowScratch()
     kind = type(optimizer)
-    if kind is torch.optim.SGD:
-        _sgd(group, param, ids, rows, scratch)
-    elif kind is torch.optim.Adagrad:
-        _adagrad(optimizer, group, param, ids, rows, scratch)
-    elif kind is torch.optim.SparseAdam:
-        _sparse_adam(optimizer, group, param, ids, rows, scratch)
-    elif kind is RowWiseAdagrad:
-        rowwise_rows(optimizer.state_of(param), group, param, ids, rows, scratch)
-    else:
+    if kind is RowWiseAdagrad:
+        rowwise_rows(optimizer.state_of(param), group, param, ids, rows, div)
+        return
+    if kind not in (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam):
         raise TypeError(f"apply_rows does not handle {kind.__name__}")
+    if kind is torch.optim.SGD:
+        _sgd(group, param, ids, rows, scratch, div)
+    elif kind is torch.optim.Adagrad:
+        _adagrad(optimizer, group, param, ids, rows, scratch, div)
+    else:
+        _sparse_adam(optimizer, group, param, ids, _divided(rows, div), scratch)
+
+
+def _divided(rows: torch.Tensor, div: float) -> torch.Tensor:
+    return torch.div(rows, div) if div else rows
 
 
 def _blocks(ids: torch.Tensor, rows: torch.Tensor, maximize: bool, scratch: RowScratch):
@@ -217,17 +225,16 @@ def _compiled(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
         t.dtype == param.dtype and t.is_contiguous() for t in (param, rows, *state))
 
 
-def _sgd(group: dict, param, ids, rows, scratch) -> None:
+def _sgd(group: dict, param, ids, rows, scratch, div) -> None:
     lr = _to_scalar(group["lr"])
     if _compiled(param, ids, rows):
-        kernels.axpy_rows(ids.contiguous(), rows, -1.0 if group["maximize"] else 1.0, -lr,
-                          param)
+        kernels.axpy_rows(ids, rows, -1.0 if group["maximize"] else 1.0, -lr, param, div)
         return
-    for i, g in _blocks(ids, rows, group["maximize"], scratch):
+    for i, g in _blocks(ids, _divided(rows, div), group["maximize"], scratch):
         _add_rows(param, i, g, -lr)
 
 
-def _adagrad(optimizer, group: dict, param, ids, rows, scratch) -> None:
+def _adagrad(optimizer, group: dict, param, ids, rows, scratch, div) -> None:
     state = optimizer.state[param]
     if len(state) == 0:      # as Adagrad._init_group
         state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
@@ -241,13 +248,12 @@ def _adagrad(optimizer, group: dict, param, ids, rows, scratch) -> None:
     eps = group["eps"]
     if _compiled(param, ids, rows, state_sum):
         # torch's sparse step: the gradient's rows and the new sums' rows, whole
-        std = kernels.adagrad_sum_rows(ids.contiguous(), rows,
-                                       -1.0 if group["maximize"] else 1.0, state_sum,
-                                       scratch.get("b", tuple(rows.shape), rows.dtype))
-        kernels.adagrad_apply_rows(ids, rows, std.sqrt_(), -1.0 if group["maximize"] else 1.0,
-                                   eps, -clr, param)
+        sign = -1.0 if group["maximize"] else 1.0
+        std = kernels.adagrad_sum_rows(ids, rows, sign, state_sum,
+                                       scratch.get("b", tuple(rows.shape), rows.dtype), div)
+        kernels.adagrad_apply_rows(ids, rows, std.sqrt_(), sign, eps, -clr, param, div)
         return
-    for i, g in _blocks(ids, rows, group["maximize"], scratch):
+    for i, g in _blocks(ids, _divided(rows, div), group["maximize"], scratch):
         shape = tuple(g.shape)
         sq = torch.pow(g, 2, out=scratch.get("a", shape, g.dtype))
         state_sum.index_add_(0, i, sq)                  # torch: state_sum.add_(sparse g**2)

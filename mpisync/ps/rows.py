@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import pooled
+from .. import kernels, pooled
 from ..accumulate import reduce_rows
 from ..errors import ProtocolError
 from ..progress import Poller
@@ -15,7 +15,7 @@ from ..rowopt import RowScratch, apply_rows, handles_rows, merge_rows
 from ..rowwise import RowWiseAdagrad
 from ..spec import JobSpec
 from ..tables import TableSpec
-from ..wire import Tag, pack_rows, unpack_rows
+from ..wire import ROWS_HEAD, Tag, pack_rows, unpack_rows
 from .hashrows import HashRows
 
 __all__ = ["RowShards", "takes_sparse"]
@@ -174,33 +174,18 @@ class RowShards:
             return
         try:
             end = pooled.rows_section_nbytes(buf, self.kinds)
-            parts = unpack_rows(buf[:end], self.kinds, with_ids=True)[2]
-            if end < buf.nbytes:             # bags pooled here: their rows' gradients
-                parts = self._with_pooled(parts, buf, end)
+            rows = unpack_rows(buf[:end], self.kinds, with_ids=True)[2]
+            bags = [None] * len(rows)
+            if end < buf.nbytes:             # bags pooled here: their gradients, checked
+                bags = pooled.bag_grads(buf, end, [u.param for u in self.units], self.groups)
         except ValueError as exc:
             raise ProtocolError(f"{self.label}: worker {w} sent table rows: {exc}") from None
+        parts = [(ids, values, bag) for (ids, values), bag in zip(rows, bags)]
         if self.claims[w]:
             slot = self.claims[w].popleft()
             slot.rows, slot.waiting_rows = parts, False
         else:
             self.arrived[w].append(parts)
-
-    def _with_pooled(self, parts: list, buf: np.ndarray, start: int) -> list:
-        """A push's parts with the row gradients of its pooled bags added in: per shard
-        still (unique local ids, gradient rows), so that the step takes them as any."""
-        got = pooled.row_grads(buf, start, [u.param for u in self.units], self.groups,
-                               [u.scratch for u in self.units])
-        out = []
-        for (ids, rows), more in zip(parts, got):
-            if more is None:
-                out.append((ids, rows))
-            elif not len(ids):
-                out.append(more)
-            else:
-                both, inverse = torch.unique(torch.cat([ids, more[0]]), return_inverse=True)
-                summed = torch.zeros(len(both), *rows.shape[1:], dtype=rows.dtype)
-                out.append((both, summed.index_add_(0, inverse, torch.cat([rows, more[1]]))))
-        return out
 
     def attach(self, slot) -> None:
         """A push arrived: pair it with its rows message (now, or when that arrives)."""
@@ -220,19 +205,29 @@ class RowShards:
         slot.rows = None
 
     def _answer_lookup(self, buf: np.ndarray, rank: int) -> None:
+        """The rows of each part's ids, gathered straight into the reply (``pack_rows``'s
+        layout, values only)."""
         _, peek, parts = unpack_rows(buf, [None] * len(self.units), with_ids=True)
-        out = []
-        for u, (local, _) in zip(self.units, parts):
-            if not len(local):
-                out.append((None, None))
-                continue
-            if u.hashed is not None:
-                out.append((None, u.hashed.lookup(local, bool(peek))))
-                continue
-            if int(local.max()) >= u.param.shape[0] or int(local.min()) < 0:
-                raise ProtocolError(f"{self.label}: a lookup of rows outside shard {u.unit}")
-            out.append((None, u.param.detach()[local]))
-        reply = pack_rows(0, 0, [(None, v) if v is not None else (None, None) for _, v in out])
+        counts = [len(local) for local, _ in parts]
+        head = 8 * (ROWS_HEAD + len(parts))
+        sizes = [pooled.pad8(c * u.spec.row_bytes) for c, u in zip(counts, self.units)]
+        reply = np.empty(head + sum(sizes), np.uint8)
+        words = reply[:head].view(np.int64)
+        words[:ROWS_HEAD] = (0, 0, len(parts))
+        words[ROWS_HEAD:] = counts
+        out, at = torch.from_numpy(reply), head
+        for u, (local, _), c, size in zip(self.units, parts, counts, sizes):
+            if c:
+                view = out[at:at + c * u.spec.row_bytes].view(u.spec.dtype).view(
+                    c, *u.spec.row_shape)
+                if u.hashed is not None:
+                    view.copy_(u.hashed.lookup(local, bool(peek)))
+                elif int(local.max()) >= u.param.shape[0] or int(local.min()) < 0:
+                    raise ProtocolError(f"{self.label}: a lookup of rows outside shard {u.unit}")
+                else:
+                    pooled.gather_rows(local, u.param.detach(), view)
+                reply[at + c * u.spec.row_bytes:at + size] = 0
+            at += size
         self._send(reply, rank, self.tags[Tag.ROWS])
 
     def _answer_exchange(self, buf: np.ndarray, rank: int) -> None:
@@ -257,8 +252,11 @@ class RowShards:
         """Each shard's gradient from the taken pushes, reduced; remember what will change.
 
         The rows of a shard whose optimizer ``rowopt`` handles wait for ``apply_rows()``
-        (the shard has no ``.grad`` for the optimizer's own step); the others get a
-        sparse gradient (an optimizer that updates only gradient rows) or a dense one.
+        (the shard has no ``.grad`` for the optimizer's own step): summed per row in one
+        compiled pass over every taken piece, rows and pooled bags alike, in worker order
+        (``kernels.scatter``), and divided in the update; or, without the kernels, merged
+        by ``merge_rows``. The others get a sparse gradient (an optimizer that updates only
+        gradient rows) or a dense one.
         """
         self._hash_slots(chosen, optimizer)
         count = len(chosen)
@@ -266,35 +264,74 @@ class RowShards:
         how = "sum" if self.spec.reduction == "sum" else self.spec.sparse_reduction
         self.pending = []
         for n, u in enumerate(self.units):
-            slots = [s for s in chosen if len(s.rows[n][0])]
-            if not slots:
+            taken = [(s.worker, s.rows[n]) for s in chosen
+                     if len(s.rows[n][0]) or s.rows[n][2] is not None]
+            if not taken:
                 u.param.grad = None
                 self._note(n, None)
                 continue
             num_rows = u.param.shape[0]
-            for s in slots:
-                ids = s.rows[n][0]
-                if int(ids.min()) < 0 or int(ids.max()) >= num_rows:
-                    raise ProtocolError(f"{self.label}: worker {s.worker} sent rows outside "
+            for w, (ids, _, _) in taken:
+                if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= num_rows):
+                    raise ProtocolError(f"{self.label}: worker {w} sent rows outside "
                                         f"[0, {num_rows}) of shard {u.unit}")
-            pieces = [s.rows[n] for s in slots]
+            group = group_of[id(u.param)]
+            sparse = takes_sparse(optimizer, group)
+            if sparse and how != "per_row" and handles_rows(optimizer, group, u.param) and \
+                    kernels.available(u.param) and u.param.is_contiguous():
+                ids, rows = self._scatter(u, [piece for _, piece in taken])
+                u.param.grad = None
+                self.pending.append((group, u.param, ids, rows,
+                                     count if how == "mean" and count > 1 else 0))
+                self._note(n, ids)
+                continue
+            pieces = [self._as_rows(u, piece) for _, piece in taken]
             shape = (num_rows, *u.spec.row_shape)
             merged = merge_rows(pieces, num_rows, count, how, u.scratch)
             if merged is None:                  # not sorted: coalesced in general
                 grad = reduce_rows(pieces, shape, count, how)
                 merged = grad.indices()[0], grad.values()
             ids, rows = merged
-            group = group_of[id(u.param)]
-            if not takes_sparse(optimizer, group):
+            if not sparse:
                 u.param.grad = self._sparse(ids, rows, shape).to_dense()
                 self._note(n, True)
                 continue
             if handles_rows(optimizer, group, u.param):
                 u.param.grad = None
-                self.pending.append((group, u.param, ids, rows))
+                self.pending.append((group, u.param, ids, rows, 0))
             else:
                 u.param.grad = self._sparse(ids, rows, shape)
             self._note(n, ids)
+
+    @staticmethod
+    def _scatter(u: _Unit, taken: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids in first-seen order, their summed gradient rows) of the taken pieces."""
+        pieces = []
+        for ids, rows, bag in taken:
+            if len(ids):
+                pieces.append((ids, None, None, rows))
+            if bag is not None:
+                part, grads = bag
+                pieces.append((part.ids, part.bag, part.weights, grads))
+        total = sum(len(p[0]) for p in pieces)
+        uniq = u.scratch.get("uniq", (total,), torch.int64)
+        out = u.scratch.get("merged", (total, *u.spec.row_shape), u.spec.dtype)
+        k = kernels.scatter(pieces, u.scratch.slots(u.param.shape[0]), uniq, out)
+        return uniq[:k], out[:k]
+
+    @staticmethod
+    def _as_rows(u: _Unit, piece: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """A taken piece as (unique local ids, gradient rows): a pooled part's bags turned
+        into rows and added after the push's own rows of the shard."""
+        ids, rows, bag = piece
+        if bag is None:
+            return ids, rows
+        more = pooled.rows_of(*bag, u.param.shape[0], u.scratch)
+        if not len(ids):
+            return more
+        both, inverse = torch.unique(torch.cat([ids, more[0]]), return_inverse=True)
+        summed = torch.zeros(len(both), *rows.shape[1:], dtype=rows.dtype)
+        return both, summed.index_add_(0, inverse, torch.cat([rows, more[1]]))
 
     @staticmethod
     def _sparse(ids: torch.Tensor, rows: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -303,8 +340,8 @@ class RowShards:
 
     def apply_rows(self, optimizer: torch.optim.Optimizer) -> None:
         """The update of the rows ``set_grads`` kept, after the optimizer's own step."""
-        for group, param, ids, rows in self.pending:
-            apply_rows(optimizer, group, param, ids, rows, self.scratch)
+        for group, param, ids, rows, div in self.pending:
+            apply_rows(optimizer, group, param, ids, rows, self.scratch, div)
         self.pending = []
 
     def _hash_slots(self, chosen: list, optimizer) -> None:
@@ -313,7 +350,7 @@ class RowShards:
             if u.hashed is not None:
                 u.hashed.settle(optimizer)
                 for s in chosen:
-                    s.rows[n] = u.hashed.to_slots(s.rows[n])
+                    s.rows[n] = (*u.hashed.to_slots(s.rows[n][:2]), None)
 
     def _note(self, n: int, rows) -> None:
         """Rows of unit ``n`` the step changes: None, a tensor of local ids, or True (all)."""
