@@ -217,8 +217,9 @@ def time_ps(timer: Timer, cpu: StepCPU | None = None) -> None:
         lambda opt, args, kwargs: timer.add("optimizer_step",
                                             time.perf_counter() - starts.pop(id(opt))))
     timer.wrap(ps_rows.RowShards, "_on_rows", "receive_rows")          # each push's rows
-    timer.wrap(ps_rows.RowShards, "set_grads", "reduce_row_gradients")  # the step's sums
-    timer.wrap(ps_rows.RowShards, "apply_rows", "apply_rows")
+    timer.wrap(ps_rows.RowShards, "set_grads", "reduce_row_gradients")  # the step's sums ...
+    timer.wrap(getattr(ps_rows, "_Pending", None), "sum", "sum_rows")  # ... or made later
+    timer.wrap(ps_rows, "apply_rows", "apply_rows")                     # the row update
     timer.wrap(ps_rows.RowShards, "_answer_lookup", "answer_lookups")
     timer.wrap(ps_rows.RowShards, "_answer_exchange", "answer_lookups")
     if cpu is not None:
@@ -258,37 +259,45 @@ def train_mpisync(cluster, args) -> dict:
                                         named_parameters=model.named_parameters(),
                                         cluster=cluster)
     phases = {k: [] for k in PHASES}
-    unique, moved, counted = [], [], []
-    before, profiled, cpu, faulted = None, {}, 0.0, 0
-    for i in range(args.warmup + args.steps):
+    # every batch drawn first (int32 ids where they fit): nothing between two steps but
+    # the loop, so that work a step leaves to the ps ranks (the row updates, made while
+    # the workers start the next step) lands in the next step's time, not in a gap
+    small = np.int32 if args.rows < 2**31 else np.int64
+    batches = [(ids.astype(small), labels) for ids, labels in
+               (draw(rng, args.rows, args.batch) for _ in range(args.warmup + args.steps))]
+    before, profiled, cpu, faulted, ends = None, {}, 0.0, 0, []
+    for i, (ids_np, labels_np) in enumerate(batches):
         if i == args.warmup:
             before = opt.stats if i else None    # a request to ps 0, untimed
             profiled = timer.snapshot()
-        ids_np, labels_np = draw(rng, args.rows, args.batch)
-        ids, labels = torch.from_numpy(ids_np), torch.from_numpy(labels_np)
+        ids, labels = torch.from_numpy(ids_np.astype(np.int64)), torch.from_numpy(labels_np)
         cpu_at, faults_at = cpu_s(), faults()
         end = timed_step(opt, emb, head, loss_fn, ids, labels,
                          phases if i >= args.warmup else None)
         if i >= args.warmup:
             cpu += cpu_s() - cpu_at
             faulted += faults() - faults_at
+            ends.append(end)
         if i == 0:
             first_step_s = end - start
-        # the rows path's bytes from each step's unique ids (the last warm-up step: for the
-        # check); pooled, only the count, from one step (the bytes are opt.stats')
-        if i >= args.warmup - 1 and (not args.pool_on_ps or not unique):
-            u = np.unique(ids_np)
-            unique.append(len(u))
-            moved.append(rows_bytes(u, cluster.num_ps))
-        if args.pool_on_ps and i >= args.warmup:
-            counted.append(counted_bytes(opt.stats))     # a request to ps 0, untimed
     cpu_ms = round(cpu * 1e3 / args.steps, 2)
     after = opt.stats
     profile = Timer.per_step_ms(profiled, timer.snapshot(), args.steps)
     opt.close()
-    moved_bytes = pooled_bytes(unique, counted) if args.pool_on_ps else \
-        worker_bytes(unique, moved, before, after)
+    # the rows path's bytes from each step's unique ids, from the last warm-up step on
+    # (that one: for the check); pooled, the count of one step (the bytes are opt.stats')
+    unique, moved = [], []
+    for ids_np, _ in batches[max(args.warmup - 1, 0):][:1 if args.pool_on_ps else None]:
+        u = np.unique(ids_np.astype(np.int64))
+        unique.append(len(u))
+        moved.append(rows_bytes(u, cluster.num_ps))
+    moved_bytes = pooled_bytes(unique, [counted_bytes(s) for s in (before, after) if s]) \
+        if args.pool_on_ps else worker_bytes(unique, moved, before, after)
     return {**summarise_phases(phases), "pool_on_ps": args.pool_on_ps, **moved_bytes,
+            # from the first timed step's end to the last one's, per step: every step
+            # here holds the ps's work the step before it left (no gap between steps)
+            "wall_ms_per_step": round((ends[-1] - ends[0]) * 1e3 / (len(ends) - 1), 2)
+            if len(ends) > 1 else None,
             "token_wait_ms_mean": round((after["token_wait_s"] - (
                 before["token_wait_s"] if before else 0.0)) * 1e3 / args.steps, 2),
             "profile_ms_per_step": profile, "cpu_ms_per_step": cpu_ms,
@@ -372,8 +381,9 @@ def counted_bytes(stats: dict) -> dict:
 
 
 def pooled_bytes(unique: list, counted: list[dict]) -> dict:
-    """Bytes a worker moves per step with the bags pooled on the ps ranks (medians over the
-    timed steps), all counted by ``opt.stats``: the push (dense buffer, rows message with
+    """Bytes a worker moves per step with the bags pooled on the ps ranks (the median of
+    the last warm-up step's and the last step's), all counted by ``opt.stats``: the push
+    (dense buffer, rows message with
     the ids, bags and each bag's gradient), the lookup (ids and bags out, each ps rank's
     pooled sums back). The pull of the dense parameters is about the dense push's size."""
     med = {k: int(np.median([c[k] for c in counted])) for k in counted[0]}

@@ -14,6 +14,7 @@
 #define AHEAD 16
 #define LANES 16
 #define BLOCK 8
+#define ROWS_AHEAD 8
 
 /* x / div, where a kernel's ``how`` is 0 (no division), 1 (div a power of two: times its
  * exact inverse, bitwise the quotient) or 2 (divided). */
@@ -372,16 +373,16 @@ static inline T squares_##S(const T *g, int64_t dim, int how, T div, T inv, T si
     return lane[0];                                                                          \
 }                                                                                            \
                                                                                              \
-static inline void rowwise_block_##S(int64_t m, int64_t ahead, const int64_t *ids,          \
+static inline void rowwise_block_##S(int64_t m, int64_t left, const int64_t *ids,           \
                                      int64_t first,                                          \
                                      const T *grad, int64_t dim, int how, T div, T inv,      \
                                      T sign, T lr, T eps, T *sum, T *param)                  \
 {                                                                                            \
     T mult[BLOCK];                                                                           \
     for (int64_t l = 0; l < m; l++) {                                                        \
-        if (ids && l < ahead) {                                                              \
-            prefetch_row(param + ids[l + BLOCK] * dim, dim * (int64_t)sizeof(T));            \
-            __builtin_prefetch(sum + ids[l + BLOCK], 1, 3);                                  \
+        if (ids && l + ROWS_AHEAD < left) {                                                  \
+            prefetch_row(param + ids[l + ROWS_AHEAD] * dim, dim * (int64_t)sizeof(T));       \
+            __builtin_prefetch(sum + ids[l + ROWS_AHEAD], 1, 3);                             \
         }                                                                                    \
         mult[l] = squares_##S(grad + l * dim, dim, how, div, inv, sign);                     \
     }                                                                                        \
@@ -411,9 +412,8 @@ void rowwise_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim,
 {                                                                                            \
     for (int64_t i = 0; i < n; i += BLOCK) {                                                 \
         int64_t m = n - i < BLOCK ? n - i : BLOCK;                                           \
-        int64_t ahead = n - i - BLOCK < BLOCK ? n - i - BLOCK : BLOCK; /* rows to prefetch */\
         const int64_t *at = ids ? ids + i : NULL;                                            \
-        DISPATCH(rowwise_block_##S(m, ahead, at, i, grad + i * dim, dim, HOW, div, (T)1 / div,\
+        DISPATCH(rowwise_block_##S(m, n - i, at, i, grad + i * dim, dim, HOW, div, (T)1 / div,\
                                    sign, lr, eps, sum, param));                              \
     }                                                                                        \
 }

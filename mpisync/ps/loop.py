@@ -42,6 +42,8 @@ class Job:
             self.coord = Coordinator(spec, layout.worker_ranks, layout.ps_ranks, self.comm,
                                      poller, cluster.label, self.shard.enqueue, log)
             self.coord.start()
+            # the last step's row updates wait until its tokens are out (all ps applied)
+            self.shard.rows.may_settle = lambda: self.coord.acks == 0
 
     def turn(self, rare: bool = False) -> bool:
         """Receive, decide, apply what can be; True if anything happened.

@@ -1,13 +1,14 @@
 """One ps rank's table shards: lookups, sparse accumulation, changed rows, shard reads."""
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import kernels, pooled
+from .. import kernels, pooled, timeline
 from ..accumulate import reduce_rows
 from ..errors import ProtocolError
 from ..progress import Poller
@@ -52,6 +53,43 @@ class _Unit:
         self.scratch = RowScratch()      # its reduced rows, kept until they are applied
 
 
+def _frozen(group: dict) -> dict:
+    """The hyper-parameters of a param group as they are now (tensors copied: the next
+    step's values are written into them in place)."""
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in group.items()}
+
+
+class _Pending:
+    """A shard's row update that waits for ``RowShards.settle``: its gradient as the
+    taken pieces (summed by ``sum()``) or as rows already summed, divided by ``div``."""
+
+    __slots__ = ("div", "group", "ids", "pieces", "rows", "unit")
+
+    def __init__(self, group: dict, unit: _Unit, pieces: list | None, ids=None, rows=None,
+                 div: float = 0):
+        self.group, self.unit, self.pieces = group, unit, pieces
+        self.ids, self.rows, self.div = ids, rows, div
+
+    def sum(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, their summed gradient rows): the pieces scattered (ids in first-seen
+        order) into the shard's buffers, once."""
+        if self.pieces is None:
+            return self.ids, self.rows
+        u, pieces = self.unit, []
+        for ids, rows, bag in self.pieces:
+            if len(ids):
+                pieces.append((ids, None, None, rows))
+            if bag is not None:
+                part, grads = bag
+                pieces.append((part.ids, part.bag, part.weights, grads))
+        total = sum(len(p[0]) for p in pieces)
+        uniq = u.scratch.get("uniq", (total,), torch.int64)
+        out = u.scratch.get("merged", (total, *u.spec.row_shape), u.spec.dtype)
+        k = kernels.scatter(pieces, u.scratch.slots(u.param.shape[0]), uniq, out)
+        self.ids, self.rows, self.pieces = uniq[:k], out[:k], None
+        return self.ids, self.rows
+
+
 class RowShards:
     """The table shards of one optimizer on one ps rank.
 
@@ -94,7 +132,9 @@ class RowShards:
         self.full = [True] * self.W        # every worker gets whole shards first
         self.sends: list[tuple[MPI.Request, object]] = []
         self.bytes_in = self.bytes_out = 0      # rows messages, for the statistics log
-        self.pending: list[tuple] = []          # (group, param, ids, rows) to apply
+        self.pending: list[_Pending] = []       # row updates for settle()
+        self.optimizer = None
+        self.may_settle = lambda: True          # whether an idle poll may settle
         self.scratch = RowScratch()             # the update's temporaries
         if self.units:
             torch.sparse.check_sparse_tensor_invariants.disable()   # built here, coalesced
@@ -138,7 +178,13 @@ class RowShards:
 
     # -- receiving ------------------------------------------------------------------------
     def poll(self) -> bool:
-        """Receive row gradients and answer lookups; True if anything arrived."""
+        """Receive row gradients and answer lookups; True if anything arrived.
+
+        The last step's row updates are made first (``settle``), unless ``may_settle()``
+        says to wait (ps 0 waits until the step's tokens are out) and nothing arrived that
+        needs them."""
+        if self.pending and self.may_settle():
+            self.settle()
         progressed = False
         status = MPI.Status()
         while True:
@@ -146,6 +192,7 @@ class RowShards:
                                     status=status)
             if msg is None:
                 break
+            self.settle()
             self._on_rows(self._recv(msg, status), self.worker_ranks.index(status.Get_source()))
             progressed = True
         while True:
@@ -153,6 +200,7 @@ class RowShards:
                                     status=status)
             if msg is None:
                 break
+            self.settle()
             buf = self._recv(msg, status)
             if buf.nbytes >= 8 and int(buf[:8].view(np.int64)[0]) == pooled.EXCHANGE:
                 self._answer_exchange(buf, status.Get_source())
@@ -251,18 +299,19 @@ class RowShards:
     def set_grads(self, chosen: list, optimizer: torch.optim.Optimizer) -> None:
         """Each shard's gradient from the taken pushes, reduced; remember what will change.
 
-        The rows of a shard whose optimizer ``rowopt`` handles wait for ``apply_rows()``
-        (the shard has no ``.grad`` for the optimizer's own step): summed per row in one
-        compiled pass over every taken piece, rows and pooled bags alike, in worker order
-        (``kernels.scatter``), and divided in the update; or, without the kernels, merged
-        by ``merge_rows``. The others get a sparse gradient (an optimizer that updates only
-        gradient rows) or a dense one.
+        The rows of a shard whose optimizer ``rowopt`` handles are updated by ``settle()``
+        (the shard has no ``.grad`` for the optimizer's own step): with the compiled
+        kernels, every taken piece, rows and pooled bags alike, summed per row in one pass
+        in worker order (``kernels.scatter``) and divided in the update; without them,
+        merged by ``merge_rows`` here. The others get a sparse gradient (an optimizer that
+        updates only gradient rows) or a dense one.
         """
+        self.settle()                   # the last step's rows first
         self._hash_slots(chosen, optimizer)
+        self.optimizer = optimizer
         count = len(chosen)
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         how = "sum" if self.spec.reduction == "sum" else self.spec.sparse_reduction
-        self.pending = []
         for n, u in enumerate(self.units):
             taken = [(s.worker, s.rows[n]) for s in chosen
                      if len(s.rows[n][0]) or s.rows[n][2] is not None]
@@ -279,11 +328,12 @@ class RowShards:
             sparse = takes_sparse(optimizer, group)
             if sparse and how != "per_row" and handles_rows(optimizer, group, u.param) and \
                     kernels.available(u.param) and u.param.is_contiguous():
-                ids, rows = self._scatter(u, [piece for _, piece in taken])
                 u.param.grad = None
-                self.pending.append((group, u.param, ids, rows,
-                                     count if how == "mean" and count > 1 else 0))
-                self._note(n, ids)
+                item = _Pending(_frozen(group), u, [piece for _, piece in taken],
+                                div=count if how == "mean" and count > 1 else 0)
+                if not u.spec.resident:         # the rows that change, for the workers now
+                    self._note(n, item.sum()[0])
+                self.pending.append(item)
                 continue
             pieces = [self._as_rows(u, piece) for _, piece in taken]
             shape = (num_rows, *u.spec.row_shape)
@@ -298,26 +348,10 @@ class RowShards:
                 continue
             if handles_rows(optimizer, group, u.param):
                 u.param.grad = None
-                self.pending.append((group, u.param, ids, rows, 0))
+                self.pending.append(_Pending(_frozen(group), u, None, ids, rows))
             else:
                 u.param.grad = self._sparse(ids, rows, shape)
             self._note(n, ids)
-
-    @staticmethod
-    def _scatter(u: _Unit, taken: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids in first-seen order, their summed gradient rows) of the taken pieces."""
-        pieces = []
-        for ids, rows, bag in taken:
-            if len(ids):
-                pieces.append((ids, None, None, rows))
-            if bag is not None:
-                part, grads = bag
-                pieces.append((part.ids, part.bag, part.weights, grads))
-        total = sum(len(p[0]) for p in pieces)
-        uniq = u.scratch.get("uniq", (total,), torch.int64)
-        out = u.scratch.get("merged", (total, *u.spec.row_shape), u.spec.dtype)
-        k = kernels.scatter(pieces, u.scratch.slots(u.param.shape[0]), uniq, out)
-        return uniq[:k], out[:k]
 
     @staticmethod
     def _as_rows(u: _Unit, piece: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,10 +373,24 @@ class RowShards:
                                        check_invariants=False)
 
     def apply_rows(self, optimizer: torch.optim.Optimizer) -> None:
-        """The update of the rows ``set_grads`` kept, after the optimizer's own step."""
-        for group, param, ids, rows, div in self.pending:
-            apply_rows(optimizer, group, param, ids, rows, self.scratch, div)
+        """Called after the optimizer's own step: the rows ``set_grads`` kept are updated
+        by ``settle()``, which runs before anything here reads or changes a shard again
+        (the next poll, lookup, step, shard request or the end), so that the step's
+        notice and the workers' new parameters go out first."""
+        self.optimizer = optimizer
+
+    def settle(self) -> None:
+        """The row updates of the last applied step, if not done yet."""
+        if not self.pending:
+            return
+        start = time.perf_counter()
+        for item in self.pending:
+            ids, rows = item.sum()
+            apply_rows(self.optimizer, item.group, item.unit.param, ids, rows, self.scratch,
+                       item.div)
         self.pending = []
+        if timeline.current is not None:
+            timeline.current.span("rows", start, time.perf_counter(), -1)
 
     def _hash_slots(self, chosen: list, optimizer) -> None:
         """Hash shards: ids of the taken rows to slots; fresh slots' optimizer state reset."""
@@ -369,6 +417,7 @@ class RowShards:
         """Send each of ``workers`` the rows of the sparse weights it has not seen."""
         if not self.replicated:
             return
+        self.settle()
         for w in workers:
             parts = []
             for n, u in enumerate(self.units):
@@ -390,11 +439,13 @@ class RowShards:
 
     def reset(self) -> None:
         """After a load: every worker gets whole shards next."""
+        self.settle()
         self.full = [True] * self.W
 
     # -- reading and writing whole shards --------------------------------------------------
     def on_table_request(self, request, rank: int, optimizer) -> None:
         """Answer a worker's read or write of one resident shard (pickled, off the step path)."""
+        self.settle()
         what, unit = request[0], request[1]
         u = self.by_unit.get(unit)
         if u is None:
@@ -451,6 +502,7 @@ class RowShards:
                 state[key] = value.clone() if torch.is_tensor(value) else value
 
     def finish(self) -> None:
+        self.settle()
         if self.sends:
             self.poller.wait_all([r for r, _ in self.sends], lambda: "row sends to workers")
             self.sends = []
