@@ -15,10 +15,12 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+import mmap
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -26,7 +28,7 @@ import torch
 
 __all__ = ["adagrad_apply_rows", "adagrad_sum_rows", "available", "axpy_rows", "bag_rows",
            "bag_sums", "gather", "merge_pieces", "rowwise_rows", "scatter", "shard_order",
-           "slots_for", "split_ids"]
+           "slots_for", "split_ids", "table_copy", "table_zeros"]
 
 _SOURCE = Path(__file__).with_name("_rows.c")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-march=native", "-fPIC", "-shared"]
@@ -151,11 +153,46 @@ def _fn(name: str, dtype: torch.dtype):
     return getattr(_kernels(), f"{name}_{_SUFFIX[dtype]}")
 
 
+HUGE_BYTES = 4 << 20          # tensors from this size on get huge pages (where there are)
+
+
+def table_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros for a table the row kernels reach at random (a shard, its optimizer state, its
+    slot array): on Linux, from this size on, in private anonymous memory advised to use
+    2 MiB pages (transparent huge pages, ``madvise``), so that random rows miss the TLB
+    far less often (the row-wise update of 75,000 random rows of a 500,000 x 64 shard:
+    4.2 -> 2.6 ms); elsewhere, or smaller, ``torch.zeros``. The memory is the kernel's
+    zero pages until written, and freed with the tensor."""
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if nbytes < HUGE_BYTES or not sys.platform.startswith("linux") or \
+            not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:               # not allowed here: small pages, still zeros
+        pass
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)   # keeps it alive
+
+
+def table_copy(value):
+    """A copy of a loaded table shard's tensor in ``table_zeros``' memory (others as is)."""
+    if not torch.is_tensor(value) or value.device.type != "cpu" or \
+            value.numel() * value.element_size() < HUGE_BYTES:
+        return value.clone() if torch.is_tensor(value) else value
+    return table_zeros(value.shape, value.dtype).copy_(value)
+
+
 def slots_for(holder: dict, num_rows: int) -> torch.Tensor:
     """A shard's slot array (-1 everywhere), kept in ``holder`` from call to call."""
     slot = holder.get("slots")
     if slot is None or len(slot) != num_rows:
-        slot = holder["slots"] = torch.full((num_rows,), -1, dtype=torch.int64)
+        slot = holder["slots"] = table_zeros((num_rows,), torch.int64).fill_(-1)
     return slot
 
 

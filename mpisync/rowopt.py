@@ -213,16 +213,19 @@ def _blocks(ids: torch.Tensor, rows: torch.Tensor, maximize: bool, scratch: RowS
 
 
 def _add_rows(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, alpha) -> None:
-    """``param[ids] += alpha * rows`` with torch's dense += sparse kernel (an axpy per row)."""
-    param.add_(torch.sparse_coo_tensor(ids[None], rows, param.shape, is_coalesced=True,
-                                       check_invariants=False), alpha=alpha)
+    """``param[ids] += alpha * rows`` with torch's dense += sparse kernel (an axpy per row;
+    it refuses values with strides, which a coalesced gradient never has)."""
+    param.add_(torch.sparse_coo_tensor(ids[None], rows.contiguous(), param.shape,
+                                       is_coalesced=True, check_invariants=False), alpha=alpha)
 
 
 def _compiled(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
               *state: torch.Tensor) -> bool:
-    """Whether ``mpisync.kernels`` updates these rows (contiguous, one float dtype)."""
-    return kernels.available(param, rows) and ids.dtype == torch.int64 and all(
-        t.dtype == param.dtype and t.is_contiguous() for t in (param, rows, *state))
+    """Whether ``mpisync.kernels`` updates these rows: one float dtype, the parameter and
+    its state contiguous (the inputs are made so)."""
+    return kernels.available(param, rows) and ids.dtype == torch.int64 and \
+        rows.dtype == param.dtype and all(
+            t.dtype == param.dtype and t.is_contiguous() for t in (param, *state))
 
 
 def _sgd(group: dict, param, ids, rows, scratch, div) -> None:
@@ -238,8 +241,7 @@ def _adagrad(optimizer, group: dict, param, ids, rows, scratch, div) -> None:
     state = optimizer.state[param]
     if len(state) == 0:      # as Adagrad._init_group
         state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-        state["sum"] = torch.full_like(param, optimizer.defaults["initial_accumulator_value"],
-                                       memory_format=torch.preserve_format)
+        state["sum"] = _zeros_like(param).fill_(optimizer.defaults["initial_accumulator_value"])
     step_t, state_sum = state["step"], state["sum"]
     step_t += 1
     step = _get_value(step_t)
@@ -263,12 +265,20 @@ def _adagrad(optimizer, group: dict, param, ids, rows, scratch, div) -> None:
         _add_rows(param, i, std, -clr)
 
 
+def _zeros_like(param: torch.Tensor) -> torch.Tensor:
+    """State of a table shard: zeros as torch makes them, in huge pages where the shard is
+    contiguous (``kernels.table_zeros``)."""
+    if param.device.type == "cpu" and param.is_contiguous():
+        return kernels.table_zeros(param.shape, param.dtype)
+    return torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
 def _sparse_adam(optimizer, group: dict, param, ids, rows, scratch) -> None:
     state = optimizer.state[param]
     if len(state) == 0:      # as SparseAdam.step
         state["step"] = 0
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg"] = _zeros_like(param)
+        state["exp_avg_sq"] = _zeros_like(param)
     state["step"] += 1
     step = state["step"]
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]

@@ -10,6 +10,7 @@ from . import kernels
 __all__ = ["RowWiseAdagrad", "rowwise_rows"]
 
 BLOCK_ROWS = 2048
+LANES = 16            # partial sums of a row's squares (_rows.c's LANES)
 
 
 class RowWiseAdagrad(torch.optim.Optimizer):
@@ -65,7 +66,9 @@ class RowWiseAdagrad(torch.optim.Optimizer):
             shape = p.shape[:1] if p.dim() > 1 else p.shape
             init = self._group_of(p)["initial_accumulator_value"]
             state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-            state["sum"] = torch.full(shape, init, dtype=p.dtype, device=p.device)
+            state["sum"] = kernels.table_zeros(shape, p.dtype).fill_(init) \
+                if p.device.type == "cpu" else torch.full(shape, init, dtype=p.dtype,
+                                                          device=p.device)
         return state
 
     def _group_of(self, p: torch.Tensor) -> dict:
@@ -101,17 +104,22 @@ class RowWiseAdagrad(torch.optim.Optimizer):
 
 
 def _row_means(g: torch.Tensor) -> torch.Tensor:
-    """Per row (first dimension) the mean of ``g ** 2``: the squares summed in column
-    order, one add after another, then divided by the row's width (as the compiled
-    kernel does; a 1-D ``g`` has rows of one element)."""
+    """Per row (first dimension) the mean of ``g ** 2``, summed as the compiled kernel sums:
+    ``LANES`` partial sums, lane ``j`` adding the squares of columns ``j``, ``j + LANES``,
+    ... in order, then halved (``lane[j] += lane[j + h]`` for ``h`` = ``LANES / 2``, ...,
+    1), lane 0 divided by the row's width (a 1-D ``g`` has rows of one element)."""
     sq = (g * g).reshape(len(g), -1)
     width = sq.shape[1]
-    if width == 0:
-        return torch.zeros(len(g), dtype=g.dtype, device=g.device).div_(0)
-    acc = sq[:, 0].clone()
-    for c in range(1, width):
-        acc.add_(sq[:, c])
-    return acc.div_(width)
+    full = width // LANES * LANES
+    lane = torch.zeros(len(g), LANES, dtype=g.dtype, device=g.device)
+    for c in range(0, full, LANES):
+        lane += sq[:, c:c + LANES]
+    lane[:, :width - full] += sq[:, full:]
+    h = LANES // 2
+    while h:
+        lane[:, :h] += lane[:, h:2 * h]
+        h //= 2
+    return lane[:, 0].div_(width)
 
 
 def _sqrt(t: torch.Tensor) -> torch.Tensor:

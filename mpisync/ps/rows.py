@@ -53,6 +53,12 @@ class _Unit:
         self.scratch = RowScratch()      # its reduced rows, kept until they are applied
 
 
+def _without(ids: torch.Tensor, values: torch.Tensor, zeros: list[np.ndarray]) -> tuple:
+    """A hash shard's pushed rows less those of ``zeros`` (ids it read as zeros)."""
+    keep = torch.from_numpy(~np.isin(ids.numpy(), np.concatenate(zeros)))
+    return ids[keep], values[keep], None
+
+
 def _frozen(group: dict) -> dict:
     """The hyper-parameters of a param group as they are now (tensors copied: the next
     step's values are written into them in place)."""
@@ -118,7 +124,7 @@ class RowShards:
         for t in spec.tables:
             for k, owner in enumerate(t.owners):
                 if owner == ps_index:
-                    rows = torch.zeros(t.shard_rows[k], *t.row_shape, dtype=t.dtype)
+                    rows = kernels.table_zeros((t.shard_rows[k], *t.row_shape), t.dtype)
                     self.units.append(_Unit(t, k, torch.nn.Parameter(rows), label))
         self.kinds = [(u.spec.dtype, u.spec.row_shape) for u in self.units]
         names = [u.spec.name for u in self.units]
@@ -128,6 +134,8 @@ class RowShards:
         self.arrived: list[deque] = [deque() for _ in range(self.W)]
         self.claims: list[deque] = [deque() for _ in range(self.W)]
         self.discard = [0] * self.W
+        self.unseen: list[list[list[np.ndarray]]] = [[[] for _ in self.units]
+                                                     for _ in range(self.W)]
         self.changed: list[list] = [[None] * len(self.units) for _ in range(self.W)]
         self.full = [True] * self.W        # every worker gets whole shards first
         self.sends: list[tuple[MPI.Request, object]] = []
@@ -217,6 +225,9 @@ class RowShards:
         return buf
 
     def _on_rows(self, buf: np.ndarray, w: int) -> None:
+        # the ids of hash shards that read as zeros in this worker's lookups since its last
+        # push (every one of them came before this push): their gradients are dropped
+        unseen, self.unseen[w] = self.unseen[w], [[] for _ in self.units]
         if self.discard[w]:
             self.discard[w] -= 1
             return
@@ -228,7 +239,8 @@ class RowShards:
                 bags = pooled.bag_grads(buf, end, [u.param for u in self.units], self.groups)
         except ValueError as exc:
             raise ProtocolError(f"{self.label}: worker {w} sent table rows: {exc}") from None
-        parts = [(ids, values, bag) for (ids, values), bag in zip(rows, bags)]
+        parts = [(ids, values, bag) if not zeros else _without(ids, values, zeros)
+                 for (ids, values), bag, zeros in zip(rows, bags, unseen)]
         if self.claims[w]:
             slot = self.claims[w].popleft()
             slot.rows, slot.waiting_rows = parts, False
@@ -264,12 +276,15 @@ class RowShards:
         words[:ROWS_HEAD] = (0, 0, len(parts))
         words[ROWS_HEAD:] = counts
         out, at = torch.from_numpy(reply), head
-        for u, (local, _), c, size in zip(self.units, parts, counts, sizes):
+        for n, (u, (local, _), c, size) in enumerate(zip(self.units, parts, counts, sizes)):
             if c:
                 view = out[at:at + c * u.spec.row_bytes].view(u.spec.dtype).view(
                     c, *u.spec.row_shape)
                 if u.hashed is not None:
-                    view.copy_(u.hashed.lookup(local, bool(peek)))
+                    rows, zeros = u.hashed.lookup(local, bool(peek))
+                    view.copy_(rows)
+                    if len(zeros) and not peek:
+                        self.unseen[self.worker_ranks.index(rank)][n].append(zeros)
                 elif int(local.max()) >= u.param.shape[0] or int(local.min()) < 0:
                     raise ProtocolError(f"{self.label}: a lookup of rows outside shard {u.unit}")
                 else:
@@ -499,7 +514,7 @@ class RowShards:
             state = optimizer.state[u.param]
             state.clear()
             for key, value in saved.items():
-                state[key] = value.clone() if torch.is_tensor(value) else value
+                state[key] = kernels.table_copy(value)
 
     def finish(self) -> None:
         self.settle()
