@@ -203,6 +203,11 @@ class DenseChannel:
                             f"({g.layout}) but is not the weight of an nn.Embedding or "
                             f"nn.EmbeddingBag with sparse=True, whose rows mpisync sends as "
                             f"rows; use such a module (or mpisync.Embedding), or a dense gradient")
+        if g.shape != view.shape or g.dtype != view.dtype:
+            raise ValueError(f"{self.label}: the gradient of parameter {self.names[i]!r} is "
+                             f"{g.dtype} {list(g.shape)}, the parameter {view.dtype} "
+                             f"{list(view.shape)}; .grad must have its parameter's shape and "
+                             f"dtype")
         if g.data_ptr() != view.data_ptr():
             view.copy_(g)              # deliberate: the gradient was made outside our buffer
         p.grad = view

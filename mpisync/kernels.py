@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from . import environ
+
 __all__ = ["adagrad_apply_rows", "adagrad_sum_rows", "available", "axpy_rows", "bag_rows",
            "bag_sums", "gather", "merge_pieces", "rowwise_rows", "scatter", "shard_order",
            "slots_for", "split_ids", "table_copy", "table_zeros"]
@@ -79,7 +81,7 @@ def _load(path: Path) -> ctypes.CDLL | None:
 def _build() -> ctypes.CDLL | None:
     """The library: from the cache, else compiled into it, else (a cache that cannot be
     written) compiled into a private temporary directory; None without a compiler."""
-    if os.environ.get("MPISYNC_ROW_KERNELS", "1") == "0":
+    if not environ.switch("MPISYNC_ROW_KERNELS", True):
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
