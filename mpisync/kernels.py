@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -52,8 +53,9 @@ def _cpu() -> str:
     return platform.machine()
 
 
-def _compile(cc: str, target: Path) -> bool:
-    """Build the library into ``target`` (atomically: ranks building at once all agree)."""
+def _compile(cc: str, target: Path) -> str | None:
+    """Build the library into ``target`` (atomically: ranks building at once all agree);
+    None when built, else why not."""
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -62,11 +64,15 @@ def _compile(cc: str, target: Path) -> bool:
         subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(tmp, target)
-        return True
-    except (OSError, subprocess.SubprocessError):
+        return None
+    except subprocess.CalledProcessError as exc:
+        why = (exc.stderr or b"").decode(errors="replace").strip().splitlines()
+        return f"{cc} exited with status {exc.returncode}" + (f": {why[0]}" if why else "")
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{cc}: {exc}"
+    finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-        return False
 
 
 def _load(path: Path) -> ctypes.CDLL | None:
@@ -90,14 +96,21 @@ def _build() -> ctypes.CDLL | None:
     key = hashlib.sha256(source + " ".join([cc, *_FLAGS, _cpu()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("MPISYNC_CACHE") or Path.home() / ".cache" / "mpisync")
     target = cache / f"rows-{key}.so"
-    if target.exists() or _compile(cc, target):
+    if target.exists() or _compile(cc, target) is None:
         lib = _load(target)
         if lib is not None:
             return lib
     with tempfile.TemporaryDirectory(prefix="mpisync-rows-") as private:
         built = Path(private) / f"rows-{key}.so"
+        why = _compile(cc, built)
         # loaded before the directory goes: the mapping outlives the file
-        return _load(built) if _compile(cc, built) else None
+        lib = _load(built) if why is None else None
+    if lib is None:
+        warnings.warn(f"mpisync: the row kernels ({_SOURCE.name}) could not be built "
+                      f"({why or 'not a loadable library'}); the ps's row updates run on "
+                      f"torch, bitwise the same and slower (MPISYNC_ROW_KERNELS=0 silences "
+                      f"this)", RuntimeWarning, stacklevel=3)
+    return lib
 
 
 def _declare(lib: ctypes.CDLL) -> None:

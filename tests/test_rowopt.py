@@ -312,8 +312,9 @@ def test_rowwise_adagrad_state_passes_the_state_check_of_a_restore():
 
 
 def test_without_a_compiler_the_torch_code_steps_in(tmp_path):
-    """No C compiler (``CC`` names none): the kernels are not built, nothing fails, and
-    the row path still runs on torch; a built library is reused from the cache."""
+    """No C compiler (``CC`` names none) or one that fails: the kernels are not built, a
+    warning says why, nothing fails, and the row path still runs on torch; a built library
+    is reused from the cache."""
     code = ("import torch\nfrom mpisync import kernels\n"
             "from mpisync.rowopt import RowScratch, merge_rows\n"
             "print(kernels.available(torch.zeros(1)))\n"
@@ -325,7 +326,17 @@ def test_without_a_compiler_the_torch_code_steps_in(tmp_path):
                          text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split("\n")[:2] == ["False", "[0, 2] 4.5"], run.stdout
+    assert "row kernels (_rows.c) could not be built" in run.stderr, run.stderr
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("*.so"))
+    broken = tmp_path / "broken-cc"             # a compiler that fails: said, then torch
+    broken.write_text("#!/bin/sh\necho 'error: out of licences' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    run = subprocess.run([sys.executable, "-c", code], env=dict(env, CC=str(broken)),
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:2] == ["False", "[0, 2] 4.5"], run.stdout
+    assert "exited with status 3: error: out of licences" in run.stderr, run.stderr
+    assert not list((tmp_path / "cache").glob("*"))      # no half-built file left
     if shutil.which("cc") or shutil.which("gcc"):
         env.pop("CC")
         for _ in range(2):                      # built once, then loaded from the cache
