@@ -146,6 +146,7 @@ class RowShards:
         self.scratch = RowScratch()             # the update's temporaries
         if self.units:
             torch.sparse.check_sparse_tensor_invariants.disable()   # built here, coalesced
+            kernels.reuse_freed_memory()        # each step's messages: no fresh pages
 
     @property
     def active(self) -> bool:
