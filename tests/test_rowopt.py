@@ -311,16 +311,21 @@ def test_rowwise_adagrad_state_passes_the_state_check_of_a_restore():
     assert "has shape [3]" in check_state(sd, opt.param_groups, ["w", "b"], shapes)
 
 
+# whether the kernels load, then a merge of two pieces, in a process of its own
+MERGE_IN_A_FRESH_PROCESS = (
+    "import torch\nfrom mpisync import kernels\n"
+    "from mpisync.rowopt import RowScratch, merge_rows\n"
+    "print(kernels.available(torch.zeros(1)))\n"
+    "p = [(torch.tensor([0, 2]), torch.ones(2, 3)), (torch.tensor([2]), torch.ones(1, 3))]\n"
+    "ids, rows = merge_rows(p, 4, 2, 'mean', RowScratch())\n"
+    "print(ids.tolist(), rows.sum().item())\n")
+
+
 def test_without_a_compiler_the_torch_code_steps_in(tmp_path):
     """No C compiler (``CC`` names none) or one that fails: the kernels are not built, a
     warning says why, nothing fails, and the row path still runs on torch; a built library
     is reused from the cache."""
-    code = ("import torch\nfrom mpisync import kernels\n"
-            "from mpisync.rowopt import RowScratch, merge_rows\n"
-            "print(kernels.available(torch.zeros(1)))\n"
-            "p = [(torch.tensor([0, 2]), torch.ones(2, 3)), (torch.tensor([2]), torch.ones(1, 3))]\n"
-            "ids, rows = merge_rows(p, 4, 2, 'mean', RowScratch())\n"
-            "print(ids.tolist(), rows.sum().item())\n")
+    code = MERGE_IN_A_FRESH_PROCESS
     env = dict(os.environ, MPISYNC_CACHE=str(tmp_path / "cache"), CC=str(tmp_path / "no-cc"))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120, check=False)
@@ -571,12 +576,7 @@ def test_a_cache_that_cannot_be_written_builds_the_kernels_in_a_private_director
         pytest.skip("no C compiler here")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    code = ("import torch\nfrom mpisync import kernels\n"
-            "from mpisync.rowopt import RowScratch, merge_rows\n"
-            "print(kernels.available(torch.zeros(1)))\n"
-            "p = [(torch.tensor([0, 2]), torch.ones(2, 3)), (torch.tensor([2]), torch.ones(1, 3))]\n"
-            "ids, rows = merge_rows(p, 4, 2, 'mean', RowScratch())\n"
-            "print(ids.tolist(), rows.sum().item())\n")
+    code = MERGE_IN_A_FRESH_PROCESS
     env = dict(os.environ, MPISYNC_CACHE=str(blocker / "cache"), TMPDIR=str(tmp_path))
     env.pop("CC", None)
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,

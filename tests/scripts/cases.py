@@ -132,10 +132,10 @@ def load_other(m):
     m.load_state_dict(other.state_dict())      # torch's usual restore order: after the optimizer
 
 
-def restore_both(m, opt):
-    """torch's usual restore order: the model's state, then the optimizer's."""
+def _restore_from(m, opt, make_opt) -> None:
+    """The model's state, then the optimizer's, of two steps of one process."""
     ck = mlp()
-    ck_opt = torch.optim.Adam(ck.parameters(), lr=0.01)
+    ck_opt = make_opt(ck.parameters())
     x, y = dataset(12, seed=7, dtype=F64)
     for _ in range(2):
         ck_opt.zero_grad()
@@ -143,19 +143,16 @@ def restore_both(m, opt):
         ck_opt.step()
     m.load_state_dict(ck.state_dict())
     opt.load_state_dict(ck_opt.state_dict())
+
+
+def restore_both(m, opt):
+    """torch's usual restore order: the model's state, then the optimizer's."""
+    _restore_from(m, opt, lambda p: torch.optim.Adam(p, lr=0.01))
 
 
 def restore_rowwise(m, opt):
     """A row-wise state (one sum a row of each weight) saved by one process, restored."""
-    ck = mlp()
-    ck_opt = mpisync.RowWiseAdagrad(ck.parameters(), lr=0.05)
-    x, y = dataset(12, seed=7, dtype=F64)
-    for _ in range(2):
-        ck_opt.zero_grad()
-        torch.nn.functional.cross_entropy(ck(x), y).backward()
-        ck_opt.step()
-    m.load_state_dict(ck.state_dict())
-    opt.load_state_dict(ck_opt.state_dict())
+    _restore_from(m, opt, lambda p: mpisync.RowWiseAdagrad(p, lr=0.05))
 
 
 def bump_counts(m, t):
