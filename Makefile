@@ -103,8 +103,17 @@ demo-horovod: horovod
 lint: venv
 	$(VENV)/bin/ruff check .
 
+# The benchmarks (benchmarks/README.md): `make bench`, the dense step (step_bench.py);
+# `make bench-embedding`, a table on the ps ranks against a replicated one
+# (embedding_bench.py); `make bench-recsys`, the recommender-scale table against one
+# process and TorchRec (recsys_bench.py: the embedding benchmark at recommender scale,
+# pooled and row paths, exact and row-wise Adagrad).
 bench: venv
 	$(VPY) -m mpisync.launch --workers 2 --ps 1 -- $(VPY) benchmarks/step_bench.py
+
+.PHONY: bench-embedding
+bench-embedding: venv
+	$(VPY) benchmarks/embedding_bench.py --all
 
 # TorchRec as a peer for the recommender-scale benchmark (benchmarks/README.md), in its own
 # virtualenv so that neither `make test` nor CI ever installs it. The versions are pinned
@@ -132,10 +141,11 @@ $(PEERS_STAMP):
 	touch $@
 
 # mpisync (2 workers + 1 and + 2 ps, rows and pooled), one process and, when .venv-peers
-# exists, TorchRec:
-# one JSON summary on the last line (one round: 1-4 minutes on 2 cores).
+# exists, TorchRec, with exact Adagrad and then row-wise Adagrad on every side: one JSON
+# summary on the last line of each (one round: 1-4 minutes on 2 cores).
 bench-recsys: venv
 	$(VPY) benchmarks/recsys_bench.py --all --pool-on-ps
+	$(VPY) benchmarks/recsys_bench.py --all --pool-on-ps --optimizer rowwise
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache

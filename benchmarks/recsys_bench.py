@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -164,11 +165,43 @@ class Timer:
         return {k: round((v - before.get(k, 0.0)) * 1e3 / steps, 2) for k, v in after.items()}
 
 
-def time_ps(timer: Timer) -> None:
+def cpu_s() -> float:
+    """This process's CPU time (user and system), seconds."""
+    return time.process_time()
+
+
+def faults() -> int:
+    """This process's minor page faults so far (fresh pages touched)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+class StepCPU:
+    """A ps rank's CPU time per step over the steps it applies after step ``first - 1``
+    (the workers' timed steps; with no warm-up, after step 0)."""
+
+    def __init__(self, first: int):
+        self.first, self.start, self.last, self.steps = max(first - 1, 0), None, None, 0
+
+    def after_apply(self, step: int) -> None:
+        if step == self.first:
+            self.start = (cpu_s(), faults())
+        elif self.start is not None:
+            self.last, self.steps = (cpu_s(), faults()), self.steps + 1
+
+    def per_step(self) -> tuple[float | None, float | None]:
+        """(CPU ms, minor page faults) per step."""
+        if not self.steps:
+            return None, None
+        return (round((self.last[0] - self.start[0]) * 1e3 / self.steps, 2),
+                round((self.last[1] - self.start[1]) / self.steps, 1))
+
+
+def time_ps(timer: Timer, cpu: StepCPU | None = None) -> None:
     """On a ps rank: time the optimizer's steps, the reduction of row gradients and lookups.
 
     Wraps mpisync's ps-side methods by name for this benchmark only; a name that is not
-    there (mpisync changed) is left out of the profile.
+    there (mpisync changed) is left out of the profile. ``cpu`` counts the CPU time of
+    the steps applied after the warm-up.
     """
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
@@ -183,12 +216,22 @@ def time_ps(timer: Timer) -> None:
     register_optimizer_step_post_hook(
         lambda opt, args, kwargs: timer.add("optimizer_step",
                                             time.perf_counter() - starts.pop(id(opt))))
-    timer.wrap(ps_rows, "reduce_rows", "reduce_row_gradients")       # before rowopt
-    timer.wrap(ps_rows, "merge_rows", "reduce_row_gradients")
-    timer.wrap(ps_rows.RowShards, "apply_rows", "apply_rows")
+    timer.wrap(ps_rows.RowShards, "_on_rows", "receive_rows")          # each push's rows
+    timer.wrap(ps_rows.RowShards, "set_grads", "reduce_row_gradients")  # the step's sums ...
+    timer.wrap(getattr(ps_rows, "_Pending", None), "sum", "sum_rows")  # ... or made later
+    timer.wrap(ps_rows, "apply_rows", "apply_rows")                     # the row update
     timer.wrap(ps_rows.RowShards, "_answer_lookup", "answer_lookups")
     timer.wrap(ps_rows.RowShards, "_answer_exchange", "answer_lookups")
-    timer.wrap(ps_rows.RowShards, "_with_pooled", "pooled_row_gradients")
+    if cpu is not None:
+        from mpisync.ps import shard
+
+        apply = shard.ShardServer._apply
+
+        def counted(self, step, *args, **kwargs):
+            apply(self, step, *args, **kwargs)
+            cpu.after_apply(step)
+
+        shard.ShardServer._apply = counted
 
 
 # ---------------------------------------------------------------- mpisync job
@@ -216,33 +259,49 @@ def train_mpisync(cluster, args) -> dict:
                                         named_parameters=model.named_parameters(),
                                         cluster=cluster)
     phases = {k: [] for k in PHASES}
-    unique, moved, counted = [], [], []
-    before, profiled = None, {}
-    for i in range(args.warmup + args.steps):
+    # every batch drawn first (int32 ids where they fit): nothing between two steps but
+    # the loop, so that work a step leaves to the ps ranks (the row updates, made while
+    # the workers start the next step) lands in the next step's time, not in a gap
+    small = np.int32 if args.rows < 2**31 else np.int64
+    batches = [(ids.astype(small), labels) for ids, labels in
+               (draw(rng, args.rows, args.batch) for _ in range(args.warmup + args.steps))]
+    before, profiled, cpu, faulted, ends = None, {}, 0.0, 0, []
+    for i, (ids_np, labels_np) in enumerate(batches):
         if i == args.warmup:
             before = opt.stats if i else None    # a request to ps 0, untimed
             profiled = timer.snapshot()
-        ids_np, labels_np = draw(rng, args.rows, args.batch)
-        ids, labels = torch.from_numpy(ids_np), torch.from_numpy(labels_np)
+        ids, labels = torch.from_numpy(ids_np.astype(np.int64)), torch.from_numpy(labels_np)
+        cpu_at, faults_at = cpu_s(), faults()
         end = timed_step(opt, emb, head, loss_fn, ids, labels,
                          phases if i >= args.warmup else None)
+        if i >= args.warmup:
+            cpu += cpu_s() - cpu_at
+            faulted += faults() - faults_at
+            ends.append(end)
         if i == 0:
             first_step_s = end - start
-        if i >= args.warmup - 1:                 # the last warm-up step: for the check
-            u = np.unique(ids_np)
-            unique.append(len(u))
-            moved.append(rows_bytes(u, cluster.num_ps))
-        if args.pool_on_ps and i >= args.warmup:
-            counted.append(counted_bytes(opt.stats))     # a request to ps 0, untimed
+    cpu_ms = round(cpu * 1e3 / args.steps, 2)
     after = opt.stats
     profile = Timer.per_step_ms(profiled, timer.snapshot(), args.steps)
     opt.close()
-    moved_bytes = pooled_bytes(unique, counted) if args.pool_on_ps else \
-        worker_bytes(unique, moved, before, after)
+    # the rows path's bytes from each step's unique ids, from the last warm-up step on
+    # (that one: for the check); pooled, the count of one step (the bytes are opt.stats')
+    unique, moved = [], []
+    for ids_np, _ in batches[max(args.warmup - 1, 0):][:1 if args.pool_on_ps else None]:
+        u = np.unique(ids_np.astype(np.int64))
+        unique.append(len(u))
+        moved.append(rows_bytes(u, cluster.num_ps))
+    moved_bytes = pooled_bytes(unique, [counted_bytes(s) for s in (before, after) if s]) \
+        if args.pool_on_ps else worker_bytes(unique, moved, before, after)
     return {**summarise_phases(phases), "pool_on_ps": args.pool_on_ps, **moved_bytes,
+            # from the first timed step's end to the last one's, per step: every step
+            # here holds the ps's work the step before it left (no gap between steps)
+            "wall_ms_per_step": round((ends[-1] - ends[0]) * 1e3 / (len(ends) - 1), 2)
+            if len(ends) > 1 else None,
             "token_wait_ms_mean": round((after["token_wait_s"] - (
                 before["token_wait_s"] if before else 0.0)) * 1e3 / args.steps, 2),
-            "profile_ms_per_step": profile,
+            "profile_ms_per_step": profile, "cpu_ms_per_step": cpu_ms,
+            "page_faults_per_step": round(faulted / args.steps, 1),
             "setup_s": round(first_step_s, 2), "global_step": after["global_step"]}
 
 
@@ -322,8 +381,9 @@ def counted_bytes(stats: dict) -> dict:
 
 
 def pooled_bytes(unique: list, counted: list[dict]) -> dict:
-    """Bytes a worker moves per step with the bags pooled on the ps ranks (medians over the
-    timed steps), all counted by ``opt.stats``: the push (dense buffer, rows message with
+    """Bytes a worker moves per step with the bags pooled on the ps ranks (the median of
+    the last warm-up step's and the last step's), all counted by ``opt.stats``: the push
+    (dense buffer, rows message with
     the ids, bags and each bag's gradient), the lookup (ids and bags out, each ps rank's
     pooled sums back). The pull of the dense parameters is about the dense push's size."""
     med = {k: int(np.median([c[k] for c in counted])) for k in counted[0]}
@@ -347,9 +407,9 @@ def run_mpisync(args) -> None:
     wall = time.perf_counter()
     # the first optimizer torch builds imports torch._dynamo (seconds): not the set-up's time
     torch.optim.Adagrad([torch.zeros(1, requires_grad=True)], lr=0.1)
-    mine, timer = None, Timer()
+    mine, timer, cpu = None, Timer(), StepCPU(args.warmup)
     if cluster.is_ps:
-        time_ps(timer)
+        time_ps(timer, cpu)
         sleepy_barrier(cluster.comm)     # the workers have built their models
         cluster.serve()                  # until every worker has left the job
     else:
@@ -358,10 +418,11 @@ def run_mpisync(args) -> None:
     is_ps, num_workers, num_ps = cluster.is_ps, cluster.num_workers, cluster.num_ps
     cluster.close()
     sleepy_barrier(world)
-    ranks = world.gather((is_ps, peak_rss_mb(), timer.snapshot(), timer.calls), root=0)
+    ranks = world.gather((is_ps, peak_rss_mb(), timer.snapshot(), timer.calls,
+                          cpu.per_step()), root=0)
     if world.rank != 0:
         return
-    ps = [(rss, seconds, calls) for p, rss, seconds, calls in ranks if p]
+    ps = [(rss, seconds, calls) for p, rss, seconds, calls, _ in ranks if p]
     result = {
         "kind": "mpisync", "optimizer": args.optimizer, "rows": args.rows, "dim": DIM, "bag": BAG,
         "batch_per_worker": args.batch, "workers": num_workers, "ps": num_ps,
@@ -369,7 +430,10 @@ def run_mpisync(args) -> None:
         # per ps rank over the whole run (warm-up included): ms per call of each part
         "ps_profile_ms_per_call": [{k: round(s[k] * 1e3 / c[k], 2) for k in s}
                                    for _, s, c in ps],
-        "worker_peak_rss_mb": [r for p, r, _, _ in ranks if not p],
+        "worker_peak_rss_mb": [r for p, r, _, _, _ in ranks if not p],
+        # CPU time (user + system) per timed step: the workers', then each ps rank's
+        "ps_cpu_ms_per_step": [c[0] for p, _, _, _, c in ranks if p],
+        "ps_page_faults_per_step": [c[1] for p, _, _, _, c in ranks if p],
         "ps_peak_rss_mb": [r for r, _, _ in ps],
         "table_bytes": args.rows * DIM * 4,
         "wall_s": round(time.perf_counter() - wall, 2),

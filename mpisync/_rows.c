@@ -2,10 +2,55 @@
  * rows, no per-row allocation. Compiled by mpisync/kernels.py (cc -O3 -ffp-contract=off:
  * every product and sum rounds on its own, in the order written here, as torch's kernels
  * of the same operations do). ``slot`` is a per-shard int64 array, -1 everywhere between
- * calls: each function leaves it so. */
+ * calls: each function leaves it so, or says who clears it. Rows are ``dim`` contiguous
+ * elements; ids index rows of ``dim`` elements. Where a loop reads rows at random it
+ * prefetches the rows it reads AHEAD iterations later (a shard is far larger than the
+ * cache). ``div``: where not 0, each gradient element is divided by it first (the mean
+ * of the taken gradients, kept as their sum until here). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#define AHEAD 16
+#define LANES 16
+#define BLOCK 8
+#define ROWS_AHEAD 8
+
+/* x / div, where a kernel's ``how`` is 0 (no division), 1 (div a power of two: times its
+ * exact inverse, bitwise the quotient) or 2 (divided). */
+#define QUOT(x) (how == 0 ? (x) : how == 1 ? (x) * inv : (x) / div)
+
+/* ``call`` (naming HOW) once with the ``how`` of ``div``, a constant there, so that the
+ * compiler writes each loop without the test. */
+#define DISPATCH(call)                                                                       \
+    do {                                                                                     \
+        int kind = how_of(div);                                                              \
+        if (kind == 0) {                                                                     \
+            enum { HOW = 0 };                                                                \
+            call;                                                                            \
+        } else if (kind == 1) {                                                              \
+            enum { HOW = 1 };                                                                \
+            call;                                                                            \
+        } else {                                                                             \
+            enum { HOW = 2 };                                                                \
+            call;                                                                            \
+        }                                                                                    \
+    } while (0)
+
+static inline int how_of(double div)
+{
+    int exp;
+    if (div == 0)
+        return 0;
+    return frexp(div, &exp) == 0.5 && exp > -120 && exp < 120 ? 1 : 2;
+}
+
+static inline void prefetch_row(const void *row, int64_t nbytes)
+{
+    const char *p = (const char *)row;
+    for (int64_t at = 0; at < nbytes; at += 64)
+        __builtin_prefetch(p + at, 1, 3);
+}
 
 /* The distinct ids of ``ids`` (n of them, each in [0, rows)), in first-seen order, into
  * ``uniq``; their count is returned. ``slot`` is marked for each; ``unmark`` clears it. */
@@ -35,6 +80,68 @@ void place(int64_t n, const int64_t *sorted, int64_t *slot)
         slot[sorted[j]] = j;
 }
 
+/* The positions 0..n-1 ordered by their shard, stably: torch.argsort(shard, stable=True)
+ * by counting. Each shard[i] lies in [0, parts); ``counts`` (parts entries) gets each
+ * shard's count, ``starts`` (parts entries) is scratch. */
+void shard_order(int64_t n, const int64_t *shard, int64_t parts, int64_t *counts,
+                 int64_t *starts, int64_t *order)
+{
+    memset(counts, 0, (size_t)parts * sizeof(int64_t));
+    for (int64_t i = 0; i < n; i++)
+        counts[shard[i]]++;
+    int64_t at = 0;
+    for (int64_t k = 0; k < parts; k++) {
+        starts[k] = at;
+        at += counts[k];
+    }
+    for (int64_t i = 0; i < n; i++)
+        order[starts[shard[i]]++] = i;
+}
+
+/* mpisync.partition.map_ids, then ``shard_order``: ``shard`` and ``local`` get each id's
+ * shard and local row; ``order`` the positions by shard, stably; ``sorted_local`` the
+ * local rows in that order. ``div``: 0 "mod" (shard id % parts, local id / parts), 1 "div"
+ * (TensorFlow's contiguous ranges). Returns -1, having written nothing else, when an id
+ * lies outside [0, num_rows); else 0. */
+int64_t split_ids(int64_t n, const int64_t *ids, int64_t div, int64_t num_rows, int64_t parts,
+               int64_t *counts, int64_t *starts, int64_t *shard, int64_t *local,
+               int64_t *order, int64_t *sorted_local)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= num_rows)
+            return -1;
+    if (!div) {
+        if ((parts & (parts - 1)) == 0) {        /* a power of two: a mask and a shift */
+            int64_t bits = 0;
+            while (((int64_t)1 << bits) < parts)
+                bits++;
+            for (int64_t i = 0; i < n; i++) {
+                shard[i] = ids[i] & (parts - 1);
+                local[i] = ids[i] >> bits;
+            }
+        } else {
+            for (int64_t i = 0; i < n; i++) {
+                int64_t q = ids[i] / parts;
+                shard[i] = ids[i] - q * parts;
+                local[i] = q;
+            }
+        }
+    } else {
+        int64_t per = num_rows / parts, extras = num_rows % parts;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t id = ids[i];
+            int64_t a = id / (per + 1), b = (id - extras) / per;
+            int64_t k = a > b ? a : b;
+            shard[i] = k;
+            local[i] = k < extras ? id % (per + 1) : (id - extras) % per;
+        }
+    }
+    shard_order(n, shard, parts, counts, starts, order);
+    for (int64_t i = 0; i < n; i++)
+        sorted_local[i] = local[order[i]];
+    return 0;
+}
+
 #define KERNELS(T, S)                                                                        \
 /* out[slot[ids[i]]] += weights[i] * grads[bag[i]], in the order of i, into a zeroed out. */ \
 void bag_rows_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *weights,       \
@@ -56,17 +163,93 @@ void bag_rows_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *we
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-/* Adagrad's accumulator on rows: x = sign * grad; sum[id] += x * x; out = the new sum[id] */ \
-/* (torch then takes out's square root, adds eps and divides: its sqrt is its own). */     \
-void adagrad_sum_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim, T sign,\
-                          T *sum, T *out)                                                    \
+/* The taken rows of a step, summed per id into ``out`` in one pass: row ``i`` of a piece   */ \
+/* goes to its id's slot, copied on the id's first sight (the id then appended to ``uniq``, */ \
+/* ``count`` of them so far) and added after. A rows piece: ``rows[i]`` (bag NULL); a      */ \
+/* pooled piece: ``weights[i] * grads[bag[i]]`` (weights NULL: 1). Returns the new count;   */ \
+/* the caller clears the slots with ``unmark`` once every piece is in.                      */ \
+int64_t scatter_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *weights,     \
+                    const T *rows, int64_t dim, int64_t *slot, int64_t *uniq, int64_t count, \
+                    T *out)                                                                  \
 {                                                                                            \
     for (int64_t i = 0; i < n; i++) {                                                        \
+        if (i + AHEAD < n)                                                                   \
+            __builtin_prefetch(slot + ids[i + AHEAD], 1, 3);                                 \
+        int64_t r = ids[i];                                                                  \
+        int64_t s = slot[r];                                                                 \
+        const T *g = rows + (bag ? bag[i] : i) * dim;                                        \
+        T w = weights ? weights[i] : (T)1;                                                   \
+        if (s < 0) {                                                                         \
+            s = slot[r] = count;                                                             \
+            uniq[count++] = r;                                                               \
+            T *o = out + s * dim;                                                            \
+            if (weights)                                                                     \
+                for (int64_t c = 0; c < dim; c++)                                            \
+                    o[c] = g[c] * w;                                                         \
+            else                                                                             \
+                memcpy(o, g, (size_t)dim * sizeof(T));                                       \
+        } else {                                                                             \
+            T *o = out + s * dim;                                                            \
+            if (weights)                                                                     \
+                for (int64_t c = 0; c < dim; c++) {                                          \
+                    T prod = g[c] * w;                                                       \
+                    o[c] = o[c] + prod;                                                      \
+                }                                                                            \
+            else                                                                             \
+                for (int64_t c = 0; c < dim; c++)                                            \
+                    o[c] = o[c] + g[c];                                                      \
+        }                                                                                    \
+    }                                                                                        \
+    return count;                                                                            \
+}                                                                                            \
+                                                                                             \
+/* Each bag's sum of its rows: out[bag[i]] += weights[i] * rows[ids[i]], in the order of */ \
+/* i, into a zeroed out (the pooled answer to a lookup).                                   */ \
+void bag_sums_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *weights,       \
+                  const T *rows, int64_t dim, T *out)                                        \
+{                                                                                            \
+    for (int64_t i = 0; i < n; i++) {                                                        \
+        if (i + AHEAD < n)                                                                   \
+            prefetch_row(rows + ids[i + AHEAD] * dim, dim * (int64_t)sizeof(T));             \
+        const T *r = rows + ids[i] * dim;                                                    \
+        T *o = out + bag[i] * dim;                                                           \
+        if (weights) {                                                                       \
+            T w = weights[i];                                                                \
+            for (int64_t c = 0; c < dim; c++) {                                              \
+                T prod = r[c] * w;                                                           \
+                o[c] = o[c] + prod;                                                          \
+            }                                                                                \
+        } else {                                                                             \
+            for (int64_t c = 0; c < dim; c++)                                                \
+                o[c] = o[c] + r[c];                                                          \
+        }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+/* out[i] = rows[ids[i]] (a rows answer to a lookup, straight into its message). */         \
+void gather_##S(int64_t n, const int64_t *ids, const T *rows, int64_t dim, T *out)          \
+{                                                                                            \
+    for (int64_t i = 0; i < n; i++) {                                                        \
+        if (i + AHEAD < n)                                                                   \
+            prefetch_row(rows + ids[i + AHEAD] * dim, dim * (int64_t)sizeof(T));             \
+        memcpy(out + i * dim, rows + ids[i] * dim, (size_t)dim * sizeof(T));                 \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+/* Adagrad's accumulator on rows: x = sign * (grad / div); sum[id] += x * x;               */ \
+/* out = the new sum[id] (torch then takes out's square root: its sqrt is its own).        */ \
+static inline void adagrad_sum_body_##S(int64_t n, const int64_t *ids, const T *grad,       \
+                                        int64_t dim, int how, T div, T inv, T sign, T *sum,  \
+                                        T *out)                                              \
+{                                                                                            \
+    for (int64_t i = 0; i < n; i++) {                                                        \
+        if (i + AHEAD < n)                                                                   \
+            prefetch_row(sum + ids[i + AHEAD] * dim, dim * (int64_t)sizeof(T));              \
         T *s = sum + ids[i] * dim;                                                           \
         const T *g = grad + i * dim;                                                         \
         T *o = out + i * dim;                                                                \
         for (int64_t c = 0; c < dim; c++) {                                                  \
-            T x = g[c] * sign;                                                               \
+            T x = QUOT(g[c]) * sign;                                                         \
             T sq = x * x;                                                                    \
             T acc = s[c] + sq;                                                               \
             s[c] = acc;                                                                      \
@@ -75,33 +258,57 @@ void adagrad_sum_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t 
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-/* Adagrad's update once torch took the square root: x = sign * grad;                     */ \
+void adagrad_sum_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim, T div, \
+                          T sign, T *sum, T *out)                                            \
+{                                                                                            \
+    DISPATCH(adagrad_sum_body_##S(n, ids, grad, dim, HOW, div, (T)1 / div, sign, sum, out)); \
+}                                                                                            \
+                                                                                             \
+/* Adagrad's update once torch took the square root: x = sign * (grad / div);             */ \
 /* param[id] = fma(alpha, x / (std + eps), param[id]), as torch's per-row axpy rounds. */    \
-void adagrad_apply_rows_##S(int64_t n, const int64_t *ids, const T *grad, const T *std,     \
-                            int64_t dim, T sign, T eps, T alpha, T *param)                   \
+static inline void adagrad_apply_body_##S(int64_t n, const int64_t *ids, const T *grad,     \
+                                          const T *std, int64_t dim, int how, T div, T inv,  \
+                                          T sign, T eps, T alpha, T *param)                  \
 {                                                                                            \
     for (int64_t i = 0; i < n; i++) {                                                        \
+        if (i + AHEAD < n)                                                                   \
+            prefetch_row(param + ids[i + AHEAD] * dim, dim * (int64_t)sizeof(T));            \
         T *p = param + ids[i] * dim;                                                         \
         const T *g = grad + i * dim;                                                         \
         const T *d = std + i * dim;                                                          \
         for (int64_t c = 0; c < dim; c++) {                                                  \
-            T x = g[c] * sign;                                                               \
+            T x = QUOT(g[c]) * sign;                                                         \
             T den = d[c] + eps;                                                              \
             p[c] = FMA_##S(alpha, x / den, p[c]);                                            \
         }                                                                                    \
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-/* param[id] = fma(alpha, sign * grad, param[id]): torch's dense += alpha * sparse. */       \
-void axpy_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim, T sign,        \
-                   T alpha, T *param)                                                        \
+void adagrad_apply_rows_##S(int64_t n, const int64_t *ids, const T *grad, const T *std,     \
+                            int64_t dim, T div, T sign, T eps, T alpha, T *param)            \
+{                                                                                            \
+    DISPATCH(adagrad_apply_body_##S(n, ids, grad, std, dim, HOW, div, (T)1 / div, sign, eps, \
+                                    alpha, param));                                          \
+}                                                                                            \
+                                                                                             \
+/* param[id] = fma(alpha, sign * (grad / div), param[id]): torch's dense += alpha * sparse. */\
+static inline void axpy_body_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim,  \
+                                 int how, T div, T inv, T sign, T alpha, T *param)           \
 {                                                                                            \
     for (int64_t i = 0; i < n; i++) {                                                        \
+        if (i + AHEAD < n)                                                                   \
+            prefetch_row(param + ids[i + AHEAD] * dim, dim * (int64_t)sizeof(T));            \
         T *p = param + ids[i] * dim;                                                         \
         const T *g = grad + i * dim;                                                         \
         for (int64_t c = 0; c < dim; c++)                                                    \
-            p[c] = FMA_##S(alpha, g[c] * sign, p[c]);                                        \
+            p[c] = FMA_##S(alpha, QUOT(g[c]) * sign, p[c]);                                  \
     }                                                                                        \
+}                                                                                            \
+                                                                                             \
+void axpy_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim, T div, T sign, \
+                   T alpha, T *param)                                                        \
+{                                                                                            \
+    DISPATCH(axpy_body_##S(n, ids, grad, dim, HOW, div, (T)1 / div, sign, alpha, param));    \
 }                                                                                            \
                                                                                              \
 /* Two pieces of sorted distinct ids merged: each id once, in order; a's row, plus b's    */ \
@@ -137,24 +344,84 @@ int64_t merge2_rows_##S(int64_t na, const int64_t *ida, const T *ra, int64_t nb,
     return k;                                                                                \
 }                                                                                            \
                                                                                              \
-/* Row-wise Adagrad's update once torch made each row's multiplier (negated):             */ \
-/* param[id] = param[id] + (sign * grad) * mult[i], as torch's index_add_ of the product. */ \
-void rowwise_apply_rows_##S(int64_t n, const int64_t *ids, const T *grad, const T *mult,    \
-                            int64_t dim, T sign, T *param)                                   \
+/* Row-wise Adagrad on n rows (row ids[i], or row i where ids is NULL) with gradient rows  */ \
+/* grad: g = sign * (grad / div); sum[id] += squares(g) / dim; mult = lr / (sqrt(sum[id]) */ \
+/* + eps); param[id] += g * -mult. squares(g): LANES partial sums, lane j adding the       */ \
+/* squares of columns j, j + LANES, ... in order, then halved: lane[j] += lane[j + h] for  */ \
+/* h = LANES / 2, ..., 1; lane 0 is the sum (mpisync/rowwise.py does the same in torch).   */ \
+/* BLOCK rows at a time: their squares, then their multipliers, then their updates.        */ \
+static inline T squares_##S(const T *g, int64_t dim, int how, T div, T inv, T sign)          \
 {                                                                                            \
-    for (int64_t i = 0; i < n; i++) {                                                        \
-        T *p = param + ids[i] * dim;                                                         \
-        const T *g = grad + i * dim;                                                         \
-        T m = mult[i];                                                                       \
+    int64_t full = dim / LANES * LANES;                                                      \
+    T lane[LANES];                                                                           \
+    for (int64_t j = 0; j < LANES; j++)                                                      \
+        lane[j] = 0;                                                                         \
+    for (int64_t c = 0; c < full; c += LANES)                                                \
+        for (int64_t j = 0; j < LANES; j++) {                                                \
+            T x = QUOT(g[c + j]) * sign;                                                     \
+            T sq = x * x;                                                                    \
+            lane[j] = lane[j] + sq;                                                          \
+        }                                                                                    \
+    for (int64_t j = 0; full + j < dim; j++) {                                               \
+        T x = QUOT(g[full + j]) * sign;                                                      \
+        T sq = x * x;                                                                        \
+        lane[j] = lane[j] + sq;                                                              \
+    }                                                                                        \
+    for (int64_t h = LANES / 2; h >= 1; h /= 2)                                              \
+        for (int64_t j = 0; j < h; j++)                                                      \
+            lane[j] = lane[j] + lane[j + h];                                                 \
+    return lane[0];                                                                          \
+}                                                                                            \
+                                                                                             \
+static inline void rowwise_block_##S(int64_t m, int64_t left, const int64_t *ids,           \
+                                     int64_t first,                                          \
+                                     const T *grad, int64_t dim, int how, T div, T inv,      \
+                                     T sign, T lr, T eps, T *sum, T *param)                  \
+{                                                                                            \
+    T mult[BLOCK];                                                                           \
+    for (int64_t l = 0; l < m; l++) {                                                        \
+        if (ids && l + ROWS_AHEAD < left) {                                                  \
+            prefetch_row(param + ids[l + ROWS_AHEAD] * dim, dim * (int64_t)sizeof(T));       \
+            __builtin_prefetch(sum + ids[l + ROWS_AHEAD], 1, 3);                             \
+        }                                                                                    \
+        mult[l] = squares_##S(grad + l * dim, dim, how, div, inv, sign);                     \
+    }                                                                                        \
+    for (int64_t l = 0; l < m; l++) {                                                        \
+        int64_t r = ids ? ids[l] : first + l;                                                \
+        T total = sum[r] + mult[l] / (T)dim;                                                 \
+        sum[r] = total;                                                                      \
+        mult[l] = total;                                                                     \
+    }                                                                                        \
+    for (int64_t l = 0; l < m; l++) {                                                        \
+        T std = SQRT_##S(mult[l]) + eps;                                                     \
+        mult[l] = -(lr / std);                                                               \
+    }                                                                                        \
+    for (int64_t l = 0; l < m; l++) {                                                        \
+        T *p = param + (ids ? ids[l] : first + l) * dim;                                     \
+        const T *g = grad + l * dim;                                                         \
         for (int64_t c = 0; c < dim; c++) {                                                  \
-            T prod = (g[c] * sign) * m;                                                      \
+            T x = QUOT(g[c]) * sign;                                                         \
+            T prod = x * mult[l];                                                            \
             p[c] = p[c] + prod;                                                              \
         }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+void rowwise_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim, T div,     \
+                      T sign, T lr, T eps, T *sum, T *param)                                 \
+{                                                                                            \
+    for (int64_t i = 0; i < n; i += BLOCK) {                                                 \
+        int64_t m = n - i < BLOCK ? n - i : BLOCK;                                           \
+        const int64_t *at = ids ? ids + i : NULL;                                            \
+        DISPATCH(rowwise_block_##S(m, n - i, at, i, grad + i * dim, dim, HOW, div, (T)1 / div,\
+                                   sign, lr, eps, sum, param));                              \
     }                                                                                        \
 }
 
 #define FMA_f32 fmaf
 #define FMA_f64 fma
+#define SQRT_f32 sqrtf
+#define SQRT_f64 sqrt
 
 KERNELS(float, f32)
 KERNELS(double, f64)

@@ -53,6 +53,7 @@ from . import reshard
 from .errors import ConfigError
 from .hashtables import check_saved_hash_table, place_hash_table
 from .state import check_state
+from .tables import table_info
 
 __all__ = ["FORMAT", "VERSION", "Checkpointer", "latest", "load", "plain_state", "save"]
 
@@ -325,10 +326,20 @@ def _check_tables(ck: dict, opt) -> str | None:
             if problem:
                 return problem
             continue                      # any number of rows, re-hashed on load
-        problem = reshard.check_table(s, t)
+        problem = reshard.check_table(s, t, _unread(opt, t.name))
         if problem:
             return problem
     return None
+
+
+def _unread(opt, name: str) -> tuple[str, ...]:
+    """The state entries of table ``name`` its optimizer's update does not read."""
+    for group in opt._opt.param_groups:
+        for p in group["params"]:
+            info = table_info(p)
+            if info is not None and info.name == name:
+                return reshard.unread_counters(opt._opt, group)
+    return ()
 
 
 def _check(ck: dict, model, opt) -> str | None:
@@ -396,8 +407,9 @@ def _place_tables(saved: dict, opt) -> None:
             continue
         table = saved[t.name]
         from_shards, _ = reshard.sources(table, t)
+        unread = _unread(opt, t.name)
         for k in range(t.num_shards):
-            weight, state = reshard.new_shard(table, t, k, from_shards[k])
+            weight, state = reshard.new_shard(table, t, k, from_shards[k], unread)
             opt._rows.write_shard(t.name, k, weight, state)
             del weight, state             # one new shard in memory at a time
 

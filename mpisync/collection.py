@@ -36,7 +36,11 @@ class EmbeddingBagCollection(torch.nn.Module):
     Every table is checked first; then each ps rank gets one lookup covering every table
     it holds shards of (rows, or bags pooled there, as each table's ``pool_on_ps`` says),
     so 26 features cost one round trip, not 26. The tables train exactly as they would
-    looked up one by one. Features left out of a batch give no output.
+    looked up one by one. As with TorchRec's, every feature must have an input (a
+    ``KeyError`` on the worker that left one out, naming it, before anything is sent; the
+    job then ends on every rank): a feature without ids in a batch gets empty bags, e.g.
+    ``(torch.empty(0, dtype=torch.long), torch.zeros(batch, dtype=torch.long))``, which
+    pool to zeros. The output has every feature, in the collection's order.
 
     Args:
         tables: ``{feature: mpisync.EmbeddingBag}``; all held by one SyncReplicasOptimizer.
@@ -54,13 +58,22 @@ class EmbeddingBagCollection(torch.nn.Module):
         self.tables = torch.nn.ModuleDict(tables)
 
     def forward(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
+        label = next(iter(self.tables.values())).table.label if len(self.tables) else \
+            "this worker"
         unknown = [name for name in features if name not in self.tables]
         if unknown:
-            raise KeyError(f"features {unknown} have no table here; the tables are "
-                           f"{list(self.tables)}")
+            raise KeyError(f"{label}: mpisync.EmbeddingBagCollection got features {unknown} "
+                           f"that have no table here; the tables are {list(self.tables)}")
+        missing = [name for name in self.tables if name not in features]
+        if missing:
+            raise KeyError(f"{label}: mpisync.EmbeddingBagCollection got no input for "
+                           f"features {missing}; as TorchRec's EmbeddingBagCollection, "
+                           f"every feature needs one: give a feature without ids empty "
+                           f"bags (ids of length 0 with offsets of zeros), which pool to "
+                           f"zeros")
         plans = []
-        for name, value in features.items():
-            plans.append((name, self.tables[name].plan(*_arguments(name, value))))
+        for name in self.tables:
+            plans.append((name, self.tables[name].plan(*_arguments(name, features[name]))))
         if not plans:
             return {}
         channels = {id(self.tables[name].table.channel): name for name, _ in plans}

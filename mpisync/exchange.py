@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
+from . import kernels
 from .bags import Bags
-from .pooled import EXCHANGE, POOLED, Part, block_order, pack_parts, reply_nbytes
+from .pooled import EXCHANGE, Part, block_order, pack_parts, parts_nbytes, reply_nbytes
 from .wire import Tag
 
-__all__ = ["Request", "exchange", "pooled_sections"]
+__all__ = ["Request", "exchange", "pooled_sections", "shard_order", "split"]
 
 
 @dataclass
@@ -39,22 +39,40 @@ class Pooled:
     leaf: torch.Tensor
 
 
+def shard_order(shard: torch.Tensor, parts: int) -> tuple[torch.Tensor, list[int]]:
+    """The positions ordered by shard, stably, and each shard's count (compiled where
+    ``mpisync.kernels`` is available: a counting sort, not a sort)."""
+    if kernels.available():
+        return kernels.shard_order(shard.to(torch.int64), parts)
+    return (torch.argsort(shard, stable=True),
+            torch.bincount(shard, minlength=parts).tolist())
+
+
+def split(t, ids: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Ids of table ``t`` by shard: ``(order, counts, local rows)``: the positions ordered
+    by shard (stably), each shard's count, the local rows in that order (in one compiled
+    pass for a ``"mod"`` or ``"div"`` table where ``mpisync.kernels`` is available)."""
+    if t.hashed is None and kernels.available():
+        got = kernels.split_ids(ids, t.strategy, t.num_rows, t.num_shards)
+        if got is not None:
+            return got
+    shard, local = t.locate(ids)                # (ids outside the table: its error)
+    order, counts = shard_order(shard, t.num_shards)
+    return order, counts, local[order]
+
+
 def _split_rows(t, unique: torch.Tensor):
-    shard, local = t.locate(unique)
-    order = torch.argsort(shard, stable=True)
-    counts = torch.bincount(shard, minlength=t.num_shards).tolist()
-    parts = [Part(ids) if len(ids) else None for ids in torch.split(local[order], counts)]
+    order, counts, local = split(t, unique)
+    parts = [Part(ids) if len(ids) else None for ids in torch.split(local, counts)]
     return parts, torch.split(order, counts)
 
 
 def _split_bags(t, bags: Bags) -> list[Part | None]:
-    shard, local = t.locate(bags.ids)
-    order = torch.argsort(shard, stable=True)
-    counts = torch.bincount(shard, minlength=t.num_shards).tolist()
-    ids = torch.split(local[order], counts)
-    bag = torch.split(bags.bag[order], counts)
+    order, counts, local = split(t, bags.ids)
+    ids = torch.split(local, counts)
+    bag = torch.split(bags.bag.index_select(0, order), counts)
     weights = (None,) * t.num_shards if bags.weights is None else \
-        torch.split(bags.weights[order], counts)
+        torch.split(bags.weights.index_select(0, order), counts)
     return [Part(i, b, w, bags.num_bags) if len(i) else None
             for i, b, w in zip(ids, bag, weights)]
 
@@ -84,8 +102,11 @@ def exchange(channel, requests: list[Request]) -> list[torch.Tensor]:
         if not any(p is not None for p in parts):
             continue
         row_bytes = [tables[i].spec.row_bytes for i, _ in shards]
-        msg = pack_parts(EXCHANGE, parts, [])
-        reply = np.empty(reply_nbytes(parts, groups_on[j], row_bytes), np.uint8)
+        # buffers kept from call to call: both are done with when this call returns
+        msg = pack_parts(EXCHANGE, parts, [],
+                         channel.buffer(("lookup", j), parts_nbytes(parts, [])))
+        size = reply_nbytes(parts, groups_on[j], row_bytes)
+        reply = channel.buffer(("reply", j), size)[:size]
         rank = channel.cluster.ps_rank(j)
         reqs.append(channel.comm.Isend([msg, MPI.BYTE], dest=rank,
                                        tag=channel.tags[Tag.LOOKUP]))
@@ -160,16 +181,17 @@ def _merge(table) -> tuple[list[Part | None], torch.Tensor] | None:
     return parts, torch.cat([p.leaf.grad for p in got])
 
 
-def pooled_sections(channel) -> list[np.ndarray | None]:
-    """Per ps rank, the pooled section of this push (None: no pooled gradient for it)."""
+def pooled_sections(channel) -> list[tuple[list[Part | None], list[torch.Tensor]] | None]:
+    """Per ps rank, what this push's pooled section holds: its parts and gradient blocks
+    (``pack_parts(POOLED, *section)``), or None (no pooled gradient for it)."""
     merged = {i: m for i, table in enumerate(channel.tables)
               if table.pooled and (m := _merge(table)) is not None}
-    out: list[np.ndarray | None] = []
+    out: list[tuple[list[Part | None], list[torch.Tensor]] | None] = []
     for shards in channel.on_ps:
         parts = [merged[i][0][k] if i in merged else None for i, k in shards]
         if not any(p is not None for p in parts):
             out.append(None)
             continue
         order = block_order(parts, [i for i, _ in shards])
-        out.append(pack_parts(POOLED, parts, [merged[i][1] for i in order]))
+        out.append((parts, [merged[i][1] for i in order]))
     return out

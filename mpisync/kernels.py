@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
+import mmap
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,7 +30,8 @@ import torch
 from . import environ
 
 __all__ = ["adagrad_apply_rows", "adagrad_sum_rows", "available", "axpy_rows", "bag_rows",
-           "merge_pieces", "rowwise_apply_rows", "slots_for"]
+           "bag_sums", "gather", "merge_pieces", "reuse_freed_memory", "rowwise_rows",
+           "scatter", "shard_order", "slots_for", "split_ids", "table_copy", "table_zeros"]
 
 _SOURCE = Path(__file__).with_name("_rows.c")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-march=native", "-fPIC", "-shared"]
@@ -48,7 +53,40 @@ def _cpu() -> str:
     return platform.machine()
 
 
+def _compile(cc: str, target: Path) -> str | None:
+    """Build the library into ``target`` (atomically: ranks building at once all agree);
+    None when built, else why not."""
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(tmp, target)
+        return None
+    except subprocess.CalledProcessError as exc:
+        why = (exc.stderr or b"").decode(errors="replace").strip().splitlines()
+        return f"{cc} exited with status {exc.returncode}" + (f": {why[0]}" if why else "")
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{cc}: {exc}"
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _load(path: Path) -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+    except (OSError, AttributeError):        # not a library, or not this source's
+        return None
+    return lib
+
+
 def _build() -> ctypes.CDLL | None:
+    """The library: from the cache, else compiled into it, else (a cache that cannot be
+    written) compiled into a private temporary directory; None without a compiler."""
     if not environ.switch("MPISYNC_ROW_KERNELS", True):
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -58,39 +96,49 @@ def _build() -> ctypes.CDLL | None:
     key = hashlib.sha256(source + " ".join([cc, *_FLAGS, _cpu()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("MPISYNC_CACHE") or Path.home() / ".cache" / "mpisync")
     target = cache / f"rows-{key}.so"
-    if not target.exists():
-        tmp = None
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-            os.close(fd)
-            subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(tmp, target)          # atomic: ranks building at once all agree
-        except (OSError, subprocess.SubprocessError):
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
-            return None
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError:
-        return None
+    if target.exists() or _compile(cc, target) is None:
+        lib = _load(target)
+        if lib is not None:
+            return lib
+    with tempfile.TemporaryDirectory(prefix="mpisync-rows-") as private:
+        built = Path(private) / f"rows-{key}.so"
+        why = _compile(cc, built)
+        # loaded before the directory goes: the mapping outlives the file
+        lib = _load(built) if why is None else None
+    if lib is None:
+        warnings.warn(f"mpisync: the row kernels ({_SOURCE.name}) could not be built "
+                      f"({why or 'not a loadable library'}); the ps's row updates run on "
+                      f"torch, bitwise the same and slower (MPISYNC_ROW_KERNELS=0 silences "
+                      f"this)", RuntimeWarning, stacklevel=3)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The argument types of every function (AttributeError: one is missing)."""
     lib.mark_ids.restype = _I
     lib.mark_ids.argtypes = [_I, _P, _P, _P]
     lib.unmark.argtypes = [_I, _P, _P]
     lib.place.argtypes = [_I, _P, _P]
+    lib.shard_order.argtypes = [_I, _P, _I, _P, _P, _P]
+    lib.split_ids.argtypes = [_I, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P]
+    lib.split_ids.restype = _I
     for s in _SUFFIX.values():
-        getattr(lib, f"bag_rows_{s}").argtypes = [_I, _P, _P, _P, _P, _I, _P, _P]
         real = ctypes.c_float if s == "f32" else ctypes.c_double
+        getattr(lib, f"bag_rows_{s}").argtypes = [_I, _P, _P, _P, _P, _I, _P, _P]
+        scatter = getattr(lib, f"scatter_{s}")
+        scatter.argtypes = [_I, _P, _P, _P, _P, _I, _P, _P, _I, _P]
+        scatter.restype = _I
+        getattr(lib, f"bag_sums_{s}").argtypes = [_I, _P, _P, _P, _P, _I, _P]
+        getattr(lib, f"gather_{s}").argtypes = [_I, _P, _P, _I, _P]
         merge = getattr(lib, f"merge2_rows_{s}")
         merge.argtypes = [_I, _P, _P, _I, _P, _P, _I, real, _P, _P]
         merge.restype = _I
-        getattr(lib, f"adagrad_sum_rows_{s}").argtypes = [_I, _P, _P, _I, real, _P, _P]
+        getattr(lib, f"adagrad_sum_rows_{s}").argtypes = [_I, _P, _P, _I, real, real, _P, _P]
         getattr(lib, f"adagrad_apply_rows_{s}").argtypes = [_I, _P, _P, _P, _I, real, real,
-                                                           real, _P]
-        getattr(lib, f"axpy_rows_{s}").argtypes = [_I, _P, _P, _I, real, real, _P]
-        getattr(lib, f"rowwise_apply_rows_{s}").argtypes = [_I, _P, _P, _P, _I, real, _P]
-    return lib
+                                                           real, real, _P]
+        getattr(lib, f"axpy_rows_{s}").argtypes = [_I, _P, _P, _I, real, real, real, _P]
+        getattr(lib, f"rowwise_rows_{s}").argtypes = [_I, _P, _P, _I, real, real, real, real,
+                                                     _P, _P]
 
 
 def _kernels() -> ctypes.CDLL | None:
@@ -111,11 +159,79 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+def _width(rows: torch.Tensor) -> int:
+    """Elements per row (the product of every dimension but the first)."""
+    return math.prod(rows.shape[1:])
+
+
+def _fn(name: str, dtype: torch.dtype):
+    return getattr(_kernels(), f"{name}_{_SUFFIX[dtype]}")
+
+
+HUGE_BYTES = 4 << 20          # tensors from this size on get huge pages (where there are)
+
+
+def table_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros for a table the row kernels reach at random (a shard, its optimizer state, its
+    slot array): on Linux, from this size on, in private anonymous memory advised to use
+    2 MiB pages (transparent huge pages, ``madvise``), so that random rows miss the TLB
+    far less often (the row-wise update of 75,000 random rows of a 500,000 x 64 shard:
+    4.2 -> 2.6 ms); elsewhere, or smaller, ``torch.zeros``. The memory is the kernel's
+    zero pages until written, and freed with the tensor."""
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if nbytes < HUGE_BYTES or not sys.platform.startswith("linux") or \
+            not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:               # not allowed here: small pages, still zeros
+        pass
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)   # keeps it alive
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3      # glibc's mallopt parameters
+REUSE_BELOW = 32 << 20        # glibc's largest mmap threshold on 64-bit
+KEEP_FREED = 256 << 20
+
+
+def reuse_freed_memory() -> bool:
+    """On a ps rank with table shards (glibc): messages below 32 MiB come from the heap
+    and up to 256 MiB freed stays there, so that the buffers of each step (a lookup, a
+    push, a reply: 1-3 MB each) reuse pages instead of mapping and faulting in fresh ones
+    (2W+1P pooled, row-wise Adagrad: about 2,000 page faults and 3-5 ms of the ps's CPU a
+    step). Not where ``MALLOC_*_`` or ``GLIBC_TUNABLES`` set malloc's own; True if set."""
+    if not sys.platform.startswith("linux") or any(
+            k.startswith("MALLOC_") for k in os.environ) or \
+            "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):        # not glibc
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, REUSE_BELOW)) and \
+        bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREED))
+
+
+def table_copy(value):
+    """A copy of a loaded table shard's tensor in ``table_zeros``' memory (others as is)."""
+    if not torch.is_tensor(value) or value.device.type != "cpu" or \
+            value.numel() * value.element_size() < HUGE_BYTES:
+        return value.clone() if torch.is_tensor(value) else value
+    return table_zeros(value.shape, value.dtype).copy_(value)
+
+
 def slots_for(holder: dict, num_rows: int) -> torch.Tensor:
     """A shard's slot array (-1 everywhere), kept in ``holder`` from call to call."""
     slot = holder.get("slots")
     if slot is None or len(slot) != num_rows:
-        slot = holder["slots"] = torch.full((num_rows,), -1, dtype=torch.int64)
+        slot = holder["slots"] = table_zeros((num_rows,), torch.int64).fill_(-1)
     return slot
 
 
@@ -132,14 +248,85 @@ def bag_rows(ids: torch.Tensor, bag: torch.Tensor, weights: torch.Tensor | None,
     try:                                  # the slots are clean again whatever happens
         found = uniq[:count].sort().values
         lib.place(count, found.data_ptr(), slot.data_ptr())
-        dim = grads[0].numel() if len(grads) else 0
         out = torch.zeros(len(found), *grads.shape[1:], dtype=grads.dtype)
-        getattr(lib, f"bag_rows_{_SUFFIX[grads.dtype]}")(
-            len(ids), ids.data_ptr(), bag.data_ptr(), _ptr(weights), grads.data_ptr(), dim,
-            slot.data_ptr(), out.data_ptr())
+        _fn("bag_rows", grads.dtype)(len(ids), ids.data_ptr(), bag.data_ptr(), _ptr(weights),
+                                     grads.data_ptr(), _width(grads), slot.data_ptr(),
+                                     out.data_ptr())
     finally:
         lib.unmark(count, uniq.data_ptr(), slot.data_ptr())
     return found, out
+
+
+def scatter(pieces: list[tuple], slot: torch.Tensor, uniq: torch.Tensor,
+            out: torch.Tensor) -> int:
+    """A step's taken rows summed per id in one pass: the number of distinct ids.
+
+    ``pieces``, in the order their rows are added: ``(ids, None, None, rows)`` (row ``i``
+    of id ``ids[i]``) or ``(ids, bag, weights, grads)`` (``weights[i] * grads[bag[i]]``,
+    weights None: 1). Each id's first row is copied into ``out``, the later ones added
+    one after another; the ids go to ``uniq`` in first-seen order (``uniq`` and ``out``
+    hold at least as many rows as all the pieces). ``slot`` (``slots_for``, ids checked
+    to lie in it) is clean again after the call.
+    """
+    lib = _kernels()
+    count = 0
+    try:
+        for ids, bag, weights, rows in pieces:
+            ids, rows = ids.contiguous(), rows.contiguous()
+            bag = None if bag is None else bag.contiguous()
+            weights = None if weights is None else weights.to(rows.dtype).contiguous()
+            count = _fn("scatter", rows.dtype)(
+                len(ids), ids.data_ptr(), _ptr(bag), _ptr(weights), rows.data_ptr(),
+                _width(rows), slot.data_ptr(), uniq.data_ptr(), count, out.data_ptr())
+    finally:
+        lib.unmark(count, uniq.data_ptr(), slot.data_ptr())
+    return count
+
+
+def bag_sums(ids: torch.Tensor, bag: torch.Tensor, weights: torch.Tensor | None,
+             rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[bag[i]] += weights[i] * rows[ids[i]]`` in order of ``i`` (``out`` contiguous,
+    ``rows`` contiguous: a shard)."""
+    ids, bag = ids.contiguous(), bag.contiguous()
+    weights = None if weights is None else weights.to(rows.dtype).contiguous()
+    _fn("bag_sums", rows.dtype)(len(ids), ids.data_ptr(), bag.data_ptr(), _ptr(weights),
+                                rows.data_ptr(), _width(rows), out.data_ptr())
+
+
+def gather(ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = rows[ids[i]]`` (``out`` and ``rows`` contiguous)."""
+    ids = ids.contiguous()
+    _fn("gather", rows.dtype)(len(ids), ids.data_ptr(), rows.data_ptr(), _width(rows),
+                              out.data_ptr())
+
+
+def shard_order(shard: torch.Tensor, parts: int) -> tuple[torch.Tensor, list[int]]:
+    """``(torch.argsort(shard, stable=True), torch.bincount(shard, minlength=parts))``
+    by counting (every ``shard[i]`` in ``[0, parts)``)."""
+    shard = shard.contiguous()
+    order = torch.empty(len(shard), dtype=torch.int64)
+    counts = torch.empty(parts, dtype=torch.int64)
+    starts = torch.empty(parts, dtype=torch.int64)
+    _kernels().shard_order(len(shard), shard.data_ptr(), parts, counts.data_ptr(),
+                           starts.data_ptr(), order.data_ptr())
+    return order, counts.tolist()
+
+
+def split_ids(ids: torch.Tensor, strategy: str, num_rows: int, parts: int
+              ) -> tuple[torch.Tensor, list[int], torch.Tensor] | None:
+    """``mpisync.partition.map_ids`` (``num_rows`` >= ``parts`` >= 1, or no rows) and the
+    shard order in one pass: ``(order, counts, local rows in that order)``, ``order`` as
+    ``torch.argsort(shard, stable=True)``; None when an id lies outside
+    ``[0, num_rows)``."""
+    ids = ids.to(torch.int64).contiguous()
+    n = len(ids)
+    counts, starts = torch.empty(parts, dtype=torch.int64), torch.empty(parts, dtype=torch.int64)
+    shard, local, order, out = (torch.empty(n, dtype=torch.int64) for _ in range(4))
+    if _kernels().split_ids(n, ids.data_ptr(), int(strategy == "div"), num_rows, parts,
+                            counts.data_ptr(), starts.data_ptr(), shard.data_ptr(),
+                            local.data_ptr(), order.data_ptr(), out.data_ptr()) < 0:
+        return None
+    return order, counts.tolist(), out
 
 
 def merge_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], div: int,
@@ -147,11 +334,10 @@ def merge_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], div: int,
     """Pieces of sorted distinct ids (and their rows) merged: (sorted distinct ids, rows);
     each id's first row copied, the later ones added in the pieces' order, the sums
     divided by ``div`` unless it is 0. ``out_for(n)`` gives the last output's n rows."""
-    lib = _kernels()
     ids, rows = pieces[0]
     ids, rows = ids.contiguous(), rows.contiguous()
-    merge = getattr(lib, f"merge2_rows_{_SUFFIX[rows.dtype]}")
-    dim = rows[0].numel() if len(rows) else 0
+    merge = _fn("merge2_rows", rows.dtype)
+    dim = _width(rows)
     for n, (more_ids, more) in enumerate(pieces[1:], 2):
         more_ids, more = more_ids.contiguous(), more.contiguous()
         cap, last = len(ids) + len(more_ids), n == len(pieces)
@@ -164,46 +350,41 @@ def merge_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], div: int,
 
 
 def adagrad_sum_rows(ids: torch.Tensor, grad: torch.Tensor, sign: float,
-                     state_sum: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``x = sign * grad``; ``state_sum[ids] += x * x``; ``out = state_sum[ids]``, row by
-    row (``state_sum`` contiguous, ``ids`` distinct)."""
-    lib = _kernels()
-    grad = grad.contiguous()
-    dim = grad[0].numel() if len(grad) else 0
-    getattr(lib, f"adagrad_sum_rows_{_SUFFIX[grad.dtype]}")(
-        len(ids), ids.data_ptr(), grad.data_ptr(), dim, sign, state_sum.data_ptr(),
-        out.data_ptr())
+                     state_sum: torch.Tensor, out: torch.Tensor, div: float = 0) -> torch.Tensor:
+    """``x = sign * (grad / div)`` (div 0: grad); ``state_sum[ids] += x * x``;
+    ``out = state_sum[ids]``, row by row (``state_sum`` contiguous, ``ids`` distinct)."""
+    ids, grad = ids.contiguous(), grad.contiguous()
+    _fn("adagrad_sum_rows", grad.dtype)(len(ids), ids.data_ptr(), grad.data_ptr(), _width(grad),
+                                        div, sign, state_sum.data_ptr(), out.data_ptr())
     return out
 
 
 def adagrad_apply_rows(ids: torch.Tensor, grad: torch.Tensor, std: torch.Tensor, sign: float,
-                       eps: float, alpha: float, param: torch.Tensor) -> None:
-    """``param[ids] = fma(alpha, sign * grad / (std + eps), param[ids])``, row by row."""
-    lib = _kernels()
-    grad, std = grad.contiguous(), std.contiguous()
-    dim = grad[0].numel() if len(grad) else 0
-    getattr(lib, f"adagrad_apply_rows_{_SUFFIX[grad.dtype]}")(
-        len(ids), ids.data_ptr(), grad.data_ptr(), std.data_ptr(), dim, sign, eps, alpha,
-        param.data_ptr())
+                       eps: float, alpha: float, param: torch.Tensor, div: float = 0) -> None:
+    """``param[ids] = fma(alpha, sign * (grad / div) / (std + eps), param[ids])``, row by row."""
+    ids, grad, std = ids.contiguous(), grad.contiguous(), std.contiguous()
+    _fn("adagrad_apply_rows", grad.dtype)(len(ids), ids.data_ptr(), grad.data_ptr(),
+                                          std.data_ptr(), _width(grad), div, sign, eps, alpha,
+                                          param.data_ptr())
 
 
 def axpy_rows(ids: torch.Tensor, grad: torch.Tensor, sign: float, alpha: float,
-              param: torch.Tensor) -> None:
-    """``param[ids] = fma(alpha, sign * grad, param[ids])``, row by row: torch's
+              param: torch.Tensor, div: float = 0) -> None:
+    """``param[ids] = fma(alpha, sign * (grad / div), param[ids])``, row by row: torch's
     ``param.add_(sparse, alpha=alpha)`` (an axpy per row, which fuses)."""
-    lib = _kernels()
+    ids, grad = ids.contiguous(), grad.contiguous()
+    _fn("axpy_rows", grad.dtype)(len(ids), ids.data_ptr(), grad.data_ptr(), _width(grad), div,
+                                 sign, alpha, param.data_ptr())
+
+
+def rowwise_rows(ids: torch.Tensor | None, grad: torch.Tensor, sign: float, lr: float,
+                 eps: float, total: torch.Tensor, param: torch.Tensor, div: float = 0) -> None:
+    """Row-wise Adagrad on the rows ``ids`` of ``param`` (None: every row, in order) with
+    gradient rows ``grad``: ``g = sign * (grad / div)``; ``total[id] += (g[0]**2 + g[1]**2 +
+    ...) / width``, summed in column order; ``param[id] += g * -(lr / (sqrt(total[id]) +
+    eps))`` (``mpisync.rowwise`` has the same in torch). ``total`` and ``param``
+    contiguous."""
     grad = grad.contiguous()
-    dim = grad[0].numel() if len(grad) else 0
-    getattr(lib, f"axpy_rows_{_SUFFIX[grad.dtype]}")(
-        len(ids), ids.data_ptr(), grad.data_ptr(), dim, sign, alpha, param.data_ptr())
-
-
-def rowwise_apply_rows(ids: torch.Tensor, grad: torch.Tensor, mult: torch.Tensor, sign: float,
-                       param: torch.Tensor) -> None:
-    """``param[ids[i]] += (sign * grad[i]) * mult[i]``, row by row (one ``mult`` a row)."""
-    lib = _kernels()
-    grad, mult = grad.contiguous(), mult.contiguous()
-    dim = grad[0].numel() if len(grad) else 0
-    getattr(lib, f"rowwise_apply_rows_{_SUFFIX[grad.dtype]}")(
-        len(ids), ids.data_ptr(), grad.data_ptr(), mult.data_ptr(), dim, sign,
-        param.data_ptr())
+    ids = None if ids is None else ids.contiguous()
+    _fn("rowwise_rows", grad.dtype)(len(grad), _ptr(ids), grad.data_ptr(), _width(grad), div,
+                                    sign, lr, eps, total.data_ptr(), param.data_ptr())

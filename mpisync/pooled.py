@@ -9,24 +9,25 @@ gradient of each bag's sum; the ps turns it into the gradient of each row on arr
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 
 from . import kernels
 from .wire import ROWS_HEAD
 
-__all__ = ["EXCHANGE", "POOLED", "Part", "answer", "block_order", "pack_parts",
-           "reply_nbytes", "row_grads", "rows_section_nbytes", "unpack_parts"]
+__all__ = ["EXCHANGE", "POOLED", "Part", "answer", "bag_grads", "block_order", "gather_rows",
+           "pack_parts", "pad8", "parts_nbytes", "reply_nbytes", "row_grads", "rows_of", "rows_section_nbytes",
+           "unpack_parts"]
 
 EXCHANGE = -2   # words[0] of a lookup in this layout (a rows lookup, ``pack_rows``, has -1)
 POOLED = -3     # words[0] of a push's pooled section, after its rows message
 HEAD, PER_PART = 3, 3     # int64 words: [mark, 0, parts], then [count, num_bags, weighted]
 
 
-def _pad8(n: int) -> int:
+def pad8(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
@@ -44,21 +45,41 @@ class Part:
         return self.bag is not None
 
 
-def pack_parts(mark: int, parts: list[Part | None], blocks: list[torch.Tensor]) -> np.ndarray:
-    """One message: ``[mark, 0, n]``, per part ``[count, num_bags (-1: rows), weighted]``,
-    then each part's ids, bags and weights (8-byte padded), then ``blocks`` (each padded)."""
+def parts_nbytes(parts: list[Part | None], blocks: list[torch.Tensor]) -> int:
+    """The bytes of ``pack_parts(mark, parts, blocks)``."""
     size = 8 * (HEAD + PER_PART * len(parts))
     for p in parts:
         if p is not None:
             size += 8 * len(p.ids) * (2 if p.pooled else 1)
             if p.weights is not None:
-                size += _pad8(p.weights.numel() * p.weights.element_size())
-    size += sum(_pad8(b.numel() * b.element_size()) for b in blocks)
-    buf = np.zeros(size, np.uint8)
+                size += pad8(p.weights.numel() * p.weights.element_size())
+    return size + sum(pad8(b.numel() * b.element_size()) for b in blocks)
+
+
+def pack_parts(mark: int, parts: list[Part | None], blocks: list[torch.Tensor],
+               into: np.ndarray | None = None, start: int = 0) -> np.ndarray:
+    """One message: ``[mark, 0, n]``, per part ``[count, num_bags (-1: rows), weighted]``,
+    then each part's ids, bags and weights (8-byte padded), then ``blocks`` (each padded).
+
+    ``into``: a byte buffer to write it into from ``start`` (``into[:start]`` is left as
+    it is; the result is ``into[:start + size]``); default a new one.
+    """
+    size = parts_nbytes(parts, blocks)
+    if into is None:
+        into, start = np.empty(size, np.uint8), 0
+    buf = into[start:start + size]
     words = buf[:8 * (HEAD + PER_PART * len(parts))].view(np.int64)
     words[:HEAD] = (mark, 0, len(parts))
     out = torch.from_numpy(buf)
     at = len(words) * 8
+
+    def put(t: torch.Tensor) -> None:
+        nonlocal at
+        nbytes = t.numel() * t.element_size()
+        out[at:at + nbytes].view(t.dtype).view(t.shape).copy_(t)
+        buf[at + nbytes:at + pad8(nbytes)] = 0
+        at += pad8(nbytes)
+
     for n, p in enumerate(parts):
         if p is None:
             words[HEAD + PER_PART * n:HEAD + PER_PART * (n + 1)] = (0, -1, 0)
@@ -67,14 +88,10 @@ def pack_parts(mark: int, parts: list[Part | None], blocks: list[torch.Tensor]) 
             len(p.ids), p.num_bags if p.pooled else -1, int(p.weights is not None))
         for t in (p.ids, p.bag, p.weights):
             if t is not None:
-                nbytes = t.numel() * t.element_size()
-                out[at:at + nbytes].view(t.dtype).copy_(t.reshape(-1))
-                at += _pad8(nbytes)
+                put(t.reshape(-1))
     for b in blocks:
-        nbytes = b.numel() * b.element_size()
-        out[at:at + nbytes].view(b.dtype).view(b.shape).copy_(b)
-        at += _pad8(nbytes)
-    return buf
+        put(b)
+    return into[:start + size]
 
 
 def unpack_parts(buf: np.ndarray, dtypes: list[torch.dtype], start: int = 0
@@ -103,7 +120,7 @@ def unpack_parts(buf: np.ndarray, dtypes: list[torch.dtype], start: int = 0
             parts.append(None)
             continue
         need = 8 * count * (2 if num_bags >= 0 else 1) + (
-            _pad8(count * dtype.itemsize) if weighted else 0)
+            pad8(count * dtype.itemsize) if weighted else 0)
         if count < 0 or at + need > buf.nbytes:
             raise ValueError(f"a lookup of {buf.nbytes - start} bytes, too short for its parts")
         ids = t[at:at + 8 * count].view(torch.int64)
@@ -114,7 +131,7 @@ def unpack_parts(buf: np.ndarray, dtypes: list[torch.dtype], start: int = 0
             at += 8 * count
         if weighted:
             weights = t[at:at + count * dtype.itemsize].view(dtype)
-            at += _pad8(count * dtype.itemsize)
+            at += pad8(count * dtype.itemsize)
         parts.append(Part(ids, bag, weights, num_bags))
     return mark, parts, at
 
@@ -136,10 +153,10 @@ def reply_nbytes(parts: list[Part | None], groups: list[int], row_bytes: list[in
         if p is None:
             continue
         if not p.pooled:
-            size += _pad8(len(p.ids) * rb)
+            size += pad8(len(p.ids) * rb)
         elif g not in blocked:
             blocked.add(g)
-            size += _pad8(p.num_bags * rb)
+            size += pad8(p.num_bags * rb)
     return size
 
 
@@ -154,7 +171,11 @@ def _check(p: Part, rows: int, what: str) -> None:
 def answer(buf: np.ndarray, params: list[torch.Tensor], groups: list[int]) -> np.ndarray:
     """The ps's reply to a lookup: each rows part's rows, each table's pooled sums.
 
-    ``params[n]`` is the shard of part ``n`` (local rows), ``groups[n]`` its table.
+    ``params[n]`` is the shard of part ``n`` (local rows), ``groups[n]`` its table. The
+    rows and sums are written straight into the reply: each part's rows gathered, each
+    table's block of sums added up row after row in the order of its parts and their ids
+    (``out[bag[i]] += weight[i] * row[ids[i]]``; compiled where ``mpisync.kernels`` is
+    available, the same additions in torch otherwise).
 
     Raises:
         ValueError: a malformed lookup.
@@ -162,50 +183,57 @@ def answer(buf: np.ndarray, params: list[torch.Tensor], groups: list[int]) -> np
     _, parts, at = unpack_parts(buf, [p.dtype for p in params])
     if at != buf.nbytes:
         raise ValueError(f"a lookup of {buf.nbytes} bytes, expected {at}")
-    blocks: list[torch.Tensor] = []
-    sums: dict[int, torch.Tensor] = {}
+    bags: dict[int, int] = {}
     for p, param, g in zip(parts, params, groups):
         if p is None:
             continue
         _check(p, param.shape[0], "a lookup")
-        if not p.pooled:
-            blocks.append(param.detach()[p.ids])
+        if p.pooled and bags.setdefault(g, p.num_bags) != p.num_bags:
+            raise ValueError(f"a lookup whose parts of one table have {bags[g]} and "
+                             f"{p.num_bags} bags")
+    reply = np.empty(reply_nbytes(parts, groups, [_row_bytes(p) for p in params]), np.uint8)
+    out, at, blocks = torch.from_numpy(reply), 0, {}
+    for p, param, g in zip(parts, params, groups):
+        if p is None:
             continue
-        if g not in sums:
-            sums[g] = torch.zeros(p.num_bags, *param.shape[1:], dtype=param.dtype)
-            blocks.append(sums[g])
-        elif sums[g].shape[0] != p.num_bags:
-            raise ValueError(f"a lookup whose parts of one table have {sums[g].shape[0]} "
-                             f"and {p.num_bags} bags")
-        sums[g] += _bag_sums(p, param.detach())
-    return pack_blocks(blocks)
+        rows = param.detach()
+        n = len(p.ids) if not p.pooled else p.num_bags
+        if p.pooled and g in blocks:
+            _add_bags(p, rows, blocks[g])
+            continue
+        nbytes = n * _row_bytes(param)
+        view = out[at:at + nbytes].view(param.dtype).view(n, *param.shape[1:])
+        at += pad8(nbytes)
+        if not p.pooled:
+            gather_rows(p.ids, rows, view)
+            continue
+        blocks[g] = view.zero_()
+        _add_bags(p, rows, view)
+    return reply
 
 
-def _bag_sums(p: Part, rows: torch.Tensor) -> torch.Tensor:
-    """Each bag's sum of the (weighted) rows of its ids in ``p``.
+def _row_bytes(param: torch.Tensor) -> int:
+    return math.prod(param.shape[1:]) * param.element_size()
 
-    The worker sends each shard's ids in bag order: torch's fused ``embedding_bag`` sums
-    them without gathering the rows first; ids in another order are summed row by row.
-    """
-    if rows.dim() == 2 and bool((p.bag[1:] >= p.bag[:-1]).all()):
-        offsets = torch.searchsorted(p.bag, torch.arange(p.num_bags))
-        return F.embedding_bag(p.ids, rows, offsets, mode="sum", per_sample_weights=p.weights)
+
+def gather_rows(ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = rows[ids[i]]`` (ids checked to lie in ``rows``)."""
+    if kernels.available(rows) and rows.is_contiguous():
+        kernels.gather(ids, rows, out)
+    else:
+        torch.index_select(rows, 0, ids, out=out)
+
+
+def _add_bags(p: Part, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[bag[i]] += weights[i] * rows[ids[i]]``, in order of ``i``."""
+    weights = None if p.weights is None else p.weights.to(rows.dtype)
+    if kernels.available(rows) and rows.is_contiguous():
+        kernels.bag_sums(p.ids, p.bag, weights, rows, out)
+        return
     each = rows[p.ids]
-    if p.weights is not None:
-        each.mul_(p.weights.view(-1, *[1] * (each.dim() - 1)))
-    out = torch.zeros(p.num_bags, *rows.shape[1:], dtype=rows.dtype)
-    return out.index_add_(0, p.bag, each)
-
-
-def pack_blocks(blocks: list[torch.Tensor]) -> np.ndarray:
-    """Tensors one after another, each padded to 8 bytes."""
-    buf = np.empty(sum(_pad8(b.numel() * b.element_size()) for b in blocks), np.uint8)
-    out, at = torch.from_numpy(buf), 0
-    for b in blocks:
-        nbytes = b.numel() * b.element_size()
-        out[at:at + nbytes].view(b.dtype).view(b.shape).copy_(b)
-        at += _pad8(nbytes)
-    return buf
+    if weights is not None:
+        each.mul_(weights.view(-1, *[1] * (each.dim() - 1)))
+    out.index_add_(0, p.bag, each)
 
 
 def rows_section_nbytes(buf: np.ndarray, kinds: list[tuple[torch.dtype, tuple[int, ...]]]
@@ -215,18 +243,14 @@ def rows_section_nbytes(buf: np.ndarray, kinds: list[tuple[torch.dtype, tuple[in
     counts = buf[8 * ROWS_HEAD:8 * (ROWS_HEAD + n)].view(np.int64).tolist()
     size = 8 * (ROWS_HEAD + n) + 8 * sum(counts)
     for c, (dtype, shape) in zip(counts, kinds):
-        size += _pad8(c * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        size += pad8(c * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
     return size
 
 
-def row_grads(buf: np.ndarray, start: int, params: list[torch.Tensor], groups: list[int],
-              scratches: list | None = None
-              ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """A push's pooled section (from ``start``): per part, (unique local ids, row gradients).
-
-    Each id's row gets its bag's gradient times its weight; an id met several times gets
-    the sum, added in the order the ids came (with ``scratches``, each part's
-    ``rowopt.RowScratch``, in one compiled pass where ``mpisync.kernels`` is available).
+def bag_grads(buf: np.ndarray, start: int, params: list[torch.Tensor], groups: list[int]
+              ) -> list[tuple[Part, torch.Tensor] | None]:
+    """A push's pooled section (from ``start``), checked: per part, the part and its
+    table's bag gradients (``num_bags`` rows), views into ``buf``; None for no pooled part.
 
     Raises:
         ValueError: a malformed section.
@@ -244,10 +268,10 @@ def row_grads(buf: np.ndarray, start: int, params: list[torch.Tensor], groups: l
         if at + nbytes > buf.nbytes:
             raise ValueError(f"a push of {buf.nbytes} bytes, too short for its pooled gradients")
         grads[g] = t[at:at + nbytes].view(params[n].dtype).view(shape)
-        at += _pad8(nbytes)
+        at += pad8(nbytes)
     if at != buf.nbytes:
         raise ValueError(f"a push of {buf.nbytes} bytes, expected {at}")
-    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    out: list[tuple[Part, torch.Tensor] | None] = []
     for p, param, g in zip(parts, params, groups):
         if p is None or not p.pooled:
             out.append(None)
@@ -256,15 +280,39 @@ def row_grads(buf: np.ndarray, start: int, params: list[torch.Tensor], groups: l
         if grads[g].shape[0] != p.num_bags:
             raise ValueError(f"a push whose parts of one table have {grads[g].shape[0]} and "
                              f"{p.num_bags} bags")
-        if scratches is not None and kernels.available(grads[g]) and (
-                p.weights is None or p.weights.dtype == grads[g].dtype):
-            out.append(kernels.bag_rows(p.ids, p.bag, p.weights, grads[g],
-                                        scratches[len(out)].slots(param.shape[0])))
-            continue
-        each = grads[g][p.bag]
-        if p.weights is not None:
-            each.mul_(p.weights.view(-1, *[1] * (each.dim() - 1)))
-        ids, inverse = torch.unique(p.ids, sorted=True, return_inverse=True)
-        summed = torch.zeros(len(ids), *param.shape[1:], dtype=param.dtype)
-        out.append((ids, summed.index_add_(0, inverse, each)))
+        out.append((p, grads[g]))
     return out
+
+
+def rows_of(p: Part, grads: torch.Tensor, num_rows: int, scratch=None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pooled part's bag gradients as (sorted unique local ids, row gradients).
+
+    Each id's row gets its bag's gradient times its weight; an id met several times gets
+    the sum, added in the order the ids came (with ``scratch``, the ``rowopt.RowScratch``
+    of the shard of ``num_rows`` rows, in one compiled pass where ``mpisync.kernels`` is
+    available).
+    """
+    if scratch is not None and kernels.available(grads) and grads.is_contiguous() and (
+            p.weights is None or p.weights.dtype == grads.dtype):
+        return kernels.bag_rows(p.ids, p.bag, p.weights, grads, scratch.slots(num_rows))
+    each = grads[p.bag]
+    if p.weights is not None:
+        each.mul_(p.weights.view(-1, *[1] * (each.dim() - 1)))
+    ids, inverse = torch.unique(p.ids, sorted=True, return_inverse=True)
+    summed = torch.zeros(len(ids), *grads.shape[1:], dtype=grads.dtype)
+    return ids, summed.index_add_(0, inverse, each)
+
+
+def row_grads(buf: np.ndarray, start: int, params: list[torch.Tensor], groups: list[int],
+              scratches: list | None = None
+              ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """A push's pooled section (from ``start``): per part, (unique local ids, row gradients)
+    (``bag_grads`` then ``rows_of``; ``scratches``: each part's ``rowopt.RowScratch``).
+
+    Raises:
+        ValueError: a malformed section.
+    """
+    return [None if got is None else
+            rows_of(*got, params[n].shape[0], None if scratches is None else scratches[n])
+            for n, got in enumerate(bag_grads(buf, start, params, groups))]

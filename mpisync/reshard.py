@@ -14,7 +14,10 @@ of its own shards from them, row by row:
 - any other entry (a ``step`` counter, a number) belongs to the shard as a whole and
   is copied to every new shard that takes rows from it; the saved shards that give
   rows to one new shard must agree on it, or the load is refused (their rows would be
-  updated as if they had taken the same number of steps).
+  updated as if they had taken the same number of steps). A shard counts only the steps
+  that gave it rows, so counters differ once a shard missed one; where the update never
+  reads an entry (``unread``: Adagrad's ``step`` without ``lr_decay``, RowWiseAdagrad's),
+  they may differ, and the new shard takes the largest.
 
 Memory: the id map of one saved shard at a time (two int64 per saved row), and one new
 shard's rows and state being filled; the saved tensors are read from the file as
@@ -26,7 +29,7 @@ import torch
 
 from .tables import TableSpec
 
-__all__ = ["check_table", "new_shard", "sources"]
+__all__ = ["check_table", "new_shard", "sources", "unread_counters"]
 
 
 def _per_row(value, rows: int) -> bool:
@@ -67,11 +70,12 @@ def sources(saved: dict, spec: TableSpec) -> tuple[list[list[int]], list[int]]:
     return from_shards, rows
 
 
-def check_table(saved: dict, spec: TableSpec) -> str | None:
+def check_table(saved: dict, spec: TableSpec, unread: tuple[str, ...] = ()) -> str | None:
     """What keeps the saved table from loading into ``spec``'s shards, or None.
 
     Checks the shape, that every row is there once per new shard, and that the saved
-    shards giving rows to one new shard agree on their per-shard state.
+    shards giving rows to one new shard agree on their per-shard state (but for the
+    entries named in ``unread``, which the optimizer's update does not read).
     """
     name = spec.name
     if saved["num_rows"] != spec.num_rows or list(saved["row_shape"]) != list(spec.row_shape):
@@ -95,7 +99,7 @@ def check_table(saved: dict, spec: TableSpec) -> str | None:
             return (f"table {name!r} in the checkpoint gives shard {k} {given} rows, it "
                     f"holds {want}: the saved ids are not each row once")
     for k, saved_shards in enumerate(from_shards):
-        problem = _disagreement(shards, saved_shards)
+        problem = _disagreement(shards, saved_shards, unread)
         if problem:
             return (f"table {name!r}: {problem}, and rows of both go to shard {k} of this "
                     f"job's {spec.num_shards} ({spec.strategy!r}); load it into the "
@@ -104,13 +108,14 @@ def check_table(saved: dict, spec: TableSpec) -> str | None:
     return None
 
 
-def _disagreement(shards: list[dict], saved_shards: list[int]) -> str | None:
+def _disagreement(shards: list[dict], saved_shards: list[int], unread: tuple[str, ...]
+                  ) -> str | None:
     """The first per-shard state entry on which two of ``saved_shards`` differ, described."""
     first: dict = {}
     for s in saved_shards:
         state, n = shards[s].get("state") or {}, len(shards[s]["ids"])
         for key, value in state.items():
-            if _per_row(value, n):
+            if _per_row(value, n) or key in unread:
                 continue
             if key not in first:
                 first[key] = (s, value)
@@ -121,12 +126,13 @@ def _disagreement(shards: list[dict], saved_shards: list[int]) -> str | None:
     return None
 
 
-def new_shard(saved: dict, spec: TableSpec, k: int, from_shards: list[int]
-              ) -> tuple[torch.Tensor, dict]:
+def new_shard(saved: dict, spec: TableSpec, k: int, from_shards: list[int],
+              unread: tuple[str, ...] = ()) -> tuple[torch.Tensor, dict]:
     """Shard ``k`` of ``spec`` built from the saved shards ``from_shards``: rows, state.
 
     The state is ``{}`` when none of those shards had any (the optimizer starts it as
-    for a fresh parameter). Call ``check_table`` first.
+    for a fresh parameter); an entry named in ``unread`` is the largest of the shards'.
+    Call ``check_table`` first (with the same ``unread``).
     """
     rows = spec.shard_rows[k]
     weight = torch.empty(rows, *spec.row_shape, dtype=spec.dtype)
@@ -144,6 +150,16 @@ def new_shard(saved: dict, spec: TableSpec, k: int, from_shards: list[int]
                 if key not in state:
                     state[key] = torch.zeros(rows, *value.shape[1:], dtype=value.dtype)
                 state[key][at] = value[mine]
-            elif key not in state:
+            elif key not in state or (key in unread and value > state[key]):
                 state[key] = value.clone() if torch.is_tensor(value) else value
     return weight, state
+
+
+def unread_counters(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...]:
+    """The per-shard entries of a table's state that ``optimizer``'s update does not read:
+    Adagrad's ``step`` without ``lr_decay``, ``mpisync.RowWiseAdagrad``'s ``step``."""
+    from .rowwise import RowWiseAdagrad
+    if type(optimizer) is RowWiseAdagrad or (type(optimizer) is torch.optim.Adagrad
+                                             and not group.get("lr_decay")):
+        return ("step",)
+    return ()

@@ -169,30 +169,38 @@ def handles_rows(optimizer: torch.optim.Optimizer, group: dict, param: torch.Ten
 
 @torch.no_grad()
 def apply_rows(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor,
-               ids: torch.Tensor, rows: torch.Tensor, scratch: RowScratch | None = None) -> None:
+               ids: torch.Tensor, rows: torch.Tensor, scratch: RowScratch | None = None,
+               div: float = 0) -> None:
     """One step of ``optimizer`` on the rows ``ids`` of ``param``, whose gradient is ``rows``.
 
     Bitwise ``optimizer.step()`` with ``param.grad`` the coalesced sparse tensor of
-    ``(ids, rows)`` (and no other gradient in the group); the optimizer's state for
-    ``param`` is created and advanced as torch's step would. Only for what
-    ``handles_rows`` accepts.
+    ``(ids, rows / div)`` (``rows`` where ``div`` is 0; and no other gradient in the
+    group); the optimizer's state for ``param`` is created and advanced as torch's step
+    would. Only for what ``handles_rows`` accepts.
 
     Args:
-        ids: sorted unique row ids (int64); rows: their gradient rows.
+        ids: unique row ids (int64), in any order; rows: their gradient rows.
         scratch: buffers to reuse across calls.
+        div: where not 0, ``rows`` are sums the gradient is divided from (the mean of
+            the taken gradients), each element divided before anything else.
     """
     scratch = scratch or RowScratch()
     kind = type(optimizer)
-    if kind is torch.optim.SGD:
-        _sgd(group, param, ids, rows, scratch)
-    elif kind is torch.optim.Adagrad:
-        _adagrad(optimizer, group, param, ids, rows, scratch)
-    elif kind is torch.optim.SparseAdam:
-        _sparse_adam(optimizer, group, param, ids, rows, scratch)
-    elif kind is RowWiseAdagrad:
-        rowwise_rows(optimizer.state_of(param), group, param, ids, rows, scratch)
-    else:
+    if kind is RowWiseAdagrad:
+        rowwise_rows(optimizer.state_of(param), group, param, ids, rows, div)
+        return
+    if kind not in (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam):
         raise TypeError(f"apply_rows does not handle {kind.__name__}")
+    if kind is torch.optim.SGD:
+        _sgd(group, param, ids, rows, scratch, div)
+    elif kind is torch.optim.Adagrad:
+        _adagrad(optimizer, group, param, ids, rows, scratch, div)
+    else:
+        _sparse_adam(optimizer, group, param, ids, _divided(rows, div), scratch)
+
+
+def _divided(rows: torch.Tensor, div: float) -> torch.Tensor:
+    return torch.div(rows, div) if div else rows
 
 
 def _blocks(ids: torch.Tensor, rows: torch.Tensor, maximize: bool, scratch: RowScratch):
@@ -205,34 +213,35 @@ def _blocks(ids: torch.Tensor, rows: torch.Tensor, maximize: bool, scratch: RowS
 
 
 def _add_rows(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, alpha) -> None:
-    """``param[ids] += alpha * rows`` with torch's dense += sparse kernel (an axpy per row)."""
-    param.add_(torch.sparse_coo_tensor(ids[None], rows, param.shape, is_coalesced=True,
-                                       check_invariants=False), alpha=alpha)
+    """``param[ids] += alpha * rows`` with torch's dense += sparse kernel (an axpy per row;
+    it refuses values with strides, which a coalesced gradient never has)."""
+    param.add_(torch.sparse_coo_tensor(ids[None], rows.contiguous(), param.shape,
+                                       is_coalesced=True, check_invariants=False), alpha=alpha)
 
 
 def _compiled(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
               *state: torch.Tensor) -> bool:
-    """Whether ``mpisync.kernels`` updates these rows (contiguous, one float dtype)."""
-    return kernels.available(param, rows) and ids.dtype == torch.int64 and all(
-        t.dtype == param.dtype and t.is_contiguous() for t in (param, rows, *state))
+    """Whether ``mpisync.kernels`` updates these rows: one float dtype, the parameter and
+    its state contiguous (the inputs are made so)."""
+    return kernels.available(param, rows) and ids.dtype == torch.int64 and \
+        rows.dtype == param.dtype and all(
+            t.dtype == param.dtype and t.is_contiguous() for t in (param, *state))
 
 
-def _sgd(group: dict, param, ids, rows, scratch) -> None:
+def _sgd(group: dict, param, ids, rows, scratch, div) -> None:
     lr = _to_scalar(group["lr"])
     if _compiled(param, ids, rows):
-        kernels.axpy_rows(ids.contiguous(), rows, -1.0 if group["maximize"] else 1.0, -lr,
-                          param)
+        kernels.axpy_rows(ids, rows, -1.0 if group["maximize"] else 1.0, -lr, param, div)
         return
-    for i, g in _blocks(ids, rows, group["maximize"], scratch):
+    for i, g in _blocks(ids, _divided(rows, div), group["maximize"], scratch):
         _add_rows(param, i, g, -lr)
 
 
-def _adagrad(optimizer, group: dict, param, ids, rows, scratch) -> None:
+def _adagrad(optimizer, group: dict, param, ids, rows, scratch, div) -> None:
     state = optimizer.state[param]
     if len(state) == 0:      # as Adagrad._init_group
         state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-        state["sum"] = torch.full_like(param, optimizer.defaults["initial_accumulator_value"],
-                                       memory_format=torch.preserve_format)
+        state["sum"] = _zeros_like(param).fill_(optimizer.defaults["initial_accumulator_value"])
     step_t, state_sum = state["step"], state["sum"]
     step_t += 1
     step = _get_value(step_t)
@@ -241,13 +250,12 @@ def _adagrad(optimizer, group: dict, param, ids, rows, scratch) -> None:
     eps = group["eps"]
     if _compiled(param, ids, rows, state_sum):
         # torch's sparse step: the gradient's rows and the new sums' rows, whole
-        std = kernels.adagrad_sum_rows(ids.contiguous(), rows,
-                                       -1.0 if group["maximize"] else 1.0, state_sum,
-                                       scratch.get("b", tuple(rows.shape), rows.dtype))
-        kernels.adagrad_apply_rows(ids, rows, std.sqrt_(), -1.0 if group["maximize"] else 1.0,
-                                   eps, -clr, param)
+        sign = -1.0 if group["maximize"] else 1.0
+        std = kernels.adagrad_sum_rows(ids, rows, sign, state_sum,
+                                       scratch.get("b", tuple(rows.shape), rows.dtype), div)
+        kernels.adagrad_apply_rows(ids, rows, std.sqrt_(), sign, eps, -clr, param, div)
         return
-    for i, g in _blocks(ids, rows, group["maximize"], scratch):
+    for i, g in _blocks(ids, _divided(rows, div), group["maximize"], scratch):
         shape = tuple(g.shape)
         sq = torch.pow(g, 2, out=scratch.get("a", shape, g.dtype))
         state_sum.index_add_(0, i, sq)                  # torch: state_sum.add_(sparse g**2)
@@ -257,12 +265,20 @@ def _adagrad(optimizer, group: dict, param, ids, rows, scratch) -> None:
         _add_rows(param, i, std, -clr)
 
 
+def _zeros_like(param: torch.Tensor) -> torch.Tensor:
+    """State of a table shard: zeros as torch makes them, in huge pages where the shard is
+    contiguous (``kernels.table_zeros``)."""
+    if param.device.type == "cpu" and param.is_contiguous():
+        return kernels.table_zeros(param.shape, param.dtype)
+    return torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
 def _sparse_adam(optimizer, group: dict, param, ids, rows, scratch) -> None:
     state = optimizer.state[param]
     if len(state) == 0:      # as SparseAdam.step
         state["step"] = 0
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg"] = _zeros_like(param)
+        state["exp_avg_sq"] = _zeros_like(param)
     state["step"] += 1
     step = state["step"]
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]

@@ -6,7 +6,8 @@ import torch
 from mpi4py import MPI
 
 from .errors import ProtocolError
-from .exchange import Request, exchange, pooled_sections
+from .exchange import Request, exchange, pooled_sections, split
+from .pooled import POOLED, pack_parts, parts_nbytes
 from .progress import Poller
 from .spec import JobSpec
 from .tables import TableSpec, table_info
@@ -59,6 +60,7 @@ class RowsChannel:
         self.replicated_ps = [j for j, shards in enumerate(self.on_ps)
                               if any(not spec.tables[i].resident for i, _ in shards)]
         self.sends: list[tuple[MPI.Request, np.ndarray]] = []
+        self.buffers: dict = {}              # message buffers, by (kind, ps)
         self.bytes_per_ps = [0] * spec.num_ps
         # lookups since the last push, and those of the step before it: messages, bytes
         # sent and received per ps rank
@@ -104,10 +106,8 @@ class RowsChannel:
         index = next(i for i, tb in enumerate(self.tables) if tb.info is info)
         table = self.tables[index]
         t = table.spec
-        shard, local = t.locate(unique)
-        order = torch.argsort(shard, stable=True)
-        counts = torch.bincount(shard, minlength=t.num_shards).tolist()
-        pieces = torch.split(local[order], counts)
+        order, counts, local = split(t, unique)
+        pieces = torch.split(local, counts)
         out = torch.empty(len(unique), *t.row_shape, dtype=t.dtype)
         reqs, replies = [], []
         for j, shards in enumerate(self.on_ps):
@@ -146,6 +146,14 @@ class RowsChannel:
     def index_of(self, info) -> int:
         """The index of the table whose ``TableInfo`` is ``info``."""
         return next(i for i, tb in enumerate(self.tables) if tb.info is info)
+
+    def buffer(self, key, nbytes: int) -> np.ndarray:
+        """A byte buffer of at least ``nbytes`` kept under ``key`` from call to call (a
+        step's messages reuse the last step's memory instead of faulting in new pages)."""
+        buf = self.buffers.get(key)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self.buffers[key] = np.empty(nbytes, np.uint8)
+        return buf
 
     def count_lookup(self, j: int, sent: int, received: int) -> None:
         for n, add in enumerate((1, sent, received)):
@@ -207,13 +215,11 @@ class RowsChannel:
                 per_table.append(None)
                 continue
             ids, grad = got
-            shard, local = table.spec.locate(ids)
-            order = torch.argsort(shard, stable=True)
-            counts = torch.bincount(shard, minlength=table.spec.num_shards).tolist()
-            per_table.append((torch.split(local[order], counts),
-                              torch.split(grad[order], counts)))
+            order, counts, local = split(table.spec, ids)
+            per_table.append((torch.split(local, counts), torch.split(grad[order], counts)))
         empty = torch.empty(0, dtype=torch.int64)
         sections = pooled_sections(self)
+        reuse = not self.sends          # the last push's buffers: every send of them is done
         self.last_lookups = self.lookups
         self.lookups = [[0] * self.spec.num_ps for _ in range(3)]
         for j, shards in enumerate(self.on_ps):
@@ -224,8 +230,11 @@ class RowsChannel:
                 got = per_table[i]
                 parts.append((empty, self._no_rows(i)) if got is None else (got[0][k], got[1][k]))
             msg = pack_rows(step, seq, parts)
-            if sections[j] is not None:     # a copy: the bags pooled at the owners follow
-                msg = np.concatenate([msg, sections[j]])
+            if sections[j] is not None:     # the bags pooled at the owners follow
+                size = msg.nbytes + parts_nbytes(*sections[j])
+                into = self.buffer(("push", j), size) if reuse else np.empty(size, np.uint8)
+                into[:msg.nbytes] = msg
+                msg = pack_parts(POOLED, *sections[j], into, msg.nbytes)
             self.bytes_per_ps[j] = msg.nbytes
             self.sends.append((self.comm.Isend([msg, MPI.BYTE], dest=self.cluster.ps_rank(j),
                                                tag=self.tags[Tag.SPARSE]), msg))

@@ -1,6 +1,7 @@
 """Row-wise Adagrad: one accumulator per row of a table (FBGEMM's EXACT_ROWWISE_ADAGRAD)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.optim.optimizer import _get_scalar_dtype, _to_scalar
 
@@ -9,6 +10,7 @@ from . import kernels
 __all__ = ["RowWiseAdagrad", "rowwise_rows"]
 
 BLOCK_ROWS = 2048
+LANES = 16            # partial sums of a row's squares (_rows.c's LANES)
 
 
 class RowWiseAdagrad(torch.optim.Optimizer):
@@ -64,7 +66,9 @@ class RowWiseAdagrad(torch.optim.Optimizer):
             shape = p.shape[:1] if p.dim() > 1 else p.shape
             init = self._group_of(p)["initial_accumulator_value"]
             state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-            state["sum"] = torch.full(shape, init, dtype=p.dtype, device=p.device)
+            state["sum"] = kernels.table_zeros(shape, p.dtype).fill_(init) \
+                if p.device.type == "cpu" else torch.full(shape, init, dtype=p.dtype,
+                                                          device=p.device)
         return state
 
     def _group_of(self, p: torch.Tensor) -> dict:
@@ -99,59 +103,99 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         return loss
 
 
-def _row_means(g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Per row (first dimension) the mean of ``g ** 2`` (elementwise for a 1-D ``g``)."""
-    if g.dim() == 1:
-        return torch.mul(g, g, out=out)
-    return torch.mean(g.pow(2).flatten(1), dim=1, out=out)
+def _row_means(g: torch.Tensor) -> torch.Tensor:
+    """Per row (first dimension) the mean of ``g ** 2``, summed as the compiled kernel sums:
+    ``LANES`` partial sums, lane ``j`` adding the squares of columns ``j``, ``j + LANES``,
+    ... in order, then halved (``lane[j] += lane[j + h]`` for ``h`` = ``LANES / 2``, ...,
+    1), lane 0 divided by the row's width (a 1-D ``g`` has rows of one element)."""
+    sq = (g * g).reshape(len(g), -1)
+    width = sq.shape[1]
+    full = width // LANES * LANES
+    lane = torch.zeros(len(g), LANES, dtype=g.dtype, device=g.device)
+    for c in range(0, full, LANES):
+        lane += sq[:, c:c + LANES]
+    lane[:, :width - full] += sq[:, full:]
+    h = LANES // 2
+    while h:
+        lane[:, :h] += lane[:, h:2 * h]
+        h //= 2
+    return lane[:, 0].div_(width)
+
+
+def _sqrt(t: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root (numpy's, as C's ``sqrt``; torch's vectorised one
+    on CPU may differ from it in the last bit)."""
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.sqrt(t.numpy()))
+    return torch.sqrt(t)
 
 
 def _multiplier(total: torch.Tensor, lr, eps: float) -> torch.Tensor:
-    """``lr / (sqrt(sum) + eps)``, in the accumulator's dtype (``lr`` rounded to it first).
+    """``-(lr / (sqrt(sum) + eps))``, in the accumulator's dtype (``lr`` rounded to it first).
 
-    The update adds ``g * -multiplier``: the negation is exact, and a sum with ``alpha`` 1
+    The update adds ``g * multiplier``: the negation is exact, and a sum with ``alpha`` 1
     rounds once whichever kernel does it.
     """
-    std = total.sqrt().add_(eps)
-    return torch.full_like(std, float(lr)).div_(std)
+    std = _sqrt(total).add_(eps)
+    return torch.full_like(std, float(lr)).div_(std).neg_()
+
+
+def _compiled(total: torch.Tensor, param: torch.Tensor, ids, rows: torch.Tensor) -> bool:
+    """Whether ``mpisync.kernels`` updates these rows (contiguous, one float dtype)."""
+    return kernels.available(param, rows) and rows.dtype == param.dtype == total.dtype and \
+        param.is_contiguous() and total.is_contiguous() and \
+        (ids is None or ids.dtype == torch.int64)
 
 
 def _rowwise_dense(state: dict, group: dict, param: torch.Tensor, grad: torch.Tensor) -> None:
     """Every row of ``param`` with its dense gradient."""
-    state["step"] += 1
-    g = torch.neg(grad) if group["maximize"] else grad
-    if group["weight_decay"]:
-        g = g.add(param, alpha=group["weight_decay"])
-    total = state["sum"]
-    total.add_(_row_means(g, torch.empty_like(total)))
-    mult = _multiplier(total, _to_scalar(group["lr"]), group["eps"]).neg_()
-    param.add_(g.mul(mult.view(-1, *[1] * (g.dim() - 1))))
+    _update(state, group, param, None, grad)
 
 
 def rowwise_rows(state: dict, group: dict, param: torch.Tensor, ids: torch.Tensor,
-                 rows: torch.Tensor, scratch=None) -> None:
-    """The rows ``ids`` (sorted, unique) of ``param`` with their gradient ``rows``.
+                 rows: torch.Tensor, div: float = 0) -> None:
+    """The rows ``ids`` (unique) of ``param`` with their gradient ``rows`` (divided by
+    ``div`` first where it is not 0).
 
-    Bitwise what ``_rowwise_dense`` does to those rows when the others' gradient is 0
+    Bitwise what the dense step does to those rows when the others' gradient is 0
     (and ``weight_decay`` is 0); ``state`` as ``RowWiseAdagrad.state_of`` makes it.
+    """
+    _update(state, group, param, ids, rows, div)
+
+
+def _update(state: dict, group: dict, param: torch.Tensor, ids: torch.Tensor | None,
+            rows: torch.Tensor, div: float = 0) -> None:
+    """One step on the rows ``ids`` of ``param`` (None: every row) with gradient ``rows``.
+
+    The compiled kernel and the torch code below compute the same thing in the same
+    order: ``g`` (divided, negated for maximize, with weight decay), each row's mean of
+    squares in column order, the accumulator, the multiplier with the correctly rounded
+    square root, ``param + g * multiplier``; the results are bitwise equal.
     """
     state["step"] += 1
     total = state["sum"]
+    if param.dim() == 0:                # a scalar: one row of one element
+        param, rows, total = param.view(1), rows.reshape(1), total.view(1)
     lr, eps, decay = _to_scalar(group["lr"]), group["eps"], group["weight_decay"]
-    if not decay and param.dim() > 1 and kernels.available(param, rows) and \
-            ids.dtype == torch.int64 and rows.dtype == param.dtype and param.is_contiguous():
-        # (-g) ** 2 is g ** 2: the means need no negation; the rows' update is one pass
-        ids = ids.contiguous()
-        total.index_add_(0, ids, _row_means(rows, torch.empty(len(ids), dtype=total.dtype)))
-        mult = _multiplier(total.index_select(0, ids), lr, eps).neg_()
-        kernels.rowwise_apply_rows(ids, rows, mult, -1.0 if group["maximize"] else 1.0, param)
+    sign = -1.0 if group["maximize"] else 1.0
+    if decay:
+        g = torch.div(rows, div) if div else rows
+        g = torch.neg(g) if group["maximize"] else g
+        old = param if ids is None else param.index_select(0, ids)
+        rows, div, sign = g.add(old, alpha=decay), 0, 1.0
+    if _compiled(total, param, ids, rows):
+        kernels.rowwise_rows(ids, rows, sign, lr, eps, total, param, div)
         return
-    for lo in range(0, len(ids), BLOCK_ROWS):
-        i, g = ids[lo:lo + BLOCK_ROWS], rows[lo:lo + BLOCK_ROWS]
-        if group["maximize"]:
-            g = torch.neg(g)
-        if decay:
-            g = g.add(param.index_select(0, i), alpha=decay)
-        total.index_add_(0, i, _row_means(g, torch.empty(len(i), dtype=total.dtype)))
-        mult = _multiplier(total.index_select(0, i), lr, eps).neg_()
+    blocks = [(None, rows)] if ids is None else \
+        [(ids[lo:lo + BLOCK_ROWS], rows[lo:lo + BLOCK_ROWS])
+         for lo in range(0, len(ids), BLOCK_ROWS)]
+    for i, g in blocks:
+        g = torch.div(g, div) if div else g
+        g = torch.neg(g) if sign < 0 else g
+        if i is None:
+            mult = _multiplier(total.add_(_row_means(g)), lr, eps)
+            param.add_(g.mul(mult.view(-1, *[1] * (g.dim() - 1))))
+            continue
+        total.index_add_(0, i, _row_means(g))
+        mult = _multiplier(total.index_select(0, i), lr, eps)
         param.index_add_(0, i, g.mul(mult.view(-1, *[1] * (g.dim() - 1))))

@@ -228,6 +228,8 @@ class Updates:
         Raises:
             RuntimeError: a function raised; the message names it, the tensor and the step.
         """
+        if self.items and table_rows is not None:
+            table_rows.settle()          # the step's row updates, made after its notice
         for item in self.items:
             fn, rows, targets, fresh = item
             for unit, t, n in targets:
@@ -247,7 +249,7 @@ class Updates:
 
 def _run_on_shard(fn, unit: str, t: torch.Tensor, n: int, touched: bool, table_rows) -> None:
     """``fn`` over one table shard: all its rows, or those the step touched."""
-    ids = table_rows.step_rows[n] if touched else True
+    ids = table_rows.touched(n) if touched else True
     if ids is None:
         return
     if ids is True:

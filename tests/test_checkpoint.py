@@ -159,7 +159,7 @@ def test_latest_passes_over_a_cut_file(tmp_path):
 # shards of each case's table at save (1 ps rank) and at load with 2 and 3 ps ranks
 RESHARD_SHARDS = {"adagrad-mod": (1, 2, 3), "adagrad-fixed-div": (2, 5, 5),
                   "sparse-adam-div-mod": (3, 2, 3), "bag-adam-axis-size": (1, 4, 4),
-                  "sparse-embedding-adagrad": (2, 3, 3)}
+                  "sparse-embedding-adagrad": (2, 3, 3), "adagrad-missed-step": (2, 2, 3)}
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +199,8 @@ def test_tables_reshard_and_train_on_bitwise_as_an_unbroken_run(saved_at_one_ps,
     saved, _ = saved_at_one_ps
     shards = RESHARD_SHARDS[name]
     assert {r["shards"] for r in saved[name].values()} == {shards[0]}
+    if name == "adagrad-missed-step":       # the saved shards' counters differ
+        assert [sc["step"] for sc in saved[name][0]["scalars"]] == [rs.K, rs.K - 1]
     for w, got in load_job(ps)[name].items():
         assert got["loaded_at"] == rs.K, (name, w)
         unbroken, restored = got["unbroken"], got["restored"]
@@ -280,7 +282,7 @@ def test_rows_of_a_shard_without_state_start_at_zero():
     assert reshard.new_shard(saved, spec, 1, from_shards[1])[1] == {}
 
 
-def test_shards_whose_step_counters_differ_do_not_merge():
+def test_shards_whose_step_counters_differ_merge_only_where_they_are_not_read():
     spec = _spec(12, 2, "div")
     saved = _saved(spec, torch.randn(12, 3),
                    lambda k, ids: {"exp_avg": torch.ones(len(ids), 3),
@@ -292,6 +294,19 @@ def test_shards_whose_step_counters_differ_do_not_merge():
                         r"4\.0, and rows of both go to shard 0 of this job's 3 \('mod'\); load "
                         r"it into the partitioning it was saved with \(2 shards, 'div'\), "
                         r"where each shard keeps its own", problem), problem
+    # a counter the update does not read (Adagrad without lr_decay): merged, the largest
+    assert reshard.check_table(saved, _spec(12, 3, "mod"), ("step",)) is None
+    from_shards, _ = reshard.sources(saved, _spec(12, 3, "mod"))
+    for k in range(3):
+        _, state = reshard.new_shard(saved, _spec(12, 3, "mod"), k, from_shards[k], ("step",))
+        assert torch.equal(state["step"], torch.tensor(4.0))
+    adagrad = torch.optim.Adagrad([torch.zeros(1, requires_grad=True)])
+    assert reshard.unread_counters(adagrad, {"lr_decay": 0}) == ("step",)
+    assert reshard.unread_counters(adagrad, {"lr_decay": 0.1}) == ()
+    assert reshard.unread_counters(mpisync.RowWiseAdagrad([torch.zeros(1, requires_grad=True)]),
+                                   {}) == ("step",)
+    assert reshard.unread_counters(torch.optim.SparseAdam([torch.zeros(1, requires_grad=True)]),
+                                   {}) == ()
 
 
 def test_a_saved_table_of_another_shape_or_with_rows_missing_is_described():

@@ -189,9 +189,10 @@ def test_auto_pools_long_bags_of_rare_ids_and_looks_up_repeated_ones():
 @pytest.fixture(scope="module")
 def job():
     run = run_mpi("pooling.py", script.WORKERS, 2, script.NAMES, timeout=300)
+    modes = {c.name for c in script.MODES}
     return run.assert_every_case_ran(script.NAMES, script.WORKERS,
                                      lambda name: 2 if name.startswith("bytes-")
-                                     else script.STEPS)
+                                     else None if name in modes else script.STEPS)
 
 
 @pytest.mark.parametrize("name", [c.name for c in script.CASES])
@@ -203,6 +204,25 @@ def test_pooled_path_trains_as_the_rows_path_and_as_torch(job, name):
         assert max(got["heads"]) <= 1e-6, (name, w)
         assert (rows - ref).abs().max() <= 1e-5, (name, w)
         assert (rows - script.initial_table()).abs().max() > 1e-3   # it trained
+
+
+@pytest.mark.parametrize("name", [c.name for c in script.MODES])
+def test_pooled_path_trains_as_the_rows_path_under_every_mode(job, name):
+    """Backup workers (1 of 2 gradients a step), K-batch (3 a step from 2 workers) and
+    async: the pooled copy equals the rows copy after the same taken pushes (read by the
+    chief once the other worker closed)."""
+    for w, got in job[name].items():
+        assert max(got["heads"]) <= 1e-6, (name, w)
+    got = job[name][0]
+    rows, pooled = torch.tensor(got["rows"]), torch.tensor(got["pooled"])
+    assert (rows - pooled).abs().max() <= 1e-6, name
+    assert (rows - script.initial_table()).abs().max() > 1e-3   # it trained
+    steps, applied, dropped, pushed = got["steps"], got["applied"], got["dropped"], got["pushed"]
+    assert steps >= 1 and applied + dropped <= pushed, got
+    if name == "kbatch":
+        assert steps <= applied <= 3 * steps, got
+    else:                       # one gradient a step; async drops none
+        assert applied == steps and (name != "async" or applied == pushed), got
 
 
 def test_a_collection_trains_as_separate_tables_in_one_lookup_per_ps(job):
@@ -233,3 +253,23 @@ def test_bad_bags_end_the_job_naming_the_table_and_the_rank(case, cause):
     assert re.search(cause, run.output), run.describe()
     assert_every_rank_says(run, r"(ValueError|stopping because worker 1 \(rank 1 on [^)]*\) "
                                 r"failed: ValueError): .*'emb\.weight'", labels(2, 1))
+
+
+def test_a_feature_left_out_of_a_collection_ends_the_job_naming_it():
+    """As TorchRec's (a KeyError), not silently: the job ends on every rank."""
+    run = failing("pooling_errors.py", 2, 1, ["--case", "missing_feature"], timeout=60)
+    assert re.search(r"KeyError: [\"']?worker 1 \(rank 1[^)]*\): mpisync\.EmbeddingBagCollection "
+                     r"got no input for features \['b'\]", run.output), run.describe()
+    assert_every_rank_says(run, r"(KeyError|stopping because worker 1 \(rank 1 on [^)]*\) "
+                                r"failed: KeyError): .*features \['b'\]", labels(2, 1))
+
+
+def test_a_collection_names_a_feature_it_has_no_table_or_no_input_for():
+    ebc = mpisync.EmbeddingBagCollection({k: mpisync.EmbeddingBag(10, 2) for k in "ab"})
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(KeyError, match=r"this worker: mpisync\.EmbeddingBagCollection got no "
+                                       r"input for features \['b'\]; as TorchRec's"):
+        ebc({"a": ids})
+    with pytest.raises(KeyError, match=r"got features \['c'\] that have no table here; the "
+                                       r"tables are \['a', 'b'\]"):
+        ebc({"a": ids, "b": ids, "c": ids})

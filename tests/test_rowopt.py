@@ -9,11 +9,13 @@ torch code they stand in for are each checked where they differ (``kernels`` on 
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -309,21 +311,37 @@ def test_rowwise_adagrad_state_passes_the_state_check_of_a_restore():
     assert "has shape [3]" in check_state(sd, opt.param_groups, ["w", "b"], shapes)
 
 
+# whether the kernels load, then a merge of two pieces, in a process of its own
+MERGE_IN_A_FRESH_PROCESS = (
+    "import torch\nfrom mpisync import kernels\n"
+    "from mpisync.rowopt import RowScratch, merge_rows\n"
+    "print(kernels.available(torch.zeros(1)))\n"
+    "p = [(torch.tensor([0, 2]), torch.ones(2, 3)), (torch.tensor([2]), torch.ones(1, 3))]\n"
+    "ids, rows = merge_rows(p, 4, 2, 'mean', RowScratch())\n"
+    "print(ids.tolist(), rows.sum().item())\n")
+
+
 def test_without_a_compiler_the_torch_code_steps_in(tmp_path):
-    """No C compiler (``CC`` names none): the kernels are not built, nothing fails, and
-    the row path still runs on torch; a built library is reused from the cache."""
-    code = ("import torch\nfrom mpisync import kernels\n"
-            "from mpisync.rowopt import RowScratch, merge_rows\n"
-            "print(kernels.available(torch.zeros(1)))\n"
-            "p = [(torch.tensor([0, 2]), torch.ones(2, 3)), (torch.tensor([2]), torch.ones(1, 3))]\n"
-            "ids, rows = merge_rows(p, 4, 2, 'mean', RowScratch())\n"
-            "print(ids.tolist(), rows.sum().item())\n")
+    """No C compiler (``CC`` names none) or one that fails: the kernels are not built, a
+    warning says why, nothing fails, and the row path still runs on torch; a built library
+    is reused from the cache."""
+    code = MERGE_IN_A_FRESH_PROCESS
     env = dict(os.environ, MPISYNC_CACHE=str(tmp_path / "cache"), CC=str(tmp_path / "no-cc"))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split("\n")[:2] == ["False", "[0, 2] 4.5"], run.stdout
+    assert "row kernels (_rows.c) could not be built" in run.stderr, run.stderr
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("*.so"))
+    broken = tmp_path / "broken-cc"             # a compiler that fails: said, then torch
+    broken.write_text("#!/bin/sh\necho 'error: out of licences' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    run = subprocess.run([sys.executable, "-c", code], env=dict(env, CC=str(broken)),
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:2] == ["False", "[0, 2] 4.5"], run.stdout
+    assert "exited with status 3: error: out of licences" in run.stderr, run.stderr
+    assert not list((tmp_path / "cache").glob("*"))      # no half-built file left
     if shutil.which("cc") or shutil.which("gcc"):
         env.pop("CC")
         for _ in range(2):                      # built once, then loaded from the cache
@@ -332,3 +350,237 @@ def test_without_a_compiler_the_torch_code_steps_in(tmp_path):
             assert run.returncode == 0, run.stderr
             assert run.stdout.split("\n")[:2] == ["True", "[0, 2] 4.5"], run.stdout
         assert len(list((tmp_path / "cache").glob("rows-*.so"))) == 1
+
+
+# -- the step's sums in one pass: kernels.scatter ---------------------------------------------
+needs_kernels = pytest.mark.skipif(not kernels.available(torch.zeros(1)),
+                                   reason="no C compiler here: the row kernels are not built")
+
+
+def in_order(pieces):
+    """Row by row in Python: each id's first contribution copied, the later ones added one
+    after another; the ids in first-seen order."""
+    acc: dict[int, torch.Tensor] = {}
+    for ids, bag, weights, rows in pieces:
+        for i, r in enumerate(ids.tolist()):
+            x = rows[i] if bag is None else rows[int(bag[i])]
+            x = x if weights is None else x * weights[i]
+            acc[r] = x.clone() if r not in acc else acc[r] + x
+    return torch.tensor(list(acc), dtype=torch.int64), torch.stack(list(acc.values()))
+
+
+@needs_kernels
+@pytest.mark.parametrize("row_shape", [(1,), (5,), (64,), (2, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_step_sums_every_piece_in_order_in_one_pass(row_shape, dtype):
+    """Rows pieces and pooled pieces (weighted or not, ids repeated within and across
+    them), non-contiguous inputs among them: bitwise the sum in order, the slots clean."""
+    g = torch.Generator().manual_seed(len(row_shape) + row_shape[0])
+    rows, bags = 60, 9
+    sorted_ids = torch.randperm(rows, generator=g)[:25].sort().values
+    wide = torch.randn(25, 2, *row_shape, generator=g, dtype=dtype)
+    pieces = [(sorted_ids, None, None, wide[:, 0])]           # a strided view of rows
+    for weighted in (True, False):
+        n = 80
+        ids = torch.randint(0, rows, (2 * n,), generator=g)[::2]        # strided ids
+        bag = torch.randint(0, bags, (n,), generator=g)
+        weights = torch.rand(2 * n, generator=g, dtype=dtype)[1::2] if weighted else None
+        pieces.append((ids, bag, weights, torch.randn(bags, *row_shape, generator=g,
+                                                      dtype=dtype)))
+    want_ids, want = in_order(pieces)
+    scratch = RowScratch()
+    slots = scratch.slots(rows)
+    uniq = torch.empty(200, dtype=torch.int64)
+    out = torch.empty(200, *row_shape, dtype=dtype)
+    for _ in range(2):                                   # the slots are clean again
+        k = kernels.scatter(pieces, slots, uniq, out)
+        assert same(uniq[:k], want_ids) and same(out[:k], want)
+    assert bool((slots == -1).all())
+    # rows pieces alone: the merge's sums (each id's rows in the pieces' order), bitwise
+    two = random_pieces(g, rows, 2, math.prod(row_shape), dtype)
+    k = kernels.scatter([(i, None, None, r) for i, r in two], slots, uniq,
+                        out.view(200, -1))
+    order = uniq[:k].argsort()
+    ids, merged = merge_rows(two, rows, 2, "sum", RowScratch())
+    assert same(uniq[:k][order], ids) and same(out.view(200, -1)[:k][order], merged)
+
+
+@pytest.mark.parametrize("how", ["mean", "sum"])
+def test_a_step_of_pooled_pushes_is_within_rounding_of_the_rows_merged(how, row_code):
+    """What the ps steps with: the pooled pieces summed in one pass, or turned into rows
+    per push and merged (the torch code), within rounding of each other."""
+    g = torch.Generator().manual_seed(3)
+    rows, bags, dim = 40, 6, 4
+    param = torch.zeros(rows, dim)
+    parts = []
+    for _ in range(2):
+        n = 30
+        parts.append((pooled.Part(torch.randint(0, rows, (n,), generator=g),
+                                  torch.randint(0, bags, (n,), generator=g).sort().values,
+                                  torch.rand(n, generator=g), bags),
+                      torch.randn(bags, dim, generator=g)))
+    merged = merge_rows([pooled.rows_of(p, gr, rows) for p, gr in parts], rows, 2, how)
+    dense = torch.zeros(rows, dim).index_add_(0, *merged)
+    if row_code == "kernels":
+        uniq, out = torch.empty(60, dtype=torch.int64), torch.empty(60, dim)
+        k = kernels.scatter([(p.ids, p.bag, p.weights, gr) for p, gr in parts],
+                            RowScratch().slots(rows), uniq, out)
+        got = torch.zeros(rows, dim).index_add_(0, uniq[:k], out[:k] / (2 if how == "mean"
+                                                                         else 1))
+        torch.testing.assert_close(got, dense, rtol=1e-6, atol=1e-6)
+    assert param.abs().sum() == 0
+
+
+# -- lookups answered straight into the reply --------------------------------------------------
+@needs_kernels
+@pytest.mark.parametrize("row_shape, dtype", [((4,), torch.float32), ((64,), torch.float32),
+                                              ((2, 3), torch.float64)])
+def test_a_lookup_is_answered_the_same_with_and_without_the_kernels(row_shape, dtype,
+                                                                     monkeypatch):
+    """Two shards of one table pooled (their sums added row after row into one block,
+    weighted and not), a rows part of another table: the same reply bytes either way."""
+    g = torch.Generator().manual_seed(7)
+    shards = [torch.randn(30, *row_shape, generator=g, dtype=dtype) for _ in range(3)]
+    n = 50
+    parts = [pooled.Part(torch.randint(0, 30, (n,), generator=g),
+                         torch.randint(0, 8, (n,), generator=g).sort().values,
+                         torch.rand(n, generator=g, dtype=dtype), 8),
+             pooled.Part(torch.randint(0, 30, (n,), generator=g),
+                         torch.randint(0, 8, (n,), generator=g), None, 8),
+             pooled.Part(torch.randperm(30, generator=g)[:12].sort().values)]
+    msg = pooled.pack_parts(pooled.EXCHANGE, parts, [])
+    compiled = pooled.answer(msg, shards, [0, 0, 1])
+    monkeypatch.setattr(kernels, "_lib", None)
+    assert np.array_equal(compiled, pooled.answer(msg, shards, [0, 0, 1]))
+    block = torch.from_numpy(compiled[:8 * shards[0][0].numel() * dtype.itemsize].copy()
+                             ).view(dtype).view(8, *row_shape)
+    want = torch.zeros(8, *row_shape, dtype=dtype)
+    for p, shard in zip(parts[:2], shards):
+        each = shard[p.ids] * (1 if p.weights is None else
+                               p.weights.view(-1, *[1] * len(row_shape)))
+        want.index_add_(0, p.bag, each)
+    assert same(block, want)
+
+
+# -- row-wise Adagrad: the kernel and its torch code ------------------------------------------
+@needs_kernels
+@pytest.mark.parametrize("shape", [(40, 64), (30, 5), (25, 2, 3), (17,), ()])
+@pytest.mark.parametrize("kw", [{}, {"maximize": True, "initial_accumulator_value": 0.3},
+                                {"weight_decay": 0.1, "eps": 1e-3}, {"lr": "tensor"}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rowwise_adagrad_kernel_is_bitwise_its_torch_code(shape, kw, dtype, monkeypatch):
+    """Dense and sparse steps and the ps's rows (sums divided by 2 and by 3 in the update):
+    the compiled kernel and the torch code give the same bits, state included."""
+    kw = {**kw, "lr": torch.tensor(0.05)} if kw.get("lr") == "tensor" else {"lr": 0.05, **kw}
+    g = torch.Generator().manual_seed(len(shape))
+    w0 = torch.randn(shape, generator=g, dtype=dtype)
+    grads = [torch.randn(shape, generator=g, dtype=dtype) for _ in range(3)]
+    picks = [torch.randperm(shape[0], generator=g)[:max(1, shape[0] // 2)] if shape else None
+             for _ in range(3)]
+
+    def train():
+        p, q = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+        opt, ps = mpisync.RowWiseAdagrad([p], **kw), mpisync.RowWiseAdagrad([q], **kw)
+        for grad, ids, div in zip(grads, picks, (0, 2, 3)):
+            p.grad = grad.clone()
+            opt.step()
+            if ids is not None:
+                apply_rows(ps, ps.param_groups[0], q, ids, grad[ids] * max(div, 1),
+                           RowScratch(), div)
+        return p, opt.state[p], q, ps.state[q]
+
+    compiled = train()
+    monkeypatch.setattr(kernels, "_lib", None)
+    plain = train()
+    for a, b in zip(compiled, plain):
+        if torch.is_tensor(a):
+            assert same(a, b)
+        else:
+            assert a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+
+
+# -- what the kernels do not take: the torch code steps in -------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+def test_half_precision_tables_step_as_torch_does(name, dtype):
+    g = torch.Generator().manual_seed(4)
+    w0 = torch.randn(300, 8, generator=g).to(dtype)
+    mine, ref = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    opt, ref_opt = OPTIMIZERS[name]([mine]), OPTIMIZERS[name]([ref])
+    for _ in range(3):
+        ids = torch.randperm(300, generator=g)[:120].sort().values
+        values = torch.randn(120, 8, generator=g).to(dtype)
+        ref.grad = torch.sparse_coo_tensor(ids[None], values, (300, 8)).coalesce()
+        ref_opt.step()
+        apply_rows(opt, opt.param_groups[0], mine, ids, values, RowScratch())
+    assert same(mine, ref)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "sparse-adam"])
+def test_strided_rows_and_ids_step_as_torch_does(name, row_code):
+    """Gradient rows and ids that are views with strides: the kernels take copies, the
+    torch code takes them as they are; the result is torch's. (A table itself is always
+    contiguous on the ps; torch's own sparse steps refuse a strided one.)"""
+    g = torch.Generator().manual_seed(5)
+    w0 = torch.randn(400, 8, generator=g)
+    mine, ref = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    opt, ref_opt = OPTIMIZERS[name]([mine]), OPTIMIZERS[name]([ref])
+    for _ in range(3):
+        ids = torch.randperm(400, generator=g)[:300].sort().values[::2]
+        values = torch.randn(150, 16, generator=g)[:, ::2]
+        assert not ids.is_contiguous() and not values.is_contiguous()
+        ref.grad = torch.sparse_coo_tensor(ids[None], values, (400, 8)).coalesce()
+        ref_opt.step()
+        apply_rows(opt, opt.param_groups[0], mine, ids, values, RowScratch())
+    assert same(mine, ref)
+
+
+@needs_kernels
+def test_a_strided_rowwise_table_is_stepped_by_the_torch_code_bitwise_the_kernels():
+    g = torch.Generator().manual_seed(6)
+    w0 = torch.randn(200, 12, generator=g)
+    strided = torch.nn.Parameter(w0.t().contiguous().t())
+    plain = torch.nn.Parameter(w0.clone())
+    opts = [mpisync.RowWiseAdagrad([p], lr=0.1) for p in (strided, plain)]
+    for _ in range(3):
+        ids = torch.randperm(200, generator=g)[:90]
+        rows = torch.randn(90, 12, generator=g)
+        for p, o in zip((strided, plain), opts):
+            apply_rows(o, o.param_groups[0], p, ids, rows, RowScratch(), 2)
+    assert torch.equal(strided, plain)
+    assert same(opts[0].state[strided]["sum"], opts[1].state[plain]["sum"])
+
+
+# -- the workers' split of ids by shard ------------------------------------------------------
+@needs_kernels
+def test_ids_split_by_shard_as_map_ids_and_a_stable_sort_do():
+    from mpisync import partition
+    g = torch.Generator().manual_seed(8)
+    for rows in (1, 2, 3, 7, 10, 100, 1001):
+        for n in range(1, min(rows, 9) + 1):
+            for strategy in ("mod", "div"):
+                ids = torch.randint(0, rows, (300,), generator=g)
+                shard, local = partition.map_ids(ids, rows, n, strategy)
+                order = torch.argsort(shard, stable=True)
+                got = kernels.split_ids(ids, strategy, rows, n)
+                assert torch.equal(got[0], order) and torch.equal(got[2], local[order])
+                assert got[1] == torch.bincount(shard, minlength=n).tolist()
+    assert kernels.split_ids(torch.tensor([0, 5]), "mod", 5, 2) is None     # outside
+    assert kernels.split_ids(torch.tensor([-1]), "div", 5, 2) is None
+
+
+def test_a_cache_that_cannot_be_written_builds_the_kernels_in_a_private_directory(tmp_path):
+    """``MPISYNC_CACHE`` below a file (no directory can be made there): the library is
+    built in a temporary directory of its own, used, and nothing is left behind."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler here")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code = MERGE_IN_A_FRESH_PROCESS
+    env = dict(os.environ, MPISYNC_CACHE=str(blocker / "cache"), TMPDIR=str(tmp_path))
+    env.pop("CC", None)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:2] == ["True", "[0, 2] 4.5"], run.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

@@ -67,8 +67,10 @@ class HashRows:
                                 f"ids of another shard")
         return a
 
-    def lookup(self, ids: torch.Tensor, peek: bool) -> torch.Tensor:
-        """The rows of ``ids`` (sorted, unique); zeros for ids without a row."""
+    def lookup(self, ids: torch.Tensor, peek: bool) -> tuple[torch.Tensor, np.ndarray]:
+        """The rows of ``ids`` (sorted, unique), zeros for ids without a row; and those ids
+        (their gradients from this lookup are dropped, even if another worker's lookup
+        admits them before the step)."""
         a = self._check(ids, "a lookup")
         if peek:
             slots = self.slots.peek(a)
@@ -87,7 +89,7 @@ class HashRows:
         out = torch.zeros(len(a), *self.spec.row_shape, dtype=self.spec.dtype)
         hit = torch.from_numpy(slots >= 0)
         out[hit] = self.param.detach()[torch.from_numpy(slots[slots >= 0])]
-        return out
+        return out, a[slots < 0]
 
     def to_slots(self, part: tuple[torch.Tensor, torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor]:

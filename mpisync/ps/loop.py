@@ -44,6 +44,8 @@ class Job:
                                      poller, cluster.label, self.shard.enqueue, log,
                                      cluster.losses)
             self.coord.start()
+            # the last step's row updates wait until its tokens are out (all ps applied)
+            self.shard.rows.may_settle = lambda: self.coord.acks == 0
 
     def turn(self, rare: bool = False) -> bool:
         """Receive, decide, apply what can be; True if anything happened.

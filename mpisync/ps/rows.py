@@ -1,13 +1,14 @@
 """One ps rank's table shards: lookups, sparse accumulation, changed rows, shard reads."""
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import pooled
+from .. import kernels, pooled, timeline
 from ..accumulate import reduce_rows
 from ..errors import ProtocolError
 from ..progress import Poller
@@ -15,7 +16,7 @@ from ..rowopt import RowScratch, apply_rows, handles_rows, merge_rows
 from ..rowwise import RowWiseAdagrad
 from ..spec import JobSpec
 from ..tables import TableSpec
-from ..wire import Tag, pack_rows, unpack_rows
+from ..wire import ROWS_HEAD, Tag, pack_rows, unpack_rows
 from .hashrows import HashRows
 
 __all__ = ["RowShards", "takes_sparse"]
@@ -52,6 +53,49 @@ class _Unit:
         self.scratch = RowScratch()      # its reduced rows, kept until they are applied
 
 
+def _without(ids: torch.Tensor, values: torch.Tensor, zeros: list[np.ndarray]) -> tuple:
+    """A hash shard's pushed rows less those of ``zeros`` (ids it read as zeros)."""
+    keep = torch.from_numpy(~np.isin(ids.numpy(), np.concatenate(zeros)))
+    return ids[keep], values[keep], None
+
+
+def _frozen(group: dict) -> dict:
+    """The hyper-parameters of a param group as they are now (tensors copied: the next
+    step's values are written into them in place)."""
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in group.items()}
+
+
+class _Pending:
+    """A shard's row update that waits for ``RowShards.settle``: its gradient as the
+    taken pieces (summed by ``sum()``) or as rows already summed, divided by ``div``."""
+
+    __slots__ = ("div", "group", "ids", "pieces", "rows", "unit")
+
+    def __init__(self, group: dict, unit: _Unit, pieces: list | None, ids=None, rows=None,
+                 div: float = 0):
+        self.group, self.unit, self.pieces = group, unit, pieces
+        self.ids, self.rows, self.div = ids, rows, div
+
+    def sum(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, their summed gradient rows): the pieces scattered (ids in first-seen
+        order) into the shard's buffers, once."""
+        if self.pieces is None:
+            return self.ids, self.rows
+        u, pieces = self.unit, []
+        for ids, rows, bag in self.pieces:
+            if len(ids):
+                pieces.append((ids, None, None, rows))
+            if bag is not None:
+                part, grads = bag
+                pieces.append((part.ids, part.bag, part.weights, grads))
+        total = sum(len(p[0]) for p in pieces)
+        uniq = u.scratch.get("uniq", (total,), torch.int64)
+        out = u.scratch.get("merged", (total, *u.spec.row_shape), u.spec.dtype)
+        k = kernels.scatter(pieces, u.scratch.slots(u.param.shape[0]), uniq, out)
+        self.ids, self.rows, self.pieces = uniq[:k], out[:k], None
+        return self.ids, self.rows
+
+
 class RowShards:
     """The table shards of one optimizer on one ps rank.
 
@@ -80,7 +124,7 @@ class RowShards:
         for t in spec.tables:
             for k, owner in enumerate(t.owners):
                 if owner == ps_index:
-                    rows = torch.zeros(t.shard_rows[k], *t.row_shape, dtype=t.dtype)
+                    rows = kernels.table_zeros((t.shard_rows[k], *t.row_shape), t.dtype)
                     self.units.append(_Unit(t, k, torch.nn.Parameter(rows), label))
         self.kinds = [(u.spec.dtype, u.spec.row_shape) for u in self.units]
         names = [u.spec.name for u in self.units]
@@ -90,15 +134,20 @@ class RowShards:
         self.arrived: list[deque] = [deque() for _ in range(self.W)]
         self.claims: list[deque] = [deque() for _ in range(self.W)]
         self.discard = [0] * self.W
+        self.unseen: list[list[list[np.ndarray]]] = [[[] for _ in self.units]
+                                                     for _ in range(self.W)]
         self.changed: list[list] = [[None] * len(self.units) for _ in range(self.W)]
         self.full = [True] * self.W        # every worker gets whole shards first
         self.sends: list[tuple[MPI.Request, object]] = []
         self.bytes_in = self.bytes_out = 0      # rows messages, for the statistics log
-        self.pending: list[tuple] = []          # (group, param, ids, rows) to apply
+        self.pending: list[_Pending] = []       # row updates for settle()
         self.step_rows: list = [None] * len(self.units)    # rows the last step changed
+        self.optimizer = None
+        self.may_settle = lambda: True          # whether an idle poll may settle
         self.scratch = RowScratch()             # the update's temporaries
         if self.units:
             torch.sparse.check_sparse_tensor_invariants.disable()   # built here, coalesced
+            kernels.reuse_freed_memory()        # each step's messages: no fresh pages
 
     @property
     def active(self) -> bool:
@@ -139,7 +188,13 @@ class RowShards:
 
     # -- receiving ------------------------------------------------------------------------
     def poll(self) -> bool:
-        """Receive row gradients and answer lookups; True if anything arrived."""
+        """Receive row gradients and answer lookups; True if anything arrived.
+
+        The last step's row updates are made first (``settle``), unless ``may_settle()``
+        says to wait (ps 0 waits until the step's tokens are out) and nothing arrived that
+        needs them."""
+        if self.pending and self.may_settle():
+            self.settle()
         progressed = False
         status = MPI.Status()
         while True:
@@ -147,6 +202,7 @@ class RowShards:
                                     status=status)
             if msg is None:
                 break
+            self.settle()
             self._on_rows(self._recv(msg, status), self.worker_ranks.index(status.Get_source()))
             progressed = True
         while True:
@@ -154,6 +210,7 @@ class RowShards:
                                     status=status)
             if msg is None:
                 break
+            self.settle()
             buf = self._recv(msg, status)
             if buf.nbytes >= 8 and int(buf[:8].view(np.int64)[0]) == pooled.EXCHANGE:
                 self._answer_exchange(buf, status.Get_source())
@@ -170,38 +227,27 @@ class RowShards:
         return buf
 
     def _on_rows(self, buf: np.ndarray, w: int) -> None:
+        # the ids of hash shards that read as zeros in this worker's lookups since its last
+        # push (every one of them came before this push): their gradients are dropped
+        unseen, self.unseen[w] = self.unseen[w], [[] for _ in self.units]
         if self.discard[w]:
             self.discard[w] -= 1
             return
         try:
             end = pooled.rows_section_nbytes(buf, self.kinds)
-            parts = unpack_rows(buf[:end], self.kinds, with_ids=True)[2]
-            if end < buf.nbytes:             # bags pooled here: their rows' gradients
-                parts = self._with_pooled(parts, buf, end)
+            rows = unpack_rows(buf[:end], self.kinds, with_ids=True)[2]
+            bags = [None] * len(rows)
+            if end < buf.nbytes:             # bags pooled here: their gradients, checked
+                bags = pooled.bag_grads(buf, end, [u.param for u in self.units], self.groups)
         except ValueError as exc:
             raise ProtocolError(f"{self.label}: worker {w} sent table rows: {exc}") from None
+        parts = [(ids, values, bag) if not zeros else _without(ids, values, zeros)
+                 for (ids, values), bag, zeros in zip(rows, bags, unseen)]
         if self.claims[w]:
             slot = self.claims[w].popleft()
             slot.rows, slot.waiting_rows = parts, False
         else:
             self.arrived[w].append(parts)
-
-    def _with_pooled(self, parts: list, buf: np.ndarray, start: int) -> list:
-        """A push's parts with the row gradients of its pooled bags added in: per shard
-        still (unique local ids, gradient rows), so that the step takes them as any."""
-        got = pooled.row_grads(buf, start, [u.param for u in self.units], self.groups,
-                               [u.scratch for u in self.units])
-        out = []
-        for (ids, rows), more in zip(parts, got):
-            if more is None:
-                out.append((ids, rows))
-            elif not len(ids):
-                out.append(more)
-            else:
-                both, inverse = torch.unique(torch.cat([ids, more[0]]), return_inverse=True)
-                summed = torch.zeros(len(both), *rows.shape[1:], dtype=rows.dtype)
-                out.append((both, summed.index_add_(0, inverse, torch.cat([rows, more[1]]))))
-        return out
 
     def attach(self, slot) -> None:
         """A push arrived: pair it with its rows message (now, or when that arrives)."""
@@ -221,19 +267,32 @@ class RowShards:
         slot.rows = None
 
     def _answer_lookup(self, buf: np.ndarray, rank: int) -> None:
+        """The rows of each part's ids, gathered straight into the reply (``pack_rows``'s
+        layout, values only)."""
         _, peek, parts = unpack_rows(buf, [None] * len(self.units), with_ids=True)
-        out = []
-        for u, (local, _) in zip(self.units, parts):
-            if not len(local):
-                out.append((None, None))
-                continue
-            if u.hashed is not None:
-                out.append((None, u.hashed.lookup(local, bool(peek))))
-                continue
-            if int(local.max()) >= u.param.shape[0] or int(local.min()) < 0:
-                raise ProtocolError(f"{self.label}: a lookup of rows outside shard {u.unit}")
-            out.append((None, u.param.detach()[local]))
-        reply = pack_rows(0, 0, [(None, v) if v is not None else (None, None) for _, v in out])
+        counts = [len(local) for local, _ in parts]
+        head = 8 * (ROWS_HEAD + len(parts))
+        sizes = [pooled.pad8(c * u.spec.row_bytes) for c, u in zip(counts, self.units)]
+        reply = np.empty(head + sum(sizes), np.uint8)
+        words = reply[:head].view(np.int64)
+        words[:ROWS_HEAD] = (0, 0, len(parts))
+        words[ROWS_HEAD:] = counts
+        out, at = torch.from_numpy(reply), head
+        for n, (u, (local, _), c, size) in enumerate(zip(self.units, parts, counts, sizes)):
+            if c:
+                view = out[at:at + c * u.spec.row_bytes].view(u.spec.dtype).view(
+                    c, *u.spec.row_shape)
+                if u.hashed is not None:
+                    rows, zeros = u.hashed.lookup(local, bool(peek))
+                    view.copy_(rows)
+                    if len(zeros) and not peek:
+                        self.unseen[self.worker_ranks.index(rank)][n].append(zeros)
+                elif int(local.max()) >= u.param.shape[0] or int(local.min()) < 0:
+                    raise ProtocolError(f"{self.label}: a lookup of rows outside shard {u.unit}")
+                else:
+                    pooled.gather_rows(local, u.param.detach(), view)
+                reply[at + c * u.spec.row_bytes:at + size] = 0
+            at += size
         self._send(reply, rank, self.tags[Tag.ROWS])
 
     def _answer_exchange(self, buf: np.ndarray, rank: int) -> None:
@@ -257,45 +316,75 @@ class RowShards:
     def set_grads(self, chosen: list, optimizer: torch.optim.Optimizer) -> None:
         """Each shard's gradient from the taken pushes, reduced; remember what will change.
 
-        The rows of a shard whose optimizer ``rowopt`` handles wait for ``apply_rows()``
-        (the shard has no ``.grad`` for the optimizer's own step); the others get a
-        sparse gradient (an optimizer that updates only gradient rows) or a dense one.
+        The rows of a shard whose optimizer ``rowopt`` handles are updated by ``settle()``
+        (the shard has no ``.grad`` for the optimizer's own step): with the compiled
+        kernels, every taken piece, rows and pooled bags alike, summed per row in one pass
+        in worker order (``kernels.scatter``) and divided in the update; without them,
+        merged by ``merge_rows`` here. The others get a sparse gradient (an optimizer that
+        updates only gradient rows) or a dense one.
         """
+        self.settle()                   # the last step's rows first
         self._hash_slots(chosen, optimizer)
+        self.optimizer = optimizer
         count = len(chosen)
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         how = "sum" if self.spec.reduction == "sum" else self.spec.sparse_reduction
-        self.pending = []
         for n, u in enumerate(self.units):
-            slots = [s for s in chosen if len(s.rows[n][0])]
-            if not slots:
+            taken = [(s.worker, s.rows[n]) for s in chosen
+                     if len(s.rows[n][0]) or s.rows[n][2] is not None]
+            if not taken:
                 u.param.grad = None
                 self._note(n, None)
                 continue
             num_rows = u.param.shape[0]
-            for s in slots:
-                ids = s.rows[n][0]
-                if int(ids.min()) < 0 or int(ids.max()) >= num_rows:
-                    raise ProtocolError(f"{self.label}: worker {s.worker} sent rows outside "
+            for w, (ids, _, _) in taken:
+                if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= num_rows):
+                    raise ProtocolError(f"{self.label}: worker {w} sent rows outside "
                                         f"[0, {num_rows}) of shard {u.unit}")
-            pieces = [s.rows[n] for s in slots]
+            group = group_of[id(u.param)]
+            sparse = takes_sparse(optimizer, group)
+            if sparse and how != "per_row" and handles_rows(optimizer, group, u.param) and \
+                    kernels.available(u.param) and u.param.is_contiguous():
+                u.param.grad = None
+                item = _Pending(_frozen(group), u, [piece for _, piece in taken],
+                                div=count if how == "mean" and count > 1 else 0)
+                if not u.spec.resident:         # the rows that change, for the workers now
+                    self._note(n, item.sum()[0].clone())    # (sum()'s ids are scratch)
+                else:
+                    self.step_rows[n] = item    # its ids once summed: touched()
+                self.pending.append(item)
+                continue
+            pieces = [self._as_rows(u, piece) for _, piece in taken]
             shape = (num_rows, *u.spec.row_shape)
             merged = merge_rows(pieces, num_rows, count, how, u.scratch)
             if merged is None:                  # not sorted: coalesced in general
                 grad = reduce_rows(pieces, shape, count, how)
                 merged = grad.indices()[0], grad.values()
             ids, rows = merged
-            group = group_of[id(u.param)]
-            if not takes_sparse(optimizer, group):
+            if not sparse:
                 u.param.grad = self._sparse(ids, rows, shape).to_dense()
                 self._note(n, True)
                 continue
             if handles_rows(optimizer, group, u.param):
                 u.param.grad = None
-                self.pending.append((group, u.param, ids, rows))
+                self.pending.append(_Pending(_frozen(group), u, None, ids, rows))
             else:
                 u.param.grad = self._sparse(ids, rows, shape)
             self._note(n, ids)
+
+    @staticmethod
+    def _as_rows(u: _Unit, piece: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """A taken piece as (unique local ids, gradient rows): a pooled part's bags turned
+        into rows and added after the push's own rows of the shard."""
+        ids, rows, bag = piece
+        if bag is None:
+            return ids, rows
+        more = pooled.rows_of(*bag, u.param.shape[0], u.scratch)
+        if not len(ids):
+            return more
+        both, inverse = torch.unique(torch.cat([ids, more[0]]), return_inverse=True)
+        summed = torch.zeros(len(both), *rows.shape[1:], dtype=rows.dtype)
+        return both, summed.index_add_(0, inverse, torch.cat([rows, more[1]]))
 
     @staticmethod
     def _sparse(ids: torch.Tensor, rows: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -303,10 +392,24 @@ class RowShards:
                                        check_invariants=False)
 
     def apply_rows(self, optimizer: torch.optim.Optimizer) -> None:
-        """The update of the rows ``set_grads`` kept, after the optimizer's own step."""
-        for group, param, ids, rows in self.pending:
-            apply_rows(optimizer, group, param, ids, rows, self.scratch)
+        """Called after the optimizer's own step: the rows ``set_grads`` kept are updated
+        by ``settle()``, which runs before anything here reads or changes a shard again
+        (the next poll, lookup, step, shard request or the end), so that the step's
+        notice and the workers' new parameters go out first."""
+        self.optimizer = optimizer
+
+    def settle(self) -> None:
+        """The row updates of the last applied step, if not done yet."""
+        if not self.pending:
+            return
+        start = time.perf_counter()
+        for item in self.pending:
+            ids, rows = item.sum()
+            apply_rows(self.optimizer, item.group, item.unit.param, ids, rows, self.scratch,
+                       item.div)
         self.pending = []
+        if timeline.current is not None:
+            timeline.current.span("rows", start, time.perf_counter(), -1)
 
     def _hash_slots(self, chosen: list, optimizer) -> None:
         """Hash shards: ids of the taken rows to slots; fresh slots' optimizer state reset."""
@@ -314,7 +417,7 @@ class RowShards:
             if u.hashed is not None:
                 u.hashed.settle(optimizer)
                 for s in chosen:
-                    s.rows[n] = u.hashed.to_slots(s.rows[n])
+                    s.rows[n] = (*u.hashed.to_slots(s.rows[n][:2]), None)
 
     def _note(self, n: int, rows) -> None:
         """Rows of unit ``n`` the step changes: None, a tensor of local ids, or True (all)."""
@@ -334,6 +437,13 @@ class RowShards:
             else:
                 self.changed[w][n] = rows if have is None else torch.cat([have, rows])
 
+    def touched(self, n: int):
+        """Rows of unit ``n`` the last step changed (None, local ids, or True), with the
+        step's row updates made."""
+        self.settle()
+        rows = self.step_rows[n]
+        return rows.sum()[0] if isinstance(rows, _Pending) else rows
+
     def changed_by_update(self, n: int, rows: torch.Tensor) -> None:
         """Rows of unit ``n`` that a function of ``opt.update`` changed after the step: the
         workers holding the weight get them with the step's own (the rows the step itself
@@ -345,6 +455,7 @@ class RowShards:
         """Send each of ``workers`` the rows of the sparse weights it has not seen."""
         if not self.replicated:
             return
+        self.settle()
         for w in workers:
             parts = []
             for n, u in enumerate(self.units):
@@ -366,11 +477,13 @@ class RowShards:
 
     def reset(self) -> None:
         """After a load: every worker gets whole shards next."""
+        self.settle()
         self.full = [True] * self.W
 
     # -- reading and writing whole shards --------------------------------------------------
     def on_table_request(self, request, rank: int, optimizer) -> None:
         """Answer a worker's read or write of one resident shard (pickled, off the step path)."""
+        self.settle()
         what, unit = request[0], request[1]
         u = self.by_unit.get(unit)
         if u is None:
@@ -424,9 +537,10 @@ class RowShards:
             state = optimizer.state[u.param]
             state.clear()
             for key, value in saved.items():
-                state[key] = value.clone() if torch.is_tensor(value) else value
+                state[key] = kernels.table_copy(value)
 
     def finish(self) -> None:
+        self.settle()
         if self.sends:
             self.poller.wait_all([r for r, _ in self.sends], lambda: "row sends to workers")
             self.sends = []

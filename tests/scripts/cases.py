@@ -98,6 +98,10 @@ def adam(lr=0.01, **kw):
     return lambda m: torch.optim.Adam(m.parameters(), **copy.deepcopy(dict(kw, lr=lr)))
 
 
+def rowwise(lr=0.1, **kw):
+    return lambda m: mpisync.RowWiseAdagrad(m.parameters(), **copy.deepcopy(dict(kw, lr=lr)))
+
+
 def two_groups(m):
     return torch.optim.SGD([{"params": m[0].parameters(), "lr": 1},
                             {"params": m[2].parameters(), "lr": 0.05, "momentum": 0.9}],
@@ -128,10 +132,10 @@ def load_other(m):
     m.load_state_dict(other.state_dict())      # torch's usual restore order: after the optimizer
 
 
-def restore_both(m, opt):
-    """torch's usual restore order: the model's state, then the optimizer's."""
+def _restore_from(m, opt, make_opt) -> None:
+    """The model's state, then the optimizer's, of two steps of one process."""
     ck = mlp()
-    ck_opt = torch.optim.Adam(ck.parameters(), lr=0.01)
+    ck_opt = make_opt(ck.parameters())
     x, y = dataset(12, seed=7, dtype=F64)
     for _ in range(2):
         ck_opt.zero_grad()
@@ -139,6 +143,16 @@ def restore_both(m, opt):
         ck_opt.step()
     m.load_state_dict(ck.state_dict())
     opt.load_state_dict(ck_opt.state_dict())
+
+
+def restore_both(m, opt):
+    """torch's usual restore order: the model's state, then the optimizer's."""
+    _restore_from(m, opt, lambda p: torch.optim.Adam(p, lr=0.01))
+
+
+def restore_rowwise(m, opt):
+    """A row-wise state (one sum a row of each weight) saved by one process, restored."""
+    _restore_from(m, opt, lambda p: mpisync.RowWiseAdagrad(p, lr=0.05))
 
 
 def bump_counts(m, t):
@@ -224,6 +238,11 @@ CASES = [
          sync={"partitioner": mpisync.axis_size(100)}),
     Case("partitioned-assign", sgd(momentum=0.9), write=assign_data, order="last",
          sync={"partitioner": mpisync.fixed_size(5), "placement": "round_robin"}),
+    # row-wise Adagrad's state (one sum a row) on shards: stepped, gathered and restored
+    Case("partitioned-rowwise", rowwise(), lambda o: S.StepLR(o, 2, 0.5),
+         sync={"partitioner": mpisync.fixed_size(3)}),
+    Case("partitioned-rowwise-restore", rowwise(weight_decay=0.01), restore=restore_rowwise,
+         order="last", sync={"partitioner": mpisync.fixed_size(2)}),
 ]
 BY_NAME = {c.name: c for c in CASES}
 

@@ -6,7 +6,10 @@ ones), with capacity to spare; the model holds the hash table and, beside it, an
 the hash table's initial rows. Both must end equal, row by id, and equal to plain torch.
 ``evict`` cases: only worker 0 looks up (so the order of lookups is fixed), into shards
 too small for the ids; ``simulate(case)`` trains the same model in one process with the
-plain reference shard (hash_reference.py) deciding what is held.
+plain reference shard (hash_reference.py) deciding what is held. ``shared`` cases: both
+workers look up the same batch each step, with ``admit_after=2``: the second lookup of a
+new id admits it, whichever worker's it is; the worker whose lookup read zeros has its
+gradient for that id dropped, the other's counts (``simulate`` does both lookups).
 A case with ``save`` writes a checkpoint (``--save PATH``) that hashtables_load.py loads
 into another number of ps ranks.
 """
@@ -30,7 +33,7 @@ POOL = torch.tensor([-2**63, -2**40 - 3, -977, -1, 0, 1, 7, 12345, 2**31, 2**40 
 @dataclass
 class Case:
     name: str
-    kind: str = "exact"               # "exact" | "evict"
+    kind: str = "exact"               # "exact" | "evict" | "shared"
     optimizer: str = "adagrad"        # "adagrad" | "adam" | "sgd"
     bag: bool = False
     capacity: int = 40
@@ -50,6 +53,8 @@ CASES = [
          batch=2, steps=10),
     Case("evict-lru-adagrad-saved", kind="evict", capacity=4, shards=None, batch=2, steps=8,
          save=True),
+    Case("shared-lfu-admit2-sgd", kind="shared", optimizer="sgd", capacity=3, eviction="lfu",
+         admit_after=2, batch=2, steps=8),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
@@ -65,6 +70,8 @@ def data(case: Case):
             y = torch.randint(0, CLASSES, (case.batch,), generator=g)
             if case.kind == "evict" and w:
                 at, y = at[:0], y[:0]
+            if case.kind == "shared" and w:
+                at, y = step[0][2], step[0][1]
             step.append((POOL[at], y, at))
         out.append(step)
     return out
@@ -172,34 +179,40 @@ def reference_exact(case: Case) -> dict:
 
 
 def simulate(case: Case) -> dict:
-    """The evict case in one process: the reference shards decide which rows exist."""
+    """An evict or shared case in one process: the reference shards decide which rows
+    exist; a gradient counts for the rows its lookup read (not the zeros of an id not yet
+    admitted), if they are still held."""
     n = case.shards or 1       # saved cases run at 1 ps: one shard
     shards = [ReferenceShard(case.capacity, case.eviction, case.admit_after) for _ in range(n)]
     rows, acc = {}, {}
     lin = head(case)
     opt = make_optimizer(case, lin.parameters())
     for step in data(case):
-        ids, y, _ = step[0]
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        where = hashing.shard_of(unique, n)
-        for k, shard in enumerate(shards):
-            admitted, evicted = shard.see(unique[where == k].tolist())
-            for i in evicted:
-                del rows[i], acc[i]
-            for i in admitted:
-                rows[i] = hashing.initial_rows(torch.tensor([i]), DIM, 3)[0]
-                acc[i] = torch.zeros(DIM)
-        leaf = torch.stack([rows.get(i, torch.zeros(DIM)) for i in unique.tolist()])
-        leaf.requires_grad_(True)
+        looked = []
+        for ids, y, _ in step[:2 if case.kind == "shared" else 1]:
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            where = hashing.shard_of(unique, n)
+            for k, shard in enumerate(shards):
+                admitted, evicted = shard.see(unique[where == k].tolist())
+                for i in evicted:
+                    del rows[i], acc[i]
+                for i in admitted:
+                    rows[i] = hashing.initial_rows(torch.tensor([i]), DIM, 3)[0]
+                    acc[i] = torch.zeros(DIM)
+            leaf = torch.stack([rows.get(i, torch.zeros(DIM)) for i in unique.tolist()])
+            held = [i in rows for i in unique.tolist()]
+            looked.append((ids, y, unique, inverse, leaf.requires_grad_(True), held))
         opt.zero_grad()
-        loss = loss_of(case, lambda _, leaf=leaf, inverse=inverse: leaf[inverse], lin, ids,
-                       y) / WORKERS
+        loss = sum(loss_of(case, lambda _, leaf=leaf, inverse=inverse: leaf[inverse], lin, ids, y)
+                   for ids, y, _, inverse, leaf, _ in looked) / WORKERS
         loss.backward()
         opt.step()
-        for m, i in enumerate(unique.tolist()):
-            if i not in rows:
-                continue
-            g = leaf.grad[m]
+        grads: dict[int, torch.Tensor] = {}
+        for _, _, unique, _, leaf, held in looked:
+            for m, i in enumerate(unique.tolist()):
+                if held[m] and i in rows:
+                    grads[i] = leaf.grad[m] if i not in grads else grads[i] + leaf.grad[m]
+        for i, g in grads.items():
             if case.optimizer == "sgd":
                 rows[i] = rows[i] - 0.5 * g
             else:

@@ -34,6 +34,9 @@ class Case:
     shards: int = 3
     twice: bool = False             # each table looked up twice per step
     steps: int = STEPS
+    sync: dict | None = None        # SyncReplicasOptimizer's mode: backup, K-batch, async
+    turns: bool = False             # the workers step one after another (async: each
+    #                                 forward then reads both copies at one version)
 
 
 CASES = [
@@ -44,11 +47,19 @@ CASES = [
     Case("mean-twice-auto", mode="mean", layout="offsets", pool="auto", twice=True),
     Case("max-auto", mode="max", layout="offsets", padding=1, pool="auto"),
 ]
-BY_NAME = {c.name: c for c in CASES}
+# the same two copies under another mode: which pushes a step takes varies from run to run,
+# but both copies are in every push, so they must still agree (each worker pushes as many
+# gradients as complete its steps: 6 of 3 per step for K-batch)
+MODES = [
+    Case("backup", mode="mean", layout="offsets", padding=0, sync={"replicas_to_aggregate": 1}),
+    Case("kbatch", layout="last", weighted=True, steps=3, sync={"replicas_to_aggregate": 3}),
+    Case("async", weighted=True, padding=3, shards=2, sync={"asynchronous": True}, turns=True),
+]
+BY_NAME = {c.name: c for c in CASES + MODES}
 COLLECTION = {"a": {"mode": "sum", "pool_on_ps": True},
               "b": {"mode": "mean", "pool_on_ps": False, "padding_idx": 2},
               "c": {"mode": "sum", "pool_on_ps": True, "partition_strategy": "div"}}
-NAMES = [c.name for c in CASES] + ["collection", "bytes-rows", "bytes-pooled"]
+NAMES = [c.name for c in CASES + MODES] + ["collection", "bytes-rows", "bytes-pooled"]
 
 
 def initial_table(rows: int = ROWS, dim: int = DIM) -> torch.Tensor:
@@ -119,23 +130,45 @@ def table_of(opt, name: str, rows: int, dim: int) -> torch.Tensor:
     return table
 
 
-def train_case(case: Case, w: int) -> dict:
+def train_case(case: Case, w: int, cluster=None) -> dict:
     model = torch.nn.ModuleDict({"rows": make_bag(case, False), "pooled": make_bag(case, case.pool),
                                  "rows_head": head(), "pooled_head": head()})
     opt = mpisync.SyncReplicasOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.3),
-                                        named_parameters=model.named_parameters())
-    for t in range(case.steps):
+                                        named_parameters=model.named_parameters(),
+                                        **(case.sync or {}))
+    # under a mode the workers do not meet at one step: the others stop after their steps
+    # and close; the chief steps on until they did (their last steps may need its
+    # gradients), then reads the tables alone, while nothing changes them
+    pushed, t, n = 0, 0, WORKERS
+    while not opt.stopped and (t < case.steps or (
+            case.sync and not case.turns and cluster.is_chief and not all(
+                cluster.worker_comm.iprobe(source=o) for o in range(1, n)))):
+        if case.turns and (w, t) != (0, 0):
+            cluster.worker_comm.recv(source=(w - 1) % n)      # the previous one stepped
         args, y = batch(case, t, w)
         opt.zero_grad()
         (loss_of(model["rows"], model["rows_head"], args, y, case.twice)
          + loss_of(model["pooled"], model["pooled_head"], args, y, case.twice)).backward()
         opt.step()
+        if case.turns and (w, t) != (n - 1, case.steps - 1):
+            cluster.worker_comm.send(t, dest=(w + 1) % n)
+        pushed, t = pushed + 1, t + 1
+    heads = [(a - b).abs().max().item() for a, b in
+             zip(model["rows_head"].parameters(), model["pooled_head"].parameters())]
+    if case.sync and not cluster.is_chief:
+        opt.close()
+        cluster.worker_comm.send(pushed, dest=0)
+        return {"heads": heads, "global_step": None}
+    if case.sync:
+        pushed += sum(cluster.worker_comm.recv(source=o) for o in range(1, n))
     out = {"rows": table_of(opt, "rows.weight", ROWS, DIM).tolist(),
            "pooled": table_of(opt, "pooled.weight", ROWS, DIM).tolist(),
-           "heads": [(a - b).abs().max().item() for a, b in
-                     zip(model["rows_head"].parameters(), model["pooled_head"].parameters())],
-           "global_step": opt.global_step}
+           "heads": heads, "global_step": opt.global_step}
     opt.close()
+    if case.sync:
+        stats = opt.stats                   # the job's totals, once every worker closed
+        out.update(global_step=None, steps=stats["global_step"], pushed=pushed,
+                   applied=stats["gradients_applied"], dropped=stats["gradients_dropped"])
     return out
 
 
@@ -227,7 +260,7 @@ def worker(cluster):
         elif name.startswith("bytes-"):
             got = train_bytes(name == "bytes-pooled", w)
         else:
-            got = train_case(BY_NAME[name], w)
+            got = train_case(BY_NAME[name], w, cluster)
         emit(role="worker", worker=cluster.worker_index, case=name, **got)
 
 

@@ -13,7 +13,27 @@ CASE = sys.argv[sys.argv.index("--case") + 1]
 ROWS, DIM = 50, 4
 
 
+def collection(cluster):
+    """A collection of two tables; worker 1 leaves feature "b" out at its third step."""
+    w = cluster.worker_index
+    model = torch.nn.Module()
+    model.ebc = mpisync.EmbeddingBagCollection(
+        {k: mpisync.EmbeddingBag(ROWS, DIM, mode="sum", pool_on_ps=True) for k in "ab"})
+    opt = mpisync.SyncReplicasOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+    for t in range(4):
+        features = {"a": torch.arange(6).view(3, 2), "b": torch.arange(6).view(3, 2)}
+        if w == 1 and t == 2:
+            del features["b"]
+        opt.zero_grad()
+        sum(out.sum() for out in model.ebc(features).values()).backward()
+        opt.step()
+    opt.close()
+
+
 def worker(cluster):
+    if CASE == "missing_feature":
+        return collection(cluster)
     w = cluster.worker_index
     mode = "mean" if CASE == "psw_mean" else "sum"
     model = torch.nn.Module()
