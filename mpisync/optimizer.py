@@ -563,8 +563,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if msg is None:
             return
         answer = msg.recv()
-        if isinstance(answer, tuple):        # ("still?", step): yes, still in the collective
-            self._request(Kind.STILL)
+        if isinstance(answer, tuple):        # ("still?", step, question): yes, still here
+            self._request(Kind.STILL, answer[2])
             return
         raise DeadlockError(f"{answer} (this worker is in {call})")
 

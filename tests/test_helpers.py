@@ -376,7 +376,7 @@ def test_a_stale_question_of_the_coordinator_is_not_taken_for_an_answer():
     from mpisync.channels import DenseChannel
     from mpisync.wire import Tag
 
-    queue = [("still?", 3), ("still?", 4), {"global_step": 5}]
+    queue = [("still?", 3, 1), ("still?", 4, 2), {"global_step": 5}]
     poller = SimpleNamespace(wait_message=lambda source, tag, what: queue.pop(0))
     channel = SimpleNamespace(poller=poller, tags={Tag.INFO: 0})
     assert DenseChannel.answer(channel, 0, "statistics") == {"global_step": 5}

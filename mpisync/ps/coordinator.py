@@ -101,6 +101,7 @@ class Coordinator:
         self.finished = False
         self.final_sends: list = []
         self.suspect: Action | None = None  # a deadlock the parked workers must confirm
+        self.question = 0                   # the number of the last "still?" asked
         self.unconfirmed: set[int] = set()
 
     # -- events ---------------------------------------------------------------------------
@@ -300,12 +301,13 @@ class Coordinator:
             self._fail_now(a)
             return
         self.suspect, self.unconfirmed = a, set(a.taken)
+        self.question += 1      # an answer to an earlier question (read late) is not this one's
         for w in a.taken:
-            self.comm.send(("still?", a.step), dest=self.worker_ranks[w],
+            self.comm.send(("still?", a.step, self.question), dest=self.worker_ranks[w],
                            tag=self.tags[Tag.INFO])
 
-    def _on_still(self, w: int) -> None:
-        if self.suspect is None:
+    def _on_still(self, w: int, question: int) -> None:
+        if self.suspect is None or question != self.question:
             return
         self.unconfirmed.discard(w)
         if self.unconfirmed:
@@ -385,7 +387,7 @@ class Coordinator:
             if self.suspect is not None and w in self.suspect.taken:
                 self.suspect = None          # it left: no deadlock after all
         elif kind == Kind.STILL:
-            self._on_still(w)
+            self._on_still(w, req[1])
         elif self.steps.applying:
             self.deferred.append((w, req))   # answered at version global_step, after the apply
         elif kind in (Kind.STATE, Kind.AVERAGES):
