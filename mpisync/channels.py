@@ -8,17 +8,20 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .buckets import GradBuckets
 from .errors import DeadlockError, ProtocolError
 from .progress import Poller
 from .spec import JobSpec
 from .wire import (
     FLAG_ASSIGN,
+    FLAG_RESEND,
     PARAM_HEADER_BYTES,
     TOKEN_WORDS,
     GradHeader,
     Kind,
     ShardLayout,
     Tag,
+    bucket_layout,
     entry_views,
     region_views,
 )
@@ -31,25 +34,53 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+#: Steps a worker pushes only at ``step()`` after one whose gradients changed once sent
+#: (clipped, or a backward more than the step before: gradient accumulation).
+QUIET_STEPS = 64
+
+
 class _Shard:
-    """This worker's side of one ps rank: the fused send and receive buffers."""
+    """This worker's side of one ps rank: the fused buffers and their persistent requests.
 
-    __slots__ = ("abuf", "assign_req", "buffer_pairs", "codes", "fields", "gbuf", "header",
-                 "idx", "mask", "pbuf", "pfields", "recv", "regions", "send", "words")
+    A push is a header on ``Tag.GRAD`` and the buckets, in order, on ``Tag.DATA`` (the
+    first ones sent from gradient hooks while backward runs, the rest at ``step()``); the
+    pull is every bucket's parameters, then the parameter header, on ``Tag.PARAMS``.
+    """
 
-    def __init__(self, header: GradHeader, layout: ShardLayout):
+    __slots__ = ("abuf", "bases", "buckets", "buffer_pairs", "codes", "data_sends", "fields",
+                 "full_send", "gbuf", "head_send", "header", "idx", "mask", "pbuf",
+                 "pfields", "recvs", "sent", "versions", "words")
+
+    def __init__(self, header: GradHeader, layout: ShardLayout, buckets, comm, rank: int,
+                 tags: dict):
         self.header = header
+        self.buckets = buckets
         self.gbuf = np.zeros(header.nbytes + layout.nbytes, np.uint8)
         self.pbuf = np.zeros(PARAM_HEADER_BYTES + layout.nbytes, np.uint8)
         self.fields, self.words, self.codes, self.mask = header.views(self.gbuf)
         self.pfields = self.pbuf[:PARAM_HEADER_BYTES].view(np.int64)
+        h, ph = header.nbytes, PARAM_HEADER_BYTES
+        # each bucket's gradients are a tensor of their own: its version counter tells
+        # whether they changed after the bucket was sent
+        self.bases = [torch.from_numpy(self.gbuf[h + b.offset:h + b.offset + b.nbytes])
+                      for b in buckets]
         gt, pt = torch.from_numpy(self.gbuf), torch.from_numpy(self.pbuf)
-        self.regions = region_views(gt, header.nbytes, layout.regions)
         # buffers travel both ways at the same offsets: pushed from gbuf, pulled into pbuf
-        self.buffer_pairs = list(zip(region_views(gt, header.nbytes, layout.buffer_regions),
-                                     region_views(pt, PARAM_HEADER_BYTES, layout.buffer_regions)))
+        self.buffer_pairs = list(zip(region_views(gt, h, layout.buffer_regions),
+                                     region_views(pt, ph, layout.buffer_regions)))
+        self.head_send = comm.Send_init([self.gbuf[:h], MPI.BYTE], dest=rank, tag=tags[Tag.GRAD])
+        self.data_sends = [comm.Send_init([self.gbuf[h + b.offset:h + b.offset + b.nbytes],
+                                           MPI.BYTE], dest=rank, tag=tags[Tag.DATA])
+                           for b in buckets]
+        self.full_send = comm.Send_init([self.gbuf[h:], MPI.BYTE], dest=rank, tag=tags[Tag.FULL])
+        self.recvs = [comm.Recv_init([self.pbuf[ph + b.offset:ph + b.offset + b.nbytes],
+                                      MPI.BYTE], source=rank, tag=tags[Tag.PARAMS])
+                      for b in buckets]
+        self.recvs.append(comm.Recv_init([self.pbuf[:ph], MPI.BYTE], source=rank,
+                                         tag=tags[Tag.PARAMS]))
+        self.sent = 0                  # buckets sent so far in this push (a prefix)
+        self.versions = [0] * len(buckets)
         self.abuf = None
-        self.assign_req = None
         self.idx = np.zeros(0, np.int64)
 
 
@@ -57,11 +88,16 @@ class DenseChannel:
     """Parameters that live whole on one ps rank (route ``dense_ps``), and module buffers.
 
     Per ps rank, one fused gradient buffer (a header, then every gradient it owns) and one
-    fused parameter buffer, allocated once. The model's parameters become views into the
-    parameter buffers, so the pull lands in the model; after ``zero_grad(set_to_none=False)``
-    the gradients are views into the gradient buffers, so ``backward()`` writes what the
-    push sends. A push is one persistent send per ps; the token from the coordinator says
-    whether parameters follow.
+    fused parameter buffer, allocated once and cut into buckets (``wire.bucket_layout``).
+    The model's parameters become views into the parameter buffers, so the pull lands in
+    the model; the gradients are views into the gradient buffers once ``zero_grad`` or a
+    push adopted them, so ``backward()`` writes what the push sends. While backward runs,
+    gradient hooks send each bucket as soon as its gradients are complete
+    (``bucket_ready``), as DDP and Horovod start their all-reduces; ``step()`` sends the
+    header and whatever is left. A bucket that changed after it was sent (its version
+    counter moved: clipping, or another backward before the step) goes again with the
+    whole region (``FLAG_RESEND``), and the next ``QUIET_STEPS`` steps push only at
+    ``step()``; a step after several backward passes sends from hooks in the last of them.
     """
 
     def __init__(self, spec: JobSpec, layouts: list[ShardLayout], cluster,
@@ -72,9 +108,9 @@ class DenseChannel:
         self.poller = poller
         self.comm = comm = cluster.p2p_comm
         self.label = cluster.label
-        self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.GRAD, Tag.ASSIGN, Tag.PARAMS,
-                                                           Tag.TOKEN, Tag.INIT, Tag.HYPER,
-                                                           Tag.INFO)}
+        self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.GRAD, Tag.DATA, Tag.FULL,
+                                                           Tag.ASSIGN, Tag.PARAMS, Tag.TOKEN,
+                                                           Tag.INIT, Tag.HYPER, Tag.INFO)}
         self.part_of = dict(zip(spec.names, spec.parts))    # unit -> (name, start, stop)
         self.names = list(dict.fromkeys(name for name, _, _ in spec.parts))
         self.params = [params[n] for n in self.names]
@@ -85,32 +121,35 @@ class DenseChannel:
         self.gviews: list[torch.Tensor] = [None] * len(self.names)
         # partitioned parameters stay whole here: (index, start, stop, unit pview, unit gview)
         self.pieces: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []
+        self.piece_entries: dict[tuple[int, int], tuple] = {}     # (ps, entry) -> piece
         for u, (name, _, _) in self.part_of.items():
             i = index[name]
             if u != name and self.pviews[i] is None:
                 self._own(i)
         for j, layout in enumerate(layouts):
-            shard = _Shard(GradHeader(spec.hyper.width if j == 0 else 0, len(layout.entries)),
-                           layout)
+            shard = _Shard(GradHeader(spec.hyper.width, len(layout.entries)), layout,
+                           bucket_layout(layout, spec.bucket_bytes), comm, cluster.ps_rank(j),
+                           self.tags)
             self._bind(j, shard, layout, index, buffers)
-            rank = cluster.ps_rank(j)
-            shard.send = comm.Send_init([shard.gbuf, MPI.BYTE], dest=rank, tag=self.tags[Tag.GRAD])
-            shard.recv = comm.Recv_init([shard.pbuf, MPI.BYTE], source=rank,
-                                        tag=self.tags[Tag.PARAMS])
             self.shards.append(shard)
         self._has = bytearray(len(self.names))      # fast to set one by one ...
         self.has_grad = np.frombuffer(self._has, np.uint8)   # ... and seen here as an array
         self.token = np.zeros(TOKEN_WORDS, np.int64)
         self.token_req = comm.Recv_init([self.token, MPI.BYTE], source=cluster.coordinator_rank,
                                         tag=self.tags[Tag.TOKEN])
-        self.sends = [s.send for s in self.shards]
-        self.recvs = [s.recv for s in self.shards]
+        self.recvs = [r for s in self.shards for r in s.recvs]
+        self.recvs_started = False
         self.bytes_per_ps = [s.gbuf.nbytes for s in self.shards]
         self.pending: list[MPI.Request] = []
         self.timed = False          # note when the token arrives (mpisync.stepclock)
         self.token_at = 0.0
         self.piece_copies = [(_raw(self.pviews[i][start:stop]), _raw(pview))
                              for i, start, stop, pview, _ in self.pieces]
+        self._bucket_members()
+        self.hooks = GradBuckets([m for m, _ in self.members], [j for j, _ in self.order],
+                                 self.bucket_ready, lambda: None)
+        self.expected_backwards = 1      # backward passes per step, as the last step had
+        self.quiet = 0                   # steps left that push only at step()
 
     def _own(self, i: int) -> None:
         """A partitioned parameter keeps its own tensor; its units are copied in and out."""
@@ -126,9 +165,12 @@ class DenseChannel:
     def _bind(self, j: int, shard: _Shard, layout: ShardLayout, index: dict,
               buffers: dict[str, torch.Tensor]) -> None:
         """Make the model's tensors views into this shard's buffers (values copied in)."""
-        gt, pt = torch.from_numpy(shard.gbuf), torch.from_numpy(shard.pbuf)
+        pt = torch.from_numpy(shard.pbuf)
         pviews = entry_views(pt, PARAM_HEADER_BYTES, layout.entries)
-        gviews = entry_views(gt, shard.header.nbytes, layout.entries)
+        gviews = [None] * len(layout.entries)
+        for b, base in zip(shard.buckets, shard.bases):
+            entries = layout.entries[b.first:b.stop]
+            gviews[b.first:b.stop] = entry_views(base, -b.offset, entries)
         idx = []
         for k, (e, pview, gview) in enumerate(zip(layout.entries, pviews, gviews)):
             name, start, stop = self.part_of[e.name]
@@ -139,6 +181,7 @@ class DenseChannel:
             if e.name != name:          # one shard of a partitioned parameter
                 pview.copy_(self.pviews[i][start:stop])
                 self.pieces.append((i, start, stop, pview, gview))
+                self.piece_entries[(j, k)] = (i, start, stop, gview)
                 continue
             pview.copy_(p.detach())
             torch._C.TensorBase.data.__set__(p, pview)   # the pull lands in the model
@@ -152,6 +195,23 @@ class DenseChannel:
             b = buffers[e.name]
             view.copy_(b)
             b.data = view
+
+    def _bucket_members(self) -> None:
+        """Every bucket of every ps (the buffers' buckets aside, they go at ``step()``):
+        ``order[n] = (ps, bucket)``, ``members[n] = (parameters, their indices)``."""
+        self.order, self.members = [], []
+        self.pieces_of: dict[tuple[int, int], list] = {}
+        for j, shard in enumerate(self.shards):
+            for b in shard.buckets:
+                if b.buffers:
+                    continue
+                ids = list(dict.fromkeys(int(i) for i in shard.idx[b.first:b.stop]))
+                self.order.append((j, b.index))
+                self.members.append(([self.params[i] for i in ids], ids))
+        for (j, k), piece in self.piece_entries.items():
+            b = next(b for b in self.shards[j].buckets if b.first <= k < b.stop)
+            self.pieces_of.setdefault((j, b.index), []).append(piece)
+        self.piece_versions = {id(g): -1 for _, _, _, _, g in self.pieces}
 
     # -- set-up ---------------------------------------------------------------------------
     def send_initial(self) -> None:
@@ -173,17 +233,37 @@ class DenseChannel:
             if g is not None and g is not view:
                 p.grad = view               # the fused buffer, zeroed below: no copy later
         for shard in self.shards:
-            for region in shard.regions:
-                region.zero_()
+            for b, base in zip(shard.buckets, shard.bases):
+                if not b.buffers:
+                    base.zero_()
         for i in {i for i, *_ in self.pieces}:
             self.gviews[i].zero_()
         self._has[:] = bytes(len(self._has))
 
-    def gather(self) -> None:
-        """Put every gradient in its send buffer and note which parameters have one."""
+    def bucket_ready(self, n: int) -> None:
+        """Backward filled bucket ``n`` (of ``order``): send it, unless this step pushes
+        only at ``step()``. (A device-resident model would call this once the bucket's
+        bytes reached the host.)"""
+        hooks = self.hooks
+        if self.quiet or hooks.backwards < self.expected_backwards:
+            return
+        j, k = self.order[n]
+        shard = self.shards[j]
+        if k != shard.sent:
+            return                        # an earlier bucket of this ps is not sent yet
+        self._prepare(n)
+        shard.versions[k] = shard.bases[k]._version
+        shard.data_sends[k].Start()
+        shard.sent = k + 1
+
+    def _prepare(self, n: int) -> None:
+        """Bucket ``n``'s gradients into its buffer; note which parameters have one."""
+        params, ids = self.members[n]
         has = self._has
-        for i, (p, view) in enumerate(zip(self.params, self.gviews)):
+        gviews = self.gviews
+        for p, i in zip(params, ids):
             g = p.grad
+            view = gviews[i]
             if g is view:
                 has[i] = 1
             elif g is None:
@@ -193,8 +273,11 @@ class DenseChannel:
             else:
                 self._adopt_grad(i, p, g, view)
                 has[i] = 1
-        for i, start, stop, _, gview in self.pieces:
-            gview.copy_(self.gviews[i][start:stop])
+        for i, start, stop, gview in self.pieces_of.get(self.order[n], ()):
+            whole = gviews[i]
+            if self.piece_versions[id(gview)] != whole._version:
+                gview.copy_(whole[start:stop])
+                self.piece_versions[id(gview)] = whole._version
 
     def _adopt_grad(self, i: int, p: torch.Tensor, g: torch.Tensor, view: torch.Tensor) -> None:
         """A gradient made outside the send buffer: copy it in, and keep using the buffer."""
@@ -208,16 +291,54 @@ class DenseChannel:
         p.grad = view
 
     def push(self, step: int, worker: int, seq: int, flags: int, written: list[int]) -> None:
-        """Send this worker's gradients (and first what it wrote) to every ps rank."""
+        """Send this worker's gradients (and first what it wrote) to every ps rank.
+
+        Every bucket is brought up to date (a bucket sent during backward that changed
+        since goes again, with the whole region); then per ps the header and the buckets
+        not sent yet, in order.
+        """
+        self.hooks.hook_new()
         assigned = self._assign(written, step, worker, seq) if written else ()
+        resend = set()
+        for n, (j, k) in enumerate(self.order):
+            self._prepare(n)
+            shard = self.shards[j]
+            if k < shard.sent and shard.bases[k]._version != shard.versions[k]:
+                resend.add(j)
+        self._start_recvs()
+        words, codes = self.hyper_out
         for j, shard in enumerate(self.shards):
+            if j:
+                shard.words[:], shard.codes[:] = words, codes   # every ps may apply the step
             f = shard.fields
             f[0], f[1], f[2], f[3] = Kind.GRAD, step, worker, seq
-            f[4] = flags | (FLAG_ASSIGN if j in assigned else 0)
+            f[4] = (flags | (FLAG_ASSIGN if j in assigned else 0)
+                    | (FLAG_RESEND if j in resend else 0))
             np.take(self.has_grad, shard.idx, out=shard.mask)
             for out, current in shard.buffer_pairs:
                 out.copy_(current)     # deliberate: the buffers' values travel with the step
-        MPI.Prequest.Startall(self.sends)
+            shard.head_send.Start()
+            if shard.sent < len(shard.data_sends):
+                MPI.Prequest.Startall(shard.data_sends[shard.sent:])
+            if j in resend:
+                shard.full_send.Start()
+        self._end_push(bool(resend))
+
+    def _end_push(self, resent: bool) -> None:
+        """How the next step sends: from hooks in its last backward, or only at step()."""
+        hooks = self.hooks
+        if self.quiet:
+            self.quiet -= 1
+        elif resent and hooks.backwards <= self.expected_backwards:
+            self.quiet = QUIET_STEPS       # changed after backward (clipping): send at step()
+        if hooks.backwards:
+            self.expected_backwards = hooks.backwards
+        hooks.new_step()
+
+    def _start_recvs(self) -> None:
+        if not self.recvs_started:
+            MPI.Prequest.Startall(self.recvs)
+            self.recvs_started = True
 
     def _assign(self, written: list[int], step: int, worker: int, seq: int) -> set[int]:
         """Send the parameters written since the last step to their ps ranks."""
@@ -254,7 +375,7 @@ class DenseChannel:
         start = time.perf_counter()
         poller = self.poller
         self.token_req.Start()
-        MPI.Prequest.Startall(self.recvs)
+        self._start_recvs()
         while True:
             poller.wait_all([self.token_req], lambda: "the token")
             kind, step = int(self.token[0]), int(self.token[1])
@@ -276,11 +397,16 @@ class DenseChannel:
             for r in self.recvs:
                 r.Cancel()
             MPI.Request.Waitall(self.recvs)
+            self.recvs_started = False
             if kind == Kind.FAIL:
                 raise DeadlockError(self._reason())
             if kind not in (Kind.GRANT, Kind.STOP):
                 raise ProtocolError(f"{self.label}: unknown token kind {kind}")
-        poller.wait_all(self.sends + self.pending, lambda: "gradient sends")
+        self.recvs_started = False
+        sends = [r for s in self.shards for r in (s.head_send, *s.data_sends, s.full_send)]
+        poller.wait_all(sends + self.pending, lambda: "gradient sends")
+        for shard in self.shards:
+            shard.sent = 0
         self.pending = []
         return kind, step, bool(self.token[2]), time.perf_counter() - start
 
@@ -314,8 +440,15 @@ class DenseChannel:
         bye[5:7] = self.shards[0].fields[5:7]      # the last step's timings, if measured
         for j in range(len(self.shards)):
             self.comm.Send([bye, MPI.BYTE], dest=self.cluster.ps_rank(j), tag=self.tags[Tag.GRAD])
-        for req in self.sends + self.recvs + [self.token_req]:
-            req.Free()
+        self.hooks.remove()
+        if self.recvs_started:
+            for r in self.recvs:
+                r.Cancel()
+            MPI.Request.Waitall(self.recvs)
+        for shard in self.shards:
+            for req in (shard.head_send, *shard.data_sends, shard.full_send, *shard.recvs):
+                req.Free()
+        self.token_req.Free()
 
     def final_stats(self) -> dict:
         """The job's final statistics; waits for the last worker's close (after close())."""

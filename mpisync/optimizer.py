@@ -406,7 +406,6 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
     def _push(self, written: list[int]) -> None:
         """Send this worker's gradients (after what it wrote) to every ps rank."""
         dense = self._dense
-        dense.gather()
         self._spec.hyper.encode(self.param_groups, *dense.hyper_out)
         flags = FLAG_SCHEDULED if self._mpisync_schedules.follows_global_step else 0
         self._seq += 1

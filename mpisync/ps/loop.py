@@ -55,13 +55,14 @@ class Job:
                 self.coord.on_notice(notice)
             progressed |= self.coord.poll(rare)
         queued = len(self.shard.queue)
+        self.shard.moved = False
         for notice in self.shard.progress():
             if self.coord is not None:
                 self.coord.on_notice((Kind.APPLIED, notice))
             else:
                 self.comm.Send([notice, MPI.BYTE], dest=self.coordinator_rank,
                                tag=self.notice_tag)
-        return progressed or len(self.shard.queue) != queued
+        return progressed or self.shard.moved or len(self.shard.queue) != queued
 
     @property
     def done(self) -> bool:
