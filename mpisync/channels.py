@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from .buckets import GradBuckets
 from .errors import DeadlockError, ProtocolError
-from .progress import Poller
+from .progress import Pace, Poller
 from .spec import JobSpec
 from .wire import (
     FLAG_ASSIGN,
@@ -148,6 +148,7 @@ class DenseChannel:
         self._bucket_members()
         self.hooks = GradBuckets([m for m, _ in self.members], [j for j, _ in self.order],
                                  self.bucket_ready, lambda: None)
+        self.pace = Pace()               # how long the token took lately
         self.expected_backwards = 1      # backward passes per step, as the last step had
         self.quiet = 0                   # steps left that push only at step()
 
@@ -377,7 +378,7 @@ class DenseChannel:
         self.token_req.Start()
         self._start_recvs()
         while True:
-            poller.wait_all([self.token_req], lambda: "the token")
+            poller.wait_all([self.token_req], lambda: "the token", self.pace)
             kind, step = int(self.token[0]), int(self.token[1])
             if kind != Kind.HYPER:
                 break
