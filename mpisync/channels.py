@@ -11,6 +11,7 @@ from mpi4py import MPI
 from .buckets import GradBuckets
 from .errors import DeadlockError, ProtocolError
 from .progress import Pace, Poller
+from .ps.shard import buckets_of, conversions, wire_layouts_of
 from .spec import JobSpec
 from .wire import (
     FLAG_ASSIGN,
@@ -21,7 +22,6 @@ from .wire import (
     Kind,
     ShardLayout,
     Tag,
-    bucket_layout,
     entry_views,
     region_views,
 )
@@ -44,44 +44,63 @@ class _Shard:
 
     A push is a header on ``Tag.GRAD`` and the buckets, in order, on ``Tag.DATA`` (the
     first ones sent from gradient hooks while backward runs, the rest at ``step()``); the
-    pull is every bucket's parameters, then the parameter header, on ``Tag.PARAMS``.
+    pull is every bucket's parameters, then the parameter header, on ``Tag.PARAMS``. With
+    a ``wire_dtype`` what travels (``gbuf``, ``pbuf``) is converted from and to the
+    buffers the model's gradients and parameters live in (``gmem``, ``pmem``); without, the
+    two are one.
     """
 
     __slots__ = ("abuf", "bases", "buckets", "buffer_pairs", "codes", "data_sends", "fields",
-                 "full_send", "gbuf", "head_send", "header", "idx", "mask", "pbuf",
-                 "pfields", "recvs", "sent", "versions", "words")
+                 "from_wire", "full_send", "gbuf", "gmem", "head_send", "header", "idx",
+                 "mask", "pbuf", "pfields", "pmem", "recvs", "sent", "to_wire", "versions",
+                 "words")
 
-    def __init__(self, header: GradHeader, layout: ShardLayout, buckets, comm, rank: int,
-                 tags: dict):
+    def __init__(self, header: GradHeader, layout: ShardLayout, wire: ShardLayout, buckets,
+                 wbuckets, comm, rank: int, tags: dict):
         self.header = header
         self.buckets = buckets
-        self.gbuf = np.zeros(header.nbytes + layout.nbytes, np.uint8)
-        self.pbuf = np.zeros(PARAM_HEADER_BYTES + layout.nbytes, np.uint8)
-        self.fields, self.words, self.codes, self.mask = header.views(self.gbuf)
-        self.pfields = self.pbuf[:PARAM_HEADER_BYTES].view(np.int64)
         h, ph = header.nbytes, PARAM_HEADER_BYTES
+        self.gbuf = np.zeros(h + wire.nbytes, np.uint8)
+        self.pbuf = np.zeros(ph + wire.nbytes, np.uint8)
+        same = wire == layout
+        self.gmem = self.gbuf[h:] if same else np.zeros(layout.nbytes, np.uint8)
+        self.pmem = self.pbuf if same else np.zeros(ph + layout.nbytes, np.uint8)
+        self.fields, self.words, self.codes, self.mask = header.views(self.gbuf)
+        self.pfields = self.pbuf[:ph].view(np.int64)
         # each bucket's gradients are a tensor of their own: its version counter tells
         # whether they changed after the bucket was sent
-        self.bases = [torch.from_numpy(self.gbuf[h + b.offset:h + b.offset + b.nbytes])
-                      for b in buckets]
-        gt, pt = torch.from_numpy(self.gbuf), torch.from_numpy(self.pbuf)
-        # buffers travel both ways at the same offsets: pushed from gbuf, pulled into pbuf
-        self.buffer_pairs = list(zip(region_views(gt, h, layout.buffer_regions),
-                                     region_views(pt, ph, layout.buffer_regions)))
+        self.bases = [torch.from_numpy(self.gmem[b.offset:b.offset + b.nbytes]) for b in buckets]
+        # tensors of their own too: converting into the model's parameters is no write
+        # that the write tracker should see
+        gwire, pwire = torch.from_numpy(self.gbuf)[h:], torch.from_numpy(self.pbuf)[ph:]
+        self.to_wire = conversions(buckets, wbuckets, torch.from_numpy(self.gmem), gwire,
+                                   layout, wire, to_wire=True, push=True)
+        self.from_wire = conversions(buckets, wbuckets, torch.from_numpy(self.pmem)[ph:], pwire,
+                                     layout, wire, to_wire=False)
+        # buffers travel both ways: their values into what is pushed, pulled into pmem
+        self.buffer_pairs = list(zip(region_views(gwire, 0, wire.buffer_regions),
+                                     region_views(torch.from_numpy(self.pmem), ph,
+                                                  layout.buffer_regions)))
         self.head_send = comm.Send_init([self.gbuf[:h], MPI.BYTE], dest=rank, tag=tags[Tag.GRAD])
         self.data_sends = [comm.Send_init([self.gbuf[h + b.offset:h + b.offset + b.nbytes],
                                            MPI.BYTE], dest=rank, tag=tags[Tag.DATA])
-                           for b in buckets]
+                           for b in wbuckets]
         self.full_send = comm.Send_init([self.gbuf[h:], MPI.BYTE], dest=rank, tag=tags[Tag.FULL])
         self.recvs = [comm.Recv_init([self.pbuf[ph + b.offset:ph + b.offset + b.nbytes],
                                       MPI.BYTE], source=rank, tag=tags[Tag.PARAMS])
-                      for b in buckets]
+                      for b in wbuckets]
         self.recvs.append(comm.Recv_init([self.pbuf[:ph], MPI.BYTE], source=rank,
                                          tag=tags[Tag.PARAMS]))
         self.sent = 0                  # buckets sent so far in this push (a prefix)
         self.versions = [0] * len(buckets)
         self.abuf = None
         self.idx = np.zeros(0, np.int64)
+
+    def send(self, k: int) -> None:
+        """Start bucket ``k``'s send (on the wire's dtypes first)."""
+        for dst, src in self.to_wire[k]:
+            dst.copy_(src)
+        self.data_sends[k].Start()
 
 
 class DenseChannel:
@@ -126,10 +145,9 @@ class DenseChannel:
             i = index[name]
             if u != name and self.pviews[i] is None:
                 self._own(i)
-        for j, layout in enumerate(layouts):
-            shard = _Shard(GradHeader(spec.hyper.width, len(layout.entries)), layout,
-                           bucket_layout(layout, spec.bucket_bytes), comm, cluster.ps_rank(j),
-                           self.tags)
+        for j, (layout, wire) in enumerate(zip(layouts, wire_layouts_of(spec))):
+            shard = _Shard(GradHeader(spec.hyper.width, len(layout.entries)), layout, wire,
+                           *buckets_of(spec, layout, wire), comm, cluster.ps_rank(j), self.tags)
             self._bind(j, shard, layout, index, buffers)
             self.shards.append(shard)
         self._has = bytearray(len(self.names))      # fast to set one by one ...
@@ -151,6 +169,7 @@ class DenseChannel:
         self.pace = Pace()               # how long the token took lately
         self.expected_backwards = 1      # backward passes per step, as the last step had
         self.quiet = 0                   # steps left that push only at step()
+        self.counts = {"buckets": 0, "from_hooks": 0, "resent": 0}   # sent, of them, again
 
     def _own(self, i: int) -> None:
         """A partitioned parameter keeps its own tensor; its units are copied in and out."""
@@ -166,7 +185,7 @@ class DenseChannel:
     def _bind(self, j: int, shard: _Shard, layout: ShardLayout, index: dict,
               buffers: dict[str, torch.Tensor]) -> None:
         """Make the model's tensors views into this shard's buffers (values copied in)."""
-        pt = torch.from_numpy(shard.pbuf)
+        pt = torch.from_numpy(shard.pmem)
         pviews = entry_views(pt, PARAM_HEADER_BYTES, layout.entries)
         gviews = [None] * len(layout.entries)
         for b, base in zip(shard.buckets, shard.bases):
@@ -217,7 +236,7 @@ class DenseChannel:
     # -- set-up ---------------------------------------------------------------------------
     def send_initial(self) -> None:
         """The chief's parameters and buffers become every ps rank's (call on the chief)."""
-        reqs = [self.comm.Isend([s.pbuf[PARAM_HEADER_BYTES:], MPI.BYTE],
+        reqs = [self.comm.Isend([s.pmem[PARAM_HEADER_BYTES:], MPI.BYTE],
                                 dest=self.cluster.ps_rank(j), tag=self.tags[Tag.INIT])
                 for j, s in enumerate(self.shards)]
         self.poller.wait_all(reqs, lambda: "the initial parameters reaching the ps ranks")
@@ -254,8 +273,9 @@ class DenseChannel:
             return                        # an earlier bucket of this ps is not sent yet
         self._prepare(n)
         shard.versions[k] = shard.bases[k]._version
-        shard.data_sends[k].Start()
+        shard.send(k)
         shard.sent = k + 1
+        self.counts["from_hooks"] += 1
 
     def _prepare(self, n: int) -> None:
         """Bucket ``n``'s gradients into its buffer; note which parameters have one."""
@@ -319,10 +339,15 @@ class DenseChannel:
             for out, current in shard.buffer_pairs:
                 out.copy_(current)     # deliberate: the buffers' values travel with the step
             shard.head_send.Start()
-            if shard.sent < len(shard.data_sends):
-                MPI.Prequest.Startall(shard.data_sends[shard.sent:])
+            for k in range(shard.sent, len(shard.data_sends)):
+                shard.send(k)
+            self.counts["buckets"] += len(shard.data_sends)
             if j in resend:
+                for pairs in shard.to_wire[:shard.sent]:
+                    for dst, src in pairs:
+                        dst.copy_(src)
                 shard.full_send.Start()
+        self.counts["resent"] += bool(resend)         # pushes that sent buckets again
         self._end_push(bool(resend))
 
     def _end_push(self, resent: bool) -> None:
@@ -352,13 +377,13 @@ class DenseChannel:
                 pview.copy_(self.pviews[i][start:stop])
         for j, entries in by_ps.items():
             shard = self.shards[j]
-            if shard.abuf is None:
-                shard.abuf = np.zeros_like(shard.gbuf)
+            if shard.abuf is None:         # the header, then every value as the model has it
+                shard.abuf = np.zeros(shard.header.nbytes + shard.gmem.nbytes, np.uint8)
             fields, _, _, mask = shard.header.views(shard.abuf)
             fields[0], fields[1], fields[2], fields[3] = Kind.ASSIGN, step, worker, seq
             mask[:] = 0
             mask[entries] = 1
-            shard.abuf[shard.header.nbytes:] = shard.pbuf[PARAM_HEADER_BYTES:]
+            shard.abuf[shard.header.nbytes:] = shard.pmem[PARAM_HEADER_BYTES:]
             self.pending.append(self.comm.Isend([shard.abuf, MPI.BYTE],
                                                 dest=self.cluster.ps_rank(j),
                                                 tag=self.tags[Tag.ASSIGN]))
@@ -387,13 +412,7 @@ class DenseChannel:
         if self.timed:
             self.token_at = time.perf_counter()
         if kind == Kind.GO:
-            poller.wait_all(self.recvs, lambda: f"the parameters of step {step}")
-            for j, shard in enumerate(self.shards):
-                if shard.pfields[1] != step:
-                    raise ProtocolError(f"{self.label}: ps {j} sent parameters of step "
-                                        f"{int(shard.pfields[1])} with token {step}")
-            for dst, src in self.piece_copies:
-                np.copyto(dst, src)     # raw memory: not a write the tracker should see
+            self._take_params(step)
         else:
             for r in self.recvs:
                 r.Cancel()
@@ -410,6 +429,19 @@ class DenseChannel:
             shard.sent = 0
         self.pending = []
         return kind, step, bool(self.token[2]), time.perf_counter() - start
+
+    def _take_params(self, step: int) -> None:
+        """Wait for every ps rank's parameters of ``step``; into the model."""
+        self.poller.wait_all(self.recvs, lambda: f"the parameters of step {step}")
+        for j, shard in enumerate(self.shards):
+            if shard.pfields[1] != step:
+                raise ProtocolError(f"{self.label}: ps {j} sent parameters of step "
+                                    f"{int(shard.pfields[1])} with token {step}")
+            for pairs in shard.from_wire:
+                for dst, src in pairs:
+                    dst.copy_(src)
+        for dst, src in self.piece_copies:
+            np.copyto(dst, src)     # raw memory: not a write the tracker should see
 
     def _reason(self) -> str:
         """The coordinator's reason for a FAIL token (a question asked before it is skipped)."""

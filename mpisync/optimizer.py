@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 import torch
 from mpi4py import MPI
 
-from .allreduce import DEFAULT_BUCKET_BYTES, AllreduceChannel, LocalAverages, backend_problem
+from .allreduce import AllreduceChannel, LocalAverages, backend_problem
 from .channels import DenseChannel, ReplicatedChannel
 from .errors import ClosedError, ConfigError, DeadlockError
 from .progress import SETUP_TIMEOUT, Poller, spin_seconds
@@ -130,8 +130,19 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         allreduce_backend: with ``dense="allreduce"``: ``"mpi"`` (default, mpi4py's
             ``Iallreduce`` on the workers' communicator) or ``"horovod"`` (Horovod's
             allreduce; mpisync calls ``hvd.init(comm=...)`` on the workers unless it was).
-        bucket_bytes: with ``dense="allreduce"``, the most gradient bytes per bucket
-            (default 4 MiB; a parameter larger than that gets a bucket of its own).
+        bucket_bytes: the most gradient bytes per bucket (a parameter larger than that
+            gets a bucket of its own). With ``dense="allreduce"``: the all-reduce's buckets
+            (default 4 MiB). Otherwise each push to a ps rank travels in buckets of its
+            parameters (default 4 MiB): the first ones sent from gradient hooks while
+            backward still runs, each reduced, applied and sent back by the ps as soon as
+            every gradient of it is in.
+        wire_dtype: ``torch.bfloat16`` or ``torch.float16`` (or ``"bf16"``, ``"fp16"``):
+            float32 and float64 gradients and parameters travel between workers and ps
+            ranks in that dtype, half the bytes or less (Horovod's compression does the
+            same for gradients). The ps ranks reduce and apply in the parameters' own
+            dtype and keep the master copy; workers compute with the parameters rounded
+            to ``wire_dtype``. Results differ from float32 by that rounding (see README).
+            Default None: exact.
         stats_log: where ps 0 writes the statistics log, one JSON line per global step
             (read it with ``python -m mpisync.stats``); default: ``MPISYNC_STATS`` (the
             optimizers created after the first one write ``<stem>.opt<k><suffix>``);
@@ -150,8 +161,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                  named_buffers: Iterable[tuple[str, torch.Tensor]] | None = None,
                  buffers: str = "broadcast", schedule: str = "auto", partitioner=None,
                  sparse_reduction: str = "mean", dense: str = "ps",
-                 allreduce_backend: str = "mpi", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 stats_log: str | bool | None = None):
+                 allreduce_backend: str = "mpi", bucket_bytes: int | None = None,
+                 wire_dtype=None, stats_log: str | bool | None = None):
         from .ps_ranks import _current
         cluster = _current if cluster is None else cluster
         if cluster is None:
@@ -173,7 +184,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         options = Options(replicas_to_aggregate, total_num_replicas, num_tokens, placement,
                           reduction, deterministic, ema_decay, ema_num_updates, asynchronous,
                           max_staleness, buffers, schedule, partitioner, sparse_reduction,
-                          dense, allreduce_backend, bucket_bytes)
+                          dense, allreduce_backend, bucket_bytes, wire_dtype)
         opt_id = len(cluster.optimizers)
         self._stats_log = log_path(stats_log, opt_id)
         spec, routes = self._agree(optimizer, model, options, opt_id,

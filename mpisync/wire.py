@@ -234,6 +234,32 @@ def bucket_layout(layout: ShardLayout, bucket_bytes: int) -> tuple[Bucket, ...]:
     return tuple(buckets)
 
 
+def wire_buckets(buckets: tuple[Bucket, ...], wire: ShardLayout) -> tuple[Bucket, ...]:
+    """The same buckets (the same entries) over ``wire``, a layout of the same entries in
+    other dtypes (``wire_dtypes``): their bytes on the wire."""
+    out = []
+    for b in buckets:
+        if b.buffers:
+            start, last = wire.buffer_entries[0].offset, wire.buffer_entries[-1]
+            out.append(Bucket(b.index, b.first, b.stop, start,
+                              last.offset + last.nbytes - start, None, True))
+        else:
+            out.append(_bucket(b.index, wire.entries, b.first, b.stop,
+                               wire.entries[b.first].dtype))
+    return tuple(out)
+
+
+#: The floating-point dtypes a compressed wire (``wire_dtype``) carries as 16 bits.
+COMPRESSIBLE = (torch.float32, torch.float64)
+
+
+def wire_dtypes(dtypes, wire_dtype: torch.dtype | None) -> list[torch.dtype]:
+    """Each parameter's dtype on the wire: ``wire_dtype`` for float32 and float64."""
+    if wire_dtype is None:
+        return list(dtypes)
+    return [wire_dtype if d in COMPRESSIBLE else d for d in dtypes]
+
+
 def _bucket(index: int, entries, first: int, stop: int, dtype) -> Bucket:
     offset = entries[first].offset
     return Bucket(index, first, stop, offset,

@@ -30,12 +30,15 @@ from ..wire import (
     region_views,
     tensor_view,
     timing_view,
+    wire_buckets,
+    wire_dtypes,
 )
 from .averages import MovingAverages
 from .fused import Applier, only_params
 from .rows import RowShards
 
-__all__ = ["ShardServer", "buckets_of", "layouts_of", "strict_sync"]
+__all__ = ["ShardServer", "buckets_of", "conversions", "layouts_of", "strict_sync",
+           "wire_layouts_of"]
 
 
 def layouts_of(spec: JobSpec) -> list[ShardLayout]:
@@ -44,9 +47,43 @@ def layouts_of(spec: JobSpec) -> list[ShardLayout]:
                          spec.num_ps, spec.buffers)
 
 
-def buckets_of(spec: JobSpec, layout: ShardLayout) -> tuple[Bucket, ...]:
-    """One ps rank's buckets for ``spec`` (the same on every rank)."""
-    return bucket_layout(layout, spec.bucket_bytes)
+def wire_layouts_of(spec: JobSpec) -> list[ShardLayout]:
+    """Every ps rank's layout on the wire: ``layouts_of`` unless ``spec.wire_dtype``."""
+    if spec.wire_dtype is None:
+        return layouts_of(spec)
+    return build_layouts(list(spec.names), list(spec.shapes),
+                         wire_dtypes(spec.dtypes, spec.wire_dtype), spec.owners, spec.num_ps,
+                         spec.buffers)
+
+
+def buckets_of(spec: JobSpec, layout: ShardLayout, wire: ShardLayout
+               ) -> tuple[tuple[Bucket, ...], tuple[Bucket, ...]]:
+    """One ps rank's buckets in memory and on the wire (the same on every rank)."""
+    buckets = bucket_layout(layout, spec.bucket_bytes)
+    return buckets, buckets if wire == layout else wire_buckets(buckets, wire)
+
+
+def conversions(buckets, wbuckets, mem: torch.Tensor, wire: torch.Tensor, layout: ShardLayout,
+                wire_layout: ShardLayout, to_wire: bool, push: bool = False
+                ) -> list[list[tuple]]:
+    """Per bucket, the (destination, source) views that carry it between the memory layout
+    (``mem``: the bytes of its data region) and the wire's (``wire``), in the direction
+    ``to_wire`` says; no pairs when the two are one buffer. (A worker writes the module
+    buffers straight into what it pushes: no pairs for them towards the wire there.)"""
+    if mem.data_ptr() == wire.data_ptr():
+        return [[] for _ in buckets]
+    out = []
+    for b, w in zip(buckets, wbuckets):
+        if b.buffers and to_wire and push:
+            pairs = []
+        elif b.buffers:
+            pairs = list(zip(region_views(wire, 0, wire_layout.buffer_regions),
+                             region_views(mem, 0, layout.buffer_regions)))
+        else:
+            pairs = [(tensor_view(wire, 0, w.dtype, w.offset, w.nbytes),
+                      tensor_view(mem, 0, b.dtype, b.offset, b.nbytes))]
+        out.append(pairs if to_wire else [(m, w) for w, m in pairs])
+    return out
 
 
 def strict_sync(spec: JobSpec) -> bool:
@@ -75,6 +112,7 @@ class _Slot:
 
     def __init__(self, comm, worker: int, rank: int, tags: dict, header: GradHeader,
                  layout: ShardLayout, buckets: tuple[Bucket, ...]):
+        # ``layout`` and ``buckets``: on the wire (``wire_dtype`` may make them smaller)
         self.worker = worker
         self.buf = np.zeros(header.nbytes + layout.nbytes, np.uint8)
         base = header.nbytes
@@ -174,7 +212,8 @@ class ShardServer:
         if spec.deterministic:
             torch.use_deterministic_algorithms(True)
         self.layout = layout = layouts_of(spec)[ps_index]
-        self.buckets = buckets_of(spec, layout)
+        self.wire = wire_layouts_of(spec)[ps_index]
+        self.buckets, self.wbuckets = buckets_of(spec, layout, self.wire)
         self.header = GradHeader(spec.hyper.width, len(layout.entries))
         self.control = Control(self.W, spec.hyper.width)
         self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.GRAD, Tag.DATA, Tag.FULL,
@@ -215,10 +254,16 @@ class ShardServer:
         self.bytes_in = self.bytes_out = 0
 
     def _build_tensors(self, layout: ShardLayout) -> None:
-        """The parameter buffer (sent to the workers as is), its views and the optimizer."""
+        """The parameter buffer, its views and the optimizer; what is sent to the workers
+        (``send_buf``: the parameter buffer itself unless ``wire_dtype``)."""
         self.param_buf = np.zeros(PARAM_HEADER_BYTES + layout.nbytes, np.uint8)
-        self.param_fields = self.param_buf[:PARAM_HEADER_BYTES].view(np.int64)
+        self.send_buf = self.param_buf if self.wire == layout else np.zeros(
+            PARAM_HEADER_BYTES + self.wire.nbytes, np.uint8)
+        self.param_fields = self.send_buf[:PARAM_HEADER_BYTES].view(np.int64)
         pt = torch.from_numpy(self.param_buf)
+        self.to_wire = conversions(self.buckets, self.wbuckets, pt[PARAM_HEADER_BYTES:],
+                                   torch.from_numpy(self.send_buf)[PARAM_HEADER_BYTES:],
+                                   layout, self.wire, to_wire=True)
         self.data = pt[PARAM_HEADER_BYTES:]
         self.param_views = entry_views(pt, PARAM_HEADER_BYTES, layout.entries)
         self.params = [torch.nn.Parameter(v, requires_grad=v.dtype.is_floating_point)
@@ -263,11 +308,11 @@ class ShardServer:
 
     def _build_sends(self) -> None:
         """Per worker, a persistent send of each bucket's parameters, then the header."""
-        pb, tag = self.param_buf, self.tags[Tag.PARAMS]
+        pb, tag = self.send_buf, self.tags[Tag.PARAMS]
         base = PARAM_HEADER_BYTES
         self.bucket_sends = [[self.comm.Send_init([pb[base + b.offset:base + b.offset + b.nbytes],
                                                    MPI.BYTE], dest=r, tag=tag)
-                              for r in self.worker_ranks] for b in self.buckets]
+                              for r in self.worker_ranks] for b in self.wbuckets]
         self.head_sends = [self.comm.Send_init([pb[:base], MPI.BYTE], dest=r, tag=tag)
                            for r in self.worker_ranks]
         self.sends_active: dict[int, MPI.Request] = {}     # id -> a send in flight
@@ -281,6 +326,9 @@ class ShardServer:
         if piece is not None:
             self._load(piece)
         self.averages.load(None)
+        for pairs in self.to_wire:
+            for dst, src in pairs:
+                dst.copy_(src)
 
     @property
     def done(self) -> bool:
@@ -289,8 +337,8 @@ class ShardServer:
     # -- receiving ------------------------------------------------------------------------
     def _post(self, w: int) -> None:
         slot = self.free[w].pop() if self.free[w] else _Slot(
-            self.comm, w, self.worker_ranks[w], self.tags, self.header, self.layout,
-            self.buckets)
+            self.comm, w, self.worker_ranks[w], self.tags, self.header, self.wire,
+            self.wbuckets)
         slot.assign, slot.waiting = None, False
         slot.start()
         self.posted[w] = slot
@@ -362,7 +410,7 @@ class ShardServer:
                                 f"bytes, expected a gradient header of {self.header.nbytes}")
         self._post(w)
         if self.timed:
-            self.bytes_in += self.header.nbytes + self.layout.nbytes
+            self.bytes_in += self.header.nbytes + self.wire.nbytes
             if not self.first_arrival:
                 self.first_arrival = time.perf_counter()
         if self.rows.active:
@@ -521,6 +569,15 @@ class ShardServer:
                 self._send_bucket(b.index, cur.workers)
         return self._complete(cur)
 
+    def _send_bucket(self, k: int, workers) -> None:
+        """Bucket ``k``'s parameters to ``workers`` (on the wire's dtypes first)."""
+        if self.to_wire[k]:
+            self._wait_sends(self.bucket_sends[k])
+            for dst, src in self.to_wire[k]:
+                dst.copy_(src)
+        for w in workers:
+            self._start_send(self.bucket_sends[k][w])
+
     def _reduce(self, b: Bucket, chosen: list[_Slot]) -> None:
         out = self.grad_views[b.index]
         if out is None or self.optimizer is None:
@@ -555,7 +612,7 @@ class ShardServer:
             self._start_send(self.head_sends[w])
         if self.timed:
             cur.apply_s += applied_at - t0
-            self.bytes_out += len(cur.workers) * self.param_buf.nbytes
+            self.bytes_out += len(cur.workers) * self.send_buf.nbytes
         notice = np.zeros(NOTICE_WORDS, np.int64)
         notice[0], notice[1], notice[2] = Kind.APPLIED, step, self.ps_index
         if self.timed:
@@ -587,10 +644,6 @@ class ShardServer:
             tl.span("send", applied_at, sent_at, step)
         self.first_arrival = 0.0
 
-    def _send_bucket(self, k: int, workers) -> None:
-        for w in workers:
-            self._start_send(self.bucket_sends[k][w])
-
     def _start_send(self, req: MPI.Request) -> None:
         if id(req) in self.sends_active:
             self._wait_sends([req])
@@ -614,7 +667,7 @@ class ShardServer:
         for w in workers:
             self._start_send(self.head_sends[w])
         if self.timed:
-            self.bytes_out += len(workers) * self.param_buf.nbytes
+            self.bytes_out += len(workers) * self.send_buf.nbytes
 
     def _assign(self, chosen: list[_Slot]) -> None:
         """Each written parameter takes the value of the lowest-index worker that wrote it."""
