@@ -8,9 +8,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from . import shm
 from .buckets import GradBuckets
 from .errors import DeadlockError, ProtocolError
-from .progress import Pace, Poller
+from .progress import SETUP_TIMEOUT, Pace, Poller
 from .ps.shard import buckets_of, conversions, wire_layouts_of
 from .spec import JobSpec
 from .wire import (
@@ -50,21 +51,38 @@ class _Shard:
     two are one.
     """
 
-    __slots__ = ("abuf", "bases", "buckets", "buffer_pairs", "codes", "data_sends", "fields",
-                 "from_wire", "full_send", "gbuf", "gmem", "head_send", "header", "idx",
-                 "mask", "pbuf", "pfields", "pmem", "recvs", "sent", "to_wire", "versions",
-                 "words")
+    __slots__ = ("abuf", "acks", "bases", "buckets", "buffer_pairs", "codes", "copies",
+                 "data_sends", "due", "fields", "from_wire", "full_send", "gbuf", "gmem",
+                 "head_send", "header", "idx", "mask", "pbuf", "pfields", "pmem", "ready",
+                 "recvs", "seen", "segment", "sent", "to_wire", "versions", "words")
 
     def __init__(self, header: GradHeader, layout: ShardLayout, wire: ShardLayout, buckets,
-                 wbuckets, comm, rank: int, tags: dict):
+                 wbuckets, comm, rank: int, tags: dict, shared=None):
         self.header = header
         self.buckets = buckets
         h, ph = header.nbytes, PARAM_HEADER_BYTES
-        self.gbuf = np.zeros(h + wire.nbytes, np.uint8)
-        self.pbuf = np.zeros(ph + wire.nbytes, np.uint8)
-        same = wire == layout
-        self.gmem = self.gbuf[h:] if same else np.zeros(layout.nbytes, np.uint8)
-        self.pmem = self.pbuf if same else np.zeros(ph + layout.nbytes, np.uint8)
+        self.segment = None
+        if shared is not None:             # a ps rank of this machine: shared memory
+            self.segment, i = shared
+            self.gbuf = np.zeros(h, np.uint8)            # only the header travels
+            self.pbuf = self.segment.params              # read from the ps's own buffer
+            self.gmem = self.segment.slot(i)             # the gradients live there
+            self.pmem = np.zeros(ph + layout.nbytes, np.uint8)
+            self.ready, self.acks = self.segment.flags(i)
+            # publications copied so far (a new segment starts at 0; the ps may have
+            # published the first already), and what they will be once this pull's are in
+            self.seen = [0] * len(buckets)
+            self.due = [1] * len(buckets)
+            self.copies = [(self.pmem[ph + b.offset:ph + b.offset + b.nbytes],
+                            self.pbuf[ph + b.offset:ph + b.offset + b.nbytes])
+                           for b in buckets]
+            wire, wbuckets = layout, buckets
+        else:
+            self.gbuf = np.zeros(h + wire.nbytes, np.uint8)
+            self.pbuf = np.zeros(ph + wire.nbytes, np.uint8)
+            same = wire == layout
+            self.gmem = self.gbuf[h:] if same else np.zeros(layout.nbytes, np.uint8)
+            self.pmem = self.pbuf if same else np.zeros(ph + layout.nbytes, np.uint8)
         self.fields, self.words, self.codes, self.mask = header.views(self.gbuf)
         self.pfields = self.pbuf[:ph].view(np.int64)
         # each bucket's gradients are a tensor of their own: its version counter tells
@@ -72,7 +90,8 @@ class _Shard:
         self.bases = [torch.from_numpy(self.gmem[b.offset:b.offset + b.nbytes]) for b in buckets]
         # tensors of their own too: converting into the model's parameters is no write
         # that the write tracker should see
-        gwire, pwire = torch.from_numpy(self.gbuf)[h:], torch.from_numpy(self.pbuf)[ph:]
+        gwire = torch.from_numpy(self.gmem if self.segment else self.gbuf[h:])
+        pwire = torch.from_numpy(self.pmem if self.segment else self.pbuf)[ph:]
         self.to_wire = conversions(buckets, wbuckets, torch.from_numpy(self.gmem), gwire,
                                    layout, wire, to_wire=True, push=True)
         self.from_wire = conversions(buckets, wbuckets, torch.from_numpy(self.pmem)[ph:], pwire,
@@ -82,15 +101,18 @@ class _Shard:
                                      region_views(torch.from_numpy(self.pmem), ph,
                                                   layout.buffer_regions)))
         self.head_send = comm.Send_init([self.gbuf[:h], MPI.BYTE], dest=rank, tag=tags[Tag.GRAD])
-        self.data_sends = [comm.Send_init([self.gbuf[h + b.offset:h + b.offset + b.nbytes],
-                                           MPI.BYTE], dest=rank, tag=tags[Tag.DATA])
-                           for b in wbuckets]
-        self.full_send = comm.Send_init([self.gbuf[h:], MPI.BYTE], dest=rank, tag=tags[Tag.FULL])
-        self.recvs = [comm.Recv_init([self.pbuf[ph + b.offset:ph + b.offset + b.nbytes],
-                                      MPI.BYTE], source=rank, tag=tags[Tag.PARAMS])
-                      for b in wbuckets]
-        self.recvs.append(comm.Recv_init([self.pbuf[:ph], MPI.BYTE], source=rank,
-                                         tag=tags[Tag.PARAMS]))
+        self.data_sends, self.recvs, self.full_send = [], [], None
+        if self.segment is None:
+            self.data_sends = [comm.Send_init([self.gbuf[h + b.offset:h + b.offset + b.nbytes],
+                                               MPI.BYTE], dest=rank, tag=tags[Tag.DATA])
+                               for b in wbuckets]
+            self.full_send = comm.Send_init([self.gbuf[h:], MPI.BYTE], dest=rank,
+                                            tag=tags[Tag.FULL])
+            self.recvs = [comm.Recv_init([self.pbuf[ph + b.offset:ph + b.offset + b.nbytes],
+                                          MPI.BYTE], source=rank, tag=tags[Tag.PARAMS])
+                          for b in wbuckets]
+            self.recvs.append(comm.Recv_init([self.pbuf[:ph], MPI.BYTE], source=rank,
+                                             tag=tags[Tag.PARAMS]))
         self.sent = 0                  # buckets sent so far in this push (a prefix)
         self.versions = [0] * len(buckets)
         self.abuf = None
@@ -101,6 +123,17 @@ class _Shard:
         for dst, src in self.to_wire[k]:
             dst.copy_(src)
         self.data_sends[k].Start()
+
+    def copy_published(self) -> bool:
+        """Shared memory: copy the buckets the ps published since; whether every bucket
+        of this pull is in (each pull that brings parameters brings each bucket once)."""
+        ready, seen = self.ready, self.seen
+        for k, (dst, src) in enumerate(self.copies):
+            if seen[k] != int(ready[k]):
+                seen[k] = int(ready[k])
+                np.copyto(dst, src)     # raw memory: not a write the tracker should see
+                self.acks[k] = seen[k]
+        return seen == self.due
 
 
 class DenseChannel:
@@ -145,9 +178,15 @@ class DenseChannel:
             i = index[name]
             if u != name and self.pviews[i] is None:
                 self._own(i)
+        shared = [None] * spec.num_ps
+        if shm.enabled(spec):
+            with poller.patience(SETUP_TIMEOUT):
+                shared = shm.accept(comm, [cluster.ps_rank(j) for j in range(spec.num_ps)],
+                                    spec.opt_id, poller)
         for j, (layout, wire) in enumerate(zip(layouts, wire_layouts_of(spec))):
             shard = _Shard(GradHeader(spec.hyper.width, len(layout.entries)), layout, wire,
-                           *buckets_of(spec, layout, wire), comm, cluster.ps_rank(j), self.tags)
+                           *buckets_of(spec, layout, wire), comm, cluster.ps_rank(j), self.tags,
+                           shared[j])
             self._bind(j, shard, layout, index, buffers)
             self.shards.append(shard)
         self._has = bytearray(len(self.names))      # fast to set one by one ...
@@ -156,6 +195,7 @@ class DenseChannel:
         self.token_req = comm.Recv_init([self.token, MPI.BYTE], source=cluster.coordinator_rank,
                                         tag=self.tags[Tag.TOKEN])
         self.recvs = [r for s in self.shards for r in s.recvs]
+        self.shared = [s for s in self.shards if s.segment is not None]
         self.recvs_started = False
         self.bytes_per_ps = [s.gbuf.nbytes for s in self.shards]
         self.pending: list[MPI.Request] = []
@@ -269,8 +309,8 @@ class DenseChannel:
             return
         j, k = self.order[n]
         shard = self.shards[j]
-        if k != shard.sent:
-            return                        # an earlier bucket of this ps is not sent yet
+        if k != shard.sent or shard.segment is not None:
+            return        # an earlier bucket of this ps is not sent yet; shared memory
         self._prepare(n)
         shard.versions[k] = shard.bases[k]._version
         shard.send(k)
@@ -403,7 +443,8 @@ class DenseChannel:
         self.token_req.Start()
         self._start_recvs()
         while True:
-            poller.wait_all([self.token_req], lambda: "the token", self.pace)
+            poller.wait_all([self.token_req], lambda: "the token", self.pace,
+                            self._copy_published if self.shared else None)
             kind, step = int(self.token[0]), int(self.token[1])
             if kind != Kind.HYPER:
                 break
@@ -423,17 +464,31 @@ class DenseChannel:
             if kind not in (Kind.GRANT, Kind.STOP):
                 raise ProtocolError(f"{self.label}: unknown token kind {kind}")
         self.recvs_started = False
-        sends = [r for s in self.shards for r in (s.head_send, *s.data_sends, s.full_send)]
+        for shard in self.shared:
+            shard.due = [x + 1 for x in shard.seen]
+        sends = [r for s in self.shards for r in (s.head_send, *s.data_sends, s.full_send)
+                 if r is not None]
         poller.wait_all(sends + self.pending, lambda: "gradient sends")
         for shard in self.shards:
             shard.sent = 0
         self.pending = []
         return kind, step, bool(self.token[2]), time.perf_counter() - start
 
+    def _copy_published(self) -> bool:
+        done = True
+        for shard in self.shared:
+            done &= shard.copy_published()
+        return done
+
     def _take_params(self, step: int) -> None:
         """Wait for every ps rank's parameters of ``step``; into the model."""
         self.poller.wait_all(self.recvs, lambda: f"the parameters of step {step}")
+        if self.shared:
+            self.poller.wait_until(self._copy_published,
+                                   lambda: f"the parameters of step {step} in shared memory")
         for j, shard in enumerate(self.shards):
+            if shard.segment is not None:
+                continue          # copied bucket by bucket, each as the ps published it
             if shard.pfields[1] != step:
                 raise ProtocolError(f"{self.label}: ps {j} sent parameters of step "
                                     f"{int(shard.pfields[1])} with token {step}")
@@ -480,7 +535,8 @@ class DenseChannel:
             MPI.Request.Waitall(self.recvs)
         for shard in self.shards:
             for req in (shard.head_send, *shard.data_sends, shard.full_send, *shard.recvs):
-                req.Free()
+                if req is not None:
+                    req.Free()
         self.token_req.Free()
 
     def final_stats(self) -> dict:

@@ -143,6 +143,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             dtype and keep the master copy; workers compute with the parameters rounded
             to ``wire_dtype``. Results differ from float32 by that rounding (see README).
             Default None: exact.
+        shared_memory: a worker and a ps rank on one machine exchange gradients and
+            parameters through shared memory instead of MPI messages (``mpisync.shm``;
+            default True; ``MPISYNC_SHARED_MEMORY=0`` turns it off for every optimizer).
+            Not with a ``wire_dtype`` or ``num_tokens``: those pairs use MPI messages.
         stats_log: where ps 0 writes the statistics log, one JSON line per global step
             (read it with ``python -m mpisync.stats``); default: ``MPISYNC_STATS`` (the
             optimizers created after the first one write ``<stem>.opt<k><suffix>``);
@@ -162,7 +166,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                  buffers: str = "broadcast", schedule: str = "auto", partitioner=None,
                  sparse_reduction: str = "mean", dense: str = "ps",
                  allreduce_backend: str = "mpi", bucket_bytes: int | None = None,
-                 wire_dtype=None, stats_log: str | bool | None = None):
+                 wire_dtype=None, shared_memory: bool = True,
+                 stats_log: str | bool | None = None):
         from .ps_ranks import _current
         cluster = _current if cluster is None else cluster
         if cluster is None:
@@ -184,7 +189,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         options = Options(replicas_to_aggregate, total_num_replicas, num_tokens, placement,
                           reduction, deterministic, ema_decay, ema_num_updates, asynchronous,
                           max_staleness, buffers, schedule, partitioner, sparse_reduction,
-                          dense, allreduce_backend, bucket_bytes, wire_dtype)
+                          dense, allreduce_backend, bucket_bytes, wire_dtype, shared_memory)
         opt_id = len(cluster.optimizers)
         self._stats_log = log_path(stats_log, opt_id)
         spec, routes = self._agree(optimizer, model, options, opt_id,

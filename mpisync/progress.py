@@ -130,16 +130,20 @@ class Poller:
             raise PeerError(f"{self.label}: stopping because {notice}")
 
     def wait_all(self, reqs: list[MPI.Request], what: Callable[[], str],
-                 pace: Pace | None = None) -> None:
+                 pace: Pace | None = None, meanwhile: Callable[[], object] | None = None
+                 ) -> None:
         """Wait for every request in ``reqs``; ``what()`` describes them for a stall error.
 
-        With ``pace``, the wait sleeps through most of its usual length first.
+        With ``pace``, the wait sleeps through most of its usual length first;
+        ``meanwhile()`` runs between tests (copying what shared memory brought).
         """
         start = time.monotonic()
         if pace is not None:
             t0 = time.perf_counter()
-            self._sleep_through(reqs, pace.first_sleep(), t0)
+            self._sleep_through(reqs, pace.first_sleep(), t0, meanwhile)
         while not MPI.Request.Testall(reqs):
+            if meanwhile is not None:
+                meanwhile()
             self.idle()
             if time.monotonic() - start > self.timeout:
                 raise StallError(f"{self.label}: {what()} did not arrive within "
@@ -148,13 +152,26 @@ class Poller:
         if pace is not None:
             pace.note(time.perf_counter() - t0)
 
+    def wait_until(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
+        """Wait until ``done()`` (a condition on shared memory, not an MPI request)."""
+        start = time.monotonic()
+        while not done():
+            self.idle()
+            if time.monotonic() - start > self.timeout:
+                raise StallError(f"{self.label}: {what()} did not happen within "
+                                 f"{self.timeout:g} s (MPISYNC_TIMEOUT)")
+        self.busy()
+
     @staticmethod
-    def _sleep_through(reqs: list[MPI.Request], seconds: float, t0: float) -> None:
+    def _sleep_through(reqs: list[MPI.Request], seconds: float, t0: float,
+                       meanwhile: Callable[[], object] | None) -> None:
         """Sleep ``seconds`` from ``t0``, a millisecond at a time, unless ``reqs`` complete."""
         while True:
             left = seconds - (time.perf_counter() - t0)
             if left < 2e-5 or MPI.Request.Testall(reqs):
                 return
+            if meanwhile is not None:
+                meanwhile()
             time.sleep(min(left, 1e-3))
 
     def wait_message(self, source: int, tag: int, what: Callable[[], str],

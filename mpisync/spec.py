@@ -82,6 +82,7 @@ class Options:
     allreduce_backend: str = "mpi"
     bucket_bytes: int | None = None
     wire_dtype: object = None
+    shared_memory: bool = True
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class JobSpec:
     allreduce_backend: str = "mpi"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     wire_dtype: torch.dtype | None = None
+    shared_memory: bool = True
 
     def digest(self) -> str:
         """A short digest of the whole spec (what every rank must agree on)."""
@@ -229,6 +231,8 @@ def _check_options(o: Options) -> None:
             raise ValueError(f"ema_decay must be in [0, 1), got {o.ema_decay}")
     if o.bucket_bytes is not None:
         _check_int("bucket_bytes", o.bucket_bytes, 1)
+    if not isinstance(o.shared_memory, bool):
+        raise TypeError(f"shared_memory must be True or False, got {o.shared_memory!r}")
     wire_dtype_of(o.wire_dtype)
     for name, value, allowed in (("reduction", o.reduction, REDUCTIONS),
                                  ("dense", o.dense, DENSE_MODES),
@@ -454,7 +458,7 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
         allreduce=tuple(routes.names(ALLREDUCE)), allreduce_backend=options.allreduce_backend,
         bucket_bytes=options.bucket_bytes or (
             DEFAULT_BUCKET_BYTES if options.dense == "allreduce" else PS_BUCKET_BYTES),
-        wire_dtype=wire_dtype_of(options.wire_dtype))
+        wire_dtype=wire_dtype_of(options.wire_dtype), shared_memory=options.shared_memory)
     return spec, routes
 
 
@@ -498,7 +502,8 @@ def setup_summary(spec: JobSpec | None, routes: Routes | None) -> dict[str, str]
     summary["frozen parameters"] = repr(routes.names(REPLICATED))
     for f in ("replicas_to_aggregate", "num_tokens", "reduction", "deterministic",
               "ema_decay", "ema_num_updates", "asynchronous", "max_staleness", "buffer_mode",
-              "sparse_reduction", "dense", "allreduce_backend", "bucket_bytes", "wire_dtype"):
+              "sparse_reduction", "dense", "allreduce_backend", "bucket_bytes", "wire_dtype",
+              "shared_memory"):
         summary[f] = repr(getattr(spec, f))
     summary["parameters averaged by allreduce"] = repr(spec.allreduce)
     summary["hyper-parameter layout"] = repr(spec.hyper)

@@ -67,6 +67,7 @@ class Tag:
     TABLE = 15      # pickled: a table shard read or written, worker <-> ps
     DATA = 16       # one bucket of a push's gradients, in bucket order: worker -> ps
     FULL = 17       # a push's whole gradient region again (FLAG_RESEND): worker -> ps
+    SHM = 18        # pickled, at set-up: a worker's machine, a ps's shared segment, the answer
     _BASE, _STRIDE = 32, 32
 
     @classmethod

@@ -1,8 +1,9 @@
 """Pushes in buckets under every mode give what the steps ps 0 records should give.
 
-One job (2 workers, 2 ps ranks) trains the cases of ``tests/scripts/buckets.py`` with
-buckets of 64 bytes, the first of each push sent from gradient hooks while backward
-runs. This process replays every case: each step's taken pushes (ps 0's record) reduced
+Two jobs (2 workers, 2 ps ranks) train the cases of ``tests/scripts/buckets.py`` with
+buckets of 64 bytes: one with the workers and ps ranks paired through shared memory, one
+with MPI messages between every pair (the first buckets of each push sent from gradient
+hooks while backward runs, as between machines). This process replays every case: each step's taken pushes (ps 0's record) reduced
 as the ps ranks reduce them (in worker order, in float32 from the wire's dtype) and
 applied with plain torch; each push's gradient computed as its worker computed it, at the
 parameters of the step it was computed at (rounded to the wire's dtype when the wire has
@@ -25,12 +26,17 @@ TOLERANCE = 1e-6
 WIRE_ERROR = {torch.bfloat16: 5e-3, torch.float16: 1e-3}
 
 
-@pytest.fixture(scope="module")
-def job():
-    run = run_mpi("buckets.py", 2, 2, list(CASES), timeout=240)
+@pytest.fixture(scope="module", params=["shared-memory", "messages"])
+def job(request):
+    """The job with workers and ps ranks paired through shared memory where they can
+    (the default on one machine), and with every pair exchanging MPI messages."""
+    env = {"MPISYNC_SHARED_MEMORY": "0"} if request.param == "messages" else {}
+    run = run_mpi("buckets.py", 2, 2, list(CASES), timeout=240, env=env)
     by_case = run.by_case()
     ps0 = [r["stats"] for r in run.ps() if r["ps"] == 0]
-    return {name: (by_case[name], ps0[i]) for i, name in enumerate(CASES)}
+    out = {name: (by_case[name], ps0[i]) for i, name in enumerate(CASES)}
+    out["transport"] = request.param
+    return out
 
 
 def wire_of(case: str):
@@ -138,8 +144,16 @@ def test_bucketed_pushes_give_the_replayed_steps(job, case):
 
 
 def test_buckets_went_from_hooks_and_again_when_changed(job):
-    """Hooks sent buckets while backward ran; a bucket changed after (clipping, a second
-    backward) went again, and a second backward per step is then waited for."""
+    """Messages: hooks sent buckets while backward ran; a bucket changed after (clipping,
+    a second backward) went again, and a second backward per step is then waited for.
+    Shared memory: no bucket travels at all, except where a 16-bit wire or extra tokens
+    keep the pair on messages."""
+    if job["transport"] == "shared-memory":
+        for case in CASES:
+            counts = job[case][0][0]["counts"]
+            messages = case in ("kbatch", "bf16", "fp16")
+            assert (counts["buckets"] > 0) == messages, (case, counts)
+        return
     for case in CASES:
         counts = job[case][0][0]["counts"]
         assert counts["from_hooks"] > 0, (case, counts)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import timeline
+from .. import shm, timeline
 from ..accumulate import ShardAccumulator
 from ..errors import ProtocolError
 from ..progress import Poller
@@ -111,22 +111,25 @@ class _Slot:
                  "waiting", "waiting_rows", "words", "worker")
 
     def __init__(self, comm, worker: int, rank: int, tags: dict, header: GradHeader,
-                 layout: ShardLayout, buckets: tuple[Bucket, ...]):
-        # ``layout`` and ``buckets``: on the wire (``wire_dtype`` may make them smaller)
+                 layout: ShardLayout, buckets: tuple[Bucket, ...],
+                 shared: np.ndarray | None = None):
+        # ``layout`` and ``buckets``: on the wire (``wire_dtype`` may make them smaller);
+        # ``shared``: the worker's slot of shared memory, where its gradients are
         self.worker = worker
-        self.buf = np.zeros(header.nbytes + layout.nbytes, np.uint8)
         base = header.nbytes
+        self.buf = np.zeros(base + (layout.nbytes if shared is None else 0), np.uint8)
+        data = self.buf[base:] if shared is None else shared
         self.head_req = comm.Recv_init([self.buf[:base], MPI.BYTE], source=rank,
                                        tag=tags[Tag.GRAD])
-        self.data_reqs = [comm.Recv_init([self.buf[base + b.offset:base + b.offset + b.nbytes],
-                                          MPI.BYTE], source=rank, tag=tags[Tag.DATA])
-                          for b in buckets]
+        self.data_reqs = [] if shared is not None else [
+            comm.Recv_init([data[b.offset:b.offset + b.nbytes], MPI.BYTE], source=rank,
+                           tag=tags[Tag.DATA]) for b in buckets]
         self.fields, self.words, self.codes, self.mask = header.views(self.buf)
         self.timing = timing_view(self.fields)    # the worker's previous step, if reported
-        t = torch.from_numpy(self.buf)
+        t = torch.from_numpy(data)
         self.views = [None if b.buffers or not _graded_dtype(b.dtype)
-                      else tensor_view(t, base, b.dtype, b.offset, b.nbytes) for b in buckets]
-        self.buffers = region_views(t, base, layout.buffer_regions)
+                      else tensor_view(t, 0, b.dtype, b.offset, b.nbytes) for b in buckets]
+        self.buffers = region_views(t, 0, layout.buffer_regions)
         self.done = 0            # buckets received, in order
         self.resend = False      # the whole region comes again (Tag.FULL)
         self.full_req = None
@@ -138,11 +141,14 @@ class _Slot:
     def start(self) -> None:
         self.done, self.resend, self.full_req = 0, False, None
         self.head_req.Start()
-        MPI.Prequest.Startall(self.data_reqs)
+        if self.data_reqs:
+            MPI.Prequest.Startall(self.data_reqs)
 
     def ready(self, k: int, comm, rank: int, tag: int, base: int) -> bool:
         """Whether bucket ``k`` of this push is in (tests the receives it waits for)."""
         reqs = self.data_reqs
+        if not reqs:                   # shared memory: in place once the header came
+            return True
         while self.done < len(reqs) and reqs[self.done].Test():
             self.done += 1
         if not self.resend:
@@ -221,6 +227,11 @@ class ShardServer:
                                                            Tag.CTL_OBJ, Tag.INFO, Tag.INIT,
                                                            Tag.TABLE)}
         self.rows = RowShards(spec, ps_index, worker_ranks, comm, poller, label)
+        self.segment, self.shared = None, {}     # workers served through shared memory
+        if shm.enabled(spec):
+            self.segment, self.shared = shm.offer(comm, worker_ranks, spec.opt_id, ps_index,
+                                                  layout.nbytes, len(self.buckets), poller,
+                                                  label)
         self._build_tensors(layout)
         self.acc = ShardAccumulator(spec.reduction, spec.global_step, spec.asynchronous)
         self.global_step = spec.global_step
@@ -256,7 +267,8 @@ class ShardServer:
     def _build_tensors(self, layout: ShardLayout) -> None:
         """The parameter buffer, its views and the optimizer; what is sent to the workers
         (``send_buf``: the parameter buffer itself unless ``wire_dtype``)."""
-        self.param_buf = np.zeros(PARAM_HEADER_BYTES + layout.nbytes, np.uint8)
+        self.param_buf = (np.zeros(PARAM_HEADER_BYTES + layout.nbytes, np.uint8)
+                          if self.segment is None else self.segment.params)
         self.send_buf = self.param_buf if self.wire == layout else np.zeros(
             PARAM_HEADER_BYTES + self.wire.nbytes, np.uint8)
         self.param_fields = self.send_buf[:PARAM_HEADER_BYTES].view(np.int64)
@@ -307,14 +319,19 @@ class ShardServer:
         return [[p for p in g["params"] if id(p) in mine] for g in self.optimizer.param_groups]
 
     def _build_sends(self) -> None:
-        """Per worker, a persistent send of each bucket's parameters, then the header."""
+        """Per worker, a persistent send of each bucket's parameters, then the header (a
+        worker of this machine copies them from shared memory: ``shm.Publication``)."""
         pb, tag = self.send_buf, self.tags[Tag.PARAMS]
         base = PARAM_HEADER_BYTES
-        self.bucket_sends = [[self.comm.Send_init([pb[base + b.offset:base + b.offset + b.nbytes],
-                                                   MPI.BYTE], dest=r, tag=tag)
-                              for r in self.worker_ranks] for b in self.wbuckets]
-        self.head_sends = [self.comm.Send_init([pb[:base], MPI.BYTE], dest=r, tag=tag)
-                           for r in self.worker_ranks]
+        flags = {w: self.segment.flags(i) for w, i in self.shared.items()}
+        self.bucket_sends = [
+            [shm.Publication(*flags[w], b.index) if w in flags else
+             self.comm.Send_init([pb[base + b.offset:base + b.offset + b.nbytes], MPI.BYTE],
+                                 dest=r, tag=tag) for w, r in enumerate(self.worker_ranks)]
+            for b in self.wbuckets]
+        self.head_sends = [shm.Nothing() if w in flags else
+                           self.comm.Send_init([pb[:base], MPI.BYTE], dest=r, tag=tag)
+                           for w, r in enumerate(self.worker_ranks)]
         self.sends_active: dict[int, MPI.Request] = {}     # id -> a send in flight
 
     def receive_initial(self, chief_rank: int, piece: dict | None) -> None:
@@ -338,7 +355,7 @@ class ShardServer:
     def _post(self, w: int) -> None:
         slot = self.free[w].pop() if self.free[w] else _Slot(
             self.comm, w, self.worker_ranks[w], self.tags, self.header, self.wire,
-            self.wbuckets)
+            self.wbuckets, self.segment.slot(self.shared[w]) if w in self.shared else None)
         slot.assign, slot.waiting = None, False
         slot.start()
         self.posted[w] = slot
@@ -653,10 +670,17 @@ class ShardServer:
     def _wait_sends(self, reqs) -> None:
         """The sends among ``reqs`` still in flight are done (their buffer may change)."""
         active = [r for r in reqs if id(r) in self.sends_active]
-        if active:
-            self.poller.wait_all(active, lambda: "parameter sends to workers")
-            for r in active:
-                del self.sends_active[id(r)]
+        if not active:
+            return
+        mpi = [r for r in active if isinstance(r, MPI.Request)]
+        if mpi:
+            self.poller.wait_all(mpi, lambda: "parameter sends to workers")
+        if len(mpi) < len(active):
+            shared = [r for r in active if not isinstance(r, MPI.Request)]
+            self.poller.wait_until(lambda: all(r.Test() for r in shared),
+                                   lambda: "workers copying parameters from shared memory")
+        for r in active:
+            del self.sends_active[id(r)]
 
     def _send_params(self, workers) -> None:
         """The current parameters to ``workers``: every bucket, then the header."""
@@ -744,7 +768,8 @@ class ShardServer:
         slots = [s for s in self.posted if s is not None] + self.retired + [
             s for f in self.free for s in f]
         reqs = [r for s in slots for r in [s.head_req, *s.data_reqs]]
-        reqs += [r for sends in self.bucket_sends for r in sends] + self.head_sends
+        reqs += [r for sends in self.bucket_sends for r in sends if isinstance(r, MPI.Request)]
+        reqs += [r for r in self.head_sends if isinstance(r, MPI.Request)]
         if self.ctl_req is not None:
             reqs.append(self.ctl_req)
         for req in reqs:
