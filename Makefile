@@ -102,8 +102,13 @@ demo-horovod: horovod
 lint: venv
 	$(VENV)/bin/ruff check .
 
+# The dense step against MPI_Allreduce, gloo, DDP and Horovod (where `make horovod` built it)
+# on the same workers, and a training MLP (benchmarks/README.md): bench.json and bench.png.
+# BENCH_FLAGS=--no-shm: the same under Open MPI over loopback TCP (the closest one machine
+# comes to two nodes). 2-4 minutes on 2 cores.
+BENCH_FLAGS ?=
 bench: venv
-	$(VPY) -m mpisync.launch --workers 2 --ps 1 -- $(VPY) benchmarks/step_bench.py
+	$(VPY) benchmarks/bench.py $(BENCH_FLAGS)
 
 # TorchRec as a peer for the recommender-scale benchmark (benchmarks/README.md), in its own
 # virtualenv so that neither `make test` nor CI ever installs it. The versions are pinned

