@@ -54,6 +54,8 @@ def parse_args() -> argparse.Namespace:
                         help="B optimizers without and B with the statistics log, alternating")
     parser.add_argument("--stats-ab-log", default="/tmp/mpisync-step-bench-stats.jsonl",
                         help="where the --stats-ab optimizers log")
+    parser.add_argument("--no-allreduce-step", action="store_true",
+                        help="leave out phase 4 (the dense='allreduce' optimizer)")
     return parser.parse_args()
 
 
@@ -180,7 +182,8 @@ def main() -> None:
         cluster.serve()      # every optimizer, one after the other
         return
     steps, stats = sync_steps(cluster, args, numel)
-    reduced, _ = sync_steps(cluster, args, numel, dense="allreduce")
+    reduced = [] if args.no_allreduce_step else sync_steps(cluster, args, numel,
+                                                            dense="allreduce")[0]
     ab = {False: [], True: []}
     for block in range(2 * args.stats_ab):
         on = block % 2 == 1
@@ -188,7 +191,8 @@ def main() -> None:
     if not cluster.is_chief:
         return
 
-    step_ms, ar_ms, reduced_ms = summary_ms(steps), summary_ms(ar), summary_ms(reduced)
+    step_ms, ar_ms = summary_ms(steps), summary_ms(ar)
+    reduced_ms = summary_ms(reduced) if reduced else {"median": float("nan")}
     result = {
         "machine": machine(), "cores": os.cpu_count(),
         "workers": cluster.num_workers, "ps": cluster.num_ps, "mb": args.mb,
