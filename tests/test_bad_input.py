@@ -291,8 +291,8 @@ def _server():
 
     net = torch.nn.Linear(3, 2)
     spec, _ = build_spec(torch.optim.SGD(net.parameters(), lr=0.1),
-                         Model(tuple(net.named_parameters())), Options(), opt_id=0,
-                         num_workers=1, num_ps=1)
+                         Model(tuple(net.named_parameters())), Options(shared_memory=False),
+                         opt_id=0, num_workers=1, num_ps=1)
     comm = MPI.COMM_SELF.Dup()
     return ShardServer(spec, 0, (0,), 0, comm, Poller(comm, 5, "ps 0"), "ps 0",
                        with_hyper=True), comm
@@ -322,8 +322,9 @@ def test_a_ps_rank_refuses_a_set_up_from_another_mpisync():
     class Rank:
         label = "ps 0 (rank 1 on here)"
 
-    with pytest.raises(mpisync.ConfigError, match=r"ps 0 \(rank 1 on here\): the workers run "
-                                                  r"mpisync 0\.0\.1 \(wire format 1\) and "
-                                                  r"this ps rank mpisync \S+ \(wire format 1\)"):
+    with pytest.raises(mpisync.ConfigError, match=rf"ps 0 \(rank 1 on here\): the workers run "
+                                                  rf"mpisync 0\.0\.1 \(wire format {WIRE_VERSION}\) "
+                                                  rf"and this ps rank mpisync \S+ \(wire format "
+                                                  rf"{WIRE_VERSION}\)"):
         _setup(Rank(), Poller(None, 5, "ps 0"),
-               ("spec", b"", [None], {"mpisync": "0.0.1 (wire format 1)"}))
+               ("spec", b"", [None], {"mpisync": f"0.0.1 (wire format {WIRE_VERSION})"}))
