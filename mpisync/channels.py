@@ -1,6 +1,7 @@
 """The worker's transport: one channel per route kind."""
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable
 
@@ -204,7 +205,7 @@ class DenseChannel:
         self.piece_copies = [(_raw(self.pviews[i][start:stop]), _raw(pview))
                              for i, start, stop, pview, _ in self.pieces]
         self._bucket_members()
-        self.hooks = GradBuckets([m for m, _ in self.members], [j for j, _ in self.order],
+        self.hooks = GradBuckets([m[0] for m in self.members], [j for j, _ in self.order],
                                  self.bucket_ready, lambda: None)
         self.pace = Pace()               # how long the token took lately
         self.expected_backwards = 1      # backward passes per step, as the last step had
@@ -259,7 +260,8 @@ class DenseChannel:
 
     def _bucket_members(self) -> None:
         """Every bucket of every ps (the buffers' buckets aside, they go at ``step()``):
-        ``order[n] = (ps, bucket)``, ``members[n] = (parameters, their indices)``."""
+        ``order[n] = (ps, bucket)``, ``members[n] = (parameters, their indices, their
+        gradient views, the indices as an array)``."""
         self.order, self.members = [], []
         self.pieces_of: dict[tuple[int, int], list] = {}
         for j, shard in enumerate(self.shards):
@@ -268,7 +270,8 @@ class DenseChannel:
                     continue
                 ids = list(dict.fromkeys(int(i) for i in shard.idx[b.first:b.stop]))
                 self.order.append((j, b.index))
-                self.members.append(([self.params[i] for i in ids], ids))
+                self.members.append(([self.params[i] for i in ids], ids,
+                                     [self.gviews[i] for i in ids], np.array(ids, np.intp)))
         for (j, k), piece in self.piece_entries.items():
             b = next(b for b in self.shards[j].buckets if b.first <= k < b.stop)
             self.pieces_of.setdefault((j, b.index), []).append(piece)
@@ -320,23 +323,24 @@ class DenseChannel:
 
     def _prepare(self, n: int) -> None:
         """Bucket ``n``'s gradients into its buffer; note which parameters have one."""
-        params, ids = self.members[n]
-        has = self._has
-        gviews = self.gviews
-        for p, i in zip(params, ids):
-            g = p.grad
-            view = gviews[i]
-            if g is view:
-                has[i] = 1
-            elif g is None:
-                if has[i]:
-                    view.zero_()       # absent: zeros, so the other workers' sum is exact
-                    has[i] = 0
-            else:
-                self._adopt_grad(i, p, g, view)
-                has[i] = 1
+        params, ids, views, where = self.members[n]
+        grads = [p.grad for p in params]
+        if all(map(operator.is_, grads, views)):      # the usual step: backward wrote them
+            self.has_grad[where] = 1
+        else:
+            has = self._has
+            for p, i, g, view in zip(params, ids, grads, views):
+                if g is view:
+                    has[i] = 1
+                elif g is None:
+                    if has[i]:
+                        view.zero_()   # absent: zeros, so the other workers' sum is exact
+                        has[i] = 0
+                else:
+                    self._adopt_grad(i, p, g, view)
+                    has[i] = 1
         for i, start, stop, gview in self.pieces_of.get(self.order[n], ()):
-            whole = gviews[i]
+            whole = self.gviews[i]
             if self.piece_versions[id(gview)] != whole._version:
                 gview.copy_(whole[start:stop])
                 self.piece_versions[id(gview)] = whole._version
