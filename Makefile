@@ -103,13 +103,17 @@ demo-horovod: horovod
 lint: venv
 	$(VENV)/bin/ruff check .
 
-# The benchmarks (benchmarks/README.md): `make bench`, the dense step (step_bench.py);
+# The benchmarks (benchmarks/README.md): `make bench`, the dense step against MPI_Allreduce,
+# gloo, DDP and Horovod (where `make horovod` built it) on the same workers, and a training
+# MLP: bench.json and bench.png (BENCH_FLAGS=--no-shm: the same over loopback TCP, the
+# closest one machine comes to two nodes; 2-4 minutes on 2 cores);
 # `make bench-embedding`, a table on the ps ranks against a replicated one
 # (embedding_bench.py); `make bench-recsys`, the recommender-scale table against one
 # process and TorchRec (recsys_bench.py: the embedding benchmark at recommender scale,
 # pooled and row paths, exact and row-wise Adagrad).
+BENCH_FLAGS ?=
 bench: venv
-	$(VPY) -m mpisync.launch --workers 2 --ps 1 -- $(VPY) benchmarks/step_bench.py
+	$(VPY) benchmarks/bench.py $(BENCH_FLAGS)
 
 .PHONY: bench-embedding
 bench-embedding: venv

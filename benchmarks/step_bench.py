@@ -54,6 +54,8 @@ def parse_args() -> argparse.Namespace:
                         help="B optimizers without and B with the statistics log, alternating")
     parser.add_argument("--stats-ab-log", default="/tmp/mpisync-step-bench-stats.jsonl",
                         help="where the --stats-ab optimizers log")
+    parser.add_argument("--no-allreduce-step", action="store_true",
+                        help="leave out phase 4 (the dense='allreduce' optimizer)")
     return parser.parse_args()
 
 
@@ -128,6 +130,15 @@ def memcpy(nbytes: int, steps: int) -> list[float]:
     return times
 
 
+def fill_grads(model: torch.nn.Module) -> None:
+    """Every gradient 1.0, written in place where one exists (the send buffers' views)."""
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.ones_like(p)
+        else:
+            p.grad.fill_(1.0)
+
+
 def sync_steps(cluster, args, numel: int, dense: str = "ps",
                stats_log=None) -> tuple[list[float], dict]:
     """Per-step seconds of opt.step() on this worker, and the final statistics."""
@@ -141,11 +152,7 @@ def sync_steps(cluster, args, numel: int, dense: str = "ps",
         # set_to_none=False: after the first step the gradients are views into the send
         # buffers, written in place (see benchmarks/README.md); torch's first one is None
         opt.zero_grad(set_to_none=False)
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.ones_like(p)
-            else:
-                p.grad.fill_(1.0)
+        fill_grads(model)
         start = time.perf_counter()
         opt.step()
         if i >= args.warmup:
@@ -180,7 +187,8 @@ def main() -> None:
         cluster.serve()      # every optimizer, one after the other
         return
     steps, stats = sync_steps(cluster, args, numel)
-    reduced, _ = sync_steps(cluster, args, numel, dense="allreduce")
+    reduced = [] if args.no_allreduce_step else sync_steps(cluster, args, numel,
+                                                            dense="allreduce")[0]
     ab = {False: [], True: []}
     for block in range(2 * args.stats_ab):
         on = block % 2 == 1
@@ -188,7 +196,8 @@ def main() -> None:
     if not cluster.is_chief:
         return
 
-    step_ms, ar_ms, reduced_ms = summary_ms(steps), summary_ms(ar), summary_ms(reduced)
+    step_ms, ar_ms = summary_ms(steps), summary_ms(ar)
+    reduced_ms = summary_ms(reduced) if reduced else {"median": float("nan")}
     result = {
         "machine": machine(), "cores": os.cpu_count(),
         "workers": cluster.num_workers, "ps": cluster.num_ps, "mb": args.mb,

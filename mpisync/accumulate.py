@@ -462,14 +462,17 @@ class ShardAccumulator:
 
         Args:
           regions_out: list of tensors (one per dtype region) receiving the result.
-          regions_in_list: one list of tensors per chosen gradient, in reduction order.
+          regions_in_list: one list of tensors per chosen gradient, in reduction order
+            (of ``regions_out``'s dtypes, or narrower ones: the sum is in the output's).
           count: the number of gradients taken (the divisor for MEAN).
           reduction: overrides the accumulator's own reduction.
         """
         mean = (reduction or self.reduction) == "mean"
         for r, out in enumerate(regions_out):
-            if len(regions_in_list) == 1:
-                out.copy_(regions_in_list[0][r])
+            if len(regions_in_list) == 1 or regions_in_list[0][r].dtype != out.dtype:
+                out.copy_(regions_in_list[0][r])    # a narrower wire dtype: summed in out's
+                for regions_in in regions_in_list[1:2]:
+                    out.add_(regions_in[r])
             else:      # two passes over memory for the first pair, not three
                 torch.add(regions_in_list[0][r], regions_in_list[1][r], out=out)
             for regions_in in regions_in_list[2:]:

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .buckets import GradBuckets
+
 __all__ = ["BACKENDS", "DEFAULT_BUCKET_BYTES", "AllreduceChannel", "LocalAverages", "backend_problem"]
 
 BACKENDS = ("mpi", "horovod")
@@ -25,8 +27,8 @@ _REDUCE_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 class _Bucket:
     """Gradients of some parameters of one dtype, then one presence flag per parameter."""
 
-    __slots__ = ("array", "dtype", "expected", "flags", "flat", "handle", "index", "left",
-                 "name", "numel", "params", "same_dtype", "started", "views")
+    __slots__ = ("array", "dtype", "flags", "flat", "index", "name", "numel", "params",
+                 "same_dtype", "views")
 
     def __init__(self, index: int, params: list[torch.Tensor], opt_id: int):
         dtype = params[0].dtype
@@ -42,11 +44,8 @@ class _Bucket:
             offset += p.numel()
         self.dtype = dtype
         self.same_dtype = reduce_dtype == dtype
-        self.started = False
         self.array = self.flat.numpy()        # mpi4py takes MPI's own type from its typecode
         self.name = f"mpisync.{opt_id}.bucket{index}"
-        self.handle = None
-        self.expected = self.left = len(params)
 
 
 def _buckets(params: list[torch.Tensor], bucket_bytes: int, opt_id: int) -> list[_Bucket]:
@@ -177,65 +176,30 @@ class AllreduceChannel:
         self.reducer = _HorovodReducer() if backend == "horovod" else _MpiReducer(self.comm)
         self.chief_words = self.chief_codes = None
         self.rounds = 0                 # rounds since the last step
-        self.in_backward = False
-        self.next = 0                   # the next bucket to start in this round
         self.handles: list = []
         self.bytes = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
-        self.fired: set[int] = set()    # parameters whose gradient this round has
-        self.hooked: set[int] = set()
-        self.hooks: list = []
-        self._hook_new()
-
-    def _hook_new(self) -> None:
-        """Hooks on the parameters that take gradients now (a frozen one gets its hook
-        once it is unfrozen; until then its bucket waits for backward's end)."""
-        for b in self.buckets:
-            for p in b.params:
-                if p.requires_grad and id(p) not in self.hooked:
-                    self.hooked.add(id(p))
-                    self.hooks.append(p.register_post_accumulate_grad_hook(self._hook(b)))
-
-    def _hook(self, bucket: _Bucket):
-        def ready(param: torch.Tensor) -> None:
-            self._ready(bucket, param)
-        return ready
+        # one lane: every worker starts the buckets in the same order
+        self.grads = GradBuckets([b.params for b in self.buckets], [0] * len(self.buckets),
+                                 lambda k: self._start(self.buckets[k]), self._finish,
+                                 self._again, self._poke)
+        self.hooks = self.grads.hooks          # more may join (tables' gradients: touch)
 
     def touch(self, _tensor: torch.Tensor | None = None) -> None:
         """A backward produced a gradient mpisync sends elsewhere (a table's rows): this
         worker takes part in the round that backward's end runs, as the others do."""
-        if not self.in_backward:
-            self._begin()
+        if not self.grads.in_backward:
+            self.grads.begin()
 
-    def _begin(self) -> None:
-        self.in_backward = True
-        self.fired.clear()
-        for b in self.buckets:
-            b.started = False
-            if any(p.requires_grad and id(p) not in self.hooked for p in b.params):
-                b.left = b.expected = len(b.params) + 1     # never full before the end
-            else:
-                b.left = b.expected = sum(1 for p in b.params if p.requires_grad)
-        self.next = 0
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+    def _again(self, k: int, param: torch.Tensor) -> None:
+        if self.grads.started[k]:
+            raise RuntimeError(
+                f"a parameter of shape {list(param.shape)} received a second gradient "
+                f"in one backward pass after its bucket was sent (a parameter used "
+                f"inside torch.utils.checkpoint(use_reentrant=True) and outside it); "
+                f"dense='allreduce' cannot average it: use use_reentrant=False")
 
-    def _ready(self, bucket: _Bucket, param: torch.Tensor) -> None:
-        """A gradient is complete: start every bucket, in order, that is now full."""
-        if not self.in_backward:
-            self._begin()
-        if id(param) in self.fired:         # a second time in one backward
-            if bucket.started:
-                raise RuntimeError(
-                    f"a parameter of shape {list(param.shape)} received a second gradient "
-                    f"in one backward pass after its bucket was sent (a parameter used "
-                    f"inside torch.utils.checkpoint(use_reentrant=True) and outside it); "
-                    f"dense='allreduce' cannot average it: use use_reentrant=False")
-            return
-        self.fired.add(id(param))
-        bucket.left -= 1
-        started = self.next
-        while self.next < len(self.buckets) and self.buckets[self.next].left <= 0:
-            self._start(self.buckets[self.next])
-        if self.handles and self.next == started:
+    def _poke(self, handed_out: bool) -> None:
+        if self.handles and not handed_out:
             self.reducer.poke(self.handles)
 
     def _start(self, bucket: _Bucket) -> None:
@@ -252,19 +216,15 @@ class AllreduceChannel:
             if g.data_ptr() != view.data_ptr():
                 view.copy_(g)           # deliberate: the gradient was made outside the bucket
             bucket.flags[k] = 1
-        bucket.started = True
         self.handles.append(self.reducer.start(bucket))
-        self.next = bucket.index + 1
 
     def _finish(self) -> None:
         """End of a round: start what is left, wait, and hand each parameter the mean."""
-        while self.next < len(self.buckets):
-            self._start(self.buckets[self.next])
+        self.grads.flush()
         handles, self.handles = self.handles, []
         self.reducer.wait(handles)
         for bucket in self.buckets:
             self._unpack(bucket)
-        self.in_backward = False
         self.rounds += 1
 
     def _unpack(self, bucket: _Bucket) -> None:
@@ -292,9 +252,9 @@ class AllreduceChannel:
                         f"tensor after the "
                         f"optimizer was created (it was {b.dtype}); convert the model before "
                         f"creating the SyncReplicasOptimizer")
-        self._hook_new()
+        self.grads.hook_new()
         if self.rounds == 0:
-            self.next = 0
+            self.grads.reset()
             self._finish()
         self.rounds = 0
 
@@ -324,8 +284,7 @@ class AllreduceChannel:
         return self.chief_words, self.chief_codes
 
     def close(self) -> None:
-        for h in self.hooks:
-            h.remove()
+        self.grads.remove()
         self.reducer.close()
         self.comm.Free()
 

@@ -1,6 +1,7 @@
 """The worker's transport: one channel per route kind."""
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable
 
@@ -8,11 +9,15 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from . import shm
+from .buckets import GradBuckets
 from .errors import DeadlockError, ProtocolError
-from .progress import Poller
+from .progress import SETUP_TIMEOUT, Pace, Poller
+from .ps.shard import buckets_of, conversions, wire_layouts_of
 from .spec import JobSpec
 from .wire import (
     FLAG_ASSIGN,
+    FLAG_RESEND,
     PARAM_HEADER_BYTES,
     TOKEN_WORDS,
     GradHeader,
@@ -31,37 +36,121 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+#: Steps a worker pushes only at ``step()`` after one whose gradients changed once sent
+#: (clipped, or a backward more than the step before: gradient accumulation).
+QUIET_STEPS = 64
+
+
 class _Shard:
-    """This worker's side of one ps rank: the fused send and receive buffers."""
+    """This worker's side of one ps rank: the fused buffers and their persistent requests.
 
-    __slots__ = ("abuf", "assign_req", "buffer_pairs", "codes", "fields", "gbuf", "header",
-                 "idx", "mask", "pbuf", "pfields", "recv", "regions", "send", "words")
+    A push is a header on ``Tag.GRAD`` and the buckets, in order, on ``Tag.DATA`` (the
+    first ones sent from gradient hooks while backward runs, the rest at ``step()``); the
+    pull is every bucket's parameters, then the parameter header, on ``Tag.PARAMS``. With
+    a ``wire_dtype`` what travels (``gbuf``, ``pbuf``) is converted from and to the
+    buffers the model's gradients and parameters live in (``gmem``, ``pmem``); without, the
+    two are one.
+    """
 
-    def __init__(self, header: GradHeader, layout: ShardLayout):
+    __slots__ = ("abuf", "acks", "bases", "buckets", "buffer_pairs", "codes", "copies",
+                 "data_sends", "due", "fields", "from_wire", "full_send", "gbuf", "gmem",
+                 "head_send", "header", "idx", "mask", "pbuf", "pfields", "pmem", "ready",
+                 "recvs", "seen", "segment", "sent", "to_wire", "versions", "words")
+
+    def __init__(self, header: GradHeader, layout: ShardLayout, wire: ShardLayout, buckets,
+                 wbuckets, comm, rank: int, tags: dict, shared=None):
         self.header = header
-        self.gbuf = np.zeros(header.nbytes + layout.nbytes, np.uint8)
-        self.pbuf = np.zeros(PARAM_HEADER_BYTES + layout.nbytes, np.uint8)
+        self.buckets = buckets
+        h, ph = header.nbytes, PARAM_HEADER_BYTES
+        self.segment = None
+        if shared is not None:             # a ps rank of this machine: shared memory
+            self.segment, i = shared
+            self.gbuf = np.zeros(h, np.uint8)            # only the header travels
+            self.pbuf = self.segment.params              # read from the ps's own buffer
+            self.gmem = self.segment.slot(i)             # the gradients live there
+            self.pmem = np.zeros(ph + layout.nbytes, np.uint8)
+            self.ready, self.acks = self.segment.flags(i)
+            # publications copied so far (a new segment starts at 0; the ps may have
+            # published the first already), and what they will be once this pull's are in
+            self.seen = [0] * len(buckets)
+            self.due = [1] * len(buckets)
+            self.copies = [(self.pmem[ph + b.offset:ph + b.offset + b.nbytes],
+                            self.pbuf[ph + b.offset:ph + b.offset + b.nbytes])
+                           for b in buckets]
+            wire, wbuckets = layout, buckets
+        else:
+            self.gbuf = np.zeros(h + wire.nbytes, np.uint8)
+            self.pbuf = np.zeros(ph + wire.nbytes, np.uint8)
+            same = wire == layout
+            self.gmem = self.gbuf[h:] if same else np.zeros(layout.nbytes, np.uint8)
+            self.pmem = self.pbuf if same else np.zeros(ph + layout.nbytes, np.uint8)
         self.fields, self.words, self.codes, self.mask = header.views(self.gbuf)
-        self.pfields = self.pbuf[:PARAM_HEADER_BYTES].view(np.int64)
-        gt, pt = torch.from_numpy(self.gbuf), torch.from_numpy(self.pbuf)
-        self.regions = region_views(gt, header.nbytes, layout.regions)
-        # buffers travel both ways at the same offsets: pushed from gbuf, pulled into pbuf
-        self.buffer_pairs = list(zip(region_views(gt, header.nbytes, layout.buffer_regions),
-                                     region_views(pt, PARAM_HEADER_BYTES, layout.buffer_regions)))
+        self.pfields = self.pbuf[:ph].view(np.int64)
+        # each bucket's gradients are a tensor of their own: its version counter tells
+        # whether they changed after the bucket was sent
+        self.bases = [torch.from_numpy(self.gmem[b.offset:b.offset + b.nbytes]) for b in buckets]
+        # tensors of their own too: converting into the model's parameters is no write
+        # that the write tracker should see
+        gwire = torch.from_numpy(self.gmem if self.segment else self.gbuf[h:])
+        pwire = torch.from_numpy(self.pmem if self.segment else self.pbuf)[ph:]
+        self.to_wire = conversions(buckets, wbuckets, torch.from_numpy(self.gmem), gwire,
+                                   layout, wire, to_wire=True, push=True)
+        self.from_wire = conversions(buckets, wbuckets, torch.from_numpy(self.pmem)[ph:], pwire,
+                                     layout, wire, to_wire=False)
+        # buffers travel both ways: their values into what is pushed, pulled into pmem
+        self.buffer_pairs = list(zip(region_views(gwire, 0, wire.buffer_regions),
+                                     region_views(torch.from_numpy(self.pmem), ph,
+                                                  layout.buffer_regions)))
+        self.head_send = comm.Send_init([self.gbuf[:h], MPI.BYTE], dest=rank, tag=tags[Tag.GRAD])
+        self.data_sends, self.recvs, self.full_send = [], [], None
+        if self.segment is None:
+            self.data_sends = [comm.Send_init([self.gbuf[h + b.offset:h + b.offset + b.nbytes],
+                                               MPI.BYTE], dest=rank, tag=tags[Tag.DATA])
+                               for b in wbuckets]
+            self.full_send = comm.Send_init([self.gbuf[h:], MPI.BYTE], dest=rank,
+                                            tag=tags[Tag.FULL])
+            self.recvs = [comm.Recv_init([self.pbuf[ph + b.offset:ph + b.offset + b.nbytes],
+                                          MPI.BYTE], source=rank, tag=tags[Tag.PARAMS])
+                          for b in wbuckets]
+            self.recvs.append(comm.Recv_init([self.pbuf[:ph], MPI.BYTE], source=rank,
+                                             tag=tags[Tag.PARAMS]))
+        self.sent = 0                  # buckets sent so far in this push (a prefix)
+        self.versions = [0] * len(buckets)
         self.abuf = None
-        self.assign_req = None
         self.idx = np.zeros(0, np.int64)
+
+    def send(self, k: int) -> None:
+        """Start bucket ``k``'s send (on the wire's dtypes first)."""
+        for dst, src in self.to_wire[k]:
+            dst.copy_(src)
+        self.data_sends[k].Start()
+
+    def copy_published(self) -> bool:
+        """Shared memory: copy the buckets the ps published since; whether every bucket
+        of this pull is in (each pull that brings parameters brings each bucket once)."""
+        ready, seen = self.ready, self.seen
+        for k, (dst, src) in enumerate(self.copies):
+            if seen[k] != int(ready[k]):
+                seen[k] = int(ready[k])
+                np.copyto(dst, src)     # raw memory: not a write the tracker should see
+                self.acks[k] = seen[k]
+        return seen == self.due
 
 
 class DenseChannel:
     """Parameters that live whole on one ps rank (route ``dense_ps``), and module buffers.
 
     Per ps rank, one fused gradient buffer (a header, then every gradient it owns) and one
-    fused parameter buffer, allocated once. The model's parameters become views into the
-    parameter buffers, so the pull lands in the model; after ``zero_grad(set_to_none=False)``
-    the gradients are views into the gradient buffers, so ``backward()`` writes what the
-    push sends. A push is one persistent send per ps; the token from the coordinator says
-    whether parameters follow.
+    fused parameter buffer, allocated once and cut into buckets (``wire.bucket_layout``).
+    The model's parameters become views into the parameter buffers, so the pull lands in
+    the model; the gradients are views into the gradient buffers once ``zero_grad`` or a
+    push adopted them, so ``backward()`` writes what the push sends. While backward runs,
+    gradient hooks send each bucket as soon as its gradients are complete
+    (``bucket_ready``), as DDP and Horovod start their all-reduces; ``step()`` sends the
+    header and whatever is left. A bucket that changed after it was sent (its version
+    counter moved: clipping, or another backward before the step) goes again with the
+    whole region (``FLAG_RESEND``), and the next ``QUIET_STEPS`` steps push only at
+    ``step()``; a step after several backward passes sends from hooks in the last of them.
     """
 
     def __init__(self, spec: JobSpec, layouts: list[ShardLayout], cluster,
@@ -72,9 +161,9 @@ class DenseChannel:
         self.poller = poller
         self.comm = comm = cluster.p2p_comm
         self.label = cluster.label
-        self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.GRAD, Tag.ASSIGN, Tag.PARAMS,
-                                                           Tag.TOKEN, Tag.INIT, Tag.HYPER,
-                                                           Tag.INFO)}
+        self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.GRAD, Tag.DATA, Tag.FULL,
+                                                           Tag.ASSIGN, Tag.PARAMS, Tag.TOKEN,
+                                                           Tag.INIT, Tag.HYPER, Tag.INFO)}
         self.part_of = dict(zip(spec.names, spec.parts))    # unit -> (name, start, stop)
         self.names = list(dict.fromkeys(name for name, _, _ in spec.parts))
         self.params = [params[n] for n in self.names]
@@ -85,32 +174,44 @@ class DenseChannel:
         self.gviews: list[torch.Tensor] = [None] * len(self.names)
         # partitioned parameters stay whole here: (index, start, stop, unit pview, unit gview)
         self.pieces: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []
+        self.piece_entries: dict[tuple[int, int], tuple] = {}     # (ps, entry) -> piece
         for u, (name, _, _) in self.part_of.items():
             i = index[name]
             if u != name and self.pviews[i] is None:
                 self._own(i)
-        for j, layout in enumerate(layouts):
-            shard = _Shard(GradHeader(spec.hyper.width if j == 0 else 0, len(layout.entries)),
-                           layout)
+        shared = [None] * spec.num_ps
+        if shm.enabled(spec):
+            with poller.patience(SETUP_TIMEOUT):
+                shared = shm.accept(comm, [cluster.ps_rank(j) for j in range(spec.num_ps)],
+                                    spec.opt_id, poller)
+        for j, (layout, wire) in enumerate(zip(layouts, wire_layouts_of(spec))):
+            shard = _Shard(GradHeader(spec.hyper.width, len(layout.entries)), layout, wire,
+                           *buckets_of(spec, layout, wire), comm, cluster.ps_rank(j), self.tags,
+                           shared[j])
             self._bind(j, shard, layout, index, buffers)
-            rank = cluster.ps_rank(j)
-            shard.send = comm.Send_init([shard.gbuf, MPI.BYTE], dest=rank, tag=self.tags[Tag.GRAD])
-            shard.recv = comm.Recv_init([shard.pbuf, MPI.BYTE], source=rank,
-                                        tag=self.tags[Tag.PARAMS])
             self.shards.append(shard)
         self._has = bytearray(len(self.names))      # fast to set one by one ...
         self.has_grad = np.frombuffer(self._has, np.uint8)   # ... and seen here as an array
         self.token = np.zeros(TOKEN_WORDS, np.int64)
         self.token_req = comm.Recv_init([self.token, MPI.BYTE], source=cluster.coordinator_rank,
                                         tag=self.tags[Tag.TOKEN])
-        self.sends = [s.send for s in self.shards]
-        self.recvs = [s.recv for s in self.shards]
+        self.recvs = [r for s in self.shards for r in s.recvs]
+        self.shared = [s for s in self.shards if s.segment is not None]
+        self.recvs_started = False
         self.bytes_per_ps = [s.gbuf.nbytes for s in self.shards]
         self.pending: list[MPI.Request] = []
         self.timed = False          # note when the token arrives (mpisync.stepclock)
         self.token_at = 0.0
         self.piece_copies = [(_raw(self.pviews[i][start:stop]), _raw(pview))
                              for i, start, stop, pview, _ in self.pieces]
+        self._bucket_members()
+        self.hooks = GradBuckets([m[0] for m in self.members], [j for j, _ in self.order],
+                                 self.bucket_ready, lambda: None)
+        self.pace = Pace()               # how long the token took lately
+        self.expected_backwards = 1      # backward passes per step, as the last step had
+        self.quiet = 0                   # steps left that push only at step()
+        self.counts = {"buckets": 0, "from_hooks": 0, "resent": 0}   # sent, of them, again
+        self._resend: set[int] = set()       # ps ranks whose buckets go again (gather())
 
     def _own(self, i: int) -> None:
         """A partitioned parameter keeps its own tensor; its units are copied in and out."""
@@ -126,9 +227,12 @@ class DenseChannel:
     def _bind(self, j: int, shard: _Shard, layout: ShardLayout, index: dict,
               buffers: dict[str, torch.Tensor]) -> None:
         """Make the model's tensors views into this shard's buffers (values copied in)."""
-        gt, pt = torch.from_numpy(shard.gbuf), torch.from_numpy(shard.pbuf)
+        pt = torch.from_numpy(shard.pmem)
         pviews = entry_views(pt, PARAM_HEADER_BYTES, layout.entries)
-        gviews = entry_views(gt, shard.header.nbytes, layout.entries)
+        gviews = [None] * len(layout.entries)
+        for b, base in zip(shard.buckets, shard.bases):
+            entries = layout.entries[b.first:b.stop]
+            gviews[b.first:b.stop] = entry_views(base, -b.offset, entries)
         idx = []
         for k, (e, pview, gview) in enumerate(zip(layout.entries, pviews, gviews)):
             name, start, stop = self.part_of[e.name]
@@ -139,6 +243,7 @@ class DenseChannel:
             if e.name != name:          # one shard of a partitioned parameter
                 pview.copy_(self.pviews[i][start:stop])
                 self.pieces.append((i, start, stop, pview, gview))
+                self.piece_entries[(j, k)] = (i, start, stop, gview)
                 continue
             pview.copy_(p.detach())
             torch._C.TensorBase.data.__set__(p, pview)   # the pull lands in the model
@@ -153,10 +258,29 @@ class DenseChannel:
             view.copy_(b)
             b.data = view
 
+    def _bucket_members(self) -> None:
+        """Every bucket of every ps (the buffers' buckets aside, they go at ``step()``):
+        ``order[n] = (ps, bucket)``, ``members[n] = (parameters, their indices, their
+        gradient views, the indices as an array)``."""
+        self.order, self.members = [], []
+        self.pieces_of: dict[tuple[int, int], list] = {}
+        for j, shard in enumerate(self.shards):
+            for b in shard.buckets:
+                if b.buffers:
+                    continue
+                ids = list(dict.fromkeys(int(i) for i in shard.idx[b.first:b.stop]))
+                self.order.append((j, b.index))
+                self.members.append(([self.params[i] for i in ids], ids,
+                                     [self.gviews[i] for i in ids], np.array(ids, np.intp)))
+        for (j, k), piece in self.piece_entries.items():
+            b = next(b for b in self.shards[j].buckets if b.first <= k < b.stop)
+            self.pieces_of.setdefault((j, b.index), []).append(piece)
+        self.piece_versions = {id(g): -1 for _, _, _, _, g in self.pieces}
+
     # -- set-up ---------------------------------------------------------------------------
     def send_initial(self) -> None:
         """The chief's parameters and buffers become every ps rank's (call on the chief)."""
-        reqs = [self.comm.Isend([s.pbuf[PARAM_HEADER_BYTES:], MPI.BYTE],
+        reqs = [self.comm.Isend([s.pmem[PARAM_HEADER_BYTES:], MPI.BYTE],
                                 dest=self.cluster.ps_rank(j), tag=self.tags[Tag.INIT])
                 for j, s in enumerate(self.shards)]
         self.poller.wait_all(reqs, lambda: "the initial parameters reaching the ps ranks")
@@ -173,28 +297,53 @@ class DenseChannel:
             if g is not None and g is not view:
                 p.grad = view               # the fused buffer, zeroed below: no copy later
         for shard in self.shards:
-            for region in shard.regions:
-                region.zero_()
+            for b, base in zip(shard.buckets, shard.bases):
+                if not b.buffers:
+                    base.zero_()
         for i in {i for i, *_ in self.pieces}:
             self.gviews[i].zero_()
         self._has[:] = bytes(len(self._has))
 
-    def gather(self) -> None:
-        """Put every gradient in its send buffer and note which parameters have one."""
-        has = self._has
-        for i, (p, view) in enumerate(zip(self.params, self.gviews)):
-            g = p.grad
-            if g is view:
-                has[i] = 1
-            elif g is None:
-                if has[i]:
-                    view.zero_()       # absent: zeros, so the other workers' sum is exact
-                    has[i] = 0
-            else:
-                self._adopt_grad(i, p, g, view)
-                has[i] = 1
-        for i, start, stop, _, gview in self.pieces:
-            gview.copy_(self.gviews[i][start:stop])
+    def bucket_ready(self, n: int) -> None:
+        """Backward filled bucket ``n`` (of ``order``): send it, unless this step pushes
+        only at ``step()``. (A device-resident model would call this once the bucket's
+        bytes reached the host.)"""
+        hooks = self.hooks
+        if self.quiet or hooks.backwards < self.expected_backwards:
+            return
+        j, k = self.order[n]
+        shard = self.shards[j]
+        if k != shard.sent or shard.segment is not None:
+            return        # an earlier bucket of this ps is not sent yet; shared memory
+        self._prepare(n)
+        shard.versions[k] = shard.bases[k]._version
+        shard.send(k)
+        shard.sent = k + 1
+        self.counts["from_hooks"] += 1
+
+    def _prepare(self, n: int) -> None:
+        """Bucket ``n``'s gradients into its buffer; note which parameters have one."""
+        params, ids, views, where = self.members[n]
+        grads = [p.grad for p in params]
+        if all(map(operator.is_, grads, views)):      # the usual step: backward wrote them
+            self.has_grad[where] = 1
+        else:
+            has = self._has
+            for p, i, g, view in zip(params, ids, grads, views):
+                if g is view:
+                    has[i] = 1
+                elif g is None:
+                    if has[i]:
+                        view.zero_()   # absent: zeros, so the other workers' sum is exact
+                        has[i] = 0
+                else:
+                    self._adopt_grad(i, p, g, view)
+                    has[i] = 1
+        for i, start, stop, gview in self.pieces_of.get(self.order[n], ()):
+            whole = self.gviews[i]
+            if self.piece_versions[id(gview)] != whole._version:
+                gview.copy_(whole[start:stop])
+                self.piece_versions[id(gview)] = whole._version
 
     def _adopt_grad(self, i: int, p: torch.Tensor, g: torch.Tensor, view: torch.Tensor) -> None:
         """A gradient made outside the send buffer: copy it in, and keep using the buffer."""
@@ -212,17 +361,63 @@ class DenseChannel:
             view.copy_(g)              # deliberate: the gradient was made outside our buffer
         p.grad = view
 
+    def gather(self) -> None:
+        """Every bucket's gradients in its send buffer, ``has_grad`` noted; the ps ranks
+        whose buckets sent during backward changed since (they go again, whole)."""
+        resend = self._resend
+        resend.clear()
+        for n, (j, k) in enumerate(self.order):
+            self._prepare(n)
+            shard = self.shards[j]
+            if k < shard.sent and shard.bases[k]._version != shard.versions[k]:
+                resend.add(j)
+
     def push(self, step: int, worker: int, seq: int, flags: int, written: list[int]) -> None:
-        """Send this worker's gradients (and first what it wrote) to every ps rank."""
+        """Send this worker's gradients (and first what it wrote) to every ps rank, after
+        ``gather()``: per ps the header and the buckets not sent yet, in order, and those
+        sent during backward that changed since again."""
+        self.hooks.hook_new()
         assigned = self._assign(written, step, worker, seq) if written else ()
+        resend = self._resend
+        self._start_recvs()
+        words, codes = self.hyper_out
         for j, shard in enumerate(self.shards):
+            if j:
+                shard.words[:], shard.codes[:] = words, codes   # every ps may apply the step
             f = shard.fields
             f[0], f[1], f[2], f[3] = Kind.GRAD, step, worker, seq
-            f[4] = flags | (FLAG_ASSIGN if j in assigned else 0)
+            f[4] = (flags | (FLAG_ASSIGN if j in assigned else 0)
+                    | (FLAG_RESEND if j in resend else 0))
             np.take(self.has_grad, shard.idx, out=shard.mask)
             for out, current in shard.buffer_pairs:
                 out.copy_(current)     # deliberate: the buffers' values travel with the step
-        MPI.Prequest.Startall(self.sends)
+            shard.head_send.Start()
+            for k in range(shard.sent, len(shard.data_sends)):
+                shard.send(k)
+            self.counts["buckets"] += len(shard.data_sends)
+            if j in resend:
+                for pairs in shard.to_wire[:shard.sent]:
+                    for dst, src in pairs:
+                        dst.copy_(src)
+                shard.full_send.Start()
+        self.counts["resent"] += bool(resend)         # pushes that sent buckets again
+        self._end_push(bool(resend))
+
+    def _end_push(self, resent: bool) -> None:
+        """How the next step sends: from hooks in its last backward, or only at step()."""
+        hooks = self.hooks
+        if self.quiet:
+            self.quiet -= 1
+        elif resent and hooks.backwards <= self.expected_backwards:
+            self.quiet = QUIET_STEPS       # changed after backward (clipping): send at step()
+        if hooks.backwards:
+            self.expected_backwards = hooks.backwards
+        hooks.new_step()
+
+    def _start_recvs(self) -> None:
+        if not self.recvs_started:
+            MPI.Prequest.Startall(self.recvs)
+            self.recvs_started = True
 
     def _assign(self, written: list[int], step: int, worker: int, seq: int) -> set[int]:
         """Send the parameters written since the last step to their ps ranks."""
@@ -235,13 +430,13 @@ class DenseChannel:
                 pview.copy_(self.pviews[i][start:stop])
         for j, entries in by_ps.items():
             shard = self.shards[j]
-            if shard.abuf is None:
-                shard.abuf = np.zeros_like(shard.gbuf)
+            if shard.abuf is None:         # the header, then every value as the model has it
+                shard.abuf = np.zeros(shard.header.nbytes + shard.gmem.nbytes, np.uint8)
             fields, _, _, mask = shard.header.views(shard.abuf)
             fields[0], fields[1], fields[2], fields[3] = Kind.ASSIGN, step, worker, seq
             mask[:] = 0
             mask[entries] = 1
-            shard.abuf[shard.header.nbytes:] = shard.pbuf[PARAM_HEADER_BYTES:]
+            shard.abuf[shard.header.nbytes:] = shard.pmem[PARAM_HEADER_BYTES:]
             self.pending.append(self.comm.Isend([shard.abuf, MPI.BYTE],
                                                 dest=self.cluster.ps_rank(j),
                                                 tag=self.tags[Tag.ASSIGN]))
@@ -259,9 +454,10 @@ class DenseChannel:
         start = time.perf_counter()
         poller = self.poller
         self.token_req.Start()
-        MPI.Prequest.Startall(self.recvs)
+        self._start_recvs()
         while True:
-            poller.wait_all([self.token_req], lambda: "the token")
+            poller.wait_all([self.token_req], lambda: "the token", self.pace,
+                            self._copy_published if self.shared else None)
             kind, step = int(self.token[0]), int(self.token[1])
             if kind != Kind.HYPER:
                 break
@@ -270,24 +466,50 @@ class DenseChannel:
         if self.timed:
             self.token_at = time.perf_counter()
         if kind == Kind.GO:
-            poller.wait_all(self.recvs, lambda: f"the parameters of step {step}")
-            for j, shard in enumerate(self.shards):
-                if shard.pfields[1] != step:
-                    raise ProtocolError(f"{self.label}: ps {j} sent parameters of step "
-                                        f"{int(shard.pfields[1])} with token {step}")
-            for dst, src in self.piece_copies:
-                np.copyto(dst, src)     # raw memory: not a write the tracker should see
+            self._take_params(step)
         else:
             for r in self.recvs:
                 r.Cancel()
             MPI.Request.Waitall(self.recvs)
+            self.recvs_started = False
             if kind == Kind.FAIL:
                 raise DeadlockError(self._reason())
             if kind not in (Kind.GRANT, Kind.STOP):
                 raise ProtocolError(f"{self.label}: unknown token kind {kind}")
-        poller.wait_all(self.sends + self.pending, lambda: "gradient sends")
+        self.recvs_started = False
+        for shard in self.shared:
+            shard.due = [x + 1 for x in shard.seen]
+        sends = [r for s in self.shards for r in (s.head_send, *s.data_sends, s.full_send)
+                 if r is not None]
+        poller.wait_all(sends + self.pending, lambda: "gradient sends")
+        for shard in self.shards:
+            shard.sent = 0
         self.pending = []
         return kind, step, bool(self.token[2]), time.perf_counter() - start
+
+    def _copy_published(self) -> bool:
+        done = True
+        for shard in self.shared:
+            done &= shard.copy_published()
+        return done
+
+    def _take_params(self, step: int) -> None:
+        """Wait for every ps rank's parameters of ``step``; into the model."""
+        self.poller.wait_all(self.recvs, lambda: f"the parameters of step {step}")
+        if self.shared:
+            self.poller.wait_until(self._copy_published,
+                                   lambda: f"the parameters of step {step} in shared memory")
+        for j, shard in enumerate(self.shards):
+            if shard.segment is not None:
+                continue          # copied bucket by bucket, each as the ps published it
+            if shard.pfields[1] != step:
+                raise ProtocolError(f"{self.label}: ps {j} sent parameters of step "
+                                    f"{int(shard.pfields[1])} with token {step}")
+            for pairs in shard.from_wire:
+                for dst, src in pairs:
+                    dst.copy_(src)
+        for dst, src in self.piece_copies:
+            np.copyto(dst, src)     # raw memory: not a write the tracker should see
 
     def _reason(self) -> str:
         """The coordinator's reason for a FAIL token (a question asked before it is skipped)."""
@@ -319,8 +541,16 @@ class DenseChannel:
         bye[5:7] = self.shards[0].fields[5:7]      # the last step's timings, if measured
         for j in range(len(self.shards)):
             self.comm.Send([bye, MPI.BYTE], dest=self.cluster.ps_rank(j), tag=self.tags[Tag.GRAD])
-        for req in self.sends + self.recvs + [self.token_req]:
-            req.Free()
+        self.hooks.remove()
+        if self.recvs_started:
+            for r in self.recvs:
+                r.Cancel()
+            MPI.Request.Waitall(self.recvs)
+        for shard in self.shards:
+            for req in (shard.head_send, *shard.data_sends, shard.full_send, *shard.recvs):
+                if req is not None:
+                    req.Free()
+        self.token_req.Free()
 
     def final_stats(self) -> dict:
         """The job's final statistics; waits for the last worker's close (after close())."""

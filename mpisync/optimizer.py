@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 import torch
 from mpi4py import MPI
 
-from .allreduce import DEFAULT_BUCKET_BYTES, AllreduceChannel, LocalAverages, backend_problem
+from .allreduce import AllreduceChannel, LocalAverages, backend_problem
 from .channels import DenseChannel, ReplicatedChannel
 from .errors import ClosedError, ConfigError, DeadlockError
 from .progress import SETUP_TIMEOUT, Poller, spin_seconds
@@ -135,8 +135,23 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         allreduce_backend: with ``dense="allreduce"``: ``"mpi"`` (default, mpi4py's
             ``Iallreduce`` on the workers' communicator) or ``"horovod"`` (Horovod's
             allreduce; mpisync calls ``hvd.init(comm=...)`` on the workers unless it was).
-        bucket_bytes: with ``dense="allreduce"``, the most gradient bytes per bucket
-            (default 4 MiB; a parameter larger than that gets a bucket of its own).
+        bucket_bytes: the most gradient bytes per bucket (a parameter larger than that
+            gets a bucket of its own). With ``dense="allreduce"``: the all-reduce's buckets
+            (default 4 MiB). Otherwise each push to a ps rank travels in buckets of its
+            parameters (default 4 MiB): the first ones sent from gradient hooks while
+            backward still runs, each reduced, applied and sent back by the ps as soon as
+            every gradient of it is in.
+        wire_dtype: ``torch.bfloat16`` or ``torch.float16`` (or ``"bf16"``, ``"fp16"``):
+            float32 and float64 gradients and parameters travel between workers and ps
+            ranks in that dtype, half the bytes or less (Horovod's compression does the
+            same for gradients). The ps ranks reduce and apply in the parameters' own
+            dtype and keep the master copy; workers compute with the parameters rounded
+            to ``wire_dtype``. Results differ from float32 by that rounding (see README).
+            Default None: exact.
+        shared_memory: a worker and a ps rank on one machine exchange gradients and
+            parameters through shared memory instead of MPI messages (``mpisync.shm``;
+            default True; ``MPISYNC_SHARED_MEMORY=0`` turns it off for every optimizer).
+            Not with a ``wire_dtype`` or ``num_tokens``: those pairs use MPI messages.
         stats_log: where ps 0 writes the statistics log, one JSON line per global step
             (read it with ``python -m mpisync.stats``); default: ``MPISYNC_STATS`` (the
             optimizers created after the first one write ``<stem>.opt<k><suffix>``);
@@ -173,7 +188,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                  named_buffers: Iterable[tuple[str, torch.Tensor]] | None = None,
                  buffers: str = "broadcast", schedule: str = "auto", partitioner=None,
                  sparse_reduction: str = "mean", dense: str = "ps",
-                 allreduce_backend: str = "mpi", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 allreduce_backend: str = "mpi", bucket_bytes: int | None = None,
+                 wire_dtype=None, shared_memory: bool = True,
                  stats_log: str | bool | None = None, nonfinite: str = "raise",
                  colocate=None, max_ps_bytes: int | None = None):
         from .ps_ranks import _current
@@ -198,7 +214,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                           reduction, deterministic, ema_decay, ema_num_updates, asynchronous,
                           max_staleness, buffers, schedule, partitioner, sparse_reduction,
                           dense, allreduce_backend, bucket_bytes, nonfinite,
-                          colocate=colocate or (), max_ps_bytes=max_ps_bytes)
+                          colocate=colocate or (), max_ps_bytes=max_ps_bytes,
+                          wire_dtype=wire_dtype,
+                          # shared memory waits for workers to copy: not where one may die
+                          shared_memory=shared_memory if cluster.losses is None else False)
         opt_id = len(cluster.optimizers)
         self._stats_log = log_path(stats_log, opt_id)
         spec, routes = self._agree(optimizer, model, options, opt_id,

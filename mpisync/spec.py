@@ -34,6 +34,7 @@ from .wire import WIRE_VERSION
 __all__ = [
     "BUFFER_MODES",
     "DENSE_MODES",
+    "PS_BUCKET_BYTES",
     "SCHEDULE_MODES",
     "SPARSE_REDUCTIONS",
     "JobSpec",
@@ -51,7 +52,11 @@ __all__ = [
     "unit_parts",
 ]
 
-SPEC_VERSION = "mpisync.spec/4"
+SPEC_VERSION = "mpisync.spec/5"
+#: Gradient bytes per bucket of a push to a ps rank (``bucket_bytes`` unset, dense="ps").
+PS_BUCKET_BYTES = 4 << 20
+WIRE_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+               "fp16": torch.float16, "half": torch.float16}
 BUFFER_MODES = ("broadcast", "mean", "local")
 SCHEDULE_MODES = ("auto", "global_step", "local")
 DENSE_MODES = ("ps", "allreduce")
@@ -78,10 +83,12 @@ class Options:
     sparse_reduction: str = "mean"
     dense: str = "ps"
     allreduce_backend: str = "mpi"
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    bucket_bytes: int | None = None
     nonfinite: str = "raise"
     colocate: object = ()
     max_ps_bytes: int | None = None
+    wire_dtype: object = None
+    shared_memory: bool = True
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,8 @@ class JobSpec:
     allreduce_backend: str = "mpi"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     nonfinite: str = "raise"
+    wire_dtype: torch.dtype | None = None
+    shared_memory: bool = True
 
     def digest(self) -> str:
         """A short digest of the whole spec (what every rank must agree on)."""
@@ -259,7 +268,11 @@ def _check_options(o: Options) -> None:
             raise TypeError(f"ema_decay must be a float, got {o.ema_decay!r}")
         if not 0.0 <= o.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1), got {o.ema_decay}")
-    _check_int("bucket_bytes", o.bucket_bytes, 1)
+    if o.bucket_bytes is not None:
+        _check_int("bucket_bytes", o.bucket_bytes, 1)
+    if not isinstance(o.shared_memory, bool):
+        raise TypeError(f"shared_memory must be True or False, got {o.shared_memory!r}")
+    wire_dtype_of(o.wire_dtype)
     if o.max_ps_bytes is not None:
         _check_int("max_ps_bytes", o.max_ps_bytes, 1)
     for name, value, allowed in (("reduction", o.reduction, REDUCTIONS),
@@ -274,6 +287,22 @@ def _check_options(o: Options) -> None:
     if not (callable(o.placement) or o.placement in placement_mod.STRATEGIES):
         raise ValueError(f"placement must be one of {placement_mod.STRATEGIES} or a "
                          f"callable, got {o.placement!r}")
+
+
+def wire_dtype_of(value) -> torch.dtype | None:
+    """``wire_dtype`` as a torch dtype: None, torch.bfloat16 or torch.float16 (or a name).
+
+    Raises:
+        ValueError, TypeError: any other value.
+    """
+    if value is None or value in (torch.bfloat16, torch.float16):
+        return value
+    if not isinstance(value, (str, torch.dtype)):
+        raise TypeError(f"wire_dtype must be a torch dtype or its name, got {value!r}")
+    if isinstance(value, str) and value.lower() in WIRE_DTYPES:
+        return WIRE_DTYPES[value.lower()]
+    raise ValueError(f"wire_dtype must be None, torch.bfloat16 or torch.float16 (or "
+                     f"'bf16', 'fp16'), got {value!r}")
 
 
 def _check_model(optimizer: torch.optim.Optimizer, model: Model) -> list[str]:
@@ -473,7 +502,10 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
                      for t in tables.values()),
         sparse_reduction=options.sparse_reduction, dense=options.dense,
         allreduce=tuple(routes.names(ALLREDUCE)), allreduce_backend=options.allreduce_backend,
-        bucket_bytes=options.bucket_bytes, nonfinite=options.nonfinite)
+        bucket_bytes=options.bucket_bytes or (
+            DEFAULT_BUCKET_BYTES if options.dense == "allreduce" else PS_BUCKET_BYTES),
+        wire_dtype=wire_dtype_of(options.wire_dtype), shared_memory=options.shared_memory,
+        nonfinite=options.nonfinite)
     if spec.nonfinite == "skip" and num_ps > 1:
         raise ValueError(f"nonfinite='skip' needs one ps rank, got {num_ps}: each ps rank "
                          f"checks its own part of a step, and skipping it on some only would "
@@ -523,7 +555,8 @@ def setup_summary(spec: JobSpec | None, routes: Routes | None) -> dict[str, str]
     summary["frozen parameters"] = repr(routes.names(REPLICATED))
     for f in ("replicas_to_aggregate", "num_tokens", "reduction", "deterministic",
               "ema_decay", "ema_num_updates", "asynchronous", "max_staleness", "buffer_mode",
-              "sparse_reduction", "dense", "allreduce_backend", "bucket_bytes", "nonfinite"):
+              "sparse_reduction", "dense", "allreduce_backend", "bucket_bytes", "wire_dtype",
+              "shared_memory", "nonfinite"):
         summary[f] = repr(getattr(spec, f))
     summary["parameters averaged by allreduce"] = repr(spec.allreduce)
     summary["hyper-parameter layout"] = repr(spec.hyper)

@@ -14,12 +14,14 @@ __all__ = [
     "TOKEN_STATS",
     "TOKEN_WORDS",
     "WIRE_VERSION",
+    "Bucket",
     "Control",
     "Entry",
     "GradHeader",
     "Kind",
     "ShardLayout",
     "Tag",
+    "bucket_layout",
     "build_layouts",
     "entry_views",
     "pack_rows",
@@ -31,7 +33,7 @@ __all__ = [
 
 #: The version of the message layouts below: every rank of a job must use the same one
 #: (``mpisync.init`` checks). Change it with any change to a layout or a message's meaning.
-WIRE_VERSION = 2       # 2: Kind.UPDATE (opt.update())
+WIRE_VERSION = 3       # 2: Kind.UPDATE (opt.update()); 3: pushes in buckets, 16-bit wire
 ALIGN = 64
 PARAM_HEADER_BYTES = 64   # int64[8]: kind, global step, ...
 TOKEN_WORDS = 4           # int64[4]: kind, global step, argument, flags (TOKEN_*)
@@ -68,7 +70,10 @@ class Tag:
     ROWS = 13       # rows message: the rows of a LOOKUP, ps -> worker
     CHANGED = 14    # rows message: rows of sparse tables changed since last sent, ps -> worker
     TABLE = 15      # pickled: a table shard read or written, worker <-> ps
-    _BASE, _STRIDE = 32, 16
+    DATA = 16       # one bucket of a push's gradients, in bucket order: worker -> ps
+    FULL = 17       # a push's whole gradient region again (FLAG_RESEND): worker -> ps
+    SHM = 18        # pickled, at set-up: a worker's machine, a ps's shared segment, the answer
+    _BASE, _STRIDE = 32, 32
 
     @classmethod
     def of(cls, tag: int, opt_id: int) -> int:
@@ -107,6 +112,7 @@ class Kind(enum.IntEnum):
 #: Flags in a gradient header.
 FLAG_ASSIGN = 1       # an ASSIGN message with this push's written parameters was sent first
 FLAG_SCHEDULED = 2    # the hyper-parameters follow the global step (async: ask for them)
+FLAG_RESEND = 4       # a bucket changed after it was sent: the FULL message follows the buckets
 
 #: Flags in a token's last word.
 TOKEN_STATS = 1       # ps 0 keeps the statistics log: report step timings (TIMING_WORDS)
@@ -183,6 +189,88 @@ def build_layouts(names: list[str], shapes: list[tuple[int, ...]], dtypes: list[
         bentries, bregions, offset = _pack(theirs, offset)
         layouts.append(ShardLayout(ps, entries, regions, bentries, bregions, offset))
     return layouts
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Consecutive entries of one ps rank's data region that travel as one message.
+
+    ``first``/``stop`` index the layout's entries (parameters), ``offset``/``nbytes`` give
+    the bytes from the data region's start; ``buffers`` marks the last bucket, which holds
+    every module buffer (it has no gradient and travels at ``step()``).
+    """
+
+    index: int
+    first: int
+    stop: int
+    offset: int
+    nbytes: int
+    dtype: torch.dtype | None
+    buffers: bool = False
+
+
+def bucket_layout(layout: ShardLayout, bucket_bytes: int) -> tuple[Bucket, ...]:
+    """Cut one ps rank's data region into buckets, in the order backward fills them.
+
+    Each dtype region is walked from its last entry (the parameter backward reaches first)
+    to its first, a bucket closing before the entry that would take it past
+    ``bucket_bytes`` (an entry larger than that gets a bucket of its own). The module
+    buffers, if any, form one last bucket. Every rank computes the same buckets.
+    """
+    buckets: list[Bucket] = []
+    entries = layout.entries
+    at = 0
+    for dtype, offset, nbytes in layout.regions:
+        stop = at
+        while stop < len(entries) and entries[stop].offset < offset + nbytes:
+            stop += 1
+        first, end = stop, stop            # the bucket being filled: entries [first, end)
+        for k in range(stop - 1, at - 1, -1):
+            size = entries[end - 1].offset + entries[end - 1].nbytes - entries[k].offset
+            if end > first and size > bucket_bytes:
+                buckets.append(_bucket(len(buckets), entries, first, end, dtype))
+                end = first
+            first = k
+        if end > first:
+            buckets.append(_bucket(len(buckets), entries, first, end, dtype))
+        at = stop
+    if layout.buffer_entries:
+        start, last = layout.buffer_entries[0].offset, layout.buffer_entries[-1]
+        buckets.append(Bucket(len(buckets), len(entries), len(entries), start,
+                              last.offset + last.nbytes - start, None, True))
+    return tuple(buckets)
+
+
+def wire_buckets(buckets: tuple[Bucket, ...], wire: ShardLayout) -> tuple[Bucket, ...]:
+    """The same buckets (the same entries) over ``wire``, a layout of the same entries in
+    other dtypes (``wire_dtypes``): their bytes on the wire."""
+    out = []
+    for b in buckets:
+        if b.buffers:
+            start, last = wire.buffer_entries[0].offset, wire.buffer_entries[-1]
+            out.append(Bucket(b.index, b.first, b.stop, start,
+                              last.offset + last.nbytes - start, None, True))
+        else:
+            out.append(_bucket(b.index, wire.entries, b.first, b.stop,
+                               wire.entries[b.first].dtype))
+    return tuple(out)
+
+
+#: The floating-point dtypes a compressed wire (``wire_dtype``) carries as 16 bits.
+COMPRESSIBLE = (torch.float32, torch.float64)
+
+
+def wire_dtypes(dtypes, wire_dtype: torch.dtype | None) -> list[torch.dtype]:
+    """Each parameter's dtype on the wire: ``wire_dtype`` for float32 and float64."""
+    if wire_dtype is None:
+        return list(dtypes)
+    return [wire_dtype if d in COMPRESSIBLE else d for d in dtypes]
+
+
+def _bucket(index: int, entries, first: int, stop: int, dtype) -> Bucket:
+    offset = entries[first].offset
+    return Bucket(index, first, stop, offset,
+                  entries[stop - 1].offset + entries[stop - 1].nbytes - offset, dtype)
 
 
 def tensor_view(buf: torch.Tensor, base: int, dtype: torch.dtype, offset: int, nbytes: int,

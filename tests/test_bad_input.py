@@ -289,7 +289,7 @@ def test_the_job_ends_cleanly_after_every_case(job):
 def test_a_message_too_large_for_a_ps_rank_ends_the_job_with_a_protocol_error():
     run = failing("malformed.py", 2, 1, timeout=90)
     cause = (r"ProtocolError: ps 0 \(rank 2 on [^)]*\): worker 0 sent a message larger than "
-             r"a gradient message of \d+ bytes; every rank must run the same mpisync")
+             r"a gradient header of \d+ bytes; every rank must run the same mpisync")
     assert re.search(r"ps 0 \(rank 2 on [^)]*\): " + cause, run.output), run.describe()
     assert_every_rank_says(run, r"(stopping because ps 0 \(rank 2 on [^)]*\) failed: )?"
                                 + cause, labels(2, 1))
@@ -303,22 +303,22 @@ def _server():
 
     net = torch.nn.Linear(3, 2)
     spec, _ = build_spec(torch.optim.SGD(net.parameters(), lr=0.1),
-                         Model(tuple(net.named_parameters())), Options(), opt_id=0,
-                         num_workers=1, num_ps=1)
+                         Model(tuple(net.named_parameters())), Options(shared_memory=False),
+                         opt_id=0, num_workers=1, num_ps=1)
     comm = MPI.COMM_SELF.Dup()
     return ShardServer(spec, 0, (0,), 0, comm, Poller(comm, 5, "ps 0"), "ps 0",
                        with_hyper=True), comm
 
 
 @pytest.mark.parametrize("delta, kind, match", [
-    (-8, 1, r"worker 0 sent kind 1 with \d+ bytes, expected a gradient of \d+"),
+    (-8, 1, r"worker 0 sent kind 1 with \d+ bytes, expected a gradient header of \d+"),
     (0, 99, r"worker 0 sent kind 99 with \d+ bytes, expected a gradient"),
-    (8, 1, r"worker 0 sent a message larger than a gradient message of \d+ bytes"),
+    (8, 1, r"worker 0 sent a message larger than a gradient header of \d+ bytes"),
 ])
 def test_a_ps_rank_refuses_a_message_of_the_wrong_size_or_kind(delta, kind, match):
     server, comm = _server()
     try:
-        msg = np.zeros(server.msg_nbytes + delta, np.uint8)
+        msg = np.zeros(server.header.nbytes + delta, np.uint8)
         msg[:8].view(np.int64)[0] = kind
         comm.Send([msg, MPI.BYTE], dest=0, tag=Tag.of(Tag.GRAD, 0))
         with pytest.raises(mpisync.ProtocolError, match=match):
@@ -334,9 +334,9 @@ def test_a_ps_rank_refuses_a_set_up_from_another_mpisync():
     class Rank:
         label = "ps 0 (rank 1 on here)"
 
-    with pytest.raises(mpisync.ConfigError, match=r"ps 0 \(rank 1 on here\): the workers run "
-                                                  r"mpisync 0\.0\.1 \(wire format 1\) and "
-                                                  rf"this ps rank mpisync \S+ \(wire format "
+    with pytest.raises(mpisync.ConfigError, match=rf"ps 0 \(rank 1 on here\): the workers run "
+                                                  rf"mpisync 0\.0\.1 \(wire format {WIRE_VERSION}\) "
+                                                  rf"and this ps rank mpisync \S+ \(wire format "
                                                   rf"{WIRE_VERSION}\)"):
         _setup(Rank(), Poller(None, 5, "ps 0"),
-               ("spec", b"", [None], {"mpisync": "0.0.1 (wire format 1)"}))
+               ("spec", b"", [None], {"mpisync": f"0.0.1 (wire format {WIRE_VERSION})"}))

@@ -11,7 +11,7 @@ import torch
 from mpisync.progress import Poller
 from mpisync.ps.coordinator import Coordinator
 from mpisync.spec import Model, Options, build_spec
-from mpisync.wire import FLAG_SCHEDULED, Control, Kind, Tag
+from mpisync.wire import FLAG_SCHEDULED, NOTICE_WORDS, Control, Kind, Tag
 
 
 class _Request:
@@ -50,21 +50,32 @@ class _Comm:
         self.irecvs.append((buf[0], source, tag, req))
         return req
 
+    def Recv_init(self, buf, source, tag):      # the other ps ranks' notices
+        return type("Prequest", (_Request,), {"Start": lambda self: None})()
 
-def coordinator(num_workers: int, **options):
+
+def coordinator(num_workers: int, num_ps: int = 1, **options):
     net = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     spec, _ = build_spec(opt, Model(tuple(net.named_parameters())), Options(**options),
-                         opt_id=0, num_workers=num_workers, num_ps=1)
+                         opt_id=0, num_workers=num_workers, num_ps=num_ps)
     comm, local = _Comm(), []
     workers = tuple(range(num_workers))
-    coord = Coordinator(spec, workers, (num_workers,), comm, Poller(None, 5, "ps 0"),
+    ps = tuple(range(num_workers, num_workers + num_ps))
+    coord = Coordinator(spec, workers, ps, comm, Poller(None, 5, "ps 0"),
                         "ps 0", lambda msg, obj: local.append((msg.copy(), obj)))
     return coord, comm, local, spec
 
 
 def hyper(value: float, width: int):
     return (np.full(width, np.float64(value).view(np.int64)), np.ones(width, np.uint8))
+
+
+def applied(step: int, ps: int = 0) -> tuple:
+    """A ps rank's APPLIED notice for ``step``."""
+    notice = np.zeros(NOTICE_WORDS, np.int64)
+    notice[0], notice[1], notice[2] = Kind.APPLIED, step, ps
+    return Kind.APPLIED, notice
 
 
 def tokens(comm) -> list[tuple[int, int, int]]:
@@ -89,7 +100,7 @@ def test_a_step_applies_the_hyper_parameters_of_the_lowest_index_worker_taken():
     comm.requests.append((1, (Kind.STATE,)))
     coord.poll(rare=True)
     assert int(local[-1][0][0]) == Kind.DECIDE
-    coord.on_notice((Kind.APPLIED,))
+    coord.on_notice(applied(0))
     assert tokens(comm)[-3:] == [(0, Kind.GO, 1), (1, Kind.GO, 1), (2, Kind.GO, 1)]
     state = local[-1][0]
     assert (int(state[0]), int(state[1]), int(state[2])) == (Kind.STATE, 1, 1)
@@ -101,7 +112,7 @@ def test_async_asks_the_worker_for_its_schedule_at_the_step_that_applies_its_gra
     coord.start()
     coord.on_notice((Kind.PUSHED, 0, 0, FLAG_SCHEDULED, *hyper(0.1, width)))   # step 0
     coord.on_notice((Kind.PUSHED, 1, 0, FLAG_SCHEDULED, *hyper(0.1, width)))   # queued
-    coord.on_notice((Kind.APPLIED,))
+    coord.on_notice(applied(0))
     # worker 1's gradient, computed at step 0, is applied at step 1: ask it first
     assert tokens(comm)[-1] == (1, Kind.HYPER, 1)
     assert int(local[-1][0][1]) == 0                   # no DECIDE for step 1 yet
@@ -122,7 +133,7 @@ def test_async_without_a_schedule_uses_the_values_the_gradient_came_with():
     coord.start()
     coord.on_notice((Kind.PUSHED, 0, 0, 0, *hyper(0.1, spec.hyper.width)))
     coord.on_notice((Kind.PUSHED, 1, 0, 0, *hyper(0.2, spec.hyper.width)))
-    coord.on_notice((Kind.APPLIED,))
+    coord.on_notice(applied(0))
     assert all(kind != Kind.HYPER for _, kind, _ in tokens(comm))
     decide = local[-1][0]
     assert int(decide[1]) == 1
@@ -155,6 +166,21 @@ def test_the_last_close_sends_every_worker_the_final_statistics():
     finals = [(dest, obj) for dest, tag, obj in comm.isent if tag == Tag.of(Tag.INFO, 0)]
     totals = {k: v for k, v in coord.stats().items() if k != "per_step"}
     assert [d for d, _ in finals] == [0, 1] and finals[0][1] == finals[1][1] == totals
+
+
+def test_a_step_another_ps_applied_before_the_decision_gets_its_tokens_once_decided():
+    """Strict sync: ps 1 applies a step as soon as every worker's push is in, which can be
+    before ps 0 heard the last push; the tokens wait for the decision and every ps."""
+    coord, comm, local, spec = coordinator(2, num_ps=2)
+    coord.start()
+    coord.on_notice((Kind.PUSHED, 0, 0, 0, *hyper(0.1, spec.hyper.width)))
+    coord.on_notice(applied(0, ps=1))                 # ps 1 is done already
+    assert tokens(comm)[-1] == (1, Kind.GO, 0)        # only start()'s so far
+    coord.on_notice((Kind.PUSHED, 1, 0, 0, *hyper(0.1, spec.hyper.width)))
+    assert int(local[-1][0][0]) == Kind.DECIDE and tokens(comm)[-1] == (1, Kind.GO, 0)
+    coord.on_notice(applied(0, ps=0))
+    assert tokens(comm)[-2:] == [(0, Kind.GO, 1), (1, Kind.GO, 1)]
+    assert coord.acks == {}
 
 
 def test_a_load_on_one_worker_while_the_other_waits_in_step_fails_both():

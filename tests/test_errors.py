@@ -240,8 +240,10 @@ def test_a_stalled_worker_ends_the_job_with_a_message_naming_it():
 @pytest.mark.parametrize("case", ["killed", "killed_ps"])
 def test_a_rank_that_dies_ends_the_whole_job(case):
     # SIGKILL leaves no excepthook and no MPI_Abort: the launcher must end the others,
-    # and mpisync's launcher says what the status means. MPICH cannot survive a lost
-    # worker even when asked (Open MPI can: test_survive.py)
+    # and mpisync's launcher says what the status means; the shared memory between the
+    # workers and the ps ranks goes with them. MPICH cannot survive a lost worker even when
+    # asked (Open MPI can: test_survive.py)
+    before = set(os.listdir("/dev/shm"))
     survive = ["--survive-worker-loss"] if case == "killed" and mpi_flavor() == "mpich" else []
     job = run_job([sys.executable, "-m", "mpisync.launch", *survive, "--workers", "2", "--ps",
                    "2", "--timeout", "30", "--", sys.executable, str(SCRIPTS / "errors.py"),
@@ -255,3 +257,4 @@ def test_a_rank_that_dies_ends_the_whole_job(case):
         assert re.search(r"\[mpisync\] survive_worker_loss: this MPI \(MPICH.*\) cannot "
                          r"survive a lost rank \(only Open MPI with ULFM can\)",
                          job.output), job.output
+    assert not {f for f in set(os.listdir("/dev/shm")) - before if "mpisync" in f}

@@ -163,7 +163,7 @@ def test_one_process_plays_worker_ps_and_coordinator():
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     spec, _ = build_spec(opt, Model(tuple(net.named_parameters()), tuple(net.named_buffers())),
-                         Options(), opt_id=0, num_workers=1, num_ps=1)
+                         Options(shared_memory=False), opt_id=0, num_workers=1, num_ps=1)
     comm = MPI.COMM_SELF.Dup()
     me = _Self(comm)
     poller = Poller(comm, 20, me.label)
@@ -182,8 +182,8 @@ def test_one_process_plays_worker_ps_and_coordinator():
             if step == 1:
                 net[0].bias.grad = None               # skipped by torch: by the ps too
                 ref[0].bias.grad = None
-            channel.gather()
             spec.hyper.encode(opt.param_groups, *channel.hyper_out)
+            channel.gather()
             channel.push(step, 0, step + 1, 0, [])
             assert channel.pull(None)[:3] == (Kind.GO, step + 1, True)
             ref_opt.step()

@@ -55,11 +55,12 @@ def check_memory(workers: dict, ps: dict) -> dict:
 
 def check_nothing_pickled(workers: dict, ps: dict) -> None:
     """The step's path pickles nothing: no object crossed mpi4py's pickle hooks on a worker
-    during its 2,000 steps; on the ps only the set-up, the workers leaving and the final
+    during its 2,000 steps; on the ps only the set-up (with the shared-memory handshake:
+    each worker's machine, the offer, the answer), the workers leaving and the final
     statistics did (a few per worker, whatever the number of steps)."""
     for w, r in workers.items():
         assert r["pickled"] == [0, 0], (w, r["pickled"])
-    assert sum(ps["pickled"]) <= 4 * WORKERS, ps["pickled"]
+    assert sum(ps["pickled"]) <= 6 * WORKERS, ps["pickled"]
 
 
 def check_totals(workers: dict, saved: dict, ps: dict) -> None:

@@ -89,8 +89,9 @@ class Coordinator:
         self.hyper_buf = np.zeros(1 + width + (width + 7) // 8, np.int64)
         self.hyper_req = None               # async: waiting for a worker's hyper-parameters
         self.parked: Action | None = None   # ... for this DECIDE
-        self.acks = 0
+        self.acks: dict[int, int] = {}      # step -> ps ranks that applied it
         self.decided: tuple[int, ...] = ()
+        self.decided_step: int | None = None
         self.deferred: list[tuple[int, tuple]] = []
         self.load_pieces = None
         self.load_kind = Kind.LOAD          # or UPDATE: what the workers asked to load
@@ -127,7 +128,7 @@ class Coordinator:
                 self.log.closed(notice[1], notice[3] if len(notice) > 3 else None)
             self._emit(self.steps.close(notice[1]))
         elif kind == Kind.APPLIED:
-            self._on_applied(notice[1] if len(notice) > 1 else None)
+            self._on_applied(notice[1])
         else:
             raise ProtocolError(f"{self.label}: unknown notice {kind}")
 
@@ -137,7 +138,7 @@ class Coordinator:
         progressed = False
         for buf, req in zip(self.notice_bufs, self.notice_reqs):
             if req.Test():
-                notice = (int(buf[0]), None if self.log is None else buf.copy())
+                notice = (int(buf[0]), buf.copy())
                 req.Start()
                 self.on_notice(notice)
                 progressed = True
@@ -165,15 +166,23 @@ class Coordinator:
             timeline.current.instant("drop", now, {"worker": w, "computed_at": step}, tid=1)
         self._emit(actions)
 
-    def _on_applied(self, words=None) -> None:
-        if words is not None and words[3] & NOTICE_SKIPPED and int(words[2]) == 0:
+    def _on_applied(self, words) -> None:
+        """A ps rank applied a step: in strict sync possibly before it was decided here."""
+        if words[3] & NOTICE_SKIPPED and int(words[2]) == 0:
             self.skipped.append(int(words[1]))
-        if self.log is not None and words is not None:
+        if self.log is not None:
             self.log.applied(words)
-        self.acks += 1
-        if self.acks < len(self.ps_ranks):
+        step = int(words[1])
+        self.acks[step] = self.acks.get(step, 0) + 1
+        self._check_applied()
+
+    def _check_applied(self) -> None:
+        """Every ps applied the step decided: the tokens."""
+        step = self.decided_step
+        if step is None or self.acks.get(step, 0) < len(self.ps_ranks):
             return
-        self.acks = 0
+        del self.acks[step]
+        self.decided_step = None
         if self.log is not None:
             self.log.step_applied(time.perf_counter())
         self._emit(self.steps.applied(self.decided))
@@ -254,6 +263,8 @@ class Coordinator:
             return
         self._to_shards(self.control.new(Kind.DECIDE, a.step, taken=a.taken, workers=a.workers,
                                          hyper=self.hyper[first]))
+        self.decided_step = a.step
+        self._check_applied()       # strict sync: the other ps ranks may be done already
 
     def _on_hyper(self) -> None:
         a, self.parked = self.parked, None
@@ -265,6 +276,7 @@ class Coordinator:
         codes = self.hyper_buf[1 + width:].view(np.uint8)[:width]
         self._to_shards(self.control.new(Kind.DECIDE, a.step, taken=a.taken, workers=a.workers,
                                          hyper=(words, codes)))
+        self.decided_step = a.step
 
     def _go(self, a: Action) -> None:
         self._token(Kind.GO, a.step, a.workers, arg=1)     # arg 1: their gradients were taken

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from .. import timeline
 from ..errors import ConfigError, StallError
-from ..progress import SETUP_TIMEOUT, STALL_WARNING, Poller, spin_seconds
+from ..progress import SETUP_TIMEOUT, STALL_WARNING, Pace, Poller, spin_seconds
 from ..spec import decode, versions
 from ..survival import improbe
 from ..wire import Kind, Tag
@@ -34,6 +34,7 @@ class Job:
                                  with_hyper=on_coordinator, losses=cluster.losses)
         self.shard.receive_initial(layout.chief_rank, piece)
         self.shard.timed = stats_log is not None or timeline.current is not None
+        self.applied = False                # the last turn applied a step
         self.coord = None
         if on_coordinator:
             log = None if stats_log is None else StepLog(
@@ -59,13 +60,16 @@ class Job:
                 self.coord.on_notice(notice)
             progressed |= self.coord.poll(rare)
         queued = len(self.shard.queue)
-        for notice in self.shard.progress():
+        self.shard.moved = False
+        notices = self.shard.progress()
+        self.applied = bool(notices)
+        for notice in notices:
             if self.coord is not None:
                 self.coord.on_notice((Kind.APPLIED, notice))
             else:
                 self.comm.Send([notice, MPI.BYTE], dest=self.coordinator_rank,
                                tag=self.notice_tag)
-        return progressed or len(self.shard.queue) != queued
+        return progressed or self.shard.moved or len(self.shard.queue) != queued
 
     def lose(self, w: int, host: str) -> None:
         """Worker ``w`` died (on ``host``): absent from now on, as if it had closed."""
@@ -125,6 +129,7 @@ class _Serving:
     def __init__(self, cluster, poller: Poller):
         self.cluster, self.poller = cluster, poller
         self.jobs: dict[int, Job] = {}
+        self.applied = False                  # the last turn applied a step
         self.results: list[tuple[int, dict]] = []
         self.left: set[int] = set()           # workers that left the job (DONE) or died
         self.losses = cluster.losses
@@ -158,9 +163,10 @@ class _Serving:
                 job.lose(w, cluster.nodes[rank])
 
     def _turn_jobs(self, rare: bool) -> bool:
-        progressed = False
+        progressed = self.applied = False
         for opt_id, job in list(self.jobs.items()):
             progressed |= job.turn(rare)
+            self.applied |= job.applied
             if job.done:
                 self.results.append((opt_id, job.finish()))
                 del self.jobs[opt_id]
@@ -217,9 +223,12 @@ def serve(cluster) -> dict | list[dict]:
     timeline.start(cluster, thread="shard server")
     serving = _Serving(cluster, poller)
     last_progress, warned_at = time.monotonic(), STALL_WARNING
+    between_steps = Pace()          # from a step applied to the next push arriving
     while not serving.over:
         if serving.turn():
             poller.busy()
+            if serving.applied:
+                poller.expect(between_steps)     # the workers compute the next step now
             last_progress, warned_at = time.monotonic(), STALL_WARNING
             continue
         poller.idle()

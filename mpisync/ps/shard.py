@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import timeline
+from .. import shm, timeline
 from ..accumulate import ShardAccumulator
 from ..errors import NonFiniteError, ProtocolError
 from ..progress import Poller
@@ -17,23 +17,31 @@ from ..survival import Losses, improbe
 from ..updates import Updates
 from ..wire import (
     FLAG_ASSIGN,
+    FLAG_RESEND,
     NOTICE_SKIPPED,
     NOTICE_WORDS,
     PARAM_HEADER_BYTES,
+    Bucket,
     Control,
     GradHeader,
     Kind,
     ShardLayout,
     Tag,
+    bucket_layout,
     build_layouts,
     entry_views,
     region_views,
+    tensor_view,
     timing_view,
+    wire_buckets,
+    wire_dtypes,
 )
 from .averages import MovingAverages
+from .fused import Applier, only_params
 from .rows import RowShards
 
-__all__ = ["ShardServer", "layouts_of"]
+__all__ = ["ShardServer", "buckets_of", "conversions", "layouts_of", "strict_sync",
+           "wire_layouts_of"]
 
 
 def layouts_of(spec: JobSpec) -> list[ShardLayout]:
@@ -42,42 +50,160 @@ def layouts_of(spec: JobSpec) -> list[ShardLayout]:
                          spec.num_ps, spec.buffers)
 
 
+def wire_layouts_of(spec: JobSpec) -> list[ShardLayout]:
+    """Every ps rank's layout on the wire: ``layouts_of`` unless ``spec.wire_dtype``."""
+    if spec.wire_dtype is None:
+        return layouts_of(spec)
+    return build_layouts(list(spec.names), list(spec.shapes),
+                         wire_dtypes(spec.dtypes, spec.wire_dtype), spec.owners, spec.num_ps,
+                         spec.buffers)
+
+
+def buckets_of(spec: JobSpec, layout: ShardLayout, wire: ShardLayout
+               ) -> tuple[tuple[Bucket, ...], tuple[Bucket, ...]]:
+    """One ps rank's buckets in memory and on the wire (the same on every rank)."""
+    buckets = bucket_layout(layout, spec.bucket_bytes)
+    return buckets, buckets if wire == layout else wire_buckets(buckets, wire)
+
+
+def conversions(buckets, wbuckets, mem: torch.Tensor, wire: torch.Tensor, layout: ShardLayout,
+                wire_layout: ShardLayout, to_wire: bool, push: bool = False
+                ) -> list[list[tuple]]:
+    """Per bucket, the (destination, source) views that carry it between the memory layout
+    (``mem``: the bytes of its data region) and the wire's (``wire``), in the direction
+    ``to_wire`` says; no pairs when the two are one buffer. (A worker writes the module
+    buffers straight into what it pushes: no pairs for them towards the wire there.)"""
+    if mem.data_ptr() == wire.data_ptr():
+        return [[] for _ in buckets]
+    out = []
+    for b, w in zip(buckets, wbuckets):
+        if b.buffers and to_wire and push:
+            pairs = []
+        elif b.buffers:
+            pairs = list(zip(region_views(wire, 0, wire_layout.buffer_regions),
+                             region_views(mem, 0, layout.buffer_regions)))
+        else:
+            pairs = [(tensor_view(wire, 0, w.dtype, w.offset, w.nbytes),
+                      tensor_view(mem, 0, b.dtype, b.offset, b.nbytes))]
+        out.append(pairs if to_wire else [(m, w) for w, m in pairs])
+    return out
+
+
+def strict_sync(spec: JobSpec) -> bool:
+    """Every step takes one gradient of every worker, all computed at that step: the
+    decision is known before it is made, and a ps rank applies a step as soon as every
+    worker's gradient is in (ps 0 still decides, and hands out the tokens)."""
+    return (not spec.asynchronous and spec.num_tokens == 0
+            and spec.replicas_to_aggregate == spec.num_workers)
+
+
 def _graded(regions):
     """The regions whose tensors can have gradients (integer parameters never do)."""
     return [r for r in regions if r[0].is_floating_point or r[0].is_complex]
 
 
 class _Slot:
-    """A receive buffer for one worker's gradients, with its persistent request."""
+    """A receive buffer for one worker's push, with its persistent requests.
 
-    __slots__ = ("assign", "buf", "buffers", "codes", "fields", "mask", "regions", "req", "rows",
-                 "timing", "waiting", "waiting_rows", "words", "worker")
+    The push comes as a header on ``Tag.GRAD`` and its buckets, in order, on ``Tag.DATA``;
+    with ``FLAG_RESEND`` the whole gradient region follows once more on ``Tag.FULL``.
+    """
 
-    def __init__(self, comm, worker: int, rank: int, tag: int, header: GradHeader,
-                 layout: ShardLayout):
+    __slots__ = ("assign", "buf", "buffers", "codes", "data_reqs", "done", "fields",
+                 "full_req", "head_req", "mask", "resend", "rows", "timing", "views",
+                 "waiting", "waiting_rows", "words", "worker")
+
+    def __init__(self, comm, worker: int, rank: int, tags: dict, header: GradHeader,
+                 layout: ShardLayout, buckets: tuple[Bucket, ...],
+                 shared: np.ndarray | None = None):
+        # ``layout`` and ``buckets``: on the wire (``wire_dtype`` may make them smaller);
+        # ``shared``: the worker's slot of shared memory, where its gradients are
         self.worker = worker
-        self.buf = np.zeros(header.nbytes + layout.nbytes, np.uint8)
-        self.req = comm.Recv_init([self.buf, MPI.BYTE], source=rank, tag=tag)
+        base = header.nbytes
+        self.buf = np.zeros(base + (layout.nbytes if shared is None else 0), np.uint8)
+        data = self.buf[base:] if shared is None else shared
+        self.head_req = comm.Recv_init([self.buf[:base], MPI.BYTE], source=rank,
+                                       tag=tags[Tag.GRAD])
+        self.data_reqs = [] if shared is not None else [
+            comm.Recv_init([data[b.offset:b.offset + b.nbytes], MPI.BYTE], source=rank,
+                           tag=tags[Tag.DATA]) for b in buckets]
         self.fields, self.words, self.codes, self.mask = header.views(self.buf)
         self.timing = timing_view(self.fields)    # the worker's previous step, if reported
-        t = torch.from_numpy(self.buf)
-        self.regions = region_views(t, header.nbytes, _graded(layout.regions))
-        self.buffers = region_views(t, header.nbytes, layout.buffer_regions)
+        t = torch.from_numpy(data)
+        self.views = [None if b.buffers or not _graded_dtype(b.dtype)
+                      else tensor_view(t, 0, b.dtype, b.offset, b.nbytes) for b in buckets]
+        self.buffers = region_views(t, 0, layout.buffer_regions)
+        self.done = 0            # buckets received, in order
+        self.resend = False      # the whole region comes again (Tag.FULL)
+        self.full_req = None
         self.assign = None       # the ASSIGN message that goes with this gradient
         self.waiting = False     # its ASSIGN message has not arrived yet
         self.rows = None         # its table rows: per shard here, (local ids, gradient rows)
         self.waiting_rows = False
 
+    def start(self) -> None:
+        self.done, self.resend, self.full_req = 0, False, None
+        self.head_req.Start()
+        if self.data_reqs:
+            MPI.Prequest.Startall(self.data_reqs)
+
+    def ready(self, k: int, comm, rank: int, tag: int, base: int) -> bool:
+        """Whether bucket ``k`` of this push is in (tests the receives it waits for)."""
+        reqs = self.data_reqs
+        if not reqs:                   # shared memory: in place once the header came
+            return True
+        while self.done < len(reqs) and reqs[self.done].Test():
+            self.done += 1
+        if not self.resend:
+            return self.done > k
+        if self.done < len(reqs):
+            return False
+        if self.full_req is None:      # every bucket is in: the region again, over them
+            self.full_req = comm.Irecv([self.buf[base:], MPI.BYTE], source=rank, tag=tag)
+        if not self.full_req.Test():
+            return False
+        self.resend, self.full_req = False, None
+        return True
+
+    @property
+    def complete(self) -> bool:
+        """Every receive of this push is done: the buffer may be posted again."""
+        reqs = self.data_reqs
+        while self.done < len(reqs) and reqs[self.done].Test():
+            self.done += 1
+        return self.done == len(reqs) and self.full_req is None and not self.resend
+
+
+def _graded_dtype(dtype) -> bool:
+    return dtype is not None and (dtype.is_floating_point or dtype.is_complex)
+
+
+class _Step:
+    """A step being applied, bucket by bucket as the taken pushes' buckets arrive."""
+
+    __slots__ = ("apply_s", "chosen", "next", "reduce_s", "started_at", "step", "taken",
+                 "workers")
+
+    def __init__(self, step: int, chosen: list[_Slot], workers, taken, started_at: float):
+        self.step, self.chosen, self.workers, self.taken = step, chosen, list(workers), taken
+        self.next = 0                   # the next bucket to reduce and apply
+        self.reduce_s = self.apply_s = 0.0
+        self.started_at = started_at
+
 
 class ShardServer:
     """One ps rank's part of one optimizer: its parameters, their optimizer and averages.
 
-    Receives every worker's gradients (a persistent receive per worker), holds them by
-    step, and works through the coordinator's control messages in order, each with its
-    handler: DECIDE (reduce the taken gradients in worker order, apply, send the new
-    parameters), REPLY, STATE, AVERAGES, LOAD, SHUTDOWN. It never calls the
-    coordinator: ``poll()`` returns what the coordinator must hear of (pushes and closes,
-    on the coordinator's own rank) and ``progress()`` the APPLIED notices.
+    Receives every worker's pushes (a header and its buckets, on persistent receives per
+    worker), holds them by step, and works through the coordinator's control messages in
+    order, each with its handler: DECIDE (reduce the taken gradients in worker order,
+    apply, send the new parameters), REPLY, STATE, AVERAGES, LOAD, SHUTDOWN. A step is
+    applied bucket by bucket: each bucket is reduced and stepped as soon as every taken
+    push has it, and its parameters go back to the workers at once, so that receiving,
+    applying and sending overlap. In strict sync (``strict_sync``) a step starts as soon
+    as every worker's push of it is in, without waiting for ps 0's DECIDE. It never calls
+    the coordinator: ``poll()`` returns what the coordinator must hear of (pushes and
+    closes, on the coordinator's own rank) and ``progress()`` the APPLIED notices.
     """
 
     def __init__(self, spec: JobSpec, ps_index: int, worker_ranks: tuple[int, ...],
@@ -93,30 +219,40 @@ class ShardServer:
         self.label = label
         self.W = spec.num_workers
         self.notify = with_hyper           # the coordinator lives on this rank
+        self.eager = strict_sync(spec)
         if spec.deterministic:
             torch.use_deterministic_algorithms(True)
         self.layout = layout = layouts_of(spec)[ps_index]
-        self.header = GradHeader(spec.hyper.width if with_hyper else 0, len(layout.entries))
-        self.msg_nbytes = self.header.nbytes + layout.nbytes
+        self.wire = wire_layouts_of(spec)[ps_index]
+        self.buckets, self.wbuckets = buckets_of(spec, layout, self.wire)
+        self.header = GradHeader(spec.hyper.width, len(layout.entries))
         self.control = Control(self.W, spec.hyper.width)
-        self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.GRAD, Tag.ASSIGN, Tag.PARAMS,
-                                                           Tag.CTL, Tag.CTL_OBJ, Tag.INFO,
-                                                           Tag.INIT, Tag.TABLE)}
+        self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.GRAD, Tag.DATA, Tag.FULL,
+                                                           Tag.ASSIGN, Tag.PARAMS, Tag.CTL,
+                                                           Tag.CTL_OBJ, Tag.INFO, Tag.INIT,
+                                                           Tag.TABLE)}
         self.rows = RowShards(spec, ps_index, worker_ranks, comm, poller, label)
+        self.segment, self.shared = None, {}     # workers served through shared memory
+        if shm.enabled(spec):
+            self.segment, self.shared = shm.offer(comm, worker_ranks, spec.opt_id, ps_index,
+                                                  layout.nbytes, len(self.buckets), poller,
+                                                  label)
+        self.updates = Updates()           # functions opt.update() registered
         self._build_tensors(layout)
         self.acc = ShardAccumulator(spec.reduction, spec.global_step, spec.asynchronous)
         self.global_step = spec.global_step
         self._set_version()
         self.free: list[list[_Slot]] = [[] for _ in range(self.W)]
         self.posted: list[_Slot | None] = [None] * self.W
+        self.retired: list[_Slot] = []      # released while buckets were still coming
         for w in range(self.W):
             self._post(w)
-        self.param_sends = [comm.Send_init([self.param_buf, MPI.BYTE], dest=r,
-                                           tag=self.tags[Tag.PARAMS]) for r in worker_ranks]
-        self.sends_active: list[MPI.Request] = []
+        self._build_sends()
         self.assigns: list[deque] = [deque() for _ in range(self.W)]   # arrived, unclaimed
         self.claims: list[deque] = [deque() for _ in range(self.W)]    # slots waiting
         self.queue: deque = deque()
+        self.current: _Step | None = None
+        self.moved = False                  # a bucket was applied since the loop last asked
         self.ctl_req = None
         if not self.notify:
             self.ctl_buf = np.zeros(self.control.words, np.int64)
@@ -128,19 +264,25 @@ class ShardServer:
                          Kind.SHUTDOWN: self._on_shutdown, Kind.STATE: self._on_state,
                          Kind.AVERAGES: self._on_averages, Kind.LOAD: self._on_load,
                          Kind.UPDATE: self._on_update}
-        self.updates = Updates()           # functions opt.update() registered
         self.closed = [False] * self.W
         self.shutdown = False
         # timed (statistics log or timeline on): what each APPLIED notice reports
         self.timed = False
-        self.first_arrival = self.reduced_at = 0.0
+        self.first_arrival = 0.0
         self.bytes_in = self.bytes_out = 0
 
     def _build_tensors(self, layout: ShardLayout) -> None:
-        """The parameter buffer (sent to the workers as is), its views and the optimizer."""
-        self.param_buf = np.zeros(PARAM_HEADER_BYTES + layout.nbytes, np.uint8)
-        self.param_fields = self.param_buf[:PARAM_HEADER_BYTES].view(np.int64)
+        """The parameter buffer, its views and the optimizer; what is sent to the workers
+        (``send_buf``: the parameter buffer itself unless ``wire_dtype``)."""
+        self.param_buf = (np.zeros(PARAM_HEADER_BYTES + layout.nbytes, np.uint8)
+                          if self.segment is None else self.segment.params)
+        self.send_buf = self.param_buf if self.wire == layout else np.zeros(
+            PARAM_HEADER_BYTES + self.wire.nbytes, np.uint8)
+        self.param_fields = self.send_buf[:PARAM_HEADER_BYTES].view(np.int64)
         pt = torch.from_numpy(self.param_buf)
+        self.to_wire = conversions(self.buckets, self.wbuckets, pt[PARAM_HEADER_BYTES:],
+                                   torch.from_numpy(self.send_buf)[PARAM_HEADER_BYTES:],
+                                   layout, self.wire, to_wire=True)
         self.data = pt[PARAM_HEADER_BYTES:]
         self.param_views = entry_views(pt, PARAM_HEADER_BYTES, layout.entries)
         self.params = [torch.nn.Parameter(v, requires_grad=v.dtype.is_floating_point)
@@ -148,7 +290,9 @@ class ShardServer:
         self.buffer_regions = region_views(pt, PARAM_HEADER_BYTES, layout.buffer_regions)
         self.grad_buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
         self.grads = entry_views(self.grad_buf, 0, layout.entries)
-        self.grad_regions = region_views(self.grad_buf, 0, _graded(layout.regions))
+        self.grad_views = [None if b.buffers or not _graded_dtype(b.dtype)
+                           else tensor_view(self.grad_buf, 0, b.dtype, b.offset, b.nbytes)
+                           for b in self.buckets]
         part_of = dict(zip(self.spec.names, self.spec.parts))
         by_param: dict[str, list[torch.Tensor]] = {}
         for e, p in zip(layout.entries, self.params):
@@ -157,8 +301,55 @@ class ShardServer:
         self.optimizer = self.spec.recipe.build(by_param)
         self.name_of = {id(p): e.name for e, p in zip(layout.entries, self.params)}
         self.name_of.update(self.rows.names())
+        self.table_params = self._table_params()
         self.averages = MovingAverages(self.spec.ema_decay, self.spec.ema_num_updates,
                                        self.data, layout)
+        regions = layout.regions
+        places = []
+        for e in layout.entries:
+            r = next(k for k, (_, off, n) in enumerate(regions) if off <= e.offset < off + n)
+            size = e.dtype.itemsize
+            a = (e.offset - regions[r][1]) // size
+            places.append((r, a, a + e.nbytes // size))
+        self.applier = Applier(
+            self.optimizer, self.params, self.grads, places,
+            region_views(pt, PARAM_HEADER_BYTES, regions),
+            [v if _graded_dtype(v.dtype) else None
+             for v in region_views(self.grad_buf, 0, regions)],
+            [range(b.first, b.stop) for b in self.buckets])
+        self._hold()
+
+    def _hold(self) -> None:
+        """Whether the applier steps whole, sending parameters only once all are stepped:
+        with ``nonfinite="skip"`` (a step is skipped whole or applied whole) and while
+        ``opt.update()`` functions run after each step (the workers get their results)."""
+        hold = self.spec.nonfinite == "skip" or bool(self.updates.items)
+        if hold != self.applier.hold:
+            self.applier.hold = hold
+            self.applier.sync()
+
+    def _table_params(self) -> list[list[torch.Tensor]]:
+        """Per param group, the table shards' parameters it holds here."""
+        if self.optimizer is None or not self.rows.active:
+            return []
+        mine = set(self.rows.names())
+        return [[p for p in g["params"] if id(p) in mine] for g in self.optimizer.param_groups]
+
+    def _build_sends(self) -> None:
+        """Per worker, a persistent send of each bucket's parameters, then the header (a
+        worker of this machine copies them from shared memory: ``shm.Publication``)."""
+        pb, tag = self.send_buf, self.tags[Tag.PARAMS]
+        base = PARAM_HEADER_BYTES
+        flags = {w: self.segment.flags(i) for w, i in self.shared.items()}
+        self.bucket_sends = [
+            [shm.Publication(*flags[w], b.index) if w in flags else
+             self.comm.Send_init([pb[base + b.offset:base + b.offset + b.nbytes], MPI.BYTE],
+                                 dest=r, tag=tag) for w, r in enumerate(self.worker_ranks)]
+            for b in self.wbuckets]
+        self.head_sends = [shm.Nothing() if w in flags else
+                           self.comm.Send_init([pb[:base], MPI.BYTE], dest=r, tag=tag)
+                           for w, r in enumerate(self.worker_ranks)]
+        self.sends_active: dict[int, MPI.Request] = {}     # id -> a send in flight
 
     def receive_initial(self, chief_rank: int, piece: dict | None) -> None:
         """Take the chief's initial parameters (and an optimizer state it already had)."""
@@ -169,6 +360,9 @@ class ShardServer:
         if piece is not None:
             self._load(piece)
         self.averages.load(None)
+        for pairs in self.to_wire:
+            for dst, src in pairs:
+                dst.copy_(src)
 
     @property
     def done(self) -> bool:
@@ -177,9 +371,10 @@ class ShardServer:
     # -- receiving ------------------------------------------------------------------------
     def _post(self, w: int) -> None:
         slot = self.free[w].pop() if self.free[w] else _Slot(
-            self.comm, w, self.worker_ranks[w], self.tags[Tag.GRAD], self.header, self.layout)
+            self.comm, w, self.worker_ranks[w], self.tags, self.header, self.wire,
+            self.wbuckets, self.segment.slot(self.shared[w]) if w in self.shared else None)
         slot.assign, slot.waiting = None, False
-        slot.req.Start()
+        slot.start()
         self.posted[w] = slot
 
     def _release(self, slots) -> None:
@@ -187,7 +382,14 @@ class ShardServer:
             slot.assign = None
             if self.rows.active:
                 self.rows.release(slot)
-            self.free[slot.worker].append(slot)
+            if slot.complete:
+                self.free[slot.worker].append(slot)
+            else:
+                self.retired.append(slot)     # free once its last bucket is in
+
+    def _ready(self, slot: _Slot, k: int) -> bool:
+        return slot.ready(k, self.comm, self.worker_ranks[slot.worker], self.tags[Tag.FULL],
+                          self.header.nbytes)
 
     def poll(self, rare: bool = False) -> tuple[bool, list[tuple]]:
         """Receive what arrived: (anything arrived, notices for the coordinator on this rank).
@@ -203,6 +405,11 @@ class ShardServer:
                 self.posted[w] = None
                 self._on_message(slot, status.Get_count(MPI.BYTE), notices)
                 progressed = True
+        if self.retired:
+            done = [s for s in self.retired if s.complete]
+            for slot in done:
+                self.retired.remove(slot)
+                self.free[slot.worker].append(slot)
         msg = None
         if rare or any(self.claims):
             msg = improbe(self.comm, self.losses, MPI.ANY_SOURCE, self.tags[Tag.ASSIGN], status)
@@ -227,7 +434,7 @@ class ShardServer:
     def _test(self, w: int, slot: _Slot, status: MPI.Status) -> bool:
         """Whether worker ``w``'s message arrived; one larger than a gradient is refused."""
         try:
-            return slot.req.Test(status)
+            return slot.head_req.Test(status)
         except MPI.Exception as exc:
             if self.losses is not None and self.losses.note(exc):
                 self.posted[w] = None          # failed: never test it again
@@ -237,7 +444,7 @@ class ShardServer:
                     f"that MPI could not receive ({exc.Get_error_string().splitlines()[0]}) "
                     f"as")
             raise ProtocolError(f"{self.label}: worker {w} sent a message {what} a gradient "
-                                f"message of {self.msg_nbytes} bytes; every rank must run the "
+                                f"header of {self.header.nbytes} bytes; every rank must run the "
                                 f"same mpisync, and nothing else may use its communicator") \
                 from None
 
@@ -248,17 +455,18 @@ class ShardServer:
             self._release([slot])
             notices.append((Kind.CLOSED, w, step, timing_view(slot.fields)))
             return
-        if kind != Kind.GRAD or nbytes != self.msg_nbytes:
+        if kind != Kind.GRAD or nbytes != self.header.nbytes:
             raise ProtocolError(f"{self.label}: worker {w} sent kind {kind} with {nbytes} "
-                                f"bytes, expected a gradient of {self.msg_nbytes}")
+                                f"bytes, expected a gradient header of {self.header.nbytes}")
         self._post(w)
         if self.timed:
-            self.bytes_in += nbytes
+            self.bytes_in += self.header.nbytes + self.wire.nbytes
             if not self.first_arrival:
                 self.first_arrival = time.perf_counter()
         if self.rows.active:
             self.rows.attach(slot)
         flags = int(slot.fields[4])
+        slot.resend = bool(flags & FLAG_RESEND)
         if flags & FLAG_ASSIGN:
             if self.assigns[w]:
                 slot.assign = self.assigns[w].popleft()
@@ -277,11 +485,12 @@ class ShardServer:
         self.closed[w] = True
         slot, self.posted[w] = self.posted[w], None
         if slot is not None:
-            self._settle([slot.req])
+            self._settle([slot.head_req, *slot.data_reqs])
             self.free[w].append(slot)
-        sends = [self.param_sends[w]]
-        self.sends_active = [r for r in self.sends_active if r not in sends]
-        self._settle(sends)
+        sends = [self.head_sends[w], *(b[w] for b in self.bucket_sends)]
+        for req in sends:
+            self.sends_active.pop(id(req), None)
+        self._settle([r for r in sends if isinstance(r, MPI.Request)])
 
     def _settle(self, reqs) -> None:
         """Cancel (where pending) and complete requests; a dead worker's failure is noted."""
@@ -293,19 +502,6 @@ class ShardServer:
             except MPI.Exception as exc:
                 if self.losses is None or not self.losses.note(exc):
                     raise
-
-    def _wait_sends(self) -> None:
-        """Finish sending the parameters; sends to a worker that died meanwhile fail."""
-        if self.losses is None:
-            self.poller.wait_all(self.sends_active, lambda: "parameter sends to workers")
-        else:
-            for req in self.sends_active:
-                try:
-                    self.poller.wait_all([req], lambda: "parameter sends to workers")
-                except MPI.Exception as exc:
-                    if not self.losses.note(exc):
-                        raise
-        self.sends_active = []
 
     def _on_assign(self, msg, status: MPI.Status) -> None:
         """Parameters a worker wrote between steps: they go with its next gradient."""
@@ -327,20 +523,44 @@ class ShardServer:
 
     # -- the control queue ----------------------------------------------------------------
     def progress(self) -> list[np.ndarray]:
-        """Handle control messages in order while they can be; return APPLIED notices."""
+        """Apply what can be and handle control messages in order; return APPLIED notices.
+
+        In strict sync a step starts without its DECIDE, once every worker's push is in
+        and no earlier control message waits.
+        """
         applied: list[np.ndarray] = []
-        while self.queue:
+        while True:
+            if self.current is None and self.eager and not self.queue:
+                self._start_eagerly()
+            if self.current is not None:
+                notice = self._advance()
+                if notice is None:
+                    return applied
+                applied.append(notice)
+                continue
+            if not self.queue:
+                return applied
             ctl, obj = self.queue[0]
             handler = self.handlers.get(int(ctl[0]))
             if handler is None:
                 raise ProtocolError(f"{self.label}: unknown control message {int(ctl[0])}")
-            if not handler(ctl, obj, applied):
-                break
+            if not handler(ctl, obj):
+                return applied
             self.queue.popleft()
-        return applied
 
-    def _on_decide(self, ctl, obj, applied) -> bool:
+    def _start_eagerly(self) -> None:
+        step, taken = self.global_step, (1,) * self.W
+        if not self.acc.ready(step, taken):
+            return
+        chosen = self.acc.chosen(step, taken)
+        if any(s.waiting or s.waiting_rows for s in chosen):
+            return
+        self._begin(step, chosen, range(self.W), (chosen[0].words, chosen[0].codes), taken)
+
+    def _on_decide(self, ctl, obj) -> bool:
         step, taken = int(ctl[1]), self.control.taken(ctl)
+        if step < self.global_step:
+            return True                      # applied already, as soon as it could be
         if not self.acc.ready(step, taken):
             missing = [w for w in self.lost if taken[w]]
             if missing:
@@ -351,52 +571,18 @@ class ShardServer:
         chosen = self.acc.chosen(step, taken)
         if any(s.waiting or s.waiting_rows for s in chosen):
             return False
-        start = self.reduced_at = time.perf_counter() if self.timed else 0.0
-        applied_step = self._apply(step, chosen, self.control.hyper(ctl))
-        self._release(self.acc.advance(step, taken))
-        notice = np.zeros(NOTICE_WORDS, np.int64)
-        notice[0], notice[1], notice[2] = Kind.APPLIED, step, self.ps_index
-        notice[3] = 0 if applied_step else NOTICE_SKIPPED
-        if self.timed:
-            applied_at = time.perf_counter()
-            self._send_params(self.control.workers(ctl))
-            self._report(step, start, applied_at, notice)
-        else:
-            self._send_params(self.control.workers(ctl))
-        applied.append(notice)
-        return True
+        self._begin(step, chosen, self.control.workers(ctl), self.control.hyper(ctl), taken)
+        return False                         # handled once the step is applied
 
-    def _report(self, step: int, start: float, applied_at: float, notice: np.ndarray) -> None:
-        """The step's figures into its APPLIED notice, and its events onto the timeline.
-
-        ``receive`` lasts from the first gradient that arrived since the last step to the
-        start of this one; ``reduce`` includes waiting for the last parameters' sends.
-        """
-        sent_at = time.perf_counter()
-        reduced_at = self.reduced_at
-        notice[4] = int((applied_at - reduced_at) * 1e6)
-        notice[5] = int((reduced_at - start) * 1e6)
-        notice[6] = self.bytes_in + self.rows.bytes_in
-        notice[7] = self.bytes_out + self.rows.bytes_out
-        self.bytes_in = self.bytes_out = self.rows.bytes_in = self.rows.bytes_out = 0
-        tl = timeline.current
-        if tl is not None:
-            if self.first_arrival:
-                tl.span("receive", self.first_arrival, start, step)
-            tl.span("reduce", start, reduced_at, step)
-            tl.span("apply", reduced_at, applied_at, step)
-            tl.span("send", applied_at, sent_at, step)
-        self.first_arrival = 0.0
-
-    def _on_reply(self, ctl, obj, applied) -> bool:
+    def _on_reply(self, ctl, obj) -> bool:
         self._send_params(self.control.workers(ctl))
         return True
 
-    def _on_shutdown(self, ctl, obj, applied) -> bool:
+    def _on_shutdown(self, ctl, obj) -> bool:
         self.shutdown = True
         return True
 
-    def _on_state(self, ctl, obj, applied) -> bool:
+    def _on_state(self, ctl, obj) -> bool:
         groups = [] if self.optimizer is None else [
             {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         values = {self.name_of[id(p)]: p.detach().clone() for p in self.params}
@@ -404,79 +590,231 @@ class ShardServer:
                        dest=self.worker_ranks[int(ctl[2])], tag=self.tags[Tag.INFO])
         return True
 
-    def _on_averages(self, ctl, obj, applied) -> bool:
+    def _on_averages(self, ctl, obj) -> bool:
         self.comm.send(self.averages.values(), dest=self.worker_ranks[int(ctl[2])],
                        tag=self.tags[Tag.INFO])
         return True
 
-    def _on_load(self, ctl, obj, applied) -> bool:
+    def _on_load(self, ctl, obj) -> bool:
         self._load(obj)
         self.updates.refresh()             # loaded rows: opt.update()'s functions see all
         return True
 
-    def _on_update(self, ctl, obj, applied) -> bool:
+    def _on_update(self, ctl, obj) -> bool:
         """The functions of ``opt.update()`` for this rank's units (they replace any before)."""
         tensors = {e.name: (p.detach(), None) for e, p in zip(self.layout.entries, self.params)}
         tensors.update((u.unit, (u.param.detach(), n)) for n, u in enumerate(self.rows.units))
         self.updates.set(obj, tensors)
+        self._hold()
         return True
 
     # -- applying -------------------------------------------------------------------------
-    def _apply(self, step: int, chosen: list[_Slot], hyper) -> bool:
-        """Writes, then the reduced gradients with the step's hyper-parameters, then averages;
-        False when the gradient was not finite and the step skipped (``nonfinite="skip"``)."""
+    def _begin(self, step: int, chosen: list[_Slot], workers, hyper, taken) -> None:
+        """Start applying ``step``: writes first, then the step's hyper-parameters."""
         if step != self.global_step:
             raise ProtocolError(f"{self.label}: asked to apply step {step} at version "
                                 f"{self.global_step}")
-        # the parameters are the send buffer: finish sending the old ones first
-        self._wait_sends()
-        self._assign(chosen)
-        finite = True
+        now = time.perf_counter() if self.timed else 0.0
+        self.current = _Step(step, chosen, workers, taken, now)
+        if any(s.assign is not None for s in chosen):
+            self._wait_sends(list(self.sends_active.values()))   # they are the send buffer
+            self._assign(chosen)
         if self.optimizer is not None:
-            self.acc.reduce(self.grad_regions, [s.regions for s in chosen], len(chosen))
-            if self.timed:
-                self.reduced_at = time.perf_counter()
-            present = np.bitwise_or.reduce([s.mask for s in chosen])
-            finite = self._finite(step, chosen, present)
-        if finite and self.optimizer is not None:
-            for p, g, has in zip(self.params, self.grads, present):
-                p.grad = g if has else None
             self.spec.hyper.decode(*hyper, self.optimizer.param_groups)
-            if self.rows.active:
-                self.rows.set_grads(chosen, self.optimizer)
-            self.optimizer.step()
-            if self.rows.active:
-                self.rows.apply_rows(self.optimizer)
-        if finite:                               # opt.update()'s functions, after the step
+            self.applier.begin(np.bitwise_or.reduce([s.mask for s in chosen]))
+        self._wait_sends(self.head_sends)
+        self.param_fields[1] = step + 1          # the version the parameters will have
+        if self.timed:
+            tl = timeline.current
+            if tl is not None and self.first_arrival:
+                tl.span("receive", self.first_arrival, now, step)
+
+    def _advance(self) -> np.ndarray | None:
+        """Reduce, apply and send every bucket whose taken gradients are all in; the
+        APPLIED notice once the step is done."""
+        cur = self.current
+        timed = self.timed
+        while cur.next < len(self.buckets):
+            b = self.buckets[cur.next]
+            if not all(self._ready(s, b.index) for s in cur.chosen):
+                return None
+            t0 = time.perf_counter() if timed else 0.0
+            self._wait_sends(self.bucket_sends[b.index])   # last step's, of these values
+            if b.buffers:
+                self._update_buffers(cur.chosen)
+            else:
+                self._reduce(b, cur.chosen)
+            if timed:
+                t1 = time.perf_counter()
+                cur.reduce_s += t1 - t0
+            if not b.buffers and self.optimizer is not None:
+                if self.spec.nonfinite == "raise":
+                    self._check_finite(cur, self._nonfinite([self.grad_views[b.index]],
+                                                             b.first, b.stop))
+                self.applier.apply(b.index)
+                if timed:
+                    cur.apply_s += time.perf_counter() - t1
+            cur.next += 1
+            self.moved = True
+            if not self.applier.steps_whole:     # whole: in order, once stepped
+                self._send_bucket(b.index, cur.workers)
+        return self._complete(cur)
+
+    def _send_bucket(self, k: int, workers) -> None:
+        """Bucket ``k``'s parameters to ``workers`` (on the wire's dtypes first)."""
+        if self.to_wire[k]:
+            self._wait_sends(self.bucket_sends[k])
+            for dst, src in self.to_wire[k]:
+                dst.copy_(src)
+        for w in workers:
+            if w not in self.lost:
+                self._start_send(self.bucket_sends[k][w])
+
+    def _reduce(self, b: Bucket, chosen: list[_Slot]) -> None:
+        out = self.grad_views[b.index]
+        if out is None or self.optimizer is None:
+            return
+        self.acc.reduce([out], [[s.views[b.index]] for s in chosen], len(chosen))
+
+    def _complete(self, cur: _Step) -> np.ndarray:
+        """Every bucket is reduced: what comes after them, then the notice."""
+        t0 = time.perf_counter() if self.timed else 0.0
+        step, chosen = cur.step, cur.chosen
+        finite = self.optimizer is None or self.spec.nonfinite != "skip" or \
+            not self._nonfinite(self.grad_views, 0, len(self.params))   # "skip": whole
+        if self.optimizer is not None:
+            if finite:
+                self._step_rest(chosen)
+            self.applier.end()
+        if finite:              # opt.update()'s functions (they make the applier step whole)
             self.updates.run(self.rows, step + 1)
-        self._update_buffers(chosen)
+        if self.applier.steps_whole:
+            for b in self.buckets:
+                self._send_bucket(b.index, cur.workers)
         if finite:
             self.averages.update(step + 1)
         self.global_step = step + 1
-        self._set_version()
-        return finite
+        self._release(self.acc.advance(step, cur.taken))
+        applied_at = time.perf_counter() if self.timed else 0.0
+        if self.rows.active:
+            self.rows.send_changed(cur.workers, self.global_step)
+        for w in cur.workers:
+            if w not in self.lost:
+                self._start_send(self.head_sends[w])
+        if self.timed:
+            cur.apply_s += applied_at - t0
+            self.bytes_out += len(cur.workers) * self.send_buf.nbytes
+        notice = np.zeros(NOTICE_WORDS, np.int64)
+        notice[0], notice[1], notice[2] = Kind.APPLIED, step, self.ps_index
+        notice[3] = 0 if finite else NOTICE_SKIPPED
+        if self.timed:
+            self._report(cur, applied_at, notice)
+        self.current = None
+        return notice
 
-    def _finite(self, step: int, chosen: list[_Slot], present) -> bool:
-        """Whether the reduced gradient is finite: one sum a region (NaN and Inf stay in a
-        sum), then, only when a sum is not, parameter by parameter. Not finite: False
-        (``nonfinite="skip"``), or ``NonFiniteError`` naming the parameter and the workers."""
-        if all(torch.isfinite(r.sum()) for r in self.grad_regions):
-            return True
-        bad = [i for i, (g, has) in enumerate(zip(self.grads, present))
-               if has and not torch.isfinite(g).all()]
-        if not bad:                   # a sum overflowed, the values are finite
-            return True
-        if self.spec.nonfinite == "skip":
-            return False
+    def _report(self, cur: _Step, applied_at: float, notice: np.ndarray) -> None:
+        """The step's figures into its APPLIED notice, and its events onto the timeline.
+
+        ``reduce`` and ``apply`` (the notice's figures) are the time spent reducing and
+        stepping the buckets; the timeline's ``receive`` lasts from the first gradient that
+        arrived since the last step to the step's start, ``reduce`` from there to the last
+        bucket reduced (buckets still arriving included), ``apply`` to the last one applied
+        and ``send`` until every parameter send has been started.
+        """
+        sent_at = time.perf_counter()
+        notice[4] = int(cur.apply_s * 1e6)
+        notice[5] = int(cur.reduce_s * 1e6)
+        notice[6] = self.bytes_in + self.rows.bytes_in
+        notice[7] = self.bytes_out + self.rows.bytes_out
+        self.bytes_in = self.bytes_out = self.rows.bytes_in = self.rows.bytes_out = 0
+        tl = timeline.current
+        if tl is not None:
+            start, step = cur.started_at, cur.step
+            reduced = max(start, applied_at - cur.apply_s)
+            tl.span("reduce", start, reduced, step)
+            tl.span("apply", reduced, applied_at, step)
+            tl.span("send", applied_at, sent_at, step)
+        self.first_arrival = 0.0
+
+    def _step_rest(self, chosen: list[_Slot]) -> None:
+        """What the buckets did not step: the table shards, and every parameter where the
+        applier steps whole."""
+        if self.rows.active:
+            self.rows.set_grads(chosen, self.optimizer)
+        if self.applier.steps_whole:
+            self.optimizer.step()
+        elif self.rows.active:
+            with only_params(self.optimizer, self.table_params):
+                self.optimizer.step()
+        if self.rows.active:
+            self.rows.apply_rows(self.optimizer)
+
+    def _nonfinite(self, views, first: int, stop: int) -> list[int]:
+        """Parameters ``[first, stop)`` whose reduced gradient holds NaN or Inf: one sum of
+        each of ``views`` (their reduced gradients) first, as NaN and Inf stay in a sum;
+        only when one is not finite, parameter by parameter."""
+        if all(v is None or torch.isfinite(v.sum()) for v in views):
+            return []
+        present = self.applier.present
+        return [i for i in range(first, stop) if present[i] and self.grads[i] is not None
+                and _graded_dtype(self.grads[i].dtype) and not torch.isfinite(
+                    self.grads[i]).all()]
+
+    def _check_finite(self, cur: _Step, bad: list[int]) -> None:
+        """``nonfinite="raise"``: NonFiniteError naming the first such parameter and the
+        workers whose gradient of it was not finite; the step is not applied."""
+        if not bad:
+            return
         entry = self.layout.entries[bad[0]]
         name = dict(zip(self.spec.names, self.spec.parts))[entry.name][0]
-        workers = [s.worker for s in chosen if not torch.isfinite(entry_views(
-            torch.from_numpy(s.buf), self.header.nbytes, self.layout.entries)[bad[0]]).all()]
+        views = [(s.worker, entry_views(torch.from_numpy(s.buf), self.header.nbytes,
+                                        self.layout.entries)[bad[0]]) for s in cur.chosen]
+        workers = [w for w, v in views if v.dtype.is_floating_point and not
+                   torch.isfinite(v).all()]
         ranks = [self.worker_ranks[w] for w in workers]
         raise NonFiniteError(
-            f"{self.label}: the gradient of parameter {name!r} for global step {step} holds "
-            f"NaN or Inf, from workers {workers} (ranks {ranks}); the step is not applied "
-            f"(nonfinite='raise'; nonfinite='skip' would skip such steps)")
+            f"{self.label}: the gradient of parameter {name!r} for global step {cur.step} "
+            f"holds NaN or Inf, from workers {workers} (ranks {ranks}); the step is not "
+            f"applied (nonfinite='raise'; nonfinite='skip' would skip such steps)")
+
+    def _start_send(self, req: MPI.Request) -> None:
+        if id(req) in self.sends_active:
+            self._wait_sends([req])
+        req.Start()
+        self.sends_active[id(req)] = req
+
+    def _wait_sends(self, reqs) -> None:
+        """The sends among ``reqs`` still in flight are done (their buffer may change)."""
+        active = [r for r in reqs if id(r) in self.sends_active]
+        if not active:
+            return
+        mpi = [r for r in active if isinstance(r, MPI.Request)]
+        if mpi and self.losses is None:
+            self.poller.wait_all(mpi, lambda: "parameter sends to workers")
+        for req in mpi if self.losses is not None else ():
+            try:                    # a send to a worker that died meanwhile fails
+                self.poller.wait_all([req], lambda: "parameter sends to workers")
+            except MPI.Exception as exc:
+                if not self.losses.note(exc):
+                    raise
+        if len(mpi) < len(active):
+            shared = [r for r in active if not isinstance(r, MPI.Request)]
+            self.poller.wait_until(lambda: all(r.Test() for r in shared),
+                                   lambda: "workers copying parameters from shared memory")
+        for r in active:
+            del self.sends_active[id(r)]
+
+    def _send_params(self, workers) -> None:
+        """The current parameters to ``workers``: every bucket, then the header."""
+        if self.rows.active:
+            self.rows.send_changed(workers, self.global_step)
+        for b in self.buckets:
+            self._send_bucket(b.index, workers)
+        for w in workers:
+            if w not in self.lost:
+                self._start_send(self.head_sends[w])
+        if self.timed:
+            self.bytes_out += len(workers) * self.send_buf.nbytes
 
     def _assign(self, chosen: list[_Slot]) -> None:
         """Each written parameter takes the value of the lowest-index worker that wrote it."""
@@ -501,21 +839,6 @@ class ShardServer:
                                 reduction="mean")
             else:
                 out.copy_(chosen[0].buffers[r])
-
-    def _send_params(self, workers) -> None:
-        if self.rows.active:
-            self.rows.send_changed(workers, self.global_step)
-        for w in workers:
-            if w in self.lost:
-                continue
-            req = self.param_sends[w]
-            if req in self.sends_active:
-                req.Wait()
-                self.sends_active.remove(req)
-            req.Start()
-            self.sends_active.append(req)
-        if self.timed:
-            self.bytes_out += len(workers) * self.param_buf.nbytes
 
     def _set_version(self) -> None:
         self.param_fields[0] = Kind.PARAMS
@@ -556,6 +879,7 @@ class ShardServer:
             for group, saved in zip(sd["param_groups"], piece["param_groups"]):
                 group.update({k: v for k, v in saved.items() if k != "params"})
             self.optimizer.load_state_dict(sd)
+            self.applier.sync()
         self.averages.load(piece.get("averages"))
         self.rows.reset()
         self.global_step = piece["global_step"]
@@ -564,18 +888,15 @@ class ShardServer:
 
     def finish(self) -> None:
         """Wait for the last sends; cancel and free every persistent request."""
-        self._wait_sends()
+        self._wait_sends(list(self.sends_active.values()))
         self.rows.finish()
-        for w, slot in enumerate(self.posted):
-            if slot is not None:
-                slot.req.Cancel()
-                slot.req.Wait()
-                self.free[w].append(slot)
-        reqs = [s.req for f in self.free for s in f] + self.param_sends
+        slots = [s for s in self.posted if s is not None] + self.retired + [
+            s for f in self.free for s in f]
+        reqs = [r for s in slots for r in [s.head_req, *s.data_reqs]]
+        reqs += [r for sends in self.bucket_sends for r in sends if isinstance(r, MPI.Request)]
+        reqs += [r for r in self.head_sends if isinstance(r, MPI.Request)]
         if self.ctl_req is not None:
             reqs.append(self.ctl_req)
         for req in reqs:
             self._settle([req])
             req.Free()
-
-

@@ -1,0 +1,308 @@
+"""The wrapped optimizer's step on a ps rank: over fused regions, bucket by bucket (no MPI).
+
+A ps rank holds its parameters side by side in one buffer per dtype. For an elementwise
+optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adadelta, Adamax, NAdam, RAdam, ASGD,
+Rprop) one update over a run of neighbouring parameters is, element for element, the
+update torch computes parameter by parameter: the same operations on the same values in
+the same order, so the result is bitwise the same (``tests/test_fused.py`` checks every
+one with its options). So this module steps the optimizer over *runs*: maximal ranges of
+neighbouring parameters of one param group and one bucket that all have a gradient this
+step and identical optimizer histories (the same ``step`` count and scalar state, the same
+state keys). Their per-parameter state lives in fused arenas too (``state[p]["exp_avg"]``
+is a view into one tensor per key and region), so a run's state is one view as well;
+scalar state (``step``, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``) is one 0-dim
+view per parameter into one tensor per key, written back for a whole run at once.
+
+The optimizer's ``state`` and ``param_groups`` keep torch's per-parameter schema for
+everything else (``state_dict()``, ``load_state_dict()``, the tables' rows): a run's step
+swaps in, for the duration of one ``optimizer.step()``, param groups that hold the runs'
+flat parameters (with each group's hyper-parameters) and a state holding theirs.
+
+Every other case steps ``"whole"``: one ``optimizer.step()`` over every parameter once
+every bucket is reduced, exactly as torch's own loop. That is optimizers that look at a
+whole tensor or at several at once (Adafactor, Muon, LBFGS), subclasses and unknown
+classes, complex parameters, and elementwise optimizers with ``fused=True`` (torch's
+fused CPU kernels round a tensor's tail differently from its body, and fused SGD decides
+whether momentum starts from the whole list of tensors in one call), ``differentiable``
+or ``capturable``.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+__all__ = ["ELEMENTWISE", "Applier", "only_params"]
+
+#: Optimizers whose update of each element depends on that element's values alone (its
+#: parameter, gradient and state) and on per-parameter scalars: stepping a run of
+#: parameters as one is bitwise stepping each. Exact classes: a subclass may change that.
+ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam",
+    "ASGD", "Rprop") if hasattr(torch.optim, n))
+
+_GROUP_FLAGS_OFF = ("fused", "differentiable", "capturable")
+
+
+@contextlib.contextmanager
+def only_params(optimizer: torch.optim.Optimizer, params_per_group: list[list[torch.Tensor]],
+                state=None):
+    """Within the block, ``optimizer``'s groups hold only ``params_per_group`` (each with its
+    group's hyper-parameters), and with ``state`` its state is that mapping instead."""
+    groups, saved_state = optimizer.param_groups, optimizer.state
+    optimizer.param_groups = [{**g, "params": ps} for g, ps in zip(groups, params_per_group)
+                              if ps]
+    if state is not None:
+        optimizer.state = state
+    try:
+        yield
+    finally:
+        optimizer.param_groups = groups
+        optimizer.state = saved_state
+
+
+class _Run:
+    """Neighbouring parameters ``[first, stop)`` stepped as one flat parameter."""
+
+    __slots__ = ("first", "group", "param", "stop", "views")
+
+    def __init__(self, first: int, stop: int, group: int, param: torch.Tensor):
+        self.first, self.stop, self.group, self.param = first, stop, group, param
+        self.views: dict[str, torch.Tensor] = {}     # its arena views, by state key
+
+
+class Applier:
+    """Steps one ps rank's dense parameters with the wrapped optimizer, bucket by bucket.
+
+    Args:
+        optimizer: the rebuilt optimizer (its groups may also hold table parameters).
+        params: the dense parameters, in layout order (views into the parameter buffer).
+        grads: their gradients' views into the reduced-gradient buffer, in the same order.
+        places: per parameter ``(region, first element, end element)`` in ``regions``.
+        regions: the parameter buffer's regions, flat, one per dtype.
+        grad_regions: the gradient buffer's regions, alike (None for integer regions).
+        buckets: per bucket, the range of parameter indices it holds.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, params: list[torch.Tensor],
+                 grads: list[torch.Tensor], places: list[tuple[int, int, int]],
+                 regions: list[torch.Tensor], grad_regions: list[torch.Tensor | None],
+                 buckets: list[range]):
+        self.optimizer = optimizer
+        self.params, self.grads = params, grads
+        self.regions, self.grad_regions = regions, grad_regions
+        n = len(params)
+        self.region = np.array([r for r, _, _ in places], np.int64)
+        self.lo = np.array([a for _, a, _ in places], np.int64)
+        self.hi = np.array([b for _, _, b in places], np.int64)
+        self.bucket = np.zeros(n, np.int64)
+        self.buckets = buckets
+        for k, members in enumerate(buckets):
+            self.bucket[members.start:members.stop] = k
+        index = {id(p): i for i, p in enumerate(params)}
+        self.group = np.full(n, -1, np.int64)
+        if optimizer is not None:
+            for g, group in enumerate(optimizer.param_groups):
+                for p in group["params"]:
+                    if id(p) in index:
+                        self.group[index[id(p)]] = g
+        self.cls = np.zeros(n, np.int64)      # equal classes: identical optimizer histories
+        self.next_cls = 1
+        self.arenas: dict[tuple, torch.Tensor] = {}      # (key, region, dtype) -> flat
+        self.scalars: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.runs: list[list[_Run]] = [[] for _ in buckets]
+        self.run_key = None
+        self.run_state: dict[torch.Tensor, dict] = defaultdict(dict)
+        self.present = np.zeros(n, bool)
+        self.mode = "whole"
+        self.flags = None
+        self.hold = False      # the caller steps whole (a check of the whole step, opt.update)
+        self.sync()
+
+    # -- state -------------------------------------------------------------------------
+    def sync(self) -> None:
+        """The optimizer's state was made or replaced (built, loaded): take it over.
+
+        Moves every parameter's state into the arenas, sorts the parameters into classes
+        of identical histories, and picks the mode.
+        """
+        self.run_key = None
+        self.run_state = defaultdict(dict)
+        self.flags = self._flags()
+        self.mode = self._mode()
+        if self.mode != "fused":
+            return
+        signatures: dict[tuple, int] = {}
+        state = self.optimizer.state
+        for i, p in enumerate(self.params):
+            st = state.get(p)
+            if st and not self._adopt(i, st):
+                self.mode = "whole"             # a state this module does not know
+                return
+            sig = self._signature(st) if st else ()
+            self.cls[i] = signatures.setdefault(sig, len(signatures) + self.next_cls)
+        self.next_cls += len(signatures) + 1
+
+    def _flags(self) -> tuple:
+        if self.optimizer is None:
+            return ()
+        return tuple(bool(g.get(f)) for g in self.optimizer.param_groups for f in _GROUP_FLAGS_OFF)
+
+    def _mode(self) -> str:
+        opt = self.optimizer
+        if self.hold or opt is None or type(opt) not in ELEMENTWISE or not self.params:
+            return "whole"
+        if any(self.flags) or any(p.is_complex() for p in self.params):
+            return "whole"
+        return "fused"
+
+    @staticmethod
+    def _signature(st: dict) -> tuple:
+        sig = []
+        for key in sorted(st):
+            v = st[key]
+            if v.dim() == 0:
+                sig.append((key, str(v.dtype), v.item()))
+            else:
+                sig.append((key, str(v.dtype)))
+        return tuple(sig)
+
+    def _adopt(self, i: int, st: dict) -> bool:
+        """Move parameter ``i``'s state into the arenas; False if a value does not fit."""
+        p = self.params[i]
+        r, a, b = int(self.region[i]), int(self.lo[i]), int(self.hi[i])
+        for key, v in list(st.items()):
+            if not torch.is_tensor(v) or v.device != p.device:
+                return False
+            if v.dim() == 0:
+                arena = self._scalar_arena(key, v.dtype)
+                arena[i] = v
+                st[key] = arena[i]
+            elif v.shape == p.shape:
+                view = self._arena(key, r, v.dtype)[a:b]
+                if view.data_ptr() != v.data_ptr():
+                    view.copy_(v.reshape(-1))
+                st[key] = view.view(p.shape)
+            else:
+                return False
+        return True
+
+    def _arena(self, key: str, r: int, dtype: torch.dtype) -> torch.Tensor:
+        arena = self.arenas.get((key, r, dtype))
+        if arena is None:
+            arena = self.arenas[(key, r, dtype)] = torch.zeros(self.regions[r].numel(),
+                                                               dtype=dtype)
+        return arena
+
+    def _scalar_arena(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        arena = self.scalars.get((key, dtype))
+        if arena is None:
+            arena = self.scalars[(key, dtype)] = torch.zeros(len(self.params), dtype=dtype)
+        return arena
+
+    # -- a step ------------------------------------------------------------------------
+    def begin(self, present: np.ndarray) -> None:
+        """A step starts: ``present[i]`` says whether parameter ``i`` has a gradient."""
+        self.present = present.astype(bool)
+        if self.optimizer is not None and self._flags() != self.flags:
+            self.sync()                    # a group's fused/differentiable/capturable changed
+        if self.mode == "fused":
+            self._plan()
+            return
+        for p, g, has in zip(self.params, self.grads, self.present):
+            p.grad = g if has else None
+
+    def apply(self, k: int) -> None:
+        """Bucket ``k``'s reduced gradients are in: step its parameters (``"fused"``)."""
+        if self.mode == "fused" and self.runs[k]:
+            self._step_runs(self.runs[k])
+
+    def end(self) -> None:
+        """Every bucket is in: ``"whole"`` steps now; ``"fused"`` notes the new histories."""
+        if self.mode == "fused" and self.present.any():
+            stepped = self.present
+            uniq, inverse = np.unique(self.cls[stepped], return_inverse=True)
+            self.cls[stepped] = self.next_cls + inverse
+            self.next_cls += len(uniq)
+
+    @property
+    def steps_whole(self) -> bool:
+        """The caller runs ``optimizer.step()`` over every parameter itself, once."""
+        return self.mode == "whole"
+
+    def _plan(self) -> None:
+        """This step's runs: neighbours of one region, group, bucket and class, each with a
+        gradient. The runs (and their flat parameters and state) of the last step are kept
+        when they are the same."""
+        idx = np.flatnonzero(self.present)
+        if not len(idx):
+            self.runs = [[] for _ in self.buckets]
+            self.run_key = None
+            return
+        prev, cur = idx[:-1], idx[1:]
+        new = np.ones(len(idx), bool)
+        new[1:] = ((cur != prev + 1) | (self.region[cur] != self.region[prev])
+                   | (self.group[cur] != self.group[prev])
+                   | (self.bucket[cur] != self.bucket[prev])
+                   | (self.cls[cur] != self.cls[prev]) | (self.lo[cur] != self.hi[prev]))
+        at = np.flatnonzero(new)
+        firsts = idx[at]
+        stops = np.append(idx[at[1:] - 1], idx[-1]) + 1
+        key = (firsts.tobytes(), stops.tobytes())
+        if key == self.run_key:
+            return
+        self.run_key = key
+        self.run_state = defaultdict(dict)
+        self.runs = [[] for _ in self.buckets]
+        for first, stop in zip(firsts.tolist(), stops.tolist()):
+            self.runs[int(self.bucket[first])].append(self._run(first, stop))
+
+    def _run(self, first: int, stop: int) -> _Run:
+        r = int(self.region[first])
+        a, b = int(self.lo[first]), int(self.hi[stop - 1])
+        flat = torch.nn.Parameter(self.regions[r][a:b], requires_grad=True)
+        flat.grad = self.grad_regions[r][a:b]
+        run = _Run(first, stop, int(self.group[first]), flat)
+        member = self.optimizer.state.get(self.params[first], {})
+        st = self.run_state[flat]
+        for key, v in member.items():
+            if v.dim() == 0:
+                st[key] = v.clone()           # the run's scalar: written back after a step
+            else:
+                st[key] = run.views[key] = self.arenas[(key, r, v.dtype)][a:b]
+        return run
+
+    def _step_runs(self, runs: list[_Run]) -> None:
+        per_group = [[] for _ in self.optimizer.param_groups]
+        for run in runs:
+            per_group[run.group].append(run.param)
+        with only_params(self.optimizer, per_group, self.run_state):
+            self.optimizer.step()
+        for run in runs:
+            self._write_back(run)
+
+    def _write_back(self, run: _Run) -> None:
+        """The run's scalars into its members' state; state it made for the first time
+        into the arenas, its members' state views onto them."""
+        st = self.run_state[run.param]
+        state = self.optimizer.state
+        r = int(self.region[run.first])
+        a = int(self.lo[run.first])
+        for key, v in st.items():
+            if v.dim() == 0:
+                arena = self.scalars.get((key, v.dtype))
+                if arena is None or key not in state[self.params[run.first]]:
+                    arena = self._scalar_arena(key, v.dtype)
+                    for i in range(run.first, run.stop):
+                        state[self.params[i]][key] = arena[i]
+                arena[run.first:run.stop].fill_(v)
+            elif run.views.get(key) is not v:
+                arena = self._arena(key, r, v.dtype)
+                view = arena[a:a + v.numel()]
+                view.copy_(v)                 # made by this step (first step, new key)
+                st[key] = run.views[key] = view
+                for i in range(run.first, run.stop):
+                    p = self.params[i]
+                    state[p][key] = arena[int(self.lo[i]):int(self.hi[i])].view(p.shape)
