@@ -219,7 +219,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if spec.allreduce:
             self._setup_allreduce([by_name[n] for n in spec.allreduce])
         self._tracker = WriteTracker(self._dense.names, self._dense.params, self._dense.pviews,
-                                     cluster.label)
+                                     cluster.label, self._dense.staging)
         self._settings = settings_of(optimizer)
         install_hooks()
         self._mpisync_schedules = Schedules(schedule, 0)
@@ -655,7 +655,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                     else:
                         self._rows.write_shard(name, k, shard["weight"], shard.get("state"))
         written = self._tracker.written()    # model.load_state_dict() just before: kept
-        kept = [self._dense.pviews[i].clone() for i in written]
+        kept = [self._dense.params[i].detach().clone() for i in written]
         kept_rows = [(t.param, t.param.detach().clone()) for t in self._rows.tables
                      if t.info is None and (t.param._version != t.version or was_rebound(t.param))]
         self._request(Kind.LOAD, payload)
@@ -665,7 +665,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._receive(count=False)
         with torch.no_grad():
             for i, value in zip(written, kept):
-                self._dense.pviews[i].copy_(value)
+                self._dense.params[i].copy_(value)
             for p, value in kept_rows:       # a write again: sent whole with the next step
                 p.copy_(value)
         self._tracker.mark(written)          # they travel with the next step

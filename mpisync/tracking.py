@@ -51,15 +51,19 @@ class WriteTracker:
     changed since ``snapshot()``: an in-place operation on the parameter or on any alias
     of it (``p.data``, ``p.detach()``, ``load_state_dict``), or a new tensor given with
     ``p.data = x`` (its values are copied into the buffer). Writes through a NumPy view or
-    raw memory are not seen.
+    raw memory are not seen. A parameter ``staging`` holds (``mpisync.devices``) stays on
+    its device instead, its buffer a host copy; one that moved to another device since is
+    refused.
     """
 
     def __init__(self, names: list[str], params: list[torch.Tensor],
-                 views: list[torch.Tensor], label: str):
+                 views: list[torch.Tensor], label: str, staging=None):
         self.names = names
         self.params = params
         self.views = views
         self.label = label
+        self.staging = staging
+        self.devices = [p.device for p in params]
         self.classes = [type(p) for p in params]
         for p in params:
             if type(p) is torch.nn.Parameter:
@@ -86,6 +90,8 @@ class WriteTracker:
         Receiving parameters writes raw memory and changes no version, so what this
         returns stays the snapshot through the next pull.
         """
+        if [p.device for p in self.params] != self.devices:
+            self._moved()
         now = [a._version for a in self.aliases]
         changed = [] if now == self.versions else [
             i for i, (v, w) in enumerate(zip(now, self.versions)) if v != w]
@@ -101,6 +107,10 @@ class WriteTracker:
         """Bring a parameter given a new tensor back onto its buffer; True if it changed."""
         p, view = self.params[i], self.views[i]
         _rebound.discard(id(p))
+        if self.staging is not None and i in self.staging:
+            self.staging.rebind(i)
+            self.aliases[i] = p.detach()
+            return True
         if p.data_ptr() == view.data_ptr() and p.shape == view.shape:
             return False
         if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
@@ -114,6 +124,15 @@ class WriteTracker:
         _set_data(p, view)
         self.aliases[i] = p.detach()
         return True
+
+    def _moved(self) -> None:
+        """Raise for the first parameter that is not on its device any more."""
+        for name, p, device in zip(self.names, self.params, self.devices):
+            if p.device != device:
+                raise TypeError(
+                    f"{self.label}: parameter {name!r} moved from {device} to {p.device} after "
+                    f"the SyncReplicasOptimizer was created; move the model to its device "
+                    f"(cluster.device) before creating the optimizer")
 
     def release(self) -> None:
         """Give the parameters back their own class (after close)."""
