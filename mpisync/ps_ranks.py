@@ -11,8 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from mpi4py import MPI
 
+from .devices import resolve_cuda_aware, worker_device
 from .errors import StallError, WorldTooSmallError
 from .guard import GuardedComm
 from .nodes import HOSTMAP_ENV, check_host_map, cpu_affinity, host_load, machine_id, node_of
@@ -212,6 +214,8 @@ class Cluster:
         self.closed = False
         self.left = False
         self._guarded = None
+        self.device = torch.device("cpu")    # a worker's accelerator (init() picks it)
+        self.cuda_aware = False              # MPI takes CUDA buffers (init() asks it)
 
     @property
     def worker_comm(self) -> MPI.Comm:
@@ -350,7 +354,8 @@ _current: Cluster | None = None
 
 
 def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
-         timeout: float | None = None, abort_on_error: bool = True) -> Cluster:
+         timeout: float | None = None, abort_on_error: bool = True,
+         cuda_aware: bool | str = "auto") -> Cluster:
     """Split the MPI world into ps ranks and workers. Call on every rank.
 
     Args:
@@ -368,10 +373,21 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
         abort_on_error: install an exception hook that reports an uncaught exception
             with this rank's name, tells the other ranks, and aborts the whole job, so
             that one failing rank never leaves the others waiting.
+        cuda_aware: whether MPI may be handed CUDA device buffers: ``"auto"`` (default:
+            where the MPI library says it takes them), ``True`` (required: refused on
+            every rank when the library does not) or ``False``; ``cluster.cuda_aware``
+            holds the answer (``mpisync.devices``).
+
+    Each worker gets a device, ``cluster.device``: ``cuda:k`` for the k-th worker of its
+    node among the GPUs it sees (``CUDA_VISIBLE_DEVICES``; more workers than GPUs share
+    them round-robin), made torch's current CUDA device; ``cpu`` without CUDA. The ps
+    ranks always compute on the CPU and never touch a GPU.
 
     Raises:
         WorldTooSmallError: on every rank, when the world cannot hold ``num_ps`` ps
             ranks and at least one worker.
+        ConfigError: on every rank, for a bad ``cuda_aware`` or ``True`` with an MPI
+            library that does not take CUDA buffers.
     """
     global _current
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -392,8 +408,12 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
     if placement.note and comm.Get_rank() == 0:
         print(f"[mpisync] {placement.note}", file=sys.stderr, flush=True)
     layout = RankLayout.choose(placement.nodes, num_ps, os.environ)
-    _current = Cluster(comm, layout, DEFAULT_TIMEOUT if timeout is None else float(timeout),
-                       placement)
+    cluster = Cluster(comm, layout, DEFAULT_TIMEOUT if timeout is None else float(timeout),
+                      placement)
+    cluster.cuda_aware = resolve_cuda_aware(cuda_aware, comm, cluster.label)
+    if not cluster.is_ps:
+        cluster.device = worker_device(cluster._worker_comm)
+    _current = cluster
     atexit.register(_current._leave)      # a worker that ends leaves the job
     return _current
 
