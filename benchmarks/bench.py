@@ -228,7 +228,9 @@ def main(argv=None) -> None:
                     args.suite_args + ([] if k == 0 else ["--skip", "many"]), env, args.timeout)
             for k, ps in enumerate(args.ps)]
     result = merge(jobs)
-    result["transport"] = "loopback TCP (btl self,tcp)" if args.no_shm else "shared memory"
+    result["transport"] = ("loopback TCP (" + " ".join(f"{k}={v}" for k, v in env.items()
+                                                    if k != "PYTHONPATH") + ")"
+                           if args.no_shm else "shared memory")
     result["horovod"] = horovod(args, args.suite_args)
     derive(result)
     out = Path(args.json_out)

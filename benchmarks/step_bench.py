@@ -130,6 +130,15 @@ def memcpy(nbytes: int, steps: int) -> list[float]:
     return times
 
 
+def fill_grads(model: torch.nn.Module) -> None:
+    """Every gradient 1.0, written in place where one exists (the send buffers' views)."""
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.ones_like(p)
+        else:
+            p.grad.fill_(1.0)
+
+
 def sync_steps(cluster, args, numel: int, dense: str = "ps",
                stats_log=None) -> tuple[list[float], dict]:
     """Per-step seconds of opt.step() on this worker, and the final statistics."""
@@ -143,11 +152,7 @@ def sync_steps(cluster, args, numel: int, dense: str = "ps",
         # set_to_none=False: after the first step the gradients are views into the send
         # buffers, written in place (see benchmarks/README.md); torch's first one is None
         opt.zero_grad(set_to_none=False)
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.ones_like(p)
-            else:
-                p.grad.fill_(1.0)
+        fill_grads(model)
         start = time.perf_counter()
         opt.step()
         if i >= args.warmup:

@@ -44,7 +44,7 @@ import torch
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_bench import MiB, machine, pingpong, sleepy_barrier, summary_ms
+from step_bench import MiB, fill_grads, machine, pingpong, sleepy_barrier, summary_ms
 
 import mpisync
 
@@ -178,11 +178,7 @@ def step_only(cluster, sizes: list[int], args) -> Figure:
 
     def fill():
         opt.zero_grad(set_to_none=False)
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.ones_like(p)
-            else:
-                p.grad.fill_(1.0)
+        fill_grads(model)
     return Figure(opt.step, fill, opt.close)
 
 

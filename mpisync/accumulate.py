@@ -212,9 +212,13 @@ class StepCoordinator:
         self.failed = False
 
     def deadlocked(self) -> bool:
-        """Workers wait inside step() for gradients only workers in a collective could give."""
-        if self.applying or self.queue or not self.parked:
-            return False
+        """No step and no load can complete: workers wait inside step() or in
+        load_state_dict() for workers that are in a collective among the workers, or that
+        are themselves waiting (a load on some workers only)."""
+        if self.applying or self.queue or not (self.parked or self.loading):
+            return False             # a step nobody can complete otherwise: a stall (STOP)
+        if self.loading and self.loading >= set(range(self.num_workers)) - self.closed:
+            return False             # every open worker asked: the state is loaded
         blocked = set(self.waiting) | self.held | self.loading
         return bool(blocked) and not (self.computing - self.parked - self.loading)
 
@@ -239,14 +243,30 @@ class StepCoordinator:
                                f"{self.global_step} already holds gradients")
         self.computing.discard(worker)
         self.loading.add(worker)
-        return self._check_load()
+        return self._check_load() or self._check_deadlock()
 
     def loaded(self, global_step: int) -> list[Action]:
-        """Every ps loaded the state at ``global_step``: the loading workers get it."""
+        """Every ps loaded the state at ``global_step``: the loading workers get it.
+
+        Gradients the open step took meanwhile (pushed by a worker that then closed) were
+        computed on the state before the load: dropped.
+        """
+        self._discard_step()
+        self.pool = self.num_tokens
+        self.failed = False
         workers, self.loading = tuple(sorted(self.loading)), set()
         self.global_step = global_step
         self.computing.update(workers)
         return [Action(Kind.REPLY, global_step, workers)]
+
+    def fail_sent(self) -> None:
+        """FAIL reached the blocked workers. The loading ones hold their token again, as if
+        they had not asked; those inside step() are owed nothing more (they can only close:
+        the gradients their step took count as dropped then)."""
+        self.computing |= self.loading
+        self.loading = set()
+        self.waiting = []
+        self.held = set()
 
     def _check_load(self) -> list[Action]:
         open_workers = set(range(self.num_workers)) - self.closed
@@ -259,6 +279,10 @@ class StepCoordinator:
         self.computing.discard(worker)
         self.closed.add(worker)
         self.loading.discard(worker)
+        # one that waited inside step() closes only after a DeadlockError: no token for it
+        self.waiting = [w for w in self.waiting if w != worker]
+        self.late = [w for w in self.late if w != worker]
+        self.held.discard(worker)
         released = self._release_held() if not self.applying else []
         return (released + self._check_load() + self._check_stall() + self._check_shutdown()
                 + self._check_deadlock())
@@ -311,8 +335,11 @@ class StepCoordinator:
         if not self.num_taken:
             return
         rec = self._record(self.global_step)
-        rec.dropped.extend(rec.taken)
-        rec.taken = []
+        # the open step's are the last ones: a state loaded at an older step may have
+        # applied this step before, and those stay taken
+        kept = len(rec.taken) - self.num_taken
+        rec.dropped.extend(rec.taken[kept:])
+        del rec.taken[kept:]
         for w, n in enumerate(self.taken):
             self.taken_total[w] -= n
             self.dropped_total[w] += n
@@ -330,14 +357,17 @@ class StepCoordinator:
 
         ``gradients_applied`` and ``taken_per_worker`` count the gradients of applied steps
         only; ``gradients_pending`` those that the open step holds (applied with it, or
-        counted as dropped if it never completes). ``per_step`` lists every step that took
+        counted as dropped if it never completes) and, in asynchronous mode, those queued
+        behind the step being applied. ``per_step`` lists every step that took
         or dropped a gradient, the open one included.
         """
         return {
             "global_step": self.global_step,
             "steps": self.global_step,
             "gradients_applied": sum(self.applied_total),
-            "gradients_pending": sum(self.taken_total) - sum(self.applied_total),
+            # async: the gradients queued behind the step being applied are pending too
+            "gradients_pending": (sum(self.taken_total) - sum(self.applied_total)
+                                  + len(self.queue)),
             "gradients_dropped": sum(self.dropped_total),
             "taken_per_worker": list(self.applied_total),
             "dropped_per_worker": list(self.dropped_total),
@@ -388,6 +418,16 @@ class ShardAccumulator:
     def chosen(self, step: int, taken: tuple[int, ...]) -> list:
         """The items ``taken`` names, in reduction order: worker index, then arrival."""
         return [item for w, n in enumerate(taken) if n for item in self._items(step, w)[:n]]
+
+    def reset(self, global_step: int) -> list:
+        """A state was loaded at ``global_step``: return every item held (none counts)."""
+        self.global_step = global_step
+        freed = [item for held in self._held.values() for items in held.values()
+                 for item in items]
+        freed += [item for items in self._fifo.values() for item in items]
+        self._held.clear()
+        self._fifo.clear()
+        return freed
 
     def advance(self, step: int, taken: tuple[int, ...] = ()) -> list:
         """Step ``step`` is applied: return the items it no longer needs.

@@ -74,6 +74,15 @@ def backend_problem(backend: str, worker_comm: MPI.Comm, num_workers: int) -> st
     """
     if backend != "horovod":
         return None
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED:
+                 "MPI_THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
+        return (f"allreduce_backend='horovod' needs MPI initialised with MPI_THREAD_MULTIPLE "
+                f"(Horovod's thread calls MPI while this one does), but MPI runs with "
+                f"{names.get(level, level)}: leave mpi4py.rc.thread_level at 'multiple' "
+                f"(mpi4py's default; an MPI built without thread support cannot), or use "
+                f"allreduce_backend='mpi'")
     try:
         import horovod.torch as hvd
     except ImportError as exc:

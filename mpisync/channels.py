@@ -218,6 +218,7 @@ class DenseChannel:
         self.expected_backwards = 1      # backward passes per step, as the last step had
         self.quiet = 0                   # steps left that push only at step()
         self.counts = {"buckets": 0, "from_hooks": 0, "resent": 0}   # sent, of them, again
+        self._resend: set[int] = set()       # ps ranks whose buckets go again (gather())
 
     def _own(self, i: int, pinned: bool) -> None:
         """A partitioned parameter keeps its own tensor; its units are copied in and out
@@ -394,32 +395,39 @@ class DenseChannel:
                             f"({g.layout}) but is not the weight of an nn.Embedding or "
                             f"nn.EmbeddingBag with sparse=True, whose rows mpisync sends as "
                             f"rows; use such a module (or mpisync.Embedding), or a dense gradient")
+        if g.shape != view.shape or g.dtype != view.dtype:
+            raise ValueError(f"{self.label}: the gradient of parameter {self.names[i]!r} is "
+                             f"{g.dtype} {list(g.shape)}, the parameter {view.dtype} "
+                             f"{list(view.shape)}; .grad must have its parameter's shape and "
+                             f"dtype")
         if g.data_ptr() != view.data_ptr():
             view.copy_(g)              # deliberate: the gradient was made outside our buffer
         p.grad = view
 
-    def push(self, step: int, worker: int, seq: int, flags: int, written: list[int]) -> None:
-        """Send this worker's gradients (and first what it wrote) to every ps rank.
-
-        Every bucket is brought up to date (a bucket sent during backward that changed
-        since goes again, with the whole region); then per ps the header and the buckets
-        not sent yet, in order.
-        """
-        self.hooks.hook_new()
-        staging = self.staging
-        if written and staging:
-            staging.params_to_host(written)
-        assigned = self._assign(written, step, worker, seq) if written else ()
-        self._send_landed(wait=True)
-        resend = set()
+    def gather(self) -> None:
+        """Every bucket's gradients in its send buffer, ``has_grad`` noted; the ps ranks
+        whose buckets sent during backward changed since (they go again, whole)."""
+        resend = self._resend
+        resend.clear()
+        self._send_landed(wait=True)     # staged buckets handed out in backward: sent
         for n, (j, k) in enumerate(self.order):
             self._prepare(n)
             shard = self.shards[j]
             if k < shard.sent and shard.bases[k]._version != shard.versions[k]:
                 resend.add(j)
-        if staging:
-            staging.sync()               # every gradient on the host before it is sent
-            staging.buffers_to_host()
+        if self.staging:
+            self.staging.sync()          # every gradient on the host before it is sent
+            self.staging.buffers_to_host()
+
+    def push(self, step: int, worker: int, seq: int, flags: int, written: list[int]) -> None:
+        """Send this worker's gradients (and first what it wrote) to every ps rank, after
+        ``gather()``: per ps the header and the buckets not sent yet, in order, and those
+        sent during backward that changed since again."""
+        self.hooks.hook_new()
+        if written and self.staging:
+            self.staging.params_to_host(written)    # written on their devices
+        assigned = self._assign(written, step, worker, seq) if written else ()
+        resend = self._resend
         self._start_recvs()
         words, codes = self.hyper_out
         for j, shard in enumerate(self.shards):

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from . import environ
+
 __all__ = ["adagrad_apply_rows", "adagrad_sum_rows", "available", "axpy_rows", "bag_rows",
            "merge_pieces", "rowwise_apply_rows", "slots_for"]
 
@@ -47,7 +49,7 @@ def _cpu() -> str:
 
 
 def _build() -> ctypes.CDLL | None:
-    if os.environ.get("MPISYNC_ROW_KERNELS", "1") == "0":
+    if not environ.switch("MPISYNC_ROW_KERNELS", True):
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import operator
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -25,9 +26,11 @@ from .spec import (
     build_spec,
     encode,
     first_failure,
+    model_of,
     model_summary,
     setup_summary,
     unit_parts,
+    versions,
 )
 from .state import check_state, merge_units, split_state, split_units
 from .stepclock import for_worker
@@ -65,8 +68,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
     the ps ranks exactly; a parameter whose ``.grad`` is None is skipped; a write to a
     parameter between steps (``model.load_state_dict``, a clamp) reaches the ps ranks;
     parameters no optimizer group holds are broadcast from the chief once and left alone.
-    Construction, ``state_dict()``, ``load_state_dict()`` and ``close()`` must be called
-    on every worker; ``step()`` too (a worker that skips it holds a step up).
+    Construction, ``load_state_dict()`` and ``close()`` must be called on every worker;
+    ``step()`` too (a worker that skips it holds a step up). ``state_dict()`` may be called
+    on any worker alone: it reads the ps ranks' state at one global step.
 
     Args:
         optimizer: a ``torch.optim`` optimizer (or a subclass of one) over the model's
@@ -181,7 +185,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._ready = False
         self._averaged = False
         self._opt = optimizer
-        model = Model(tuple(named_parameters), tuple(named_buffers or ()))
+        model, problem = model_of(named_parameters, named_buffers)
         self._names = [n for n, _ in model.params]
         self._params = [p for _, p in model.params]
         self._poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label,
@@ -193,7 +197,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         opt_id = len(cluster.optimizers)
         self._stats_log = log_path(stats_log, opt_id)
         spec, routes = self._agree(optimizer, model, options, opt_id,
-                                   self._setup_problem(optimizer, options))
+                                   problem or self._setup_problem(optimizer, options))
         self._spec, self.plan = spec, routes.plan
         self._info_tag = Tag.of(Tag.INFO, opt_id)
         self._req_tag = Tag.of(Tag.REQ, opt_id)
@@ -202,6 +206,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
 
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups    # shared: schedulers edit them
+        self._group_params = [tuple(g["params"]) for g in self.param_groups]
         self.defaults = optimizer.defaults
         by_name = dict(model.params)
         self._dense = DenseChannel(spec, layouts_of(spec), cluster, by_name,
@@ -219,7 +224,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if spec.allreduce:
             self._setup_allreduce([by_name[n] for n in spec.allreduce])
         self._tracker = WriteTracker(self._dense.names, self._dense.params, self._dense.pviews,
-                                     cluster.label, self._dense.staging)
+                                     cluster.label, self._dense.gviews, self._dense.staging)
         self._settings = settings_of(optimizer)
         install_hooks()
         self._mpisync_schedules = Schedules(schedule, 0)
@@ -278,7 +283,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if cluster.is_chief:
             message = ("error", failure) if failure else (
                 "spec", encode(spec), self._initial_pieces(optimizer, spec, routes),
-                {"stats_log": self._stats_log})
+                {"stats_log": self._stats_log, "mpisync": versions()})
             for j in range(cluster.num_ps):
                 cluster.p2p_comm.send(message, dest=cluster.ps_rank(j), tag=Tag.SETUP)
         if failure is not None:
@@ -384,6 +389,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         Returns the closure's loss, if a closure is given.
         """
         self._check_open("step")
+        self._check_groups()
         if kwargs or getattr(self, "found_inf", None) is not None:
             self._refuse_grad_scaler(kwargs)
         if self._averaged:
@@ -422,12 +428,25 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
     def _push(self, written: list[int]) -> None:
         """Send this worker's gradients (after what it wrote) to every ps rank."""
         dense = self._dense
+        dense.gather()
+        if not dense.has_grad.any():
+            self._check_held()
         self._spec.hyper.encode(self.param_groups, *dense.hyper_out)
         flags = FLAG_SCHEDULED if self._mpisync_schedules.follows_global_step else 0
         self._seq += 1
         dense.push(self.global_step, self.cluster.worker_index, self._seq, flags, written)
         if self._rows.active:
             self._rows.push(self.global_step, self._seq)
+
+    def _check_held(self) -> None:
+        """No gradient at all: the model may hold other parameters than this optimizer."""
+        gone = self._tracker.replaced()
+        if gone:
+            raise ConfigError(
+                f"{self.cluster.label}: the model no longer holds parameters {gone} of this "
+                f"SyncReplicasOptimizer: they were replaced by new ones (model.to('meta'), "
+                f"to_empty(), or a new parameter assigned), which it does not know. Move or "
+                f"convert the model before creating the optimizer")
 
     def _local_step(self) -> None:
         """The wrapped optimizer's step over the parameters the workers update, alone,
@@ -457,6 +476,26 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             f"would skip the steps its own gradients overflow in, and the workers would "
             f"drift apart. Train in float32, or with bfloat16 autocast (no scaler needed)",
             collective=True)
+
+    def _check_groups(self) -> None:
+        """The param groups hold the parameters they held at set-up (the ps ranks' set)."""
+        groups, held = self.param_groups, self._group_params
+        if len(groups) == len(held) and all(
+                len(g["params"]) == len(h) and all(map(operator.is_, g["params"], h))
+                for g, h in zip(groups, held)):
+            return
+        name_of = dict(zip(map(id, self._params), self._names))
+        before = [name_of.get(id(p), "?") for h in held for p in h]
+        now = [name_of.get(id(p), "a parameter not in named_parameters")
+               for g in groups for p in g["params"]]
+        change = ([f"{n!r} added" for n in now if n not in before]
+                  + [f"{n!r} removed" for n in before if n not in now]) or ["their order"]
+        raise ConfigError(
+            f"{self.cluster.label}: the param groups changed after the SyncReplicasOptimizer "
+            f"was created ({', '.join(change)}); the ps ranks hold the parameters of the "
+            f"groups given at set-up: create the optimizer with every param group and "
+            f"parameter (one with requires_grad=False, or without a gradient, is skipped), "
+            f"and do not change param_groups[i]['params']")
 
     def _check_settings(self) -> None:
         """The wrapped optimizer's attributes are the ps ranks' since set-up: unchanged."""
@@ -542,9 +581,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if not self._closed and any(t.hashed is not None for t in self._spec.tables):
             hashed = self._rows.hash_stats()
         if self._closed:
-            if self._final_stats is None:
-                self._final_stats = self._dense.final_stats()
-            stats = dict(self._final_stats)
+            stats = dict(self._final())
         else:
             self._request(Kind.STATS)
             stats = self._answer(self.cluster.coordinator_rank, "statistics from ps 0")
@@ -592,6 +629,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         entry in ``"state"``.
         """
         self._check_open("state_dict")
+        self._check_groups()
         return self._state_dict(tables)[0]
 
     def _state_dict(self, tables: bool) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -628,6 +666,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         Moving averages missing from ``state_dict`` restart from the current parameters.
         """
         self._check_open("load_state_dict")
+        self._check_groups()
         self._check_state(state_dict)
         groups = state_dict["param_groups"]
         for group, saved in zip(self.param_groups, groups):
@@ -755,6 +794,12 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             self._local.close()
         self._tracker.release()
         self._closed = True
+
+    def _final(self) -> dict:
+        """The job's final statistics, read once (after close(): every worker gets them)."""
+        if self._final_stats is None:
+            self._final_stats = self._dense.final_stats()
+        return self._final_stats
 
     def _atexit(self) -> None:
         if not self._closed and MPI.Is_initialized() and not MPI.Is_finalized():

@@ -3,32 +3,41 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Callable
 
 from mpi4py import MPI
 
+from . import environ as env
 from .errors import PeerError, StallError
 from .wire import Tag
 
 __all__ = ["DEFAULT_TIMEOUT", "Pace", "Poller"]
 
-DEFAULT_TIMEOUT = float(os.environ.get("MPISYNC_TIMEOUT", "1800"))
-SETUP_TIMEOUT = float(os.environ.get("MPISYNC_SETUP_TIMEOUT", "3600"))
-STALL_WARNING = float(os.environ.get("MPISYNC_STALL_WARNING", "60"))
-_MAX_SLEEP = float(os.environ.get("MPISYNC_POLL_MAX_SLEEP", "0.0005"))
-_PACE = float(os.environ.get("MPISYNC_POLL_PACE", "0.8"))     # of the shortest recent wait
+
+def timeouts(environ: Mapping[str, str] | None = None) -> tuple[float, float, float, float]:
+    """``MPISYNC_TIMEOUT``, ``MPISYNC_SETUP_TIMEOUT``, ``MPISYNC_STALL_WARNING`` and
+    ``MPISYNC_POLL_MAX_SLEEP`` in seconds, each checked (read once, at import)."""
+    return (env.number("MPISYNC_TIMEOUT", 1800, environ),
+            env.number("MPISYNC_SETUP_TIMEOUT", 3600, environ),
+            env.number("MPISYNC_STALL_WARNING", 60, environ),
+            env.number("MPISYNC_POLL_MAX_SLEEP", 0.0005, environ, inclusive=True))
+
+
+DEFAULT_TIMEOUT, SETUP_TIMEOUT, STALL_WARNING, _MAX_SLEEP = timeouts()
+# a recurring wait sleeps through this share of the shortest of its recent lengths first
+_PACE = env.number("MPISYNC_POLL_PACE", 0.8, what="share of a wait", inclusive=True)
 SPIN_DEDICATED = 0.005       # seconds of busy polling when every rank has a core of its own
 SPIN_SHARED = 0.0001         # when ranks share cores, spinning steals from the rank awaited
 
 
 def spin_seconds(oversubscribed: bool) -> float:
     """How long a wait polls without sleeping; ``MPISYNC_POLL_SPIN_US`` overrides."""
-    env = os.environ.get("MPISYNC_POLL_SPIN_US")
-    if env is not None:
-        return float(env) * 1e-6
+    spin_us = env.number("MPISYNC_POLL_SPIN_US", -1, inclusive=True, what="microseconds")
+    if spin_us >= 0:
+        return spin_us * 1e-6
     return SPIN_SHARED if oversubscribed else SPIN_DEDICATED
 
 

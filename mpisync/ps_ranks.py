@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 from mpi4py import MPI
 
+from . import environ as env
 from .devices import resolve_cuda_aware, worker_device
-from .errors import StallError, WorldTooSmallError
+from .errors import ConfigError, StallError, WorldTooSmallError
 from .guard import GuardedComm
 from .nodes import HOSTMAP_ENV, check_host_map, cpu_affinity, host_load, machine_id, node_of
 from .progress import DEFAULT_TIMEOUT, Poller, spin_seconds
-from .wire import Tag
+from .wire import WIRE_VERSION, Tag
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -328,11 +329,14 @@ class Cluster:
     def close(self) -> None:
         """Leave the job and free the communicators this cluster created.
 
-        Call on every rank, at the end (a worker's optimizers close first).
+        Call on every rank, at the end (a worker's optimizers close first, and it waits
+        for the other workers to close theirs: their final statistics come then).
         """
         if self.closed or MPI.Is_finalized():
             return
         self._leave()
+        for opt in self.optimizers:      # nothing may be left unread on the communicators
+            opt._final()
         self.closed = True
         for comm in (self.p2p_comm, self._meet_comm, self._worker_comm, self.ps_comm):
             if comm != MPI.COMM_NULL:
@@ -386,24 +390,33 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
     Raises:
         WorldTooSmallError: on every rank, when the world cannot hold ``num_ps`` ps
             ranks and at least one worker.
-        ConfigError: on every rank, for a bad ``cuda_aware`` or ``True`` with an MPI
-            library that does not take CUDA buffers.
+        ConfigError: on every rank, when the ranks run different versions of mpisync
+            or of its wire format, or ``MPISYNC_NUM_PS`` is not a number of ranks; for a
+            bad ``cuda_aware`` or ``True`` with an MPI library that takes no CUDA buffers.
+        RuntimeError: ``init()`` was called already on this rank (and not closed).
     """
     global _current
     comm = MPI.COMM_WORLD if comm is None else comm
     if abort_on_error:
         _install_excepthook()
+    if _current is not None and not _current.closed and not MPI.Is_finalized():
+        raise RuntimeError(f"{_current.label}: mpisync.init() was called already on this "
+                           f"rank; call it once per job and pass the cluster it returned "
+                           f"(or cluster.close() first)")
     if num_ps is None:
-        num_ps = int(os.environ.get("MPISYNC_NUM_PS", "1"))
+        num_ps = env.count("MPISYNC_NUM_PS", 1, minimum=1, expected="a number of ps ranks >= 1")
     if isinstance(num_ps, bool) or not isinstance(num_ps, int):
         raise TypeError(f"rank {comm.Get_rank()}: num_ps must be an int, "
-                        f"got {type(num_ps).__name__}")
+                        f"got {type(num_ps).__name__} {num_ps!r}")
     size = comm.Get_size()
     if num_ps < 1 or num_ps >= size:
+        need = max(num_ps, 1) + 1
         raise WorldTooSmallError(
             f"rank {comm.Get_rank()}: num_ps={num_ps} needs 1 <= num_ps < world size; found "
             f"{size} MPI ranks but {num_ps} ps ranks and at least one worker need "
-            f"{max(num_ps, 1) + 1}")
+            f"{need}: start the job with at least {need} ranks (mpiexec -n {need} ..., or "
+            f"python -m mpisync.launch --workers 1 --ps {max(num_ps, 1)} -- ...)")
+    _check_versions(comm)
     placement = locate(comm)
     if placement.note and comm.Get_rank() == 0:
         print(f"[mpisync] {placement.note}", file=sys.stderr, flush=True)
@@ -416,6 +429,21 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
     _current = cluster
     atexit.register(_current._leave)      # a worker that ends leaves the job
     return _current
+
+
+def _check_versions(comm: MPI.Comm) -> None:
+    """Every rank runs the same mpisync and wire format, or every rank raises ConfigError."""
+    from . import __version__  # late: defined once the package is imported
+    versions = comm.allgather((__version__, WIRE_VERSION))
+    differing = [r for r, v in enumerate(versions) if v != versions[0]]
+    if differing:
+        (first, wire0), (other, wire) = versions[0], versions[differing[0]]
+        raise ConfigError(
+            f"rank {comm.Get_rank()}: every rank must run the same mpisync: rank "
+            f"{differing[0]} runs mpisync {other} (wire format {wire}) where rank 0 runs "
+            f"mpisync {first} (wire format {wire0})"
+            + (f"; ranks {differing} differ from rank 0" if len(differing) > 1 else ""),
+            collective=True)
 
 
 def _install_excepthook() -> None:

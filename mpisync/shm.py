@@ -1,6 +1,6 @@
 """A worker and a ps rank on one machine: gradients and parameters through shared memory.
 
-For each optimizer a ps rank makes one shared segment (a file in ``/dev/shm``) holding its
+For each optimizer a ps rank makes one shared segment (an anonymous ``memfd``) holding its
 parameters, and per worker of its machine a gradient slot and two flags per bucket. Such a
 worker's gradients *are* its slot (``backward()`` writes them there, the ps reduces them
 from there), so a push sends only its header; the ps publishes each bucket of new
@@ -10,9 +10,11 @@ neither side copies a gradient, and each worker copies the parameters itself, in
 bucket by bucket while the ps applies the next ones.
 
 Which pairs use it is settled at set-up: every worker tells every ps rank its machine
-(``nodes.machine_id``); a ps rank offers a segment to the workers of its machine, each
-maps it or says it cannot, and the ps unlinks the file once all answered (the mapping
-stays until the optimizer closes; a crash leaves nothing in ``/dev/shm``). Pairs on two
+(``nodes.machine_id``); a ps rank offers a segment to the workers of its machine
+(``/proc/<ps pid>/fd/<fd>``), each maps it or says it cannot, and the ps closes the
+descriptor once all answered. The segment never has a name in ``/dev/shm``: the kernel frees
+it when the last mapping goes (the optimizer closes, or the process ends however it ends),
+so nothing is left behind and two jobs on one machine cannot collide. Pairs on two
 machines, and every pair when ``shared_memory`` is off (``MPISYNC_SHARED_MEMORY=0``), a
 ``wire_dtype`` is set, or ``num_tokens`` lets a worker push again before its gradient
 was applied, exchange MPI messages as before. The flags are single aligned 8-byte words,
@@ -24,27 +26,26 @@ from __future__ import annotations
 import mmap
 import os
 import platform
-import secrets
 
 import numpy as np
 
+from . import environ as env
 from .nodes import machine_id
 from .wire import ALIGN, PARAM_HEADER_BYTES, Tag
 
-__all__ = ["SHM_DIR", "Nothing", "Publication", "Segment", "accept", "enabled", "offer"]
+__all__ = ["Nothing", "Publication", "Segment", "accept", "enabled", "offer"]
 
-SHM_DIR = "/dev/shm"
+_FDS = "/proc/self/fd"
 _MAGIC = 0x6D707379_6E637368        # "mpsyncsh"
 _PAGE = 4096
 
 
 def enabled(spec) -> bool:
     """Whether this optimizer may pair a worker and a ps rank through shared memory."""
-    env = os.environ.get("MPISYNC_SHARED_MEMORY")
-    on = spec.shared_memory and (env != "0") and (
-        env == "1" or platform.machine().lower() in ("x86_64", "amd64"))
+    on = spec.shared_memory and env.switch(
+        "MPISYNC_SHARED_MEMORY", platform.machine().lower() in ("x86_64", "amd64"))
     return bool(on and spec.wire_dtype is None and spec.num_tokens == 0
-                and os.path.isdir(SHM_DIR))
+                and hasattr(os, "memfd_create") and os.path.isdir(_FDS))
 
 
 def _up(n: int, to: int = ALIGN) -> int:
@@ -114,24 +115,17 @@ def offer(comm, worker_ranks, opt_id: int, ps_index: int, data_nbytes: int,
     machines = [poller.wait_message(r, tag, lambda w=w: f"worker {w}'s machine")
                 for w, r in enumerate(worker_ranks)]
     local = [w for w, m in enumerate(machines) if m == mine and m is not None]
-    segment, path = None, None
+    segment, fd, path = None, -1, None
     if local:
-        path = os.path.join(SHM_DIR, f"mpisync-{os.getpid()}-o{opt_id}-p{ps_index}-"
-                                     f"{secrets.token_hex(4)}")
         try:
             size = _layout(data_nbytes, num_buckets, len(local))[-1]
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                mm = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-            segment = Segment(mm, data_nbytes, num_buckets, len(local))
+            fd = os.memfd_create(f"mpisync-o{opt_id}-p{ps_index}", os.MFD_CLOEXEC)
+            path = f"/proc/{os.getpid()}/fd/{fd}"
+            os.ftruncate(fd, size)
+            segment = Segment(mmap.mmap(fd, size), data_nbytes, num_buckets, len(local))
             segment.buf[:8 * 4].view(np.int64)[:] = (_MAGIC, data_nbytes, num_buckets,
                                                      len(local))
         except OSError:
-            if os.path.exists(path):
-                os.unlink(path)
             segment, local = None, []
     try:
         for w, r in enumerate(worker_ranks):
@@ -140,8 +134,8 @@ def offer(comm, worker_ranks, opt_id: int, ps_index: int, data_nbytes: int,
                                           lambda w=w: f"worker {w} mapping {label}'s memory")
                    for w in local}
     finally:
-        if path is not None and os.path.exists(path):
-            os.unlink(path)          # mapped where it is needed; nothing left behind
+        if fd >= 0:
+            os.close(fd)             # mapped where it is needed; the kernel frees the rest
     shared = {w: local.index(w) for w in local if answers.get(w)}
     if segment is not None and not shared:
         segment.close()

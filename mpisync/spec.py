@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +29,7 @@ from .routes import (
     plan_routes,
 )
 from .tables import TableSpec, sparse_modules, table_info
+from .wire import WIRE_VERSION
 
 __all__ = [
     "BUFFER_MODES",
@@ -45,6 +46,7 @@ __all__ = [
     "first_difference",
     "first_failure",
     "model_difference",
+    "model_of",
     "model_summary",
     "setup_summary",
     "unit_parts",
@@ -142,6 +144,38 @@ class JobSpec:
     def digest(self) -> str:
         """A short digest of the whole spec (what every rank must agree on)."""
         return hashlib.sha256(encode(self)).hexdigest()[:16]
+
+
+def _named(items, what: str, found: list[str]) -> tuple[tuple[str, torch.Tensor], ...]:
+    """The (name, tensor) pairs among ``items``; what is wrong with the others goes to
+    ``found``."""
+    pairs = []
+    for i, item in enumerate(items):
+        if not (isinstance(item, tuple) and len(item) == 2):
+            hint = (" (model.parameters() where model.named_parameters() belongs?)"
+                    if isinstance(item, torch.Tensor) else "")
+            found.append(f"{what} must yield (name, tensor) pairs, as model.{what}() does; "
+                         f"item #{i} is a {type(item).__name__}{hint}")
+        elif not isinstance(item[0], str):
+            found.append(f"{what} item #{i} has the name {item[0]!r}, not a str")
+        elif not isinstance(item[1], torch.Tensor):
+            found.append(f"{what} item {item[0]!r} is a {type(item[1]).__name__}, not a "
+                         f"tensor")
+        else:
+            pairs.append(item)
+    return tuple(pairs)
+
+
+def model_of(named_parameters, named_buffers=None) -> tuple[Model, str | None]:
+    """The model as given to ``SyncReplicasOptimizer``, and the first thing wrong with it.
+
+    The entries that are not ``(str, tensor)`` pairs are left out of the model and
+    described instead, so that every worker can agree on the failure.
+    """
+    found: list[str] = []
+    params = _named(named_parameters, "named_parameters", found)
+    buffers = _named(named_buffers or (), "named_buffers", found)
+    return Model(params, buffers), (found[0] if found else None)
 
 
 def encode(spec: JobSpec) -> bytes:
@@ -295,6 +329,9 @@ def _shards(partitioner, name: str, t: torch.Tensor, default=None) -> int:
     chosen = partition.resolve(partitioner, name) or default
     if chosen is None:
         return 1
+    if t.dim() == 0 and not (isinstance(partitioner, Mapping) and partitioner.get(name) is chosen):
+        return 1      # a partitioner for every parameter leaves a scalar whole, as TensorFlow's
+        #               variable scopes do; one given for it by name is refused below
     try:
         return chosen.num_shards(tuple(t.shape), t.element_size())
     except ValueError as exc:
@@ -492,7 +529,8 @@ def setup_summary(spec: JobSpec | None, routes: Routes | None) -> dict[str, str]
     """Plain text per field, compared between workers at set-up (the model aside)."""
     if spec is None or routes is None:
         return {}
-    summary = {f"optimizer {k}": v for k, v in spec.recipe.summary().items()}
+    summary = {"mpisync": versions()}
+    summary.update((f"optimizer {k}", v) for k, v in spec.recipe.summary().items())
     for name, owner in zip(routes.plan.names, routes.plan.owners):
         summary[f"placement of {name!r}"] = f"ps {owner}"
     for t in spec.tables:
@@ -510,6 +548,12 @@ def setup_summary(spec: JobSpec | None, routes: Routes | None) -> dict[str, str]
     summary["parameters averaged by allreduce"] = repr(spec.allreduce)
     summary["hyper-parameter layout"] = repr(spec.hyper)
     return summary
+
+
+def versions() -> str:
+    """This rank's mpisync and wire format, as the set-up compares them."""
+    from . import __version__  # late: defined once the package is imported
+    return f"{__version__} (wire format {WIRE_VERSION})"
 
 
 def model_summary(model: Model) -> tuple:

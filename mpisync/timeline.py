@@ -23,6 +23,8 @@ import json
 import os
 import time
 
+from . import environ
+
 __all__ = ["Timeline", "current", "merge", "rank_path", "start"]
 
 #: The recorder of this process, or None: what the hot path checks.
@@ -30,7 +32,8 @@ current: Timeline | None = None
 
 FLUSH_EVENTS = 512
 FLUSH_SECONDS = 1.0
-MAX_BYTES = int(float(os.environ.get("MPISYNC_TIMELINE_MAX_MB", "0")) * (1 << 20))
+MAX_BYTES = int(environ.number("MPISYNC_TIMELINE_MAX_MB", 0, inclusive=True,
+                               what="MiB (0: no limit)") * (1 << 20))
 
 _SPAN = (',{"name":"%s","ph":"X","pid":%d,"tid":%d,"ts":%.1f,"dur":%.1f,'
          '"args":{"step":%d}}\n')

@@ -1,12 +1,26 @@
 """Writes to parameters between steps: seen through version counters, never lost."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 __all__ = ["TrackedParameter", "WriteTracker", "rebound", "was_rebound"]
 
 _set_data = torch._C.TensorBase.data.__set__
 _rebound: set[int] = set()      # ids of tracked parameters given a new tensor by `p.data = x`
+# id(parameter) -> (the parameter, the module it was last registered in, its name there)
+_holders: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
+
+
+def _note_holder(module: torch.nn.Module, name: str, param) -> None:
+    if param is not None:
+        key = id(param)
+        _holders[key] = (weakref.ref(param, lambda _ref: _holders.pop(key, None)),
+                         weakref.ref(module), name)
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_note_holder)
 
 
 def rebound(p: torch.Tensor) -> bool:
@@ -57,17 +71,24 @@ class WriteTracker:
     """
 
     def __init__(self, names: list[str], params: list[torch.Tensor],
-                 views: list[torch.Tensor], label: str, staging=None):
+                 views: list[torch.Tensor], label: str,
+                 grads: list[torch.Tensor] | None = None, staging=None):
         self.names = names
         self.params = params
         self.views = views
         self.label = label
         self.staging = staging
         self.devices = [p.device for p in params]
+        # the gradient buffers, and aliases of them that no `.data = x` can move
+        self.grads = grads
+        self.grad_homes = None if grads is None else [g.detach() for g in grads]
         self.classes = [type(p) for p in params]
         for p in params:
             if type(p) is torch.nn.Parameter:
                 p.__class__ = TrackedParameter
+        # the module that holds each parameter (known for those registered after import)
+        self.holders = [(h[1], h[2]) if h is not None and h[0]() is p else None
+                        for p, h in ((p, _holders.get(id(p))) for p in params)]
         # plain aliases share each parameter's version counter and read it faster
         self.aliases = [p.detach() for p in params]
         self.versions = [0] * len(params)
@@ -123,7 +144,32 @@ class WriteTracker:
             view.copy_(p)           # deliberate: the new values must reach the ps
         _set_data(p, view)
         self.aliases[i] = p.detach()
+        self._home_grad(i)
         return True
+
+    def _home_grad(self, i: int) -> None:
+        """Converting a model (``model.half()``, then ``model.float()``) converts each
+        ``.grad`` too, and one that was mpisync's gradient buffer then holds another tensor:
+        point it back into the buffer, with the values written there since."""
+        if self.grads is None:
+            return
+        g, home = self.grads[i], self.grad_homes[i]
+        if g.data_ptr() == home.data_ptr():
+            return
+        if g.shape == home.shape and g.dtype == home.dtype and g.device == home.device:
+            with torch.no_grad():
+                home.copy_(g)       # deliberate: a backward may have written there since
+        _set_data(g, home)
+
+    def replaced(self) -> list[str]:
+        """Names of the parameters their module no longer holds: it was given new ones
+        (``model.to("meta")``, ``to_empty()``), which no optimizer built before knows."""
+        gone = []
+        for name, p, holder in zip(self.names, self.params, self.holders):
+            module = holder[0]() if holder is not None else None
+            if module is not None and module._parameters.get(holder[1]) is not p:
+                gone.append(name)
+        return gone
 
     def _moved(self) -> None:
         """Raise for the first parameter that is not on its device any more."""

@@ -6,6 +6,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from . import environ
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
@@ -22,9 +24,8 @@ def _env_setting(every: int | None, enabled: bool) -> tuple[int | None, bool]:
     value = env.strip().lower()
     if value in ("", "0", "off", "false", "no"):
         return every, False
-    if value.isdigit():
-        return int(value), enabled
-    return every, enabled
+    return environ.count("MPISYNC_PROGRESS", 0, minimum=1,
+                         expected="0 (off) or the number of steps between lines"), enabled
 
 
 class Progress:

@@ -13,6 +13,7 @@ __all__ = [
     "TIMING_WORDS",
     "TOKEN_STATS",
     "TOKEN_WORDS",
+    "WIRE_VERSION",
     "Bucket",
     "Control",
     "Entry",
@@ -30,6 +31,9 @@ __all__ = [
     "unpack_rows",
 ]
 
+#: The version of the message layouts below: every rank of a job must use the same one
+#: (``mpisync.init`` checks). Change it with any change to a layout or a message's meaning.
+WIRE_VERSION = 2
 ALIGN = 64
 PARAM_HEADER_BYTES = 64   # int64[8]: kind, global step, ...
 TOKEN_WORDS = 4           # int64[4]: kind, global step, argument, flags (TOKEN_*)

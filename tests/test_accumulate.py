@@ -904,3 +904,83 @@ def test_row_gradients_of_one_push_are_not_divided():
 
     got = reduce_rows([_rows([2], [1, 2])], (3, 2), count=1, how="mean")
     assert got.is_coalesced() and got.to_dense()[2].tolist() == [1, 2]
+
+
+# -- found by the property tests (tests/test_protocol_properties.py) -----------------------
+def test_async_gradients_queued_behind_an_apply_count_as_pending():
+    c = async_started(3)
+    c.push(0, 0)                              # applied alone: DECIDE
+    c.push(1, 0)
+    c.push(2, 0)                              # both queued behind it
+    st = c.stats()
+    assert st["gradients_pending"] == 3 and st["gradients_applied"] == 0
+    c.applied((0,))
+    assert c.stats()["gradients_pending"] == 2
+    assert c.stats()["gradients_applied"] == 1
+
+
+def test_a_load_on_some_workers_only_fails_instead_of_waiting_forever():
+    """Worker 0 loads; worker 1 went on and waits inside step() for worker 0's gradient."""
+    c = started(2, 2)
+    assert c.load(0) == []
+    assert c.push(1, 0) == [Action(Kind.FAIL, 0, (0, 1), ())]
+    assert c.deadlocked()
+    c = started(2, 2)
+    assert c.push(1, 0) == []
+    with pytest.raises(RuntimeError, match="already holds gradients"):   # the other order
+        c.load(0)
+
+
+def test_a_load_with_a_backup_worker_to_spare_is_no_deadlock():
+    c = started(3, 2)
+    assert c.load(0) == []
+    assert c.push(1, 0) == []
+    assert c.push(2, 0) == [decide(0, (1, 2), (0, 1, 1))]     # the step completes
+    assert not c.deadlocked()
+
+
+def test_gradients_a_step_took_before_a_load_completed_are_dropped():
+    """A worker computes a granted gradient, then closes, which completes a load."""
+    c = started(2, 3, num_tokens=1, global_step=1)
+    assert c.load(0) == []
+    assert c.push(1, 1) == [grant(1, 1)]
+    assert c.close(1) == [load(1, (0,))]
+    assert c.loaded(5) == [reply(5, (0,))]
+    assert c.num_taken == 0 and c.pool == 1
+    st = c.stats()
+    assert st["gradients_pending"] == 0 and st["dropped_per_worker"] == [0, 1]
+    assert st["per_step"] == [{"step": 1, "taken": [], "dropped": [1]}]
+
+
+def test_a_step_applied_again_after_a_restore_keeps_its_first_record():
+    c = started(1, 2, num_tokens=1)
+    c.push(0, 0)
+    c.push(0, 0)
+    c.applied((0,))                           # step 0 took two gradients
+    assert c.load(0) == [load(1, (0,))]
+    c.loaded(0)                               # restored to step 0
+    c.push(0, 0)                              # granted, then the job ends
+    assert c.close(0) == [shutdown(0)]
+    assert c.stats()["per_step"] == [{"step": 0, "taken": [0, 0], "dropped": [0]}]
+
+
+def test_reset_hands_back_everything_held():
+    acc = ShardAccumulator(global_step=3)
+    for w, step in [(0, 3), (1, 4), (0, 3)]:
+        acc.offer(w, step, (w, step))
+    assert sorted(acc.reset(1)) == [(0, 3), (0, 3), (1, 4)]
+    assert acc.global_step == 1 and not acc.ready(3, (1, 0))
+    fifo = ShardAccumulator(asynchronous=True)
+    fifo.offer(1, 0, "a")
+    assert fifo.reset(0) == ["a"] and fifo.chosen(0, (0, 1)) == []
+
+
+def test_after_a_fail_the_loading_hold_their_tokens_and_the_others_get_nothing_more():
+    c = started(2, 2)
+    c.load(0)
+    c.push(1, 0)                               # FAIL: worker 0's load cannot complete
+    c.fail_sent()
+    assert c.computing == {0} and not c.loading and not c.waiting
+    assert c.close(0) == []                    # no STOP for worker 1: FAIL answered it
+    assert c.close(1) == [shutdown(0)]
+    assert c.stats()["dropped_per_worker"] == [0, 1]

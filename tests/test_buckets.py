@@ -11,6 +11,7 @@ one). The ps ranks' parameters and every worker's must be the replay's.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -31,12 +32,19 @@ def job(request):
     """The job with workers and ps ranks paired through shared memory where they can
     (the default on one machine), and with every pair exchanging MPI messages."""
     env = {"MPISYNC_SHARED_MEMORY": "0"} if request.param == "messages" else {}
+    before = shm_files()
     run = run_mpi("buckets.py", 2, 2, list(CASES), timeout=240, env=env)
+    assert shm_files() <= before          # shared memory leaves no file behind
     by_case = run.by_case()
     ps0 = [r["stats"] for r in run.ps() if r["ps"] == 0]
     out = {name: (by_case[name], ps0[i]) for i, name in enumerate(CASES)}
     out["transport"] = request.param
     return out
+
+
+def shm_files() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if "mpisync" in f} if os.path.isdir(
+        "/dev/shm") else set()
 
 
 def wire_of(case: str):
@@ -153,10 +161,11 @@ def test_buckets_went_from_hooks_and_again_when_changed(job):
             counts = job[case][0][0]["counts"]
             messages = case in ("kbatch", "bf16", "fp16")
             assert (counts["buckets"] > 0) == messages, (case, counts)
+            assert counts["shared"] == (0 if messages else 2), (case, counts)
         return
     for case in CASES:
         counts = job[case][0][0]["counts"]
-        assert counts["from_hooks"] > 0, (case, counts)
+        assert counts["from_hooks"] > 0 and counts["shared"] == 0, (case, counts)
         if case in ("strict-clip", "strict-accumulate"):
             assert counts["resent"] >= 1, (case, counts)
         else:

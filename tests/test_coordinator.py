@@ -181,3 +181,22 @@ def test_a_step_another_ps_applied_before_the_decision_gets_its_tokens_once_deci
     coord.on_notice(applied(0, ps=0))
     assert tokens(comm)[-2:] == [(0, Kind.GO, 1), (1, Kind.GO, 1)]
     assert coord.acks == {}
+
+
+def test_a_load_on_one_worker_while_the_other_waits_in_step_fails_both():
+    from mpisync.errors import DeadlockError
+
+    coord, comm, _local, spec = coordinator(2)
+    coord.start()
+    pieces = [{"state": {}, "averages": {}, "param_groups": [], "global_step": 0}]
+    comm.requests.append((0, (Kind.LOAD, (pieces, 0))))
+    coord.poll(rare=True)
+    coord.on_notice((Kind.PUSHED, 1, 0, 0, *hyper(0.1, spec.hyper.width)))
+    assert tokens(comm)[-1] == (1, Kind.FAIL, 0)       # worker 1, inside step()
+    info = [(dest, obj) for dest, tag, obj in comm.sent if tag == Tag.of(Tag.INFO, 0)]
+    (_, reason), (_, error) = sorted(info, key=lambda x: -x[0])
+    assert [d for d, _ in sorted(info)] == [0, 1]
+    assert isinstance(error, DeadlockError) and str(error) == reason   # worker 0's answer
+    assert ("workers [0] wait in load_state_dict() for every open worker to call it, but "
+            "workers [1] wait inside step() for global step 0") in reason
+    assert "call load_state_dict() on every worker at the same point" in reason

@@ -233,7 +233,9 @@ def test_a_stalled_worker_ends_the_job_with_a_message_naming_it():
 @pytest.mark.parametrize("case", ["killed", "killed_ps"])
 def test_a_rank_that_dies_ends_the_whole_job(case):
     # SIGKILL leaves no excepthook and no MPI_Abort: the launcher must end the others,
-    # and mpisync's launcher says what the status means
+    # and mpisync's launcher says what the status means; the shared memory between the
+    # workers and the ps ranks goes with them
+    before = set(os.listdir("/dev/shm"))
     job = run_job([sys.executable, "-m", "mpisync.launch", "--workers", "2", "--ps", "2",
                    "--timeout", "30", "--", sys.executable, str(SCRIPTS / "errors.py"),
                    "--case", case, "--num-ps", "2"], timeout=60, capture=True,
@@ -242,3 +244,4 @@ def test_a_rank_that_dies_ends_the_whole_job(case):
     assert re.search(r"signal 9|Killed", job.output), job.output
     assert re.search(r"mpisync\.launch: the job failed with exit status \d+: a rank ended by "
                      r"SIGKILL \(signal 9\) or without finishing MPI", job.output), job.output
+    assert not {f for f in set(os.listdir("/dev/shm")) - before if "mpisync" in f}

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # lets a bare `pytest` find the package without installing it
@@ -502,3 +504,33 @@ def test_resolve_bad_input_raises_type_error(spec, name, shown: str) -> None:
     with pytest.raises(TypeError) as info:
         resolve(spec, name)
     assert shown in str(info.value)
+
+
+# --- properties over generated cases -------------------------------------------------------
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.one_of(
+        st.builds(fixed_size, st.integers(1, 50)),
+        st.builds(min_max, st.integers(1, 50), st.integers(1, 1 << 12)),
+        st.builds(axis_size, st.integers(1, 1 << 12), st.one_of(st.none(), st.integers(1, 50))),
+    ),
+    st.lists(st.integers(0, 60), min_size=1, max_size=3),
+    st.sampled_from(ITEMSIZES),
+    st.sampled_from(["mod", "div"]),
+)
+def test_a_partitioners_shards_hold_every_row_exactly_once(partitioner, shape, itemsize,
+                                                          strategy) -> None:
+    rows = shape[0]
+    n = partitioner.num_shards(shape, itemsize)
+    assert 1 <= n <= max(1, rows)
+    sizes = shard_sizes(rows, n)
+    assert sum(sizes) == rows and shard_rows(rows, n, strategy) == sizes
+    ids = torch.arange(rows, dtype=torch.int64)
+    shard, local = map_ids(ids, rows, n, strategy)
+    pairs = sorted(zip(shard.tolist(), local.tolist()))
+    assert pairs == [(p, i) for p, size in enumerate(sizes) for i in range(size)]
+    for p in set(shard.tolist()):
+        mine = shard == p
+        assert torch.equal(unmap_ids(p, local[mine], rows, n, strategy), ids[mine])

@@ -105,7 +105,7 @@ def submit_training(tmp_path: Path, *options: str, **env: str) -> tuple[int, str
     for attempt in range(8):
         rc, out, record = submit(tmp_path / f"try{attempt}", *options, cancel_on=PMI_REFUSED,
                                  **env)
-        if rc == 0 or PMI_REFUSED not in out:
+        if PMI_REFUSED not in out:      # a cancelled job may still leave sbatch's status 0
             break
     return rc, out, record
 

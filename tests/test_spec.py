@@ -223,3 +223,15 @@ def test_a_sparse_embedding_tied_to_a_linear_layer_is_still_found():
     assert sparse_modules([emb.weight, out.bias]) == {id(emb.weight): emb}
     dense = torch.nn.Embedding(10, 4)
     assert sparse_modules([dense.weight]) == {}
+
+
+def test_workers_that_run_another_mpisync_are_named_at_set_up():
+    from mpisync.spec import versions
+
+    spec, routes = spec_of()
+    mine = setup_summary(spec, routes)
+    assert mine["mpisync"] == versions()
+    theirs = dict(mine, mpisync="0.0.1 (wire format 1)")
+    exc_type, text = first_failure([(None, (), mine), (None, (), theirs)], (0, 1))
+    assert exc_type is ConfigError
+    assert f"worker 1 has mpisync = 0.0.1 (wire format 1) where worker 0 has {versions()}" in text

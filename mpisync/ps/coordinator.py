@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from .. import timeline
 from ..accumulate import Action, StepCoordinator
-from ..errors import ConfigError, ProtocolError
+from ..errors import ConfigError, DeadlockError, ProtocolError
 from ..progress import Poller
 from ..spec import JobSpec
 from ..wire import FLAG_SCHEDULED, NOTICE_WORDS, TOKEN_STATS, TOKEN_WORDS, Control, Kind, Tag
@@ -251,7 +251,11 @@ class Coordinator:
         self._emit(self.steps.loaded(step))
 
     def _fail(self, a: Action) -> None:
-        """A suspected deadlock: ask the parked workers whether they are still waiting."""
+        """A suspected deadlock: ask the parked workers whether they are still waiting (a
+        load that waits for workers inside step() needs no answer: it is certain)."""
+        if not a.taken:
+            self._fail_now(a)
+            return
         self.suspect, self.unconfirmed = a, set(a.taken)
         for w in a.taken:
             self.comm.send(("still?", a.step), dest=self.worker_ranks[w],
@@ -267,13 +271,36 @@ class Coordinator:
         if not self.steps.deadlocked():
             self.steps.failed = False
             return
-        blocked, parked = list(a.workers), sorted(self.steps.parked)
-        text = self._deadlock_text(blocked, parked, a.step)
-        self._token(Kind.FAIL, a.step, blocked)
-        for worker in blocked + parked:
-            self.comm.send(text, dest=self.worker_ranks[worker], tag=self.tags[Tag.INFO])
+        self._fail_now(a)
 
-    def _deadlock_text(self, blocked: list[int], parked: list[int], step: int) -> str:
+    def _fail_now(self, a: Action) -> None:
+        """Every worker involved gets a DeadlockError: those in step() a FAIL token and the
+        reason, those in load_state_dict() the error as its answer, the parked the reason."""
+        blocked, parked = list(a.workers), sorted(self.steps.parked)
+        loading = sorted(self.steps.loading)
+        text = self._deadlock_text(blocked, parked, a.step, loading)
+        in_step = [w for w in blocked if w not in loading]
+        self._token(Kind.FAIL, a.step, in_step)
+        for worker in in_step + parked:
+            self.comm.send(text, dest=self.worker_ranks[worker], tag=self.tags[Tag.INFO])
+        for worker in loading:
+            self.comm.send(DeadlockError(text), dest=self.worker_ranks[worker],
+                           tag=self.tags[Tag.INFO])
+        self.steps.fail_sent()
+        self.load_pieces = None
+
+    def _deadlock_text(self, blocked: list[int], parked: list[int], step: int,
+                       loading: list[int]) -> str:
+        if loading:
+            others = sorted(set(blocked) - set(loading))
+            where = (f"workers {others} wait inside step() for global step {step}"
+                     if others else "")
+            if parked:
+                where += (" and " if where else "") + f"workers {parked} are in a collective " \
+                         f"on worker_comm"
+            return (f"{self.label}: workers {loading} wait in load_state_dict() for every "
+                    f"open worker to call it, but {where}: call load_state_dict() on every "
+                    f"worker at the same point, before training or between two steps")
         spec = self.spec
         if spec.asynchronous or spec.num_tokens or spec.replicas_to_aggregate < spec.num_workers:
             why = ("with backup workers, num_tokens or asynchronous updates the workers do not "

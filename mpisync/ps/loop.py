@@ -9,7 +9,7 @@ from mpi4py import MPI
 from .. import timeline
 from ..errors import ConfigError, StallError
 from ..progress import SETUP_TIMEOUT, STALL_WARNING, Pace, Poller, spin_seconds
-from ..spec import decode
+from ..spec import decode, versions
 from ..wire import Kind, Tag
 from .coordinator import Coordinator
 from .shard import ShardServer
@@ -99,6 +99,10 @@ def _setup(cluster, poller: Poller, message) -> Job | None:
               file=sys.stderr, flush=True)
         return None
     _, data, pieces, options = message     # options: what only the ps ranks need
+    if options.get("mpisync") != versions():
+        raise ConfigError(f"{cluster.label}: the workers run mpisync {options.get('mpisync')} "
+                          f"and this ps rank mpisync {versions()}: every rank must run the "
+                          f"same mpisync")
     try:
         spec = decode(data)
     except (AttributeError, ImportError) as exc:    # a class the ps ranks do not define

@@ -384,7 +384,7 @@ class ShardServer:
         status = MPI.Status()
         for w in range(self.W):
             slot = self.posted[w]
-            if slot is not None and slot.head_req.Test(status):
+            if slot is not None and self._test(w, slot, status):
                 self.posted[w] = None
                 self._on_message(slot, status.Get_count(MPI.BYTE), notices)
                 progressed = True
@@ -414,6 +414,19 @@ class ShardServer:
             self.queue.append((ctl, obj))
             progressed = True
         return progressed, notices
+
+    def _test(self, w: int, slot: _Slot, status: MPI.Status) -> bool:
+        """Whether worker ``w``'s message arrived; one larger than a gradient is refused."""
+        try:
+            return slot.head_req.Test(status)
+        except MPI.Exception as exc:
+            what = ("larger than" if exc.Get_error_class() == MPI.ERR_TRUNCATE else
+                    f"that MPI could not receive ({exc.Get_error_string().splitlines()[0]}) "
+                    f"as")
+            raise ProtocolError(f"{self.label}: worker {w} sent a message {what} a gradient "
+                                f"header of {self.header.nbytes} bytes; every rank must run the "
+                                f"same mpisync, and nothing else may use its communicator") \
+                from None
 
     def _on_message(self, slot: _Slot, nbytes: int, notices: list) -> None:
         kind, step, w = int(slot.fields[0]), int(slot.fields[1]), slot.worker
@@ -758,7 +771,7 @@ class ShardServer:
         self.averages.load(piece.get("averages"))
         self.rows.reset()
         self.global_step = piece["global_step"]
-        self.acc.global_step = self.global_step
+        self._release(self.acc.reset(self.global_step))     # held for before the load
         self._set_version()
 
     def finish(self) -> None:
