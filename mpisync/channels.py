@@ -623,9 +623,9 @@ class ReplicatedChannel:
         with torch.no_grad():
             for t in self.tensors:
                 data = t.detach()
-                if data.is_contiguous():
+                if data.is_contiguous() and data.device.type == "cpu":
                     self.worker_comm.Bcast([_raw(data), MPI.BYTE], root=0)
-                else:
-                    buf = data.contiguous()
+                else:              # strided, or on a device: through a host copy
+                    buf = data.contiguous().cpu()
                     self.worker_comm.Bcast([_raw(buf), MPI.BYTE], root=0)
                     data.copy_(buf)

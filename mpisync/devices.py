@@ -22,8 +22,9 @@ from mpi4py import MPI
 
 from .errors import ConfigError
 
-__all__ = ["CUDA_AWARE_CHOICES", "STAGE_CPU_ENV", "Staging", "cuda_support", "host_bytes",
-           "pick_device", "resolve_cuda_aware", "staged", "worker_device"]
+__all__ = ["CUDA_AWARE_CHOICES", "STAGE_CPU_ENV", "Staging", "cuda_support", "default_backend",
+           "host_bytes", "mpi_library", "nccl_group", "pick_device", "resolve_cuda_aware",
+           "staged", "worker_device"]
 
 CUDA_AWARE_CHOICES = ("auto", True, False)
 #: ``1``: stage CPU parameters too (host copies instead of views), the GPU path's code.
@@ -143,6 +144,13 @@ def staged(t: torch.Tensor, environ: Mapping[str, str] | None = None) -> bool:
     off the CPU, and CPU ones too with ``MPISYNC_STAGE_CPU=1``."""
     environ = os.environ if environ is None else environ
     return t.device.type != "cpu" or environ.get(STAGE_CPU_ENV, "") == "1"
+
+
+def default_backend(backend: str, params) -> str:
+    """``allreduce_backend="auto"``: NCCL where the parameters are on CUDA, else MPI."""
+    if backend != "auto":
+        return backend
+    return "nccl" if any(torch.is_tensor(p) and p.device.type == "cuda" for p in params) else "mpi"
 
 
 def host_bytes(nbytes: int, pinned: bool) -> np.ndarray:
@@ -320,3 +328,37 @@ class Staging:
         for event in self.inbound:
             event.synchronize()
         self.inbound = []
+
+
+def nccl_group(worker_comm: MPI.Comm, device: torch.device):
+    """A ``torch.distributed`` NCCL group over the ranks of ``worker_comm``; call on every
+    one of them. Returns (group, whether the caller must destroy it).
+
+    The rendezvous comes from MPI, with no launcher variables: rank 0 opens a ``TCPStore``
+    on a free port of its host and the address travels in a broadcast over
+    ``worker_comm``. Where the program initialised ``torch.distributed`` itself over
+    exactly these workers, its default group is used.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    rank, size = worker_comm.Get_rank(), worker_comm.Get_size()
+    if dist.is_initialized():
+        if dist.get_world_size() != size:
+            raise RuntimeError(
+                f"torch.distributed was initialised with {dist.get_world_size()} processes but "
+                f"the job has {size} workers; initialise it over the workers only "
+                f"(cluster.worker_comm), or leave it to mpisync")
+        return dist.group.WORLD, False
+    store = None
+    if rank == 0:
+        store = dist.TCPStore(socket.gethostname(), 0, size, is_master=True,
+                              wait_for_workers=False)
+    host, port = worker_comm.bcast((socket.gethostname(), store.port) if rank == 0 else None,
+                                   root=0)
+    if rank != 0:
+        store = dist.TCPStore(host, port, size, is_master=False)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=size,
+                            device_id=torch.device(device))
+    return dist.group.WORLD, True

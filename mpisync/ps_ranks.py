@@ -417,13 +417,14 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
             f"{need}: start the job with at least {need} ranks (mpiexec -n {need} ..., or "
             f"python -m mpisync.launch --workers 1 --ps {max(num_ps, 1)} -- ...)")
     _check_versions(comm)
+    cuda_aware = resolve_cuda_aware(cuda_aware, comm, f"rank {comm.Get_rank()}")
     placement = locate(comm)
     if placement.note and comm.Get_rank() == 0:
         print(f"[mpisync] {placement.note}", file=sys.stderr, flush=True)
     layout = RankLayout.choose(placement.nodes, num_ps, os.environ)
     cluster = Cluster(comm, layout, DEFAULT_TIMEOUT if timeout is None else float(timeout),
                       placement)
-    cluster.cuda_aware = resolve_cuda_aware(cuda_aware, comm, cluster.label)
+    cluster.cuda_aware = cuda_aware
     if not cluster.is_ps:
         cluster.device = worker_device(cluster._worker_comm)
     _current = cluster
