@@ -193,6 +193,7 @@ class Staging:
         self.events: dict[int, list] = {}                  # bucket -> CUDA events
         self.inbound: list = []                            # events after the copies back
         self.cuda = False
+        self.bytes_to_host = self.bytes_to_devices = 0     # copied so far, for benchmarks
 
     def __bool__(self) -> bool:
         return bool(self.params) or bool(self.buffers)
@@ -239,6 +240,7 @@ class Staging:
         if seen is not None and seen[0]() is grad and seen[1] == grad._version:
             return
         self.copied[i] = (weakref.ref(grad), grad._version)
+        self.bytes_to_host += host.nbytes
         if grad.device.type == "cuda":
             device = grad.device
             stream = self.side.get(device)
@@ -312,6 +314,7 @@ class Staging:
             if target.data_ptr() != p.data_ptr():        # p.data = x since: follow it
                 target = self.targets[i] = _alias(p.detach())
             target.copy_(host, non_blocking=True)
+            self.bytes_to_devices += host.nbytes
             devices.add(p.device)
         for buffer, host in self.buffers:
             buffer.copy_(host, non_blocking=True)
