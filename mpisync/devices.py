@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from . import environ as env
 from .errors import ConfigError
 
 __all__ = ["CUDA_AWARE_CHOICES", "STAGE_CPU_ENV", "Staging", "cuda_support", "default_backend",
@@ -142,8 +143,7 @@ def resolve_cuda_aware(value, comm: MPI.Comm, label: str) -> bool:
 def staged(t: torch.Tensor, environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``t`` travels through host buffers instead of living in them: every tensor
     off the CPU, and CPU ones too with ``MPISYNC_STAGE_CPU=1``."""
-    environ = os.environ if environ is None else environ
-    return t.device.type != "cpu" or environ.get(STAGE_CPU_ENV, "") == "1"
+    return t.device.type != "cpu" or env.switch(STAGE_CPU_ENV, False, environ)
 
 
 def default_backend(backend: str, params) -> str:
