@@ -111,8 +111,6 @@ class WriteTracker:
         Receiving parameters writes raw memory and changes no version, so what this
         returns stays the snapshot through the next pull.
         """
-        if [p.device for p in self.params] != self.devices:
-            self._moved()
         now = [a._version for a in self.aliases]
         changed = [] if now == self.versions else [
             i for i, (v, w) in enumerate(zip(now, self.versions)) if v != w]
@@ -128,6 +126,11 @@ class WriteTracker:
         """Bring a parameter given a new tensor back onto its buffer; True if it changed."""
         p, view = self.params[i], self.views[i]
         _rebound.discard(id(p))
+        if p.device != self.devices[i]:       # model.to(device) sets .data: it comes here
+            raise TypeError(
+                f"{self.label}: parameter {self.names[i]!r} moved from {self.devices[i]} to "
+                f"{p.device} after the SyncReplicasOptimizer was created; move the model to "
+                f"its device (cluster.device) before creating the optimizer")
         if self.staging is not None and i in self.staging:
             self.staging.rebind(i)
             self.aliases[i] = p.detach()
@@ -170,15 +173,6 @@ class WriteTracker:
             if module is not None and module._parameters.get(holder[1]) is not p:
                 gone.append(name)
         return gone
-
-    def _moved(self) -> None:
-        """Raise for the first parameter that is not on its device any more."""
-        for name, p, device in zip(self.names, self.params, self.devices):
-            if p.device != device:
-                raise TypeError(
-                    f"{self.label}: parameter {name!r} moved from {device} to {p.device} after "
-                    f"the SyncReplicasOptimizer was created; move the model to its device "
-                    f"(cluster.device) before creating the optimizer")
 
     def release(self) -> None:
         """Give the parameters back their own class (after close)."""

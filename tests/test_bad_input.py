@@ -136,6 +136,7 @@ def test_a_parameter_moved_to_another_device_after_set_up_is_refused_naming_both
     tracker = WriteTracker(["w"], [p], [p.detach()], "worker 0 (rank 0)")
     assert tracker.written() == []
     tracker.devices = [torch.device("cuda", 0)]
+    p.data = p.detach().clone()          # what model.to(device) does to each parameter
     with pytest.raises(TypeError, match=r"worker 0 \(rank 0\): parameter 'w' moved from "
                                         r"cuda:0 to cpu after the SyncReplicasOptimizer was "
                                         r"created; move the model to its device"):
