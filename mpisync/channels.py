@@ -210,7 +210,11 @@ class DenseChannel:
         self.piece_copies = [(_raw(self.pviews[i][start:stop]), _raw(pview))
                              for i, start, stop, pview, _ in self.pieces]
         self._bucket_members()
-        landing = self._send_landed if self.staging.cuda else None
+        # CUDA's gradient hooks run on autograd's device thread: they send only where MPI
+        # allows calls from another thread (one at a time), else step() sends
+        self.hook_sends = (not self.staging.cuda
+                           or MPI.Query_thread() >= MPI.THREAD_SERIALIZED)
+        landing = self._send_landed if self.staging.cuda and self.hook_sends else None
         self.hooks = GradBuckets([m for m, _ in self.members], [j for j, _ in self.order],
                                  self.bucket_ready, landing or (lambda: None),
                                  on_hook=landing and (lambda _: landing()))
@@ -343,7 +347,8 @@ class DenseChannel:
         self._prepare(n)
         self.staging.record(n)
         self.landing.append(n)
-        self._send_landed()
+        if self.hook_sends:
+            self._send_landed()
 
     def _send_landed(self, wait: bool = False) -> None:
         """Send, in order, the buckets handed out whose gradients are on the host."""
