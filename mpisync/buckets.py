@@ -48,16 +48,23 @@ class GradBuckets:
         self.fired: set[int] = set()
         self.hooked: set[int] = set()
         self.hooks: list = []
+        # the parameters without a hook yet: only these are looked at again
+        self.unhooked = list({id(p): p for params in buckets for p in params}.values())
         self.hook_new()
 
     def hook_new(self) -> None:
         """Hooks on the parameters that take gradients now (a frozen one gets its hook
         once it is unfrozen; until then its buckets wait for backward's end)."""
-        for params in self.buckets:
-            for p in params:
-                if p.requires_grad and id(p) not in self.hooked:
-                    self.hooked.add(id(p))
-                    self.hooks.append(p.register_post_accumulate_grad_hook(self._ready))
+        if not self.unhooked:
+            return
+        still = []
+        for p in self.unhooked:
+            if p.requires_grad:
+                self.hooked.add(id(p))
+                self.hooks.append(p.register_post_accumulate_grad_hook(self._ready))
+            else:
+                still.append(p)
+        self.unhooked = still
 
     def new_step(self) -> None:
         """The step's first backward is still to come."""

@@ -1,6 +1,7 @@
 """The worker's transport: one channel per route kind."""
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable
 
@@ -215,7 +216,7 @@ class DenseChannel:
         self.hook_sends = (not self.staging.cuda
                            or MPI.Query_thread() >= MPI.THREAD_SERIALIZED)
         landing = self._send_landed if self.staging.cuda and self.hook_sends else None
-        self.hooks = GradBuckets([m for m, _ in self.members], [j for j, _ in self.order],
+        self.hooks = GradBuckets([m[0] for m in self.members], [j for j, _ in self.order],
                                  self.bucket_ready, landing or (lambda: None),
                                  on_hook=landing and (lambda _: landing()))
         self.pace = Pace()               # how long the token took lately
@@ -285,7 +286,8 @@ class DenseChannel:
 
     def _bucket_members(self) -> None:
         """Every bucket of every ps (the buffers' buckets aside, they go at ``step()``):
-        ``order[n] = (ps, bucket)``, ``members[n] = (parameters, their indices)``."""
+        ``order[n] = (ps, bucket)``, ``members[n] = (parameters, their indices, their
+        gradient views, the indices as an array)``."""
         self.order, self.members = [], []
         self.pieces_of: dict[tuple[int, int], list] = {}
         for j, shard in enumerate(self.shards):
@@ -294,7 +296,8 @@ class DenseChannel:
                     continue
                 ids = list(dict.fromkeys(int(i) for i in shard.idx[b.first:b.stop]))
                 self.order.append((j, b.index))
-                self.members.append(([self.params[i] for i in ids], ids))
+                self.members.append(([self.params[i] for i in ids], ids,
+                                     [self.gviews[i] for i in ids], np.array(ids, np.intp)))
         for (j, k), piece in self.piece_entries.items():
             b = next(b for b in self.shards[j].buckets if b.first <= k < b.stop)
             self.pieces_of.setdefault((j, b.index), []).append(piece)
@@ -363,32 +366,33 @@ class DenseChannel:
 
     def _prepare(self, n: int) -> None:
         """Bucket ``n``'s gradients into its buffer; note which parameters have one."""
-        params, ids = self.members[n]
-        has = self._has
-        gviews = self.gviews
+        params, ids, views, where = self.members[n]
+        grads = [p.grad for p in params]
         staging = self.staging
-        for p, i in zip(params, ids):
-            g = p.grad
-            view = gviews[i]
-            if g is view:
-                has[i] = 1
-            elif g is None:
-                if has[i]:
-                    view.zero_()       # absent: zeros, so the other workers' sum is exact
-                    has[i] = 0
-            elif i in staging:
-                if g.layout is not torch.strided:
-                    self._adopt_grad(i, p, g, view)     # refused: a sparse gradient
-                staging.grad_to_host(i, g, view)
-                has[i] = 1
-            else:
-                self._adopt_grad(i, p, g, view)
-                has[i] = 1
+        if all(map(operator.is_, grads, views)):      # the usual step: backward wrote them
+            self.has_grad[where] = 1
+        else:
+            has = self._has
+            for p, i, g, view in zip(params, ids, grads, views):
+                if g is view:
+                    has[i] = 1
+                elif g is None:
+                    if has[i]:
+                        view.zero_()   # absent: zeros, so the other workers' sum is exact
+                        has[i] = 0
+                elif i in staging:
+                    if g.layout is not torch.strided:
+                        self._adopt_grad(i, p, g, view)     # refused: a sparse gradient
+                    staging.grad_to_host(i, g, view)
+                    has[i] = 1
+                else:
+                    self._adopt_grad(i, p, g, view)
+                    has[i] = 1
         pieces = self.pieces_of.get(self.order[n], ())
         if pieces and staging.cuda:
             staging.sync()            # the whole gradient on the host before it is cut
         for i, start, stop, gview in pieces:
-            whole = gviews[i]
+            whole = self.gviews[i]
             if self.piece_versions[id(gview)] != whole._version:
                 gview.copy_(whole[start:stop])
                 self.piece_versions[id(gview)] = whole._version

@@ -183,6 +183,7 @@ def test_one_process_plays_worker_ps_and_coordinator():
                 net[0].bias.grad = None               # skipped by torch: by the ps too
                 ref[0].bias.grad = None
             spec.hyper.encode(opt.param_groups, *channel.hyper_out)
+            channel.gather()
             channel.push(step, 0, step + 1, 0, [])
             assert channel.pull(None)[:3] == (Kind.GO, step + 1, True)
             ref_opt.step()
