@@ -69,8 +69,9 @@ def make_model() -> torch.nn.Module:
 
 def train(args, cluster) -> None:
     torch.manual_seed(args.seed)              # same initial model on every worker
-    x_train, y_train, x_test, y_test = load_data(args.seed)
-    model = make_model()
+    # on the worker's GPU where it has one (cluster.device); the ps ranks stay on the CPU
+    x_train, y_train, x_test, y_test = (t.to(cluster.device) for t in load_data(args.seed))
+    model = make_model().to(cluster.device)
     opt = mpisync.SyncReplicasOptimizer(
         torch.optim.Adam(model.parameters(), lr=args.lr),
         named_parameters=model.named_parameters(),

@@ -17,7 +17,7 @@ from .buckets import GradBuckets
 
 __all__ = ["BACKENDS", "DEFAULT_BUCKET_BYTES", "AllreduceChannel", "LocalAverages", "backend_problem"]
 
-BACKENDS = ("mpi", "horovod")
+BACKENDS = ("mpi", "horovod", "nccl")
 DEFAULT_BUCKET_BYTES = 4 << 20
 
 # 16-bit floats are summed in float32: MPI has no predefined type for them
@@ -30,13 +30,14 @@ class _Bucket:
     __slots__ = ("array", "dtype", "flags", "flat", "index", "name", "numel", "params",
                  "same_dtype", "views")
 
-    def __init__(self, index: int, params: list[torch.Tensor], opt_id: int):
+    def __init__(self, index: int, params: list[torch.Tensor], opt_id: int,
+                 device: torch.device | None = None):
         dtype = params[0].dtype
         reduce_dtype = _REDUCE_DTYPE.get(dtype, dtype)
         self.index = index
         self.params = params
         self.numel = sum(p.numel() for p in params)
-        self.flat = torch.zeros(self.numel + len(params), dtype=reduce_dtype)
+        self.flat = torch.zeros(self.numel + len(params), dtype=reduce_dtype, device=device)
         self.flags = self.flat[self.numel:]
         self.views, offset = [], 0
         for p in params:
@@ -44,24 +45,29 @@ class _Bucket:
             offset += p.numel()
         self.dtype = dtype
         self.same_dtype = reduce_dtype == dtype
-        self.array = self.flat.numpy()        # mpi4py takes MPI's own type from its typecode
+        # mpi4py takes MPI's own type from the NumPy typecode (or a CUDA tensor's interface)
+        self.array = self.flat.numpy() if self.flat.device.type == "cpu" else self.flat
         self.name = f"mpisync.{opt_id}.bucket{index}"
 
 
-def _buckets(params: list[torch.Tensor], bucket_bytes: int, opt_id: int) -> list[_Bucket]:
-    """Buckets in the order backward produces gradients: the last parameters first."""
+def _buckets(params: list[torch.Tensor], bucket_bytes: int, opt_id: int,
+             on_device: bool = False) -> list[_Bucket]:
+    """Buckets in the order backward produces gradients: the last parameters first; one
+    dtype and one device each, held on that device (``on_device``) or on the host."""
     out: list[_Bucket] = []
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    size: dict[torch.dtype, int] = {}
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    size: dict[tuple, int] = {}
     for p in reversed(params):
-        group = by_dtype.setdefault(p.dtype, [])
-        if group and size[p.dtype] + p.numel() * p.element_size() > bucket_bytes:
-            out.append(_Bucket(len(out), group, opt_id))
-            group = by_dtype[p.dtype] = []
-            size[p.dtype] = 0
+        kind = (p.dtype, p.device if on_device else torch.device("cpu"))
+        group = by_kind.setdefault(kind, [])
+        if group and size[kind] + p.numel() * p.element_size() > bucket_bytes:
+            out.append(_Bucket(len(out), group, opt_id, kind[1]))
+            group = by_kind[kind] = []
+            size[kind] = 0
         group.append(p)
-        size[p.dtype] = size.get(p.dtype, 0) + p.numel() * p.element_size()
-    out.extend(_Bucket(len(out), group, opt_id) for group in by_dtype.values() if group)
+        size[kind] = size.get(kind, 0) + p.numel() * p.element_size()
+    out.extend(_Bucket(len(out), group, opt_id, kind[1])
+               for kind, group in by_kind.items() if group)
     return out
 
 
@@ -72,6 +78,12 @@ def backend_problem(backend: str, worker_comm: MPI.Comm, num_workers: int) -> st
     on the set-up, so that a missing or wrongly initialised Horovod is refused on every
     rank, the ps ranks included.
     """
+    if backend == "nccl":
+        if not (torch.cuda.is_available() and torch.distributed.is_available()
+                and torch.distributed.is_nccl_available()):
+            return ("allreduce_backend='nccl' needs CUDA and a torch built with NCCL; use "
+                    "allreduce_backend='mpi' for parameters on the CPU")
+        return None
     if backend != "horovod":
         return None
     level = MPI.Query_thread()
@@ -123,6 +135,33 @@ class _MpiReducer:
         pass
 
 
+class _NcclReducer:
+    """``torch.distributed`` with NCCL over the workers, set up from their communicator
+    (``mpisync.devices.nccl_group``): buckets on the GPU, summed on NCCL's stream."""
+
+    def __init__(self, comm: MPI.Comm, device: torch.device):
+        from .devices import nccl_group
+        self.dist = torch.distributed
+        self.group, self.owned = nccl_group(comm, device)
+
+    def start(self, bucket: _Bucket):
+        return self.dist.all_reduce(bucket.flat, op=self.dist.ReduceOp.SUM, group=self.group,
+                                    async_op=True)
+
+    @staticmethod
+    def poke(handles: list) -> None:
+        """NCCL's stream moves them."""
+
+    @staticmethod
+    def wait(handles: list) -> None:
+        for h in handles:
+            h.wait()          # the current stream waits for the sum: later kernels see it
+
+    def close(self) -> None:
+        if self.owned:
+            self.dist.destroy_process_group(self.group)
+
+
 class _HorovodReducer:
     """Horovod's allreduce, initialised on the workers' communicator (``backend_problem``)."""
 
@@ -166,14 +205,22 @@ class AllreduceChannel:
 
     def __init__(self, params: list[torch.Tensor], names: list[str], worker_comm: MPI.Comm, *,
                  num_workers: int, reduction: str, bucket_bytes: int, backend: str,
-                 opt_id: int, label: str):
+                 opt_id: int, label: str, cuda_aware: bool = False):
         self.label = label
         self.name_of = {id(p): n for n, p in zip(names, params)}
         self.params = [p for p in params if p.is_floating_point() or p.is_complex()]
         self.scale = 1.0 / num_workers if reduction == "mean" else 1.0
-        self.buckets = _buckets(self.params, bucket_bytes, opt_id)
+        # NCCL, and a CUDA-aware MPI, sum the buckets where the gradients are; the others
+        # through host memory
+        on_device = backend == "nccl" or (backend == "mpi" and cuda_aware)
+        self.buckets = _buckets(self.params, bucket_bytes, opt_id, on_device)
         self.comm = worker_comm.Dup()
-        self.reducer = _HorovodReducer() if backend == "horovod" else _MpiReducer(self.comm)
+        if backend == "nccl":
+            self.reducer = _NcclReducer(self.comm, self.params[0].device)
+        elif backend == "horovod":
+            self.reducer = _HorovodReducer()
+        else:
+            self.reducer = _MpiReducer(self.comm)
         self.chief_words = self.chief_codes = None
         self.rounds = 0                 # rounds since the last step
         self.handles: list = []
@@ -234,6 +281,11 @@ class AllreduceChannel:
         for p, view, count in zip(bucket.params, bucket.views, present):
             if count == 0:
                 p.grad = None
+            elif view.device != p.device:     # summed on the host: back to the device
+                if p.grad is None:
+                    p.grad = view.to(p.device, p.dtype)
+                else:
+                    p.grad.copy_(view)
             elif bucket.same_dtype:
                 if p.grad is not view:
                     p.grad = view       # backward accumulates into the bucket from now on

@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 from . import shm
 from .buckets import GradBuckets
+from .devices import Staging, host_bytes, staged
 from .errors import DeadlockError, ProtocolError
 from .progress import SETUP_TIMEOUT, Pace, Poller
 from .ps.shard import buckets_of, conversions, wire_layouts_of
@@ -58,7 +59,7 @@ class _Shard:
                  "recvs", "seen", "segment", "sent", "to_wire", "versions", "words")
 
     def __init__(self, header: GradHeader, layout: ShardLayout, wire: ShardLayout, buckets,
-                 wbuckets, comm, rank: int, tags: dict, shared=None):
+                 wbuckets, comm, rank: int, tags: dict, shared=None, pinned: bool = False):
         self.header = header
         self.buckets = buckets
         h, ph = header.nbytes, PARAM_HEADER_BYTES
@@ -68,7 +69,7 @@ class _Shard:
             self.gbuf = np.zeros(h, np.uint8)            # only the header travels
             self.pbuf = self.segment.params              # read from the ps's own buffer
             self.gmem = self.segment.slot(i)             # the gradients live there
-            self.pmem = np.zeros(ph + layout.nbytes, np.uint8)
+            self.pmem = host_bytes(ph + layout.nbytes, pinned)
             self.ready, self.acks = self.segment.flags(i)
             # publications copied so far (a new segment starts at 0; the ps may have
             # published the first already), and what they will be once this pull's are in
@@ -79,11 +80,11 @@ class _Shard:
                            for b in buckets]
             wire, wbuckets = layout, buckets
         else:
-            self.gbuf = np.zeros(h + wire.nbytes, np.uint8)
-            self.pbuf = np.zeros(ph + wire.nbytes, np.uint8)
+            self.gbuf = host_bytes(h + wire.nbytes, pinned)
+            self.pbuf = host_bytes(ph + wire.nbytes, pinned)
             same = wire == layout
-            self.gmem = self.gbuf[h:] if same else np.zeros(layout.nbytes, np.uint8)
-            self.pmem = self.pbuf if same else np.zeros(ph + layout.nbytes, np.uint8)
+            self.gmem = self.gbuf[h:] if same else host_bytes(layout.nbytes, pinned)
+            self.pmem = self.pbuf if same else host_bytes(ph + layout.nbytes, pinned)
         self.fields, self.words, self.codes, self.mask = header.views(self.gbuf)
         self.pfields = self.pbuf[:ph].view(np.int64)
         # each bucket's gradients are a tensor of their own: its version counter tells
@@ -175,10 +176,15 @@ class DenseChannel:
         # partitioned parameters stay whole here: (index, start, stop, unit pview, unit gview)
         self.pieces: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []
         self.piece_entries: dict[tuple[int, int], tuple] = {}     # (ps, entry) -> piece
+        # parameters and buffers off the CPU stay there; host buffers stage them
+        self.staging = Staging(self.label)
+        pinned = torch.cuda.is_available() and any(
+            t.device.type == "cuda" for t in (*self.params, *buffers.values()))
+        self.landing: list[int] = []     # buckets whose gradients are on the way to the host
         for u, (name, _, _) in self.part_of.items():
             i = index[name]
             if u != name and self.pviews[i] is None:
-                self._own(i)
+                self._own(i, pinned)
         shared = [None] * spec.num_ps
         if shm.enabled(spec):
             with poller.patience(SETUP_TIMEOUT):
@@ -187,7 +193,7 @@ class DenseChannel:
         for j, (layout, wire) in enumerate(zip(layouts, wire_layouts_of(spec))):
             shard = _Shard(GradHeader(spec.hyper.width, len(layout.entries)), layout, wire,
                            *buckets_of(spec, layout, wire), comm, cluster.ps_rank(j), self.tags,
-                           shared[j])
+                           shared[j], pinned)
             self._bind(j, shard, layout, index, buffers)
             self.shards.append(shard)
         self._has = bytearray(len(self.names))      # fast to set one by one ...
@@ -205,17 +211,31 @@ class DenseChannel:
         self.piece_copies = [(_raw(self.pviews[i][start:stop]), _raw(pview))
                              for i, start, stop, pview, _ in self.pieces]
         self._bucket_members()
+        # CUDA's gradient hooks run on autograd's device thread: they send only where MPI
+        # allows calls from another thread (one at a time), else step() sends
+        self.hook_sends = (not self.staging.cuda
+                           or MPI.Query_thread() >= MPI.THREAD_SERIALIZED)
+        landing = self._send_landed if self.staging.cuda and self.hook_sends else None
         self.hooks = GradBuckets([m[0] for m in self.members], [j for j, _ in self.order],
-                                 self.bucket_ready, lambda: None)
+                                 self.bucket_ready, landing or (lambda: None),
+                                 on_hook=landing and (lambda _: landing()))
         self.pace = Pace()               # how long the token took lately
         self.expected_backwards = 1      # backward passes per step, as the last step had
         self.quiet = 0                   # steps left that push only at step()
         self.counts = {"buckets": 0, "from_hooks": 0, "resent": 0}   # sent, of them, again
         self._resend: set[int] = set()       # ps ranks whose buckets go again (gather())
 
-    def _own(self, i: int) -> None:
-        """A partitioned parameter keeps its own tensor; its units are copied in and out."""
+    def _own(self, i: int, pinned: bool) -> None:
+        """A partitioned parameter keeps its own tensor; its units are copied in and out
+        (a staged one through a whole host copy of its own)."""
         p = self.params[i]
+        if staged(p):
+            nbytes = p.numel() * p.element_size()
+            self.pviews[i], self.gviews[i] = (
+                torch.from_numpy(host_bytes(nbytes, pinned)).view(p.dtype).view(p.shape)
+                for _ in range(2))
+            self.staging.add(i, p, self.pviews[i], self.gviews[i])
+            return
         if not p.is_contiguous():
             torch._C.TensorBase.data.__set__(p, p.detach().contiguous())
         self.pviews[i] = p.detach()
@@ -245,16 +265,22 @@ class DenseChannel:
                 self.pieces.append((i, start, stop, pview, gview))
                 self.piece_entries[(j, k)] = (i, start, stop, gview)
                 continue
+            self.pviews[i], self.gviews[i] = pview, gview
+            if staged(p):               # it stays on its device; the pull is copied there
+                self.staging.add(i, p, pview, gview)
+                continue
             pview.copy_(p.detach())
             torch._C.TensorBase.data.__set__(p, pview)   # the pull lands in the model
             if p.grad is not None:                        # a gradient made before wrapping
                 gview.copy_(p.grad)
                 p.grad = gview
-            self.pviews[i], self.gviews[i] = pview, gview
         shard.idx = np.array(idx, np.int64)
         for e, view in zip(layout.buffer_entries,
                            entry_views(pt, PARAM_HEADER_BYTES, layout.buffer_entries)):
             b = buffers[e.name]
+            if staged(b):
+                self.staging.add_buffer(b, view)
+                continue
             view.copy_(b)
             b.data = view
 
@@ -292,9 +318,11 @@ class DenseChannel:
             for p in self.params:
                 p.grad = None
             return
-        for p, view in zip(self.params, self.gviews):
+        for i, (p, view) in enumerate(zip(self.params, self.gviews)):
             g = p.grad
-            if g is not None and g is not view:
+            if g is not None and i in self.staging:
+                g.zero_()                   # on its device, as torch does
+            elif g is not None and g is not view:
                 p.grad = view               # the fused buffer, zeroed below: no copy later
         for shard in self.shards:
             for b, base in zip(shard.buckets, shard.bases):
@@ -306,25 +334,41 @@ class DenseChannel:
 
     def bucket_ready(self, n: int) -> None:
         """Backward filled bucket ``n`` (of ``order``): send it, unless this step pushes
-        only at ``step()``. (A device-resident model would call this once the bucket's
-        bytes reached the host.)"""
+        only at ``step()``. Staged gradients are sent once their copy reached the host
+        (``_send_landed``, from the next hooks, backward's end or the push)."""
         hooks = self.hooks
         if self.quiet or hooks.backwards < self.expected_backwards:
             return
         j, k = self.order[n]
         shard = self.shards[j]
-        if k != shard.sent or shard.segment is not None:
-            return        # an earlier bucket of this ps is not sent yet; shared memory
+        if shard.segment is not None:
+            return        # shared memory: sent at step()
+        if self.landing:    # earlier buckets of this ps on their way count as sent
+            k -= sum(1 for m in self.landing if self.order[m][0] == j)
+        if k != shard.sent:
+            return        # an earlier bucket of this ps is not sent yet
         self._prepare(n)
-        shard.versions[k] = shard.bases[k]._version
-        shard.send(k)
-        shard.sent = k + 1
-        self.counts["from_hooks"] += 1
+        self.staging.record(n)
+        self.landing.append(n)
+        if self.hook_sends:
+            self._send_landed()
+
+    def _send_landed(self, wait: bool = False) -> None:
+        """Send, in order, the buckets handed out whose gradients are on the host."""
+        landing = self.landing
+        while landing and self.staging.landed(landing[0], wait):
+            j, k = self.order[landing.pop(0)]
+            shard = self.shards[j]
+            shard.versions[k] = shard.bases[k]._version
+            shard.send(k)
+            shard.sent = k + 1
+            self.counts["from_hooks"] += 1
 
     def _prepare(self, n: int) -> None:
         """Bucket ``n``'s gradients into its buffer; note which parameters have one."""
         params, ids, views, where = self.members[n]
         grads = [p.grad for p in params]
+        staging = self.staging
         if all(map(operator.is_, grads, views)):      # the usual step: backward wrote them
             self.has_grad[where] = 1
         else:
@@ -336,10 +380,18 @@ class DenseChannel:
                     if has[i]:
                         view.zero_()   # absent: zeros, so the other workers' sum is exact
                         has[i] = 0
+                elif i in staging:
+                    if g.layout is not torch.strided:
+                        self._adopt_grad(i, p, g, view)     # refused: a sparse gradient
+                    staging.grad_to_host(i, g, view)
+                    has[i] = 1
                 else:
                     self._adopt_grad(i, p, g, view)
                     has[i] = 1
-        for i, start, stop, gview in self.pieces_of.get(self.order[n], ()):
+        pieces = self.pieces_of.get(self.order[n], ())
+        if pieces and staging.cuda:
+            staging.sync()            # the whole gradient on the host before it is cut
+        for i, start, stop, gview in pieces:
             whole = self.gviews[i]
             if self.piece_versions[id(gview)] != whole._version:
                 gview.copy_(whole[start:stop])
@@ -366,17 +418,23 @@ class DenseChannel:
         whose buckets sent during backward changed since (they go again, whole)."""
         resend = self._resend
         resend.clear()
+        self._send_landed(wait=True)     # staged buckets handed out in backward: sent
         for n, (j, k) in enumerate(self.order):
             self._prepare(n)
             shard = self.shards[j]
             if k < shard.sent and shard.bases[k]._version != shard.versions[k]:
                 resend.add(j)
+        if self.staging:
+            self.staging.sync()          # every gradient on the host before it is sent
+            self.staging.buffers_to_host()
 
     def push(self, step: int, worker: int, seq: int, flags: int, written: list[int]) -> None:
         """Send this worker's gradients (and first what it wrote) to every ps rank, after
         ``gather()``: per ps the header and the buckets not sent yet, in order, and those
         sent during backward that changed since again."""
         self.hooks.hook_new()
+        if written and self.staging:
+            self.staging.params_to_host(written)    # written on their devices
         assigned = self._assign(written, step, worker, seq) if written else ()
         resend = self._resend
         self._start_recvs()
@@ -413,8 +471,10 @@ class DenseChannel:
         if hooks.backwards:
             self.expected_backwards = hooks.backwards
         hooks.new_step()
+        self.staging.forget_grads()
 
     def _start_recvs(self) -> None:
+        self.staging.wait_host_free()    # the last copies to the devices read these buffers
         if not self.recvs_started:
             MPI.Prequest.Startall(self.recvs)
             self.recvs_started = True
@@ -510,6 +570,8 @@ class DenseChannel:
                     dst.copy_(src)
         for dst, src in self.piece_copies:
             np.copyto(dst, src)     # raw memory: not a write the tracker should see
+        if self.staging:
+            self.staging.to_devices()
 
     def _reason(self) -> str:
         """The coordinator's reason for a FAIL token (a question asked before it is skipped)."""
@@ -579,9 +641,9 @@ class ReplicatedChannel:
         with torch.no_grad():
             for t in self.tensors:
                 data = t.detach()
-                if data.is_contiguous():
+                if data.is_contiguous() and data.device.type == "cpu":
                     self.worker_comm.Bcast([_raw(data), MPI.BYTE], root=0)
-                else:
-                    buf = data.contiguous()
+                else:              # strided, or on a device: through a host copy
+                    buf = data.contiguous().cpu()
                     self.worker_comm.Bcast([_raw(buf), MPI.BYTE], root=0)
                     data.copy_(buf)

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from .allreduce import AllreduceChannel, LocalAverages, backend_problem
 from .channels import DenseChannel, ReplicatedChannel
+from .devices import default_backend
 from .errors import ClosedError, ConfigError, DeadlockError
 from .progress import SETUP_TIMEOUT, Poller, spin_seconds
 from .ps.shard import layouts_of
@@ -132,7 +133,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             backup workers, no asynchronous mode, no extra tokens. Every worker must call
             ``backward()`` equally often between two steps, and write these parameters on
             every worker or on none.
-        allreduce_backend: with ``dense="allreduce"``: ``"mpi"`` (default, mpi4py's
+        allreduce_backend: with ``dense="allreduce"``: ``"auto"`` (default: ``"nccl"``
+            where the parameters are on CUDA, else ``"mpi"``), ``"nccl"`` (a
+            ``torch.distributed`` NCCL group over the workers, set up from their
+            communicator; the buckets stay on the GPU), ``"mpi"`` (mpi4py's
             ``Iallreduce`` on the workers' communicator) or ``"horovod"`` (Horovod's
             allreduce; mpisync calls ``hvd.init(comm=...)`` on the workers unless it was).
         bucket_bytes: the most gradient bytes per bucket (a parameter larger than that
@@ -188,7 +192,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                  named_buffers: Iterable[tuple[str, torch.Tensor]] | None = None,
                  buffers: str = "broadcast", schedule: str = "auto", partitioner=None,
                  sparse_reduction: str = "mean", dense: str = "ps",
-                 allreduce_backend: str = "mpi", bucket_bytes: int | None = None,
+                 allreduce_backend: str = "auto", bucket_bytes: int | None = None,
                  wire_dtype=None, shared_memory: bool = True,
                  stats_log: str | bool | None = None, nonfinite: str = "raise",
                  colocate=None, max_ps_bytes: int | None = None):
@@ -208,6 +212,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         model, problem = model_of(named_parameters, named_buffers)
         self._names = [n for n, _ in model.params]
         self._params = [p for _, p in model.params]
+        allreduce_backend = default_backend(allreduce_backend, self._params)
         self._poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label,
                               spin_seconds(cluster.oversubscribed), cluster.losses)
         options = Options(replicas_to_aggregate, total_num_replicas, num_tokens, placement,
@@ -249,7 +254,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if spec.allreduce:
             self._setup_allreduce([by_name[n] for n in spec.allreduce])
         self._tracker = WriteTracker(self._dense.names, self._dense.params, self._dense.pviews,
-                                     cluster.label, self._dense.gviews)
+                                     cluster.label, self._dense.gviews, self._dense.staging)
         self._settings = settings_of(optimizer)
         install_hooks()
         self._mpisync_schedules = Schedules(schedule, 0)
@@ -326,7 +331,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._local = AllreduceChannel(
             local, list(spec.allreduce), cluster._worker_comm, num_workers=spec.num_workers,
             reduction=spec.reduction, bucket_bytes=spec.bucket_bytes,
-            backend=spec.allreduce_backend, opt_id=spec.opt_id, label=cluster.label)
+            backend=spec.allreduce_backend, opt_id=spec.opt_id, label=cluster.label,
+            cuda_aware=cluster.cuda_aware)
         ids = {id(p) for p in local}
         self._ps_held = [p for g in self.param_groups for p in g["params"] if id(p) not in ids]
         self._local_averages = LocalAverages(spec.ema_decay, spec.ema_num_updates,
@@ -736,7 +742,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                     else:
                         self._rows.write_shard(name, k, shard["weight"], shard.get("state"))
         written = self._tracker.written()    # model.load_state_dict() just before: kept
-        kept = [self._dense.pviews[i].clone() for i in written]
+        kept = [self._dense.params[i].detach().clone() for i in written]
         kept_rows = [(t.param, t.param.detach().clone()) for t in self._rows.tables
                      if t.info is None and (t.param._version != t.version or was_rebound(t.param))]
         self._request(Kind.LOAD, payload)
@@ -744,7 +750,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._receive(count=False)
         with torch.no_grad():
             for i, value in zip(written, kept):
-                self._dense.pviews[i].copy_(value)
+                self._dense.params[i].copy_(value)
             for p, value in kept_rows:       # a write again: sent whole with the next step
                 p.copy_(value)
         self._tracker.mark(written)          # they travel with the next step

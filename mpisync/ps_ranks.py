@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
 from . import environ as env
+from .devices import resolve_cuda_aware, worker_device
 from .errors import ConfigError, MismatchError, StallError, WorldTooSmallError
 from .guard import GuardedComm
 from .nodes import HOSTMAP_ENV, check_host_map, cpu_affinity, host_load, machine_id, node_of
@@ -224,6 +226,8 @@ class Cluster:
         self.closed = False
         self.left = False
         self._guarded = None
+        self.device = torch.device("cpu")    # a worker's accelerator (init() picks it)
+        self.cuda_aware = False              # MPI takes CUDA buffers (init() asks it)
 
     @property
     def worker_comm(self) -> MPI.Comm:
@@ -467,7 +471,8 @@ _current: Cluster | None = None
 
 def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
          timeout: float | None = None, abort_on_error: bool = True,
-         survive_worker_loss: bool | None = None) -> Cluster:
+         survive_worker_loss: bool | None = None,
+         cuda_aware: bool | str = "auto") -> Cluster:
     """Split the MPI world into ps ranks and workers. Call on every rank.
 
     Args:
@@ -492,12 +497,22 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
             started with ``mpirun --with-ft ulfm``; with another MPI rank 0 says why not
             and the job ends when a rank dies, as without it. The ranks of a job that lost
             workers and trained to its end exit with status 3 (``LOST_WORKERS_EXIT``).
+        cuda_aware: whether MPI may be handed CUDA device buffers: ``"auto"`` (default:
+            where the MPI library says it takes them), ``True`` (required: refused on
+            every rank when the library does not) or ``False``; ``cluster.cuda_aware``
+            holds the answer (``mpisync.devices``).
+
+    Each worker gets a device, ``cluster.device``: ``cuda:k`` for the k-th worker of its
+    node among the GPUs it sees (``CUDA_VISIBLE_DEVICES``; more workers than GPUs share
+    them round-robin), made torch's current CUDA device; ``cpu`` without CUDA. The ps
+    ranks always compute on the CPU and never touch a GPU.
 
     Raises:
         WorldTooSmallError: on every rank, when the world cannot hold ``num_ps`` ps
             ranks and at least one worker.
         ConfigError: on every rank, when the ranks run different versions of mpisync
-            or of its wire format, or ``MPISYNC_NUM_PS`` is not a number of ranks.
+            or of its wire format, or ``MPISYNC_NUM_PS`` is not a number of ranks; for a
+            bad ``cuda_aware`` or ``True`` with an MPI library that takes no CUDA buffers.
         RuntimeError: ``init()`` was called already on this rank (and not closed).
     """
     global _current
@@ -522,13 +537,18 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
             f"{need}: start the job with at least {need} ranks (mpiexec -n {need} ..., or "
             f"python -m mpisync.launch --workers 1 --ps {max(num_ps, 1)} -- ...)")
     _check_versions(comm)
+    cuda_aware = resolve_cuda_aware(cuda_aware, comm, f"rank {comm.Get_rank()}")
     placement = locate(comm)
     if placement.note and comm.Get_rank() == 0:
         print(f"[mpisync] {placement.note}", file=sys.stderr, flush=True)
     layout = RankLayout.choose(placement.nodes, num_ps, os.environ)
     survive = _survive(survive_worker_loss, comm.Get_rank())
-    _current = Cluster(comm, layout, DEFAULT_TIMEOUT if timeout is None else float(timeout),
-                       placement, survive)
+    cluster = Cluster(comm, layout, DEFAULT_TIMEOUT if timeout is None else float(timeout),
+                      placement, survive)
+    cluster.cuda_aware = cuda_aware
+    if not cluster.is_ps:
+        cluster.device = worker_device(cluster._worker_comm)
+    _current = cluster
     if survive:           # runs after the worker left the job, before MPI finalizes
         atexit.register(_exit_status, _current)
     atexit.register(_current._leave)      # a worker that ends leaves the job

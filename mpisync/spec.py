@@ -315,9 +315,11 @@ def _check_model(optimizer: torch.optim.Optimizer, model: Model) -> list[str]:
         if name in seen:
             raise ValueError(f"name {name!r} appears twice in named_parameters/named_buffers")
         seen.add(name)
-        if t.device.type != "cpu":
-            raise ValueError(f"{name!r} is on {t.device}; mpisync keeps parameters and "
-                             f"buffers in CPU memory")
+        if t.device.type == "meta":
+            raise ValueError(f"{name!r} is on the meta device (shapes only, no values); "
+                             f"materialise the model on its device (cluster.device, e.g. "
+                             f"model.to_empty(device=...) and an initialisation) before "
+                             f"creating the SyncReplicasOptimizer")
         if t.is_sparse:
             raise TypeError(f"{name!r} is a sparse tensor; mpisync holds dense tensors")
     for name, p in model.params:

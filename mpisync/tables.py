@@ -159,7 +159,7 @@ def _check_ids(ids: torch.Tensor, info: TableInfo, what: str) -> None:
 
 class _TableModule(torch.nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, partitioner, partition_strategy,
-                 weight, seed, padding_idx, dtype):
+                 weight, seed, padding_idx, dtype, device=None):
         super().__init__()
         for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim),
                             ("seed", seed)):
@@ -180,6 +180,7 @@ class _TableModule(torch.nn.Module):
             dtype = weight.dtype
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
+        self.device = None if device is None else torch.device(device)
         info = TableInfo(num_embeddings, embedding_dim, partitioner, partition_strategy,
                          None if weight is None else weight.detach().clone(), seed, padding_idx,
                          dtype)
@@ -200,8 +201,19 @@ class _TableModule(torch.nn.Module):
         """(the unique ids' rows, the index of each id among them, the unique ids)."""
         info = self._live(what)
         _check_ids(ids, info, what)
+        device = ids.device if self.device is None else self.device
         unique, inverse = torch.unique(ids.long(), sorted=True, return_inverse=True)
-        return info.channel.lookup(info, unique), inverse, unique
+        unique = unique.cpu()            # the batch's unique ids go to the host, ...
+        rows = info.channel.lookup(info, unique)
+        # ... and their rows come back to the device: never the table (the copy's backward
+        # brings the rows' gradients to the host, where the push takes them)
+        return rows.to(device), inverse.to(device), unique
+
+    def _on_host(self, *tensors):
+        """The tensors on the host (ids cross the bus there), and the device for the output."""
+        device = next((t.device for t in tensors if torch.is_tensor(t)), torch.device("cpu"))
+        device = device if self.device is None else self.device
+        return [t.cpu() if torch.is_tensor(t) else t for t in tensors], device
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The current rows of ``ids`` (a copy, without autograd): for evaluation or export."""
@@ -233,14 +245,17 @@ class Embedding(_TableModule):
         weight: initial values, the same on every worker (the chief's are used);
             default: ``N(0, 1)`` drawn on the ps ranks, shard by shard, from ``seed``.
         padding_idx: that row gets no gradient, and starts at zero.
+        device: where ``forward`` returns the rows; default: the device of the ids. On a
+            GPU worker only the batch's unique ids and their rows cross the bus, and the
+            rows' gradients on the way back; the table stays on the ps ranks.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, partitioner=None,
                  partition_strategy: str = "mod", weight: torch.Tensor | None = None,
                  seed: int = 0, padding_idx: int | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, device=None):
         super().__init__(num_embeddings, embedding_dim, partitioner, partition_strategy,
-                         weight, seed, padding_idx, dtype)
+                         weight, seed, padding_idx, dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows, inverse, _ = self._rows(ids, "mpisync.Embedding")
@@ -266,14 +281,16 @@ class EmbeddingBag(_TableModule):
     ids than a bag's pooled row costs, e.g. bags of 20 rarely repeated ids; not when ids
     repeat across the batch. ``mode="max"`` needs the rows, and per_sample_weights that
     require a gradient too: ``"auto"`` looks the rows up for them, ``True`` is refused.
-    Otherwise as ``Embedding``.
+    Otherwise as ``Embedding``: the output is on ``device``, default the input's device
+    (the ids and offsets go to the host, the pooled rows come back).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, mode: str = "mean",
                  partitioner=None, partition_strategy: str = "mod",
                  weight: torch.Tensor | None = None, seed: int = 0,
                  padding_idx: int | None = None, include_last_offset: bool = False,
-                 pool_on_ps: bool | str = False, dtype: torch.dtype = torch.float32):
+                 pool_on_ps: bool | str = False, dtype: torch.dtype = torch.float32,
+                 device=None):
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         if not any(pool_on_ps is c or (isinstance(c, str) and pool_on_ps == c)
@@ -284,18 +301,20 @@ class EmbeddingBag(_TableModule):
                              "maximum needs every row on the worker); use pool_on_ps=False "
                              "or 'auto' (which looks the rows up for 'max')")
         super().__init__(num_embeddings, embedding_dim, partitioner, partition_strategy,
-                         weight, seed, padding_idx, dtype)
+                         weight, seed, padding_idx, dtype, device)
         self.mode = mode
         self.include_last_offset = bool(include_last_offset)
         self.pool_on_ps = pool_on_ps
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        (input, offsets, per_sample_weights), device = self._on_host(input, offsets,
+                                                                    per_sample_weights)
         request, finish = self.plan(input, offsets, per_sample_weights)
         channel = self.table.channel
         if request.bags is None:             # rows: the lookup of Embedding
-            return finish(channel.lookup(self.table, request.unique))
-        return finish(channel.exchange([request])[0])
+            return finish(channel.lookup(self.table, request.unique)).to(device)
+        return finish(channel.exchange([request])[0]).to(device)
 
     def plan(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
              per_sample_weights: torch.Tensor | None = None):

@@ -65,16 +65,20 @@ class WriteTracker:
     changed since ``snapshot()``: an in-place operation on the parameter or on any alias
     of it (``p.data``, ``p.detach()``, ``load_state_dict``), or a new tensor given with
     ``p.data = x`` (its values are copied into the buffer). Writes through a NumPy view or
-    raw memory are not seen.
+    raw memory are not seen. A parameter ``staging`` holds (``mpisync.devices``) stays on
+    its device instead, its buffer a host copy; one that moved to another device since is
+    refused.
     """
 
     def __init__(self, names: list[str], params: list[torch.Tensor],
                  views: list[torch.Tensor], label: str,
-                 grads: list[torch.Tensor] | None = None):
+                 grads: list[torch.Tensor] | None = None, staging=None):
         self.names = names
         self.params = params
         self.views = views
         self.label = label
+        self.staging = staging
+        self.devices = [p.device for p in params]
         # the gradient buffers, and aliases of them that no `.data = x` can move
         self.grads = grads
         self.grad_homes = None if grads is None else [g.detach() for g in grads]
@@ -122,6 +126,15 @@ class WriteTracker:
         """Bring a parameter given a new tensor back onto its buffer; True if it changed."""
         p, view = self.params[i], self.views[i]
         _rebound.discard(id(p))
+        if p.device != self.devices[i]:       # model.to(device) sets .data: it comes here
+            raise TypeError(
+                f"{self.label}: parameter {self.names[i]!r} moved from {self.devices[i]} to "
+                f"{p.device} after the SyncReplicasOptimizer was created; move the model to "
+                f"its device (cluster.device) before creating the optimizer")
+        if self.staging is not None and i in self.staging:
+            self.staging.rebind(i)
+            self.aliases[i] = p.detach()
+            return True
         if p.data_ptr() == view.data_ptr() and p.shape == view.shape:
             return False
         if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:

@@ -19,7 +19,7 @@ from mpi4py import MPI
 from mpi_helpers import assert_every_rank_says, failing, labels, run_mpi
 
 import mpisync
-from mpisync import environ, progress
+from mpisync import devices, environ, progress
 from mpisync.wire import WIRE_VERSION, Tag
 
 WORKERS = (0, 1)
@@ -111,6 +111,40 @@ def test_an_unparsable_mpisync_num_ps_is_refused_naming_it(monkeypatch, value):
         mpisync.init(comm=MPI.COMM_SELF, abort_on_error=False)
 
 
+def test_cuda_aware_required_of_an_mpi_without_cuda_is_refused_on_every_rank(job):
+    supported, how = devices.cuda_support(MPI.COMM_SELF)
+    if supported:
+        pytest.skip(f"this MPI takes CUDA buffers ({how})")
+    library = re.escape(devices.mpi_library())
+    for rank, error in errors_of(job, "cuda_aware_required", (0, 1, 2)).items():
+        assert re.fullmatch(rf"ConfigError: rank {rank}: cuda_aware=True but the MPI library "
+                            rf"'{library}' is not CUDA-aware on this rank \(.*\); the MPI wheels "
+                            r"from PyPI never are\. .*", error), error
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_a_cuda_aware_that_is_not_auto_true_or_false_is_refused(value):
+    with pytest.raises(mpisync.ConfigError, match=r"rank 0: cuda_aware must be 'auto', True "
+                                                  r"or False, got "):
+        devices.resolve_cuda_aware(value, MPI.COMM_SELF, "rank 0")
+
+
+def test_a_parameter_moved_to_another_device_after_set_up_is_refused_naming_both():
+    """The tracker's device check (a real move needs a GPU: tests/test_gpu.py): the
+    parameter was on cuda:0 when the optimizer was built and is on the CPU now."""
+    from mpisync.tracking import WriteTracker
+    p = torch.nn.Parameter(torch.ones(3))
+    tracker = WriteTracker(["w"], [p], [p.detach()], "worker 0 (rank 0)")
+    assert tracker.written() == []
+    tracker.devices = [torch.device("cuda", 0)]
+    p.data = p.detach().clone()          # what model.to(device) does to each parameter
+    with pytest.raises(TypeError, match=r"worker 0 \(rank 0\): parameter 'w' moved from "
+                                        r"cuda:0 to cpu after the SyncReplicasOptimizer was "
+                                        r"created; move the model to its device"):
+        tracker.written()
+    tracker.release()
+
+
 # -- environment variables read at import, each through the function that reads it ---------
 @pytest.mark.parametrize("name", ["MPISYNC_TIMEOUT", "MPISYNC_SETUP_TIMEOUT",
                                   "MPISYNC_STALL_WARNING", "MPISYNC_POLL_MAX_SLEEP"])
@@ -175,6 +209,12 @@ def test_a_named_parameter_that_is_not_a_tensor_is_refused_on_every_rank(job):
 
 def test_duplicate_names_are_refused_on_every_rank(job):
     assert_refused_everywhere(job, "duplicate_names", r"name 'w' appears twice")
+
+
+def test_a_parameter_on_the_meta_device_is_refused_on_every_rank(job):
+    assert_refused_everywhere(job, "meta_parameter",
+                              r"'0\.weight' is on the meta device \(shapes only, no values\); "
+                              r"materialise the model on its device")
 
 
 def test_an_empty_model_is_refused_on_every_rank(job):

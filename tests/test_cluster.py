@@ -6,6 +6,7 @@ import os
 import socket
 
 import pytest
+import torch
 from mpi_helpers import _launcher, run_mpi
 
 from mpisync.nodes import (
@@ -129,6 +130,8 @@ def test_ranks_count_cores_of_their_host_and_pick_the_spin(monkeypatch, no_node_
         assert r["local_cores"] == len(cores)
         assert r["oversubscribed"] == (3 > len(cores))
         assert r["nodes"] == [socket.gethostname()] * 3 and r["ps_ranks"] == [2]
+        if not torch.cuda.is_available():         # no GPU: every rank computes on the CPU
+            assert (r["device"], r["cuda_aware"]) == ("cpu", False), r
     expected = SPIN_SHARED if len(cores) < 3 else SPIN_DEDICATED
     assert [r["spin"] for r in records[:2]] == [expected, expected]
 

@@ -22,10 +22,11 @@ def reference(tmp_path, opt: str, sched: str = "", *extra) -> dict:
     return torch.load(out)
 
 
-def distributed(tmp_path, opt: str, *extra, ps: int = 1, name: str = "dist") -> tuple[dict, list]:
+def distributed(tmp_path, opt: str, *extra, ps: int = 1, name: str = "dist",
+                env: dict | None = None) -> tuple[dict, list]:
     out = tmp_path / f"{name}-{opt}.pt"
     run = run_mpi("train.py", WORKERS, ps, ["--opt", opt, "--steps", STEPS, "--batch", BATCH,
-                                            "--dump", out, *extra])
+                                            "--dump", out, *extra], env=env)
     return torch.load(out), run.results
 
 
@@ -73,9 +74,14 @@ def test_steplr_on_the_wrapper_follows_single_process(tmp_path):
     assert dist["state"]["param_groups"][0]["lr"] == ref["state"]["param_groups"][0]["lr"]
 
 
-def test_deterministic_runs_are_bitwise_identical(tmp_path):
-    a, _ = distributed(tmp_path, "adam", "--deterministic", "--num-ps", 2, ps=2, name="a")
-    b, _ = distributed(tmp_path, "adam", "--deterministic", "--num-ps", 2, ps=2, name="b")
+def test_deterministic_runs_are_bitwise_identical_with_or_without_staging(tmp_path):
+    """Two runs repeat bitwise, the second with the parameters staged through host copies
+    (``MPISYNC_STAGE_CPU=1``: the code that moves a GPU worker's parameters)."""
+    a, views = distributed(tmp_path, "adam", "--deterministic", "--num-ps", 2, ps=2, name="a")
+    b, staged = distributed(tmp_path, "adam", "--deterministic", "--num-ps", 2, ps=2, name="b",
+                            env={"MPISYNC_STAGE_CPU": "1"})
+    assert {r["staged"] for r in views if r["role"] == "worker"} == {0}
+    assert {r["staged"] for r in staged if r["role"] == "worker"} == {len(a["params"])}
     for k in a["params"]:
         assert torch.equal(a["params"][k], b["params"][k]), k
 

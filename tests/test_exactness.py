@@ -5,7 +5,9 @@ process runs each case in plain torch and compares parameters, buffers, optimize
 the hyper-parameters each ps applied at the last step (values and types) and the
 workers' param groups. A second job runs every case again with ``dense="allreduce"``
 (dense parameters averaged among the workers and updated there, the partitioned ones
-still on the ps ranks).
+still on the ps ranks). A third runs the cases that reach every part of the staging
+code (``mpisync.devices``: how a GPU worker's parameters travel) with the CPU parameters
+staged through host copies.
 """
 from __future__ import annotations
 
@@ -20,11 +22,23 @@ from cases import BY_NAME, CASES, WORKERS, reference
 
 TOLERANCE = 1e-6     # float64 models: the sums' order differs, nothing else may
 
+#: zeroed gradients, frozen and integer parameters, every kind of write, buffers, shards
+STAGED = ["multiplicative", "untouched-zeros-first", "untouched-none-last",
+          "load-state-after-wrapping", "restore-model-then-optimizer", "clamp-through-data",
+          "assign-data", "write-integer-parameter", "buffers-broadcast",
+          "partitioned-zeros-clamp", "partitioned-assign"]
+
 
 @pytest.fixture(scope="module", params=["ps", "allreduce"])
 def job(request):
     dense = [] if request.param == "ps" else [f"--dense={request.param}"]
     run = run_mpi("exact.py", WORKERS, 2, dense + [c.name for c in CASES], timeout=300)
+    return run, run.by_case()
+
+
+@pytest.fixture(scope="module")
+def staged_job():
+    run = run_mpi("exact.py", WORKERS, 2, STAGED, timeout=300, env={"MPISYNC_STAGE_CPU": "1"})
     return run, run.by_case()
 
 
@@ -53,7 +67,17 @@ def test_every_case_ran_on_every_worker(job):
 
 @pytest.mark.parametrize("name", [c.name for c in CASES])
 def test_case_matches_plain_torch(job, name):
-    _, by_case = job
+    assert_matches_plain_torch(job[1], name)
+
+
+@pytest.mark.parametrize("name", STAGED)
+def test_staged_parameters_match_plain_torch(staged_job, name):
+    run, by_case = staged_job
+    assert {w["staged"] > 0 for w in by_case[name].values()} == {True}, run.describe()
+    assert_matches_plain_torch(by_case, name)
+
+
+def assert_matches_plain_torch(by_case: dict, name: str) -> None:
     case, ref = BY_NAME[name], reference(BY_NAME[name])
     for w, got in by_case[name].items():
         assert max_diff(got["params"], ref["params"]) <= TOLERANCE, (w, "params")

@@ -272,6 +272,7 @@ WORKER_CASES = {
         to_double, lambda net, opt, w: setattr(net[0].weight, "data", net[0].weight.data.float())),
     "model_half": step_refused(to_half, lambda net, opt, w: net.float()),
     "model_to_meta": step_refused(to_meta, back_from_meta),
+    "meta_parameter": refused_setup(lambda net, w: sync_opt(net.to("meta"))),
     "grad_shape": step_refused(wrong_grad_shape, lambda net, opt, w: None),
     "nonfinite_unknown": refused_setup(lambda net, w: sync_opt(net, nonfinite="ignore")),
     "nonfinite_skip": case_nonfinite_skip,
@@ -296,6 +297,9 @@ def init_cases(rank: int) -> tuple:
         mpisync.ps_ranks.WIRE_VERSION = wire + 1   # ... or another wire format
     out["wire_differs"] = attempt(lambda: mpisync.init(abort_on_error=False))
     mpisync.ps_ranks.WIRE_VERSION = wire
+    # the MPI wheels are not CUDA-aware: asking for it is refused on every rank
+    out["cuda_aware_required"] = attempt(lambda: mpisync.init(abort_on_error=False,
+                                                              cuda_aware=True))
     cluster = mpisync.init()
     out["init_twice"] = attempt(mpisync.init)
     return cluster, out

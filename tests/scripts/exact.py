@@ -33,6 +33,7 @@ def train(cluster, name: str, extra: dict) -> dict:
     out["ps_groups"] = [[describe_group(g) for g in piece[2]]
                         for piece in opt._from_every_ps(Kind.STATE, "state")]
     out["applied"] = applied
+    out["staged"] = len(opt._dense.staging.params)    # parameters kept off the host buffers
     stats = opt.stats
     opt.close()
     out.update(global_step=opt.global_step, dropped=stats["gradients_dropped"])

@@ -19,4 +19,5 @@ else:
     opt.close()
 emit(rank=cluster.rank, local_ranks=cluster.local_ranks, local_cores=cluster.local_cores,
      oversubscribed=cluster.oversubscribed, affinity=sorted(os.sched_getaffinity(0)), spin=spin,
-     nodes=list(cluster.nodes), host=cluster.host, ps_ranks=list(cluster.layout.ps_ranks))
+     nodes=list(cluster.nodes), host=cluster.host, ps_ranks=list(cluster.layout.ps_ranks),
+     device=str(cluster.device), cuda_aware=cluster.cuda_aware)

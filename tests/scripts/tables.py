@@ -34,6 +34,7 @@ class Case:
     pool: bool = False                # the bags pooled on the ps ranks (pool_on_ps=True)
     sync: dict = field(default_factory=dict)
     steps: int = STEPS
+    device: str | None = None         # the model and the ids there, the table's device=
 
 
 CASES = [
@@ -56,8 +57,17 @@ CASES = [
     Case("resident-rowwise", optimizer="rowwise"),
     Case("resident-bag-rowwise-decay-div", kind="bag", optimizer="rowwise_decay", strategy="div"),
     Case("sparse-rowwise-partitioned", kind="sparse", optimizer="rowwise", shards=2),
+    Case("resident-adagrad-device", optimizer="adagrad", device="cpu"),
+    Case("resident-bag-device", kind="bag", optimizer="adagrad", device="cpu"),
 ]
-BY_NAME = {c.name: c for c in CASES}
+#: On a GPU worker (tests marked gpu): rows come to the device, gradients go to the host
+GPU_CASES = [
+    Case("cuda-resident-adagrad", optimizer="adagrad", device="cuda"),
+    Case("cuda-resident-adam-zeros", optimizer="adam", zero="zeros", device="cuda"),
+    Case("cuda-bag-pooled-adagrad", kind="bag", optimizer="adagrad", pool=True, device="cuda"),
+    Case("cuda-bag-mean", kind="bag", mode="mean", strategy="div", device="cuda"),
+]
+BY_NAME = {c.name: c for c in CASES + GPU_CASES}
 
 
 def initial_table() -> torch.Tensor:
@@ -106,7 +116,8 @@ def build(case: Case, plain: bool) -> Net:
         cls = mpisync.EmbeddingBag if bag else mpisync.Embedding
         kw = {"mode": case.mode, "pool_on_ps": case.pool} if bag else {}
         emb = cls(ROWS, DIM, partitioner=mpisync.fixed_size(case.shards),
-                  partition_strategy=case.strategy, weight=w, padding_idx=pad, **kw)
+                  partition_strategy=case.strategy, weight=w, padding_idx=pad,
+                  device=case.device, **kw)
     return Net(emb, bag, head=case.optimizer != "sparse_adam")
 
 
@@ -169,11 +180,18 @@ def reference(case: Case) -> dict:
 def train(cluster, case: Case, extra: dict) -> dict:
     w = cluster.worker_index
     m = build(case, plain=False)
+    device = torch.device(case.device or "cpu")
+    if case.device:
+        m.to(device)
     opt = mpisync.SyncReplicasOptimizer(make_optimizer(case, m),
                                         named_parameters=m.named_parameters(),
                                         **sync_kwargs(case), **extra)
     sched = scheduler(case, opt)
     ids, y = data(case.steps)
+    if case.device:      # the ids on the worker's device; the rows come there
+        ids, y = ids.to(device), y.to(device)
+        with torch.no_grad():
+            assert m.emb(ids[:BATCH]).device == device
     rows = WORKERS * BATCH
     for t in range(case.steps):
         lo = t * rows + w * BATCH
@@ -189,9 +207,10 @@ def train(cluster, case: Case, extra: dict) -> dict:
         table = torch.zeros(ROWS, DIM)
         for shard in opt.table_shards("emb.weight", with_state=False):
             table[shard["ids"]] = shard["weight"]
-        assert torch.equal(m.emb.rows(torch.arange(ROWS)), table)
+        assert torch.equal(m.emb.rows(torch.arange(ROWS)).cpu(), table)
     stats = opt.stats
-    out = {"table": table.tolist(), "head": [p.detach().tolist() for p in m.head.parameters()],
+    out = {"table": table.tolist(),
+           "head": [p.detach().cpu().tolist() for p in m.head.parameters()],
            "global_step": opt.global_step, "bytes_per_ps": stats["bytes_per_ps"],
            "plan": str(opt.plan)}
     opt.close()

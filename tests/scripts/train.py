@@ -103,7 +103,7 @@ def distributed(args, cluster) -> dict:
     return {"global_step": opt.global_step, "plan": opt.plan.digest(),
                 "lr": opt.param_groups[0]["lr"], "elapsed": elapsed,
                 "applied": stats["gradients_applied"], "dropped": stats["gradients_dropped"],
-                "averaged_ok": averaged_ok,
+                "averaged_ok": averaged_ok, "staged": len(opt._dense.staging.params),
                 "checksum": float(sum(p.detach().double().sum() for p in net.parameters()))}
 
 
