@@ -765,12 +765,16 @@ class ShardServer:
         workers whose gradient of it was not finite; the step is not applied."""
         if not bad:
             return
-        entry = self.layout.entries[bad[0]]
-        name = dict(zip(self.spec.names, self.spec.parts))[entry.name][0]
-        views = [(s.worker, entry_views(torch.from_numpy(s.buf), self.header.nbytes,
-                                        self.layout.entries)[bad[0]]) for s in cur.chosen]
-        workers = [w for w, v in views if v.dtype.is_floating_point and not
-                   torch.isfinite(v).all()]
+        i = bad[0]
+        name = dict(zip(self.spec.names, self.spec.parts))[self.layout.entries[i].name][0]
+        k = int(self.applier.bucket[i])
+        wb, we = self.wbuckets[k], self.wire.entries[i]       # as it came, on the wire
+        workers = []
+        for s in cur.chosen:
+            v = s.views[k]
+            lo = (we.offset - wb.offset) // v.element_size()
+            if not torch.isfinite(v[lo:lo + we.nbytes // v.element_size()]).all():
+                workers.append(s.worker)
         ranks = [self.worker_ranks[w] for w in workers]
         raise NonFiniteError(
             f"{self.label}: the gradient of parameter {name!r} for global step {cur.step} "
