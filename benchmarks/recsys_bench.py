@@ -225,13 +225,14 @@ def time_ps(timer: Timer, cpu: StepCPU | None = None) -> None:
     if cpu is not None:
         from mpisync.ps import shard
 
-        apply = shard.ShardServer._apply
+        complete = shard.ShardServer._complete      # the end of a step's apply
 
-        def counted(self, step, *args, **kwargs):
-            apply(self, step, *args, **kwargs)
-            cpu.after_apply(step)
+        def counted(self, cur):
+            notice = complete(self, cur)
+            cpu.after_apply(cur.step)
+            return notice
 
-        shard.ShardServer._apply = counted
+        shard.ShardServer._complete = counted
 
 
 # ---------------------------------------------------------------- mpisync job

@@ -134,6 +134,7 @@ class _Self:
         self.label = "self (rank 0)"
         self.ps_index = self.worker_index = 0
         self.coordinator_rank = 0
+        self.losses = None               # a job that does not survive lost workers
 
     def ps_rank(self, j: int) -> int:
         return 0

@@ -161,9 +161,10 @@ def test_bad_bags_name_the_table_and_the_rank(kw, input, offsets, psw, message):
         bags_of(input, offsets, psw, mode=kw["mode"],
                 include_last_offset=kw.get("include_last_offset", False), padding_idx=None,
                 dtype=torch.float32, label="worker 1 (rank 1)", name="emb.weight")
-    if "include_last_offset" not in kw:       # torch refuses the same (the rest: it takes
-        # the last offset as the end of the last bag, but divides a mean by the bag's ids
-        # up to the input's end)
+    # torch refuses the same, but for: the last offset taken as the end of the last bag (it
+    # divides a mean by the bag's ids up to the input's end), and offsets that decrease
+    # (with one thread it reads past the bag and returns what memory held)
+    if "include_last_offset" not in kw and "decrease" not in message:
         with pytest.raises((ValueError, RuntimeError, TypeError, IndexError)):
             torch.nn.EmbeddingBag(10, 2, **kw)(input, offsets, per_sample_weights=psw)
 
