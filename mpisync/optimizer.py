@@ -13,7 +13,7 @@ from mpi4py import MPI
 from .allreduce import AllreduceChannel, LocalAverages, backend_problem
 from .channels import DenseChannel, ReplicatedChannel
 from .devices import default_backend
-from .errors import ClosedError, ConfigError, DeadlockError
+from .errors import ClosedError, ConfigError, DeadlockError, NonFiniteError
 from .progress import SETUP_TIMEOUT, Poller, spin_seconds
 from .ps.shard import layouts_of
 from .ps.steplog import log_path
@@ -167,7 +167,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             or ``"skip"`` (one ps rank only: the step leaves the parameters and the
             optimizer state as they were, as a loop that skips ``optimizer.step()`` for
             that batch; the global step still counts it, and
-            ``stats["steps_skipped_nonfinite"]`` lists it).
+            ``stats["steps_skipped_nonfinite"]`` lists it; not with ``dense="allreduce"``,
+            where the workers check the gradients they averaged and raise).
         colocate: groups of names whose parameters (or buffers, or single shards
             ``"name/part_k"``, or globs: ``"enc.*"``) must live on the same ps rank, as
             TensorFlow's ``colocate_vars_with``: ``[["enc.weight", "enc.bias"], ...]``. Every placement
@@ -443,6 +444,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             self._check_settings()
         if self._local is not None:
             self._local.before_step()      # collective: every worker's gradients averaged
+            self._check_local_finite()
         written = self._tracker.written()   # first: a parameter given a new tensor is checked
         self._push(written)
         if clock is not None:
@@ -503,6 +505,19 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         for fn, name, p in self._local_updates:      # opt.update()'s, where these live
             apply_fn(fn, p.detach(), name)
         self._local_averages.update(self.global_step + 1)
+
+    def _check_local_finite(self) -> None:
+        """``nonfinite="raise"`` for the gradients the workers averaged (``dense="allreduce"``):
+        the same on every worker, so every worker raises, before the step changes anything."""
+        local = self._local
+        if all(p.grad is None or torch.isfinite(p.grad.sum()) for p in local.params):
+            return
+        name = next(local.name_of[id(p)] for p in local.params
+                    if p.grad is not None and not torch.isfinite(p.grad).all())
+        raise NonFiniteError(
+            f"{self.cluster.label}: the gradient of parameter {name!r} for global step "
+            f"{self.global_step}, averaged over the workers (dense='allreduce'), holds NaN or "
+            f"Inf; the step is not applied (nonfinite='raise')")
 
     def _refuse_grad_scaler(self, kwargs: dict) -> None:
         if set(kwargs) - {"grad_scaler"}:

@@ -5,6 +5,7 @@ import atexit
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -567,12 +568,21 @@ def _survive(asked: bool | None, rank: int) -> bool:
     return why_not is None
 
 
+#: Seconds ``MPI_Finalize`` may take on a rank that saw workers lost before it exits anyway.
+FINALIZE_GRACE = 10.0
+
+
 def _exit_status(cluster: Cluster) -> None:
-    """A rank that saw workers lost ends with ``LOST_WORKERS_EXIT`` once MPI finalized."""
+    """A rank that saw workers lost ends with ``LOST_WORKERS_EXIT`` once MPI finalized.
+
+    Open MPI's ``MPI_Finalize`` sometimes waits forever for a rank that died (the runtime's
+    last fence): after ``FINALIZE_GRACE`` seconds the rank exits without it.
+    """
     if cluster.losses is None or not cluster.losses.lost or MPI.Is_finalized():
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    threading.Timer(FINALIZE_GRACE, os._exit, (LOST_WORKERS_EXIT,)).start()
     MPI.Finalize()
     os._exit(LOST_WORKERS_EXIT)
 

@@ -512,6 +512,11 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
         raise ValueError(f"nonfinite='skip' needs one ps rank, got {num_ps}: each ps rank "
                          f"checks its own part of a step, and skipping it on some only would "
                          f"not be the step skipped; use nonfinite='raise' or one ps rank")
+    if spec.nonfinite == "skip" and options.dense == "allreduce":
+        raise ValueError("nonfinite='skip' needs dense='ps': with dense='allreduce' the workers "
+                         "step the dense parameters and the ps ranks the rest, each on its own, "
+                         "so no one skips the step whole; use nonfinite='raise' (checked on the "
+                         "workers too) or dense='ps'")
     return spec, routes
 
 

@@ -280,6 +280,20 @@ def test_a_nonfinite_gradient_with_skip_drops_the_step_and_training_goes_on(job)
         assert record["global_step"] == 5 and record["matches"] is True, record
 
 
+def test_a_nonfinite_allreduced_gradient_raises_on_every_worker_and_training_goes_on(job):
+    for w, record in job[0]["nonfinite_allreduce"].items():
+        assert re.fullmatch(rf"NonFiniteError: worker {w} \(rank {w} on [^)]*\): the gradient of "
+                            r"parameter '2.weight' for global step 2, averaged over the workers "
+                            r"\(dense='allreduce'\), holds NaN or Inf; the step is not applied "
+                            r"\(nonfinite='raise'\)", record["error"]), record
+        assert record["unchanged"] is True and record["global_step"] == 4, record
+
+
+def test_nonfinite_skip_with_allreduce_is_refused_on_every_rank(job):
+    assert_refused_everywhere(job, "nonfinite_skip_allreduce",
+                              r"nonfinite='skip' needs dense='ps': with dense='allreduce'")
+
+
 # -- accepted, as torch accepts it ---------------------------------------------------------
 def test_step_before_any_backward_updates_nothing_as_torch(job):
     for record in job[0]["step_before_backward"].values():

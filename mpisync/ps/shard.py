@@ -109,7 +109,7 @@ class _Slot:
     with ``FLAG_RESEND`` the whole gradient region follows once more on ``Tag.FULL``.
     """
 
-    __slots__ = ("assign", "buf", "buffers", "codes", "data_reqs", "done", "fields",
+    __slots__ = ("assign", "buf", "buffers", "codes", "data", "data_reqs", "done", "fields",
                  "full_req", "head_req", "mask", "resend", "rows", "timing", "views",
                  "waiting", "waiting_rows", "words", "worker")
 
@@ -129,7 +129,7 @@ class _Slot:
                            tag=tags[Tag.DATA]) for b in buckets]
         self.fields, self.words, self.codes, self.mask = header.views(self.buf)
         self.timing = timing_view(self.fields)    # the worker's previous step, if reported
-        t = torch.from_numpy(data)
+        t = self.data = torch.from_numpy(data)        # the data region, here or shared
         self.views = [None if b.buffers or not _graded_dtype(b.dtype)
                       else tensor_view(t, 0, b.dtype, b.offset, b.nbytes) for b in buckets]
         self.buffers = region_views(t, 0, layout.buffer_regions)
@@ -765,16 +765,12 @@ class ShardServer:
         workers whose gradient of it was not finite; the step is not applied."""
         if not bad:
             return
-        i = bad[0]
-        name = dict(zip(self.spec.names, self.spec.parts))[self.layout.entries[i].name][0]
-        k = int(self.applier.bucket[i])
-        wb, we = self.wbuckets[k], self.wire.entries[i]       # as it came, on the wire
-        workers = []
-        for s in cur.chosen:
-            v = s.views[k]
-            lo = (we.offset - wb.offset) // v.element_size()
-            if not torch.isfinite(v[lo:lo + we.nbytes // v.element_size()]).all():
-                workers.append(s.worker)
+        entry = self.layout.entries[bad[0]]
+        name = dict(zip(self.spec.names, self.spec.parts))[entry.name][0]
+        views = [(s.worker, entry_views(s.data, 0, self.wire.entries)[bad[0]])
+                 for s in cur.chosen]
+        workers = [w for w, v in views if v.dtype.is_floating_point and not
+                   torch.isfinite(v).all()]
         ranks = [self.worker_ranks[w] for w in workers]
         raise NonFiniteError(
             f"{self.label}: the gradient of parameter {name!r} for global step {cur.step} "

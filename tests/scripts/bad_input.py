@@ -178,6 +178,27 @@ def case_nonfinite_skip(w, cluster):
             "skipped": opt.stats["steps_skipped_nonfinite"]}
 
 
+def case_nonfinite_allreduce(w, cluster):
+    """dense='allreduce': every worker's averaged gradient of step 2 holds NaN (worker 1's
+    backward made it): NonFiniteError on every worker before anything is pushed or applied;
+    training then goes on from where it was."""
+    net = model()
+    opt = sync_opt(net, dense="allreduce", allreduce_backend="mpi")
+    train(opt, net, 2, w)
+    before = params_of(net)
+    hook = net[2].weight.register_hook(lambda g: g * float("nan")) if w == 1 else None
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(net(X[:16]), Y[:16])
+    loss.backward()
+    if hook is not None:
+        hook.remove()
+    error = attempt(opt.step)
+    unchanged = params_of(net) == before
+    train(opt, net, 2, w, first=2)
+    opt.close()
+    return {"error": error, "unchanged": unchanged, "global_step": opt.global_step}
+
+
 def wrong_grad_shape(net, opt, w):
     def write():                         # .grad's setter checks the shape; .data does not
         net[0].weight.grad.data = torch.ones(net[0].weight.shape[1:])
@@ -276,6 +297,9 @@ WORKER_CASES = {
     "grad_shape": step_refused(wrong_grad_shape, lambda net, opt, w: None),
     "nonfinite_unknown": refused_setup(lambda net, w: sync_opt(net, nonfinite="ignore")),
     "nonfinite_skip": case_nonfinite_skip,
+    "nonfinite_allreduce": case_nonfinite_allreduce,
+    "nonfinite_skip_allreduce": refused_setup(
+        lambda net, w: sync_opt(net, dense="allreduce", nonfinite="skip")),
     "step_before_backward": case_step_before_backward,
     "close_twice": case_close_twice,
     "used_after_close": case_used_after_close,
