@@ -336,7 +336,7 @@ def test_the_job_ends_cleanly_after_every_case(job):
     assert errors_of(job, "cluster_close", (0, 1, 2)) == {0: None, 1: None, 2: None}
     (served,) = job[0]["served"].values()
     # every optimizer that was set up, in order, with the global step it ended at
-    assert served["steps"] == [4, 4, 4, 4, 4, 4, 4, 5, 3, 3, 1, 5, 2]
+    assert served["steps"] == [4, 4, 4, 4, 4, 4, 4, 5, 4, 3, 3, 1, 5, 2]
 
 
 # -- the ps side ---------------------------------------------------------------------------
