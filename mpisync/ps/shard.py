@@ -789,14 +789,16 @@ class ShardServer:
         if not active:
             return
         mpi = [r for r in active if isinstance(r, MPI.Request)]
-        if mpi and self.losses is None:
-            self.poller.wait_all(mpi, lambda: "parameter sends to workers")
-        for req in mpi if self.losses is not None else ():
-            try:                    # a send to a worker that died meanwhile fails
-                self.poller.wait_all([req], lambda: "parameter sends to workers")
-            except MPI.Exception as exc:
-                if not self.losses.note(exc):
-                    raise
+        if self.losses is None:
+            if mpi:
+                self.poller.wait_all(mpi, lambda: "parameter sends to workers")
+        else:
+            for req in mpi:         # one by one: a send to a worker that died fails
+                try:
+                    self.poller.wait_all([req], lambda: "parameter sends to workers")
+                except MPI.Exception as exc:
+                    if not self.losses.note(exc):
+                        raise
         if len(mpi) < len(active):
             shared = [r for r in active if not isinstance(r, MPI.Request)]
             self.poller.wait_until(lambda: all(r.Test() for r in shared),
