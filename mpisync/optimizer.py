@@ -748,20 +748,13 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if self._local is not None:
             self._load_local_state({n: st for n, st in by_name.items() if n in local})
             self._local_averages.load(extra.get("averages", {}))
-        if self.cluster.is_chief:
-            hashed = {t.name for t in self._spec.tables if t.hashed is not None}
-            for name, saved in extra.get("tables", {}).items():
-                for k, shard in enumerate(saved["shards"]):
-                    if name in hashed:        # rows by id, with their counts
-                        self._rows.write_shard(name, k, None, shard)
-                    else:
-                        self._rows.write_shard(name, k, shard["weight"], shard.get("state"))
         written = self._tracker.written()    # model.load_state_dict() just before: kept
         kept = [self._dense.params[i].detach().clone() for i in written]
         kept_rows = [(t.param, t.param.detach().clone()) for t in self._rows.tables
                      if t.info is None and (t.param._version != t.version or was_rebound(t.param))]
         self._request(Kind.LOAD, payload)
-        self._load_answer("load_state_dict()")
+        self._load_answer("load_state_dict()")   # every worker is in this call now
+        self._write_tables(extra.get("tables", {}))
         self._receive(count=False)
         with torch.no_grad():
             for i, value in zip(written, kept):
@@ -770,6 +763,38 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 p.copy_(value)
         self._tracker.mark(written)          # they travel with the next step
         self._mpisync_schedules.rebase(self.global_step)
+
+    def _write_tables(self, tables: dict) -> None:
+        """The chief writes the saved shards of the tables that live on the ps ranks; the
+        other workers wait until it has. Only once every worker is in ``load_state_dict()``
+        (ps 0 answered): a worker still reading rows between steps, before it reaches the
+        call, reads the rows as they were, and none goes on to a step before the loaded
+        rows are in place."""
+        if not tables:
+            return
+        chief, *others = self.cluster.layout.worker_ranks
+        tag = self._rows.tags[Tag.TABLE]
+        if not self.cluster.is_chief:
+            error = self._rows.poller.wait_message(
+                chief, tag, lambda: "worker 0 writing the tables' saved shards")
+            if error is not None:
+                raise ConfigError(f"{self.cluster.label}: load_state_dict(): worker 0 could not "
+                                  f"write the tables' saved shards: {error}", collective=True)
+            return
+        hashed = {t.name for t in self._spec.tables if t.hashed is not None}
+        try:
+            for name, saved in tables.items():
+                for k, shard in enumerate(saved["shards"]):
+                    if name in hashed:        # rows by id, with their counts
+                        self._rows.write_shard(name, k, None, shard)
+                    else:
+                        self._rows.write_shard(name, k, shard["weight"], shard.get("state"))
+        except (ValueError, RuntimeError, TypeError) as exc:
+            for rank in others:
+                self._rows.comm.send(str(exc), dest=rank, tag=tag)
+            raise
+        for rank in others:
+            self._rows.comm.send(None, dest=rank, tag=tag)
 
     def _check_state(self, state_dict: dict) -> None:
         """Refuse a state that does not fit this model, before anything is changed or sent.

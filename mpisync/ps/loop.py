@@ -46,7 +46,7 @@ class Job:
                                      cluster.losses)
             self.coord.start()
             # the last step's row updates wait until its tokens are out (all ps applied)
-            self.shard.rows.may_settle = lambda: self.coord.acks == 0
+            self.shard.rows.may_settle = lambda: not self.coord.acks
 
     def turn(self, rare: bool = False) -> bool:
         """Receive, decide, apply what can be; True if anything happened.
