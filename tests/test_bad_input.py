@@ -20,7 +20,7 @@ from mpi_helpers import assert_every_rank_says, failing, labels, run_mpi
 
 import mpisync
 from mpisync import devices, environ, progress
-from mpisync.wire import WIRE_VERSION, Tag
+from mpisync.wire import WIRE_VERSION, Kind, Tag
 
 WORKERS = (0, 1)
 
@@ -377,6 +377,28 @@ def test_a_ps_rank_refuses_a_message_of_the_wrong_size_or_kind(delta, kind, matc
         comm.Send([msg, MPI.BYTE], dest=0, tag=Tag.of(Tag.GRAD, 0))
         with pytest.raises(mpisync.ProtocolError, match=match):
             server.poll()
+    finally:
+        comm.Free()
+
+
+def test_a_ps_rank_refuses_a_bucket_larger_than_the_bucket():
+    """A push's header, then its bucket in a message 8 bytes too long: never written past
+    the bucket's buffer, a ProtocolError naming the worker and the bucket."""
+    server, comm = _server()
+    try:
+        head = np.zeros(server.header.nbytes, np.uint8)
+        fields, words, codes, _ = server.header.views(head)
+        fields[0], fields[1] = Kind.GRAD, 0
+        server.spec.hyper.encode(server.optimizer.param_groups, words, codes)
+        comm.Send([head, MPI.BYTE], dest=0, tag=Tag.of(Tag.GRAD, 0))
+        data = np.zeros(server.wbuckets[0].nbytes + 8, np.uint8)
+        comm.Send([data, MPI.BYTE], dest=0, tag=Tag.of(Tag.DATA, 0))
+        with pytest.raises(mpisync.ProtocolError,
+                           match=r"worker 0 sent bucket 0 of a push in a message larger than "
+                                 r"the bucket"):
+            for _ in range(100):
+                server.poll()
+                server.progress()
     finally:
         comm.Free()
 

@@ -152,7 +152,7 @@ class _Slot:
         reqs = self.data_reqs
         if not reqs:                   # shared memory: in place once the header came
             return True
-        while self.done < len(reqs) and reqs[self.done].Test():
+        while self.done < len(reqs) and self._arrived(reqs[self.done]):
             self.done += 1
         if not self.resend:
             return self.done > k
@@ -169,9 +169,20 @@ class _Slot:
     def complete(self) -> bool:
         """Every receive of this push is done: the buffer may be posted again."""
         reqs = self.data_reqs
-        while self.done < len(reqs) and reqs[self.done].Test():
+        while self.done < len(reqs) and self._arrived(reqs[self.done]):
             self.done += 1
         return self.done == len(reqs) and self.full_req is None and not self.resend
+
+    def _arrived(self, req: MPI.Request) -> bool:
+        """Whether the next bucket is in; one larger than the bucket is a ProtocolError."""
+        try:
+            return req.Test()
+        except MPI.Exception as exc:
+            if exc.Get_error_class() != MPI.ERR_TRUNCATE:
+                raise               # a dead worker's failure: the caller's to note
+            raise ProtocolError(f"worker {self.worker} sent bucket {self.done} of a push in a "
+                                f"message larger than the bucket; every rank must run the same "
+                                f"mpisync, and nothing else may use its communicator") from None
 
 
 def _graded_dtype(dtype) -> bool:
