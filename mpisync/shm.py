@@ -33,7 +33,7 @@ from . import environ as env
 from .nodes import machine_id
 from .wire import ALIGN, PARAM_HEADER_BYTES, Tag
 
-__all__ = ["Nothing", "Publication", "Segment", "accept", "enabled", "offer"]
+__all__ = ["Nothing", "Publication", "Segment", "accept", "enabled", "offer", "wants"]
 
 _FDS = "/proc/self/fd"
 _MAGIC = 0x6D707379_6E637368        # "mpsyncsh"
@@ -41,10 +41,17 @@ _PAGE = 4096
 
 
 def enabled(spec) -> bool:
-    """Whether this optimizer may pair a worker and a ps rank through shared memory."""
-    on = spec.shared_memory and env.switch(
-        "MPISYNC_SHARED_MEMORY", platform.machine().lower() in ("x86_64", "amd64"))
-    return bool(on and spec.wire_dtype is None and spec.num_tokens == 0
+    """Whether this optimizer's ranks look for pairs to join through shared memory: the
+    same on every rank (the chief's spec). Each rank takes part only if it ``wants`` to."""
+    return bool(spec.shared_memory and spec.wire_dtype is None and spec.num_tokens == 0)
+
+
+def wants() -> bool:
+    """Whether this rank pairs through shared memory: its own ``MPISYNC_SHARED_MEMORY``
+    and system. A pair joins only when both ranks want it, so ranks whose settings differ
+    exchange MPI messages instead."""
+    return bool(env.switch("MPISYNC_SHARED_MEMORY",
+                           platform.machine().lower() in ("x86_64", "amd64"))
                 and hasattr(os, "memfd_create") and os.path.isdir(_FDS))
 
 
@@ -114,7 +121,7 @@ def offer(comm, worker_ranks, opt_id: int, ps_index: int, data_nbytes: int,
     mine = machine_id()
     machines = [poller.wait_message(r, tag, lambda w=w: f"worker {w}'s machine")
                 for w, r in enumerate(worker_ranks)]
-    local = [w for w, m in enumerate(machines) if m == mine and m is not None]
+    local = [w for w, m in enumerate(machines) if m == mine and m is not None and wants()]
     segment, fd, path = None, -1, None
     if local:
         try:
@@ -149,8 +156,9 @@ def accept(comm, ps_ranks, opt_id: int, poller) -> list[tuple[Segment, int] | No
     Returns, per ps rank, (its segment, this worker's index in it) or None.
     """
     tag = Tag.of(Tag.SHM, opt_id)
+    mine = machine_id() if wants() else None
     for r in ps_ranks:
-        comm.send(machine_id(), dest=r, tag=tag)
+        comm.send(mine, dest=r, tag=tag)
     out = []
     for j, r in enumerate(ps_ranks):
         got = poller.wait_message(r, tag, lambda j=j: f"ps {j}'s shared-memory offer")

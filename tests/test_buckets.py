@@ -27,11 +27,14 @@ TOLERANCE = 1e-6
 WIRE_ERROR = {torch.bfloat16: 5e-3, torch.float16: 1e-3}
 
 
-@pytest.fixture(scope="module", params=["shared-memory", "messages"])
+@pytest.fixture(scope="module", params=["shared-memory", "messages", "mixed"])
 def job(request):
     """The job with workers and ps ranks paired through shared memory where they can
-    (the default on one machine), and with every pair exchanging MPI messages."""
-    env = {"MPISYNC_SHARED_MEMORY": "0"} if request.param == "messages" else {}
+    (the default on one machine), with every pair exchanging MPI messages, and with
+    ``MPISYNC_SHARED_MEMORY=0`` on worker 1 and ps 1 only (ranks 1 and 3): worker 0 and
+    ps 0 share memory, every other pair exchanges messages."""
+    env = {"shared-memory": {}, "messages": {"MPISYNC_SHARED_MEMORY": "0"},
+           "mixed": {"SHM_OFF_ON_RANKS": "1,3"}}[request.param]
     before = shm_files()
     run = run_mpi("buckets.py", 2, 2, list(CASES), timeout=240, env=env)
     assert shm_files() <= before          # shared memory leaves no file behind
@@ -156,6 +159,12 @@ def test_buckets_went_from_hooks_and_again_when_changed(job):
     a second backward) went again, and a second backward per step is then waited for.
     Shared memory: no bucket travels at all, except where a 16-bit wire or extra tokens
     keep the pair on messages."""
+    if job["transport"] == "mixed":
+        for case in CASES:
+            messages = case in ("kbatch", "bf16", "fp16")
+            shared = [job[case][0][w]["counts"]["shared"] for w in (0, 1)]
+            assert shared == ([0, 0] if messages else [1, 0]), (case, shared)
+        return
     if job["transport"] == "shared-memory":
         for case in CASES:
             counts = job[case][0][0]["counts"]

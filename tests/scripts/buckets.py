@@ -11,6 +11,7 @@ the steps in one process from ps 0's record of which pushes each step took.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -104,4 +105,7 @@ def worker(cluster):
 
 
 if __name__ == "__main__":
+    from mpi4py import MPI
+    if str(MPI.COMM_WORLD.Get_rank()) in os.environ.get("SHM_OFF_ON_RANKS", "").split(","):
+        os.environ["MPISYNC_SHARED_MEMORY"] = "0"    # this rank's pairs exchange messages
     run(worker)
