@@ -26,6 +26,7 @@ from .wire import (
     ShardLayout,
     Tag,
     entry_views,
+    is_still_question,
     region_views,
 )
 
@@ -578,7 +579,7 @@ class DenseChannel:
         while True:
             answer = self.poller.wait_message(self.cluster.coordinator_rank,
                                               self.tags[Tag.INFO], lambda: "the reason")
-            if not isinstance(answer, tuple):     # a "still?" question: not for one in step()
+            if not is_still_question(answer):     # not for one in step()
                 return answer
 
     def _send_hyper(self, step: int, hyper: tuple[np.ndarray, np.ndarray]) -> None:
@@ -625,7 +626,7 @@ class DenseChannel:
         worker left it is stale (its UNPARK tells the coordinator)."""
         while True:
             got = self.poller.wait_message(source, self.tags[Tag.INFO], lambda: what)
-            if not (isinstance(got, tuple) and len(got) == 3 and got[0] == "still?"):
+            if not is_still_question(got):
                 return got
 
 

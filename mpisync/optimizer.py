@@ -37,7 +37,7 @@ from .state import check_state, merge_units, split_state, split_units
 from .stepclock import for_worker
 from .tracking import WriteTracker, was_rebound
 from .updates import apply_fn, ps_pieces, register, targets_of
-from .wire import FLAG_SCHEDULED, Kind, Tag
+from .wire import FLAG_SCHEDULED, Kind, Tag, is_still_question
 
 __all__ = ["SyncReplicasOptimizer"]
 
@@ -603,7 +603,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if msg is None:
             return
         answer = msg.recv()
-        if isinstance(answer, tuple):        # ("still?", step, question): yes, still here
+        if is_still_question(answer):        # yes, still here
             self._request(Kind.STILL, answer[2])
             return
         raise DeadlockError(f"{answer} (this worker is in {call})")

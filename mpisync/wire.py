@@ -24,8 +24,10 @@ __all__ = [
     "bucket_layout",
     "build_layouts",
     "entry_views",
+    "is_still_question",
     "pack_rows",
     "region_views",
+    "still_question",
     "tensor_view",
     "timing_view",
     "unpack_rows",
@@ -436,3 +438,15 @@ def unpack_rows(buf: np.ndarray, rows: list[tuple[torch.dtype, tuple[int, ...]] 
     if at != buf.nbytes:
         raise ValueError(f"a rows message of {buf.nbytes} bytes, expected {at}")
     return step, seq, parts
+
+
+def still_question(step: int, number: int) -> tuple:
+    """ps 0's question (pickled, ``Tag.INFO``) to a worker it suspects of a deadlock:
+    whether it is still in a collective among the workers. ``number`` names the question,
+    and the answer (``Kind.STILL``) carries it back."""
+    return ("still?", step, number)
+
+
+def is_still_question(answer) -> bool:
+    """Whether a message on ``Tag.INFO`` is ps 0's ``still_question`` (not an answer)."""
+    return isinstance(answer, tuple) and len(answer) == 3 and answer[0] == "still?"

@@ -24,6 +24,7 @@ from ..wire import (
     Control,
     Kind,
     Tag,
+    still_question,
 )
 from .steplog import StepLog
 
@@ -315,7 +316,7 @@ class Coordinator:
         self.suspect, self.unconfirmed = a, set(a.taken)
         self.question += 1      # an answer to an earlier question (read late) is not this one's
         for w in a.taken:
-            self.comm.send(("still?", a.step, self.question), dest=self.worker_ranks[w],
+            self.comm.send(still_question(a.step, self.question), dest=self.worker_ranks[w],
                            tag=self.tags[Tag.INFO])
 
     def _on_still(self, w: int, question: int) -> None:

@@ -714,7 +714,7 @@ class ShardServer:
                 self._start_send(self.head_sends[w])
         if self.timed:
             cur.apply_s += applied_at - t0
-            self.bytes_out += len(cur.workers) * self.send_buf.nbytes
+            self.bytes_out += len(set(cur.workers) - self.lost) * self.send_buf.nbytes
         notice = np.zeros(NOTICE_WORDS, np.int64)
         notice[0], notice[1], notice[2] = Kind.APPLIED, step, self.ps_index
         notice[3] = 0 if finite else NOTICE_SKIPPED
@@ -827,7 +827,7 @@ class ShardServer:
             if w not in self.lost:
                 self._start_send(self.head_sends[w])
         if self.timed:
-            self.bytes_out += len(workers) * self.send_buf.nbytes
+            self.bytes_out += len(set(workers) - self.lost) * self.send_buf.nbytes
 
     def _assign(self, chosen: list[_Slot]) -> None:
         """Each written parameter takes the value of the lowest-index worker that wrote it."""
