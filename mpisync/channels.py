@@ -33,6 +33,18 @@ from .wire import (
 __all__ = ["DenseChannel", "ReplicatedChannel"]
 
 
+_grad_of = operator.attrgetter("grad")
+_no_torch_function = torch._C.DisableTorchFunctionSubclass
+
+
+def _plain(params: list[torch.Tensor]) -> bool:
+    """Whether reading these parameters' ``.grad`` calls no ``__torch_function__`` anyway
+    (tensors and parameters, ``TrackedParameter`` too): then it may skip torch's look-up."""
+    return all(type(p) is torch.Tensor
+               or type(p).__torch_function__ is torch._C._disabled_torch_function_impl
+               for p in params)
+
+
 def _raw(t: torch.Tensor) -> np.ndarray:
     """The bytes of a contiguous tensor, as a NumPy array (writes change no torch version)."""
     return t.reshape(-1).view(torch.uint8).numpy()
@@ -288,7 +300,7 @@ class DenseChannel:
     def _bucket_members(self) -> None:
         """Every bucket of every ps (the buffers' buckets aside, they go at ``step()``):
         ``order[n] = (ps, bucket)``, ``members[n] = (parameters, their indices, their
-        gradient views, the indices as an array)``."""
+        gradient views, the indices as an array, whether their ``.grad`` is read plainly)``."""
         self.order, self.members = [], []
         self.pieces_of: dict[tuple[int, int], list] = {}
         for j, shard in enumerate(self.shards):
@@ -297,8 +309,9 @@ class DenseChannel:
                     continue
                 ids = list(dict.fromkeys(int(i) for i in shard.idx[b.first:b.stop]))
                 self.order.append((j, b.index))
-                self.members.append(([self.params[i] for i in ids], ids,
-                                     [self.gviews[i] for i in ids], np.array(ids, np.intp)))
+                params = [self.params[i] for i in ids]
+                self.members.append((params, ids, [self.gviews[i] for i in ids],
+                                     np.array(ids, np.intp), _plain(params)))
         for (j, k), piece in self.piece_entries.items():
             b = next(b for b in self.shards[j].buckets if b.first <= k < b.stop)
             self.pieces_of.setdefault((j, b.index), []).append(piece)
@@ -367,8 +380,12 @@ class DenseChannel:
 
     def _prepare(self, n: int) -> None:
         """Bucket ``n``'s gradients into its buffer; note which parameters have one."""
-        params, ids, views, where = self.members[n]
-        grads = [p.grad for p in params]
+        params, ids, views, where, plain = self.members[n]
+        if plain:
+            with _no_torch_function():
+                grads = list(map(_grad_of, params))
+        else:
+            grads = list(map(_grad_of, params))
         staging = self.staging
         if all(map(operator.is_, grads, views)):      # the usual step: backward wrote them
             self.has_grad[where] = 1

@@ -1,6 +1,7 @@
 """Writes to parameters between steps: seen through version counters, never lost."""
 from __future__ import annotations
 
+import operator
 import weakref
 
 import torch
@@ -8,6 +9,7 @@ import torch
 __all__ = ["TrackedParameter", "WriteTracker", "rebound", "was_rebound"]
 
 _set_data = torch._C.TensorBase.data.__set__
+_version_of = operator.attrgetter("_version")
 _rebound: set[int] = set()      # ids of tracked parameters given a new tensor by `p.data = x`
 # id(parameter) -> (the parameter, the module it was last registered in, its name there)
 _holders: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
@@ -96,7 +98,7 @@ class WriteTracker:
 
     def snapshot(self) -> None:
         """What the parameters hold now is what the ps ranks hold."""
-        self.versions = [a._version for a in self.aliases]
+        self.versions = list(map(_version_of, self.aliases))
         if _rebound:
             _rebound.difference_update(id(p) for p in self.params)
 
@@ -111,7 +113,7 @@ class WriteTracker:
         Receiving parameters writes raw memory and changes no version, so what this
         returns stays the snapshot through the next pull.
         """
-        now = [a._version for a in self.aliases]
+        now = list(map(_version_of, self.aliases))
         changed = [] if now == self.versions else [
             i for i, (v, w) in enumerate(zip(now, self.versions)) if v != w]
         self.versions = now

@@ -211,6 +211,23 @@ def test_one_process_plays_worker_ps_and_coordinator():
         comm.Free()
 
 
+class _Noted(torch.nn.Parameter):
+    """A parameter subclass with a ``__torch_function__`` of its own."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_gradients_are_read_past_torch_function_only_where_no_parameter_has_one():
+    from mpisync.channels import _plain
+    from mpisync.tracking import TrackedParameter
+    plain = [torch.nn.Parameter(torch.zeros(2)), torch.zeros(2),
+             TrackedParameter(torch.zeros(2))]
+    assert _plain(plain)
+    assert not _plain([*plain, _Noted(torch.zeros(2))])
+
+
 def test_tensors_of_any_dtype_and_shape_broadcast_from_the_chief():
     """bfloat16 and 0-dim parameters (a logit scale) go through the set-up broadcast."""
     tensors = [torch.ones(3, dtype=torch.bfloat16), torch.tensor(0.5), torch.ones(2, 3).t()]
