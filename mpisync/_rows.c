@@ -425,3 +425,46 @@ void rowwise_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim,
 
 KERNELS(float, f32)
 KERNELS(double, f64)
+
+/* The ps's dense reduce: ``out`` = ``in[0]`` + ``in[1]`` + ... (in that order), times
+ * ``inv`` where ``scale`` (the exact inverse of a power-of-two count: bitwise the
+ * quotient), in one pass over memory for two gradients (torch: an add, a multiply and,
+ * for the finiteness check, a sum: three). Returns whether every element of ``out`` is
+ * finite. */
+#define DENSE(T, S, U, EXPMASK)                                                              \
+static inline U last_pass_##S(int64_t n, const T *a, const T *b, int scale, T inv, T *out)  \
+{                                                                                            \
+    U bad = 0;                                                                               \
+    for (int64_t i = 0; i < n; i++) {                                                        \
+        T x = b ? a[i] + b[i] : a[i];                                                        \
+        if (scale)                                                                           \
+            x = x * inv;                                                                     \
+        out[i] = x;                                                                          \
+        U bits;                                                                              \
+        memcpy(&bits, &x, sizeof bits);                                                      \
+        bad |= (bits & EXPMASK) == EXPMASK;                                                  \
+    }                                                                                        \
+    return bad;                                                                              \
+}                                                                                            \
+                                                                                             \
+int64_t dense_mean_##S(int64_t n, const T *const *in, int64_t k, int scale, T inv, T *out)  \
+{                                                                                            \
+    U bad;                                                                                   \
+    if (k == 1) {                                                                            \
+        bad = scale ? last_pass_##S(n, in[0], NULL, 1, inv, out)                             \
+                    : last_pass_##S(n, in[0], NULL, 0, inv, out);                            \
+        return !bad;                                                                         \
+    }                                                                                        \
+    const T *a = in[0];                                                                      \
+    for (int64_t j = 1; j + 1 < k; j++) {        /* all but the last: sums, in order */      \
+        for (int64_t i = 0; i < n; i++)                                                      \
+            out[i] = a[i] + in[j][i];                                                        \
+        a = out;                                                                             \
+    }                                                                                        \
+    bad = scale ? last_pass_##S(n, a, in[k - 1], 1, inv, out)                                \
+                : last_pass_##S(n, a, in[k - 1], 0, inv, out);                               \
+    return !bad;                                                                             \
+}
+
+DENSE(float, f32, uint32_t, 0x7f800000u)
+DENSE(double, f64, uint64_t, 0x7ff0000000000000ull)

@@ -9,6 +9,10 @@ both). It is compiled once per machine with the C compiler (``cc``, or ``$CC``) 
 ``$MPISYNC_CACHE`` (default ``~/.cache/mpisync``) and loaded with ``ctypes``; where there
 is no compiler, or ``MPISYNC_ROW_KERNELS=0``, ``available()`` is False and the callers
 use torch. Every function here expects ids already checked to lie in the shard.
+
+``dense_mean`` is the dense step's reduce on the ps (``ps/shard.py``): the taken gradients'
+sum and, for a power-of-two count, mean in one pass, which also tells whether they are
+finite (the ``nonfinite="raise"`` check), bitwise torch's add and multiply.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ import torch
 from . import environ
 
 __all__ = ["adagrad_apply_rows", "adagrad_sum_rows", "available", "axpy_rows", "bag_rows",
-           "bag_sums", "gather", "merge_pieces", "reuse_freed_memory", "rowwise_rows",
+           "bag_sums", "dense_mean", "gather", "merge_pieces", "reuse_freed_memory", "rowwise_rows",
            "scatter", "shard_order", "slots_for", "split_ids", "table_copy", "table_zeros"]
 
 _SOURCE = Path(__file__).with_name("_rows.c")
@@ -139,6 +143,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, f"axpy_rows_{s}").argtypes = [_I, _P, _P, _I, real, real, real, _P]
         getattr(lib, f"rowwise_rows_{s}").argtypes = [_I, _P, _P, _I, real, real, real, real,
                                                      _P, _P]
+        dense = getattr(lib, f"dense_mean_{s}")
+        dense.argtypes = [_I, _P, _I, ctypes.c_int, real, _P]
+        dense.restype = _I
 
 
 def _kernels() -> ctypes.CDLL | None:
@@ -388,3 +395,12 @@ def rowwise_rows(ids: torch.Tensor | None, grad: torch.Tensor, sign: float, lr: 
     ids = None if ids is None else ids.contiguous()
     _fn("rowwise_rows", grad.dtype)(len(grad), _ptr(ids), grad.data_ptr(), _width(grad), div,
                                     sign, lr, eps, total.data_ptr(), param.data_ptr())
+
+
+def dense_mean(out: torch.Tensor, grads: list[torch.Tensor], scale: bool) -> bool:
+    """``out`` = the sum of ``grads`` in order (contiguous, of ``out``'s dtype and size),
+    times ``1 / len(grads)`` where ``scale`` (a power of two only: bitwise the mean);
+    in one pass for two gradients. Returns whether every element of ``out`` is finite."""
+    ptrs = (ctypes.c_void_p * len(grads))(*[g.data_ptr() for g in grads])
+    return bool(_fn("dense_mean", out.dtype)(out.numel(), ptrs, len(grads), int(scale),
+                                             1.0 / len(grads), out.data_ptr()))

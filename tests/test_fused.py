@@ -172,3 +172,34 @@ def test_whole_tensor_and_unknown_optimizers_step_once_over_everything():
     for cls in (Mine, torch.optim.Adafactor):
         applier = build(cls, {"lr": 0.01}, [torch.float32] * len(SIZES))[0]
         assert applier.mode == "whole" and applier.steps_whole
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_dense_reduce_is_torchs_reduce_bitwise(dtype):
+    """The ps's one-pass reduce (``kernels.dense_mean``) gives the accumulator's mean or sum
+    bit for bit, subnormals, overflow and NaN included, and says whether it is finite."""
+    from mpisync import kernels
+    from mpisync.accumulate import ShardAccumulator
+    if not kernels.available(torch.zeros(1, dtype=dtype)):
+        pytest.skip("no C compiler: the ps reduces with torch")
+    info = torch.finfo(dtype)
+    gen = torch.Generator().manual_seed(3)
+    edge = [[info.tiny / 3, info.max, -info.max, info.tiny * 1.5],
+            [info.tiny / 5, info.max, info.max, -info.tiny]]
+    for k in (1, 2, 3, 4):
+        for how in ("mean", "sum"):
+            if how == "mean" and k & (k - 1):
+                continue               # not a power of two: the ps reduces with torch
+            grads = [torch.randn(4099, generator=gen, dtype=dtype)
+                     * 10.0 ** torch.randint(-30, 30, (4099,), generator=gen).to(dtype)
+                     for _ in range(k)]
+            for g, e in zip(grads, edge):
+                g[:4] = torch.tensor(e, dtype=dtype)
+            for nan in (False, True):
+                if nan:
+                    grads[-1][100] = float("nan")
+                ref, out = torch.zeros(4099, dtype=dtype), torch.full((4099,), 7.0, dtype=dtype)
+                ShardAccumulator(how).reduce([ref], [[g] for g in grads], k)
+                finite = kernels.dense_mean(out, grads, how == "mean" and k > 1)
+                assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), (k, how, nan)
+                assert finite == bool(torch.isfinite(ref).all()) and (k == 1 or not finite)

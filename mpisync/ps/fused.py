@@ -114,6 +114,7 @@ class Applier:
         self.scalars: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self.runs: list[list[_Run]] = [[] for _ in buckets]
         self.run_key = None
+        self.planned = None      # the gradients' mask the runs are planned for (``_plan``)
         self.run_state: dict[torch.Tensor, dict] = defaultdict(dict)
         self.present = np.zeros(n, bool)
         self.mode = "whole"
@@ -128,7 +129,7 @@ class Applier:
         Moves every parameter's state into the arenas, sorts the parameters into classes
         of identical histories, and picks the mode.
         """
-        self.run_key = None
+        self.run_key = self.planned = None
         self.run_state = defaultdict(dict)
         self.flags = self._flags()
         self.mode = self._mode()
@@ -221,8 +222,8 @@ class Applier:
 
     def end(self) -> None:
         """Every bucket is in: ``"whole"`` steps now; ``"fused"`` notes the new histories."""
-        if self.mode == "fused" and self.present.any():
-            stepped = self.present
+        if self.mode == "fused" and self.present.any() and not self.present.all():
+            stepped = self.present      # (all stepped: the classes stay as they were)
             uniq, inverse = np.unique(self.cls[stepped], return_inverse=True)
             self.cls[stepped] = self.next_cls + inverse
             self.next_cls += len(uniq)
@@ -235,7 +236,12 @@ class Applier:
     def _plan(self) -> None:
         """This step's runs: neighbours of one region, group, bucket and class, each with a
         gradient. The runs (and their flat parameters and state) of the last step are kept
-        when they are the same."""
+        when they are the same, at once when the same parameters have gradients as when
+        they were planned (``end()`` keeps apart the classes it kept apart)."""
+        mask = self.present.tobytes()
+        if mask == self.planned:
+            return
+        self.planned = mask
         idx = np.flatnonzero(self.present)
         if not len(idx):
             self.runs = [[] for _ in self.buckets]

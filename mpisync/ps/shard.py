@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import shm, timeline
+from .. import kernels, shm, timeline
 from ..accumulate import ShardAccumulator
 from ..errors import NonFiniteError, ProtocolError
 from ..progress import Poller
@@ -651,15 +651,16 @@ class ShardServer:
                 return None
             t0 = time.perf_counter() if timed else 0.0
             self._wait_sends(self.bucket_sends[b.index])   # last step's, of these values
+            finite = False
             if b.buffers:
                 self._update_buffers(cur.chosen)
             else:
-                self._reduce(b, cur.chosen)
+                finite = self._reduce(b, cur.chosen)
             if timed:
                 t1 = time.perf_counter()
                 cur.reduce_s += t1 - t0
             if not b.buffers and self.optimizer is not None:
-                if self.spec.nonfinite == "raise":
+                if self.spec.nonfinite == "raise" and not finite:
                     self._check_finite(cur, self._nonfinite([self.grad_views[b.index]],
                                                              b.first, b.stop))
                 self.applier.apply(b.index)
@@ -681,11 +682,20 @@ class ShardServer:
             if w not in self.lost:
                 self._start_send(self.bucket_sends[k][w])
 
-    def _reduce(self, b: Bucket, chosen: list[_Slot]) -> None:
+    def _reduce(self, b: Bucket, chosen: list[_Slot]) -> bool:
+        """Bucket ``b``'s taken gradients into the reduced ones; True when that found every
+        element finite (the compiled pass: a mean over a power of two, or a sum)."""
         out = self.grad_views[b.index]
         if out is None or self.optimizer is None:
-            return
-        self.acc.reduce([out], [[s.views[b.index]] for s in chosen], len(chosen))
+            return False
+        grads = [s.views[b.index] for s in chosen]
+        n = len(grads)
+        mean = self.acc.reduction == "mean" and n > 1
+        if kernels.available(out) and all(g.dtype == out.dtype for g in grads) and \
+                (not mean or n & (n - 1) == 0):
+            return kernels.dense_mean(out, grads, mean)
+        self.acc.reduce([out], [[g] for g in grads], n)
+        return False
 
     def _complete(self, cur: _Step) -> np.ndarray:
         """Every bucket is reduced: what comes after them, then the notice."""
