@@ -111,9 +111,9 @@ def _build() -> ctypes.CDLL | None:
         lib = _load(built) if why is None else None
     if lib is None:
         warnings.warn(f"mpisync: the row kernels ({_SOURCE.name}) could not be built "
-                      f"({why or 'not a loadable library'}); the ps's row updates run on "
-                      f"torch, bitwise the same and slower (MPISYNC_ROW_KERNELS=0 silences "
-                      f"this)", RuntimeWarning, stacklevel=3)
+                      f"({why or 'not a loadable library'}); the ps's row updates and dense "
+                      f"reduce run on torch, bitwise the same and slower (MPISYNC_ROW_KERNELS=0 "
+                      f"silences this)", RuntimeWarning, stacklevel=3)
     return lib
 
 
