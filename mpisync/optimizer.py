@@ -782,6 +782,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                                   f"write the tables' saved shards: {error}", collective=True)
             return
         hashed = {t.name for t in self._spec.tables if t.hashed is not None}
+        error = None
         try:
             for name, saved in tables.items():
                 for k, shard in enumerate(saved["shards"]):
@@ -790,11 +791,11 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                     else:
                         self._rows.write_shard(name, k, shard["weight"], shard.get("state"))
         except (ValueError, RuntimeError, TypeError) as exc:
-            for rank in others:
-                self._rows.comm.send(str(exc), dest=rank, tag=tag)
-            raise
+            error = exc
         for rank in others:
-            self._rows.comm.send(None, dest=rank, tag=tag)
+            self._rows.comm.send(None if error is None else str(error), dest=rank, tag=tag)
+        if error is not None:
+            raise error
 
     def _check_state(self, state_dict: dict) -> None:
         """Refuse a state that does not fit this model, before anything is changed or sent.
