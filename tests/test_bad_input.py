@@ -54,6 +54,7 @@ def assert_refused_everywhere(job, case: str, pattern: str, kind: str = "ConfigE
 def assert_refused_at_step(job, case: str, pattern: str, kind: str):
     """Every worker raised ``kind`` in step(), before sending anything: the ps ranks still
     hold the parameters of before, and two more steps after the repair count."""
+    assert sorted(job[0].get(case, {})) == list(WORKERS), (case, job[1].describe())
     for w, record in job[0][case].items():
         assert re.match(rf"{kind}: worker {w} \(rank {w} on [^)]*\): .*{pattern}",
                         record["error"]), record
@@ -281,6 +282,7 @@ def test_a_nonfinite_gradient_with_skip_drops_the_step_and_training_goes_on(job)
 
 
 def test_a_nonfinite_allreduced_gradient_raises_on_every_worker_and_training_goes_on(job):
+    assert sorted(job[0].get("nonfinite_allreduce", {})) == list(WORKERS), job[1].describe()
     for w, record in job[0]["nonfinite_allreduce"].items():
         assert re.fullmatch(rf"NonFiniteError: worker {w} \(rank {w} on [^)]*\): the gradient of "
                             r"parameter '2.weight' for global step 2, averaged over the workers "

@@ -138,6 +138,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, what) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_bucketed_pushes_give_the_replayed_steps(job, case):
     records, stats = job[case]
+    assert sorted(records) == [0, 1], (case, sorted(records))
     wire = wire_of(case)
     history = replay(case, records, stats)
     steps = stats["global_step"]

@@ -39,7 +39,7 @@ def job(request):
 @pytest.fixture(scope="module")
 def staged_job():
     run = run_mpi("exact.py", WORKERS, 2, STAGED, timeout=300, env={"MPISYNC_STAGE_CPU": "1"})
-    return run, run.by_case()
+    return run, run.assert_every_case_ran(STAGED, WORKERS, lambda name: BY_NAME[name].steps)
 
 
 def max_diff(a, b) -> float:

@@ -31,6 +31,9 @@ def check_digits(out: str) -> None:
     accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out).group(1))
     assert accuracy >= 0.9, out
     assert "gradients_applied" in out, out
+    train = re.search(r"last epoch, every worker's examples: training loss ([0-9.]+), "
+                      r"training accuracy ([0-9.]+)", out)
+    assert train and 0 < float(train.group(2)) <= 1, out
     averaged = float(re.search(r"test accuracy of the moving averages \(decay 0.99\): ([0-9.]+)",
                                out).group(1))
     assert averaged >= 0.9, out
@@ -57,3 +60,5 @@ def test_ctr_example_beats_the_constant_predictor():
     model, constant, true = map(float, got.groups())
     assert model < 0.98 * constant and true < model, out
     assert float(re.search(r"test AUC: ([0-9.]+)", out).group(1)) > 0.65, out
+    assert re.search(r"last epoch, every worker's examples: training log-loss [0-9.]+, "
+                     r"click accuracy [0-9.]+", out), out
