@@ -82,6 +82,7 @@ def test_dense_allreduce_on_the_gpu_averages_over_nccl(tmp_path):
 
 def test_a_parameter_moved_off_its_gpu_after_set_up_is_refused_on_every_worker():
     run = run_mpi("gpu_train.py", 2, 1, ["--move"], env=ONE_GPU, timeout=180)
+    assert sorted(run.by_worker()) == [0, 1], run.describe()
     for w, record in run.by_worker().items():
         assert record["error"].startswith(f"worker {w} (rank {w}"), record
         assert "moved from cuda:0 to cpu after the SyncReplicasOptimizer was created" \
@@ -93,6 +94,7 @@ def test_embedding_rows_come_to_the_gpu_worker():
     by_case = run.by_case()
     for case in GPU_CASES:
         ref = reference(BY_NAME[case.name])
+        assert sorted(by_case[case.name]) == [0, 1, 2], (case.name, run.describe())
         for w, got in by_case[case.name].items():
             diff = (torch.tensor(got["table"]) - torch.tensor(ref["table"])).abs().max().item()
             assert diff <= TOLERANCE, (case.name, w, diff)
