@@ -97,11 +97,6 @@ def strict_sync(spec: JobSpec) -> bool:
             and spec.replicas_to_aggregate == spec.num_workers)
 
 
-def _graded(regions):
-    """The regions whose tensors can have gradients (integer parameters never do)."""
-    return [r for r in regions if r[0].is_floating_point or r[0].is_complex]
-
-
 class _Slot:
     """A receive buffer for one worker's push, with its persistent requests.
 
@@ -130,8 +125,7 @@ class _Slot:
         self.fields, self.words, self.codes, self.mask = header.views(self.buf)
         self.timing = timing_view(self.fields)    # the worker's previous step, if reported
         t = self.data = torch.from_numpy(data)        # the data region, here or shared
-        self.views = [None if b.buffers or not _graded_dtype(b.dtype)
-                      else tensor_view(t, 0, b.dtype, b.offset, b.nbytes) for b in buckets]
+        self.views = _bucket_views(t, buckets)
         self.buffers = region_views(t, 0, layout.buffer_regions)
         self.done = 0            # buckets received, in order
         self.resend = False      # the whole region comes again (Tag.FULL)
@@ -187,6 +181,13 @@ class _Slot:
 
 def _graded_dtype(dtype) -> bool:
     return dtype is not None and (dtype.is_floating_point or dtype.is_complex)
+
+
+def _bucket_views(data: torch.Tensor, buckets: tuple[Bucket, ...]) -> list[torch.Tensor | None]:
+    """Per bucket, its gradients' view into ``data`` (bytes laid out as the buckets say);
+    None for the module buffers' bucket and integer ones (no gradients)."""
+    return [None if b.buffers or not _graded_dtype(b.dtype)
+            else tensor_view(data, 0, b.dtype, b.offset, b.nbytes) for b in buckets]
 
 
 class _Step:
@@ -301,9 +302,7 @@ class ShardServer:
         self.buffer_regions = region_views(pt, PARAM_HEADER_BYTES, layout.buffer_regions)
         self.grad_buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
         self.grads = entry_views(self.grad_buf, 0, layout.entries)
-        self.grad_views = [None if b.buffers or not _graded_dtype(b.dtype)
-                           else tensor_view(self.grad_buf, 0, b.dtype, b.offset, b.nbytes)
-                           for b in self.buckets]
+        self.grad_views = _bucket_views(self.grad_buf, self.buckets)
         part_of = dict(zip(self.spec.names, self.spec.parts))
         by_param: dict[str, list[torch.Tensor]] = {}
         for e, p in zip(layout.entries, self.params):
