@@ -143,14 +143,11 @@ class _Slot:
 
     def ready(self, k: int, comm, rank: int, tag: int, base: int) -> bool:
         """Whether bucket ``k`` of this push is in (tests the receives it waits for)."""
-        reqs = self.data_reqs
-        if not reqs:                   # shared memory: in place once the header came
+        if not self.data_reqs:         # shared memory: in place once the header came
             return True
-        while self.done < len(reqs) and self._arrived(reqs[self.done]):
-            self.done += 1
         if not self.resend:
-            return self.done > k
-        if self.done < len(reqs):
+            return self._drain() > k
+        if self._drain() < len(self.data_reqs):
             return False
         if self.full_req is None:      # every bucket is in: the region again, over them
             self.full_req = comm.Irecv([self.buf[base:], MPI.BYTE], source=rank, tag=tag)
@@ -162,10 +159,15 @@ class _Slot:
     @property
     def complete(self) -> bool:
         """Every receive of this push is done: the buffer may be posted again."""
+        return self._drain() == len(self.data_reqs) and self.full_req is None and \
+            not self.resend
+
+    def _drain(self) -> int:
+        """How many buckets are in, in order (tests the receives of the next ones)."""
         reqs = self.data_reqs
         while self.done < len(reqs) and self._arrived(reqs[self.done]):
             self.done += 1
-        return self.done == len(reqs) and self.full_req is None and not self.resend
+        return self.done
 
     def _arrived(self, req: MPI.Request) -> bool:
         """Whether the next bucket is in; one larger than the bucket is a ProtocolError."""
@@ -718,12 +720,9 @@ class ShardServer:
         applied_at = time.perf_counter() if self.timed else 0.0
         if self.rows.active:
             self.rows.send_changed(cur.workers, self.global_step)
-        for w in cur.workers:
-            if w not in self.lost:
-                self._start_send(self.head_sends[w])
+        self._send_heads(cur.workers)
         if self.timed:
             cur.apply_s += applied_at - t0
-            self.bytes_out += len(set(cur.workers) - self.lost) * self.send_buf.nbytes
         notice = np.zeros(NOTICE_WORDS, np.int64)
         notice[0], notice[1], notice[2] = Kind.APPLIED, step, self.ps_index
         notice[3] = 0 if finite else NOTICE_SKIPPED
@@ -832,6 +831,10 @@ class ShardServer:
             self.rows.send_changed(workers, self.global_step)
         for b in self.buckets:
             self._send_bucket(b.index, workers)
+        self._send_heads(workers)
+
+    def _send_heads(self, workers) -> None:
+        """The header (version) to ``workers``: it ends what they get of a step."""
         for w in workers:
             if w not in self.lost:
                 self._start_send(self.head_sends[w])
