@@ -295,17 +295,16 @@ class Coordinator:
     def _load(self, a: Action) -> None:
         pieces, step = self.load_pieces
         self.load_pieces = None
-        if self.load_kind == Kind.UPDATE:     # opt.update(): functions, no state
-            self._to_shards(self.control.new(Kind.UPDATE, a.step, has_obj=True), pieces)
-            for w in a.workers:
-                self.comm.send(None, dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
-            self.steps.loaded(a.step)         # they go on with the parameters they hold
-            self._token(Kind.GRANT, a.step, a.workers)
-            return
-        self._to_shards(self.control.new(Kind.LOAD, step, has_obj=True), pieces)
+        update = self.load_kind == Kind.UPDATE      # opt.update(): functions, no state
+        self._to_shards(self.control.new(self.load_kind, a.step if update else step,
+                                         has_obj=True), pieces)
         for w in a.workers:
             self.comm.send(None, dest=self.worker_ranks[w], tag=self.tags[Tag.INFO])
-        self._emit(self.steps.loaded(step))
+        if update:
+            self.steps.loaded(a.step)         # they go on with the parameters they hold
+            self._token(Kind.GRANT, a.step, a.workers)
+        else:
+            self._emit(self.steps.loaded(step))
 
     def _fail(self, a: Action) -> None:
         """A suspected deadlock: ask the parked workers whether they are still waiting (a

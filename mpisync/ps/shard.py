@@ -97,11 +97,6 @@ def strict_sync(spec: JobSpec) -> bool:
             and spec.replicas_to_aggregate == spec.num_workers)
 
 
-def _graded(regions):
-    """The regions whose tensors can have gradients (integer parameters never do)."""
-    return [r for r in regions if r[0].is_floating_point or r[0].is_complex]
-
-
 class _Slot:
     """A receive buffer for one worker's push, with its persistent requests.
 
@@ -130,8 +125,7 @@ class _Slot:
         self.fields, self.words, self.codes, self.mask = header.views(self.buf)
         self.timing = timing_view(self.fields)    # the worker's previous step, if reported
         t = self.data = torch.from_numpy(data)        # the data region, here or shared
-        self.views = [None if b.buffers or not _graded_dtype(b.dtype)
-                      else tensor_view(t, 0, b.dtype, b.offset, b.nbytes) for b in buckets]
+        self.views = _bucket_views(t, buckets)
         self.buffers = region_views(t, 0, layout.buffer_regions)
         self.done = 0            # buckets received, in order
         self.resend = False      # the whole region comes again (Tag.FULL)
@@ -149,14 +143,11 @@ class _Slot:
 
     def ready(self, k: int, comm, rank: int, tag: int, base: int) -> bool:
         """Whether bucket ``k`` of this push is in (tests the receives it waits for)."""
-        reqs = self.data_reqs
-        if not reqs:                   # shared memory: in place once the header came
+        if not self.data_reqs:         # shared memory: in place once the header came
             return True
-        while self.done < len(reqs) and self._arrived(reqs[self.done]):
-            self.done += 1
         if not self.resend:
-            return self.done > k
-        if self.done < len(reqs):
+            return self._drain() > k
+        if self._drain() < len(self.data_reqs):
             return False
         if self.full_req is None:      # every bucket is in: the region again, over them
             self.full_req = comm.Irecv([self.buf[base:], MPI.BYTE], source=rank, tag=tag)
@@ -168,10 +159,15 @@ class _Slot:
     @property
     def complete(self) -> bool:
         """Every receive of this push is done: the buffer may be posted again."""
+        return self._drain() == len(self.data_reqs) and self.full_req is None and \
+            not self.resend
+
+    def _drain(self) -> int:
+        """How many buckets are in, in order (tests the receives of the next ones)."""
         reqs = self.data_reqs
         while self.done < len(reqs) and self._arrived(reqs[self.done]):
             self.done += 1
-        return self.done == len(reqs) and self.full_req is None and not self.resend
+        return self.done
 
     def _arrived(self, req: MPI.Request) -> bool:
         """Whether the next bucket is in; one larger than the bucket is a ProtocolError."""
@@ -187,6 +183,13 @@ class _Slot:
 
 def _graded_dtype(dtype) -> bool:
     return dtype is not None and (dtype.is_floating_point or dtype.is_complex)
+
+
+def _bucket_views(data: torch.Tensor, buckets: tuple[Bucket, ...]) -> list[torch.Tensor | None]:
+    """Per bucket, its gradients' view into ``data`` (bytes laid out as the buckets say);
+    None for the module buffers' bucket and integer ones (no gradients)."""
+    return [None if b.buffers or not _graded_dtype(b.dtype)
+            else tensor_view(data, 0, b.dtype, b.offset, b.nbytes) for b in buckets]
 
 
 class _Step:
@@ -301,9 +304,7 @@ class ShardServer:
         self.buffer_regions = region_views(pt, PARAM_HEADER_BYTES, layout.buffer_regions)
         self.grad_buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
         self.grads = entry_views(self.grad_buf, 0, layout.entries)
-        self.grad_views = [None if b.buffers or not _graded_dtype(b.dtype)
-                           else tensor_view(self.grad_buf, 0, b.dtype, b.offset, b.nbytes)
-                           for b in self.buckets]
+        self.grad_views = _bucket_views(self.grad_buf, self.buckets)
         part_of = dict(zip(self.spec.names, self.spec.parts))
         by_param: dict[str, list[torch.Tensor]] = {}
         for e, p in zip(layout.entries, self.params):
@@ -719,12 +720,9 @@ class ShardServer:
         applied_at = time.perf_counter() if self.timed else 0.0
         if self.rows.active:
             self.rows.send_changed(cur.workers, self.global_step)
-        for w in cur.workers:
-            if w not in self.lost:
-                self._start_send(self.head_sends[w])
+        self._send_heads(cur.workers)
         if self.timed:
             cur.apply_s += applied_at - t0
-            self.bytes_out += len(set(cur.workers) - self.lost) * self.send_buf.nbytes
         notice = np.zeros(NOTICE_WORDS, np.int64)
         notice[0], notice[1], notice[2] = Kind.APPLIED, step, self.ps_index
         notice[3] = 0 if finite else NOTICE_SKIPPED
@@ -833,6 +831,10 @@ class ShardServer:
             self.rows.send_changed(workers, self.global_step)
         for b in self.buckets:
             self._send_bucket(b.index, workers)
+        self._send_heads(workers)
+
+    def _send_heads(self, workers) -> None:
+        """The header (version) to ``workers``: it ends what they get of a step."""
         for w in workers:
             if w not in self.lost:
                 self._start_send(self.head_sends[w])
