@@ -37,7 +37,7 @@ import math
 import numbers
 import pickle
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -157,14 +157,14 @@ def _flatten(value, path: str, leaves: list, tokens: list) -> object:
     return len(leaves) - 1
 
 
-def _rebuild(skeleton, results: list):
-    """The reduced value: ``skeleton`` with each leaf index replaced by its result."""
+def _rebuild(skeleton, leaf: Callable):
+    """The value of ``skeleton``: its containers rebuilt, each leaf ``x`` as ``leaf(x)``."""
     if not isinstance(skeleton, _Node):
-        return results[skeleton]
+        return leaf(skeleton)
     if skeleton.mapping is not None:            # in this worker's own key order
-        got = {k: _rebuild(s, results) for k, s in skeleton.items}
+        got = {k: _rebuild(s, leaf) for k, s in skeleton.items}
         return _container(skeleton, {k: got[k] for k in skeleton.mapping})
-    return _container(skeleton, [_rebuild(s, results) for s in skeleton.items])
+    return _container(skeleton, [_rebuild(s, leaf) for s in skeleton.items])
 
 
 def _factory(mapping):
@@ -299,7 +299,8 @@ def _reduce(comm: MPI.Intracomm, value, op, what: str, problem: str | None = Non
         for kind, buf in buffers.items():
             buffers[kind] = _allreduce(comm, buf, op, kind in nan)
     numbers_ = _python_ints(op, [g["ints"] for g in gathered], comm.Get_size())
-    return _rebuild(skeleton, _results(leaves, buffers, numbers_, op, comm.Get_size()))
+    results = _results(leaves, buffers, numbers_, op, comm.Get_size())
+    return _rebuild(skeleton, results.__getitem__)
 
 
 def _outgoing(leaves: list[_Leaf], op: str) -> tuple[bool, dict, dict]:
@@ -504,13 +505,4 @@ def _unpack(skeleton, metas: list, data: torch.Tensor):
         nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         piece = data[offset:offset + nbytes].view(dtype).reshape(shape)
         tensors.append(piece.to(_local_device(device_type)))
-
-    def fill(v):
-        if isinstance(v, _Tensor):
-            return tensors[v]
-        if not isinstance(v, _Node):
-            return v
-        if v.mapping is not None:
-            return _container(v, {k: fill(x) for k, x in v.items})
-        return _container(v, [fill(x) for x in v.items])
-    return fill(skeleton)
+    return _rebuild(skeleton, lambda v: tensors[v] if isinstance(v, _Tensor) else v)
