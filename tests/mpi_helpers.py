@@ -106,9 +106,11 @@ def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 12
     return run
 
 
-def failing(script: str, workers: int, ps: int = 1, args=(), timeout: float = 30,
+def failing(script: str, workers: int, ps: int = 1, args=(), timeout: float = 45,
             env: dict[str, str] | None = None) -> Run:
-    """A job that must end non-zero, by itself, within ``timeout`` seconds."""
+    """A job that must end non-zero, by itself, within ``timeout`` seconds: before the
+    60 s MPISYNC_TIMEOUT that ``run_mpi`` sets, so a failure noticed only as a stall does
+    not pass, with room for starting the ranks on a loaded machine (11-24 s seen)."""
     run = run_mpi(script, workers, ps, args, timeout=timeout, env=env, expect_ok=False)
     assert run.returncode != 0, f"{script} exited 0; {run.describe()}"
     return run
