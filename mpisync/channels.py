@@ -551,7 +551,7 @@ class DenseChannel:
             MPI.Request.Waitall(self.recvs)
             self.recvs_started = False
             if kind == Kind.FAIL:
-                raise DeadlockError(self._reason())
+                raise DeadlockError(self.answer(self.cluster.coordinator_rank, "the reason"))
             if kind not in (Kind.GRANT, Kind.STOP):
                 raise ProtocolError(f"{self.label}: unknown token kind {kind}")
         self.recvs_started = False
@@ -590,14 +590,6 @@ class DenseChannel:
             np.copyto(dst, src)     # raw memory: not a write the tracker should see
         if self.staging:
             self.staging.to_devices()
-
-    def _reason(self) -> str:
-        """The coordinator's reason for a FAIL token (a question asked before it is skipped)."""
-        while True:
-            answer = self.poller.wait_message(self.cluster.coordinator_rank,
-                                              self.tags[Tag.INFO], lambda: "the reason")
-            if not is_still_question(answer):     # not for one in step()
-                return answer
 
     def _send_hyper(self, step: int, hyper: tuple[np.ndarray, np.ndarray]) -> None:
         words, codes = hyper
