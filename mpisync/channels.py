@@ -215,6 +215,8 @@ class DenseChannel:
         self.token_req = comm.Recv_init([self.token, MPI.BYTE], source=cluster.coordinator_rank,
                                         tag=self.tags[Tag.TOKEN])
         self.recvs = [r for s in self.shards for r in s.recvs]
+        self.sends = [r for s in self.shards for r in (s.head_send, *s.data_sends, s.full_send)
+                      if r is not None]
         self.shared = [s for s in self.shards if s.segment is not None]
         self.recvs_started = False
         self.bytes_per_ps = [s.gbuf.nbytes for s in self.shards]
@@ -557,9 +559,7 @@ class DenseChannel:
         self.recvs_started = False
         for shard in self.shared:
             shard.due = [x + 1 for x in shard.seen]
-        sends = [r for s in self.shards for r in (s.head_send, *s.data_sends, s.full_send)
-                 if r is not None]
-        poller.wait_all(sends + self.pending, lambda: "gradient sends")
+        poller.wait_all(self.sends + self.pending, lambda: "gradient sends")
         for shard in self.shards:
             shard.sent = 0
         self.pending = []
@@ -618,10 +618,8 @@ class DenseChannel:
             for r in self.recvs:
                 r.Cancel()
             MPI.Request.Waitall(self.recvs)
-        for shard in self.shards:
-            for req in (shard.head_send, *shard.data_sends, shard.full_send, *shard.recvs):
-                if req is not None:
-                    req.Free()
+        for req in self.sends + self.recvs:
+            req.Free()
         self.token_req.Free()
 
     def final_stats(self) -> dict:
