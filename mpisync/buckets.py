@@ -105,10 +105,11 @@ class GradBuckets:
         if self.on_hook is not None:
             self.on_hook(handed)
 
-    def _hand_out(self, lane: int) -> bool:
-        """Hand out the lane's next buckets while they are full; whether any was."""
+    def _hand_out(self, lane: int, every: bool = False) -> bool:
+        """Hand out the lane's next buckets while they are full (``every``: all that are
+        left); whether any was."""
         order, handed = self.order[lane], False
-        while self.next[lane] < len(order) and self.left[order[self.next[lane]]] <= 0:
+        while self.next[lane] < len(order) and (every or self.left[order[self.next[lane]]] <= 0):
             k = order[self.next[lane]]
             self.next[lane] += 1
             self.started[k] = True
@@ -118,12 +119,8 @@ class GradBuckets:
 
     def flush(self) -> None:
         """Hand out every bucket not handed out yet, lane by lane in order."""
-        for lane, order in self.order.items():
-            while self.next[lane] < len(order):
-                k = order[self.next[lane]]
-                self.next[lane] += 1
-                self.started[k] = True
-                self.on_full(k)
+        for lane in self.order:
+            self._hand_out(lane, every=True)
 
     def _end(self) -> None:
         self.in_backward = False

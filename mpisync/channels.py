@@ -215,6 +215,8 @@ class DenseChannel:
         self.token_req = comm.Recv_init([self.token, MPI.BYTE], source=cluster.coordinator_rank,
                                         tag=self.tags[Tag.TOKEN])
         self.recvs = [r for s in self.shards for r in s.recvs]
+        self.sends = [r for s in self.shards for r in (s.head_send, *s.data_sends, s.full_send)
+                      if r is not None]
         self.shared = [s for s in self.shards if s.segment is not None]
         self.recvs_started = False
         self.bytes_per_ps = [s.gbuf.nbytes for s in self.shards]
@@ -551,15 +553,13 @@ class DenseChannel:
             MPI.Request.Waitall(self.recvs)
             self.recvs_started = False
             if kind == Kind.FAIL:
-                raise DeadlockError(self._reason())
+                raise DeadlockError(self.answer(self.cluster.coordinator_rank, "the reason"))
             if kind not in (Kind.GRANT, Kind.STOP):
                 raise ProtocolError(f"{self.label}: unknown token kind {kind}")
         self.recvs_started = False
         for shard in self.shared:
             shard.due = [x + 1 for x in shard.seen]
-        sends = [r for s in self.shards for r in (s.head_send, *s.data_sends, s.full_send)
-                 if r is not None]
-        poller.wait_all(sends + self.pending, lambda: "gradient sends")
+        poller.wait_all(self.sends + self.pending, lambda: "gradient sends")
         for shard in self.shards:
             shard.sent = 0
         self.pending = []
@@ -591,14 +591,6 @@ class DenseChannel:
         if self.staging:
             self.staging.to_devices()
 
-    def _reason(self) -> str:
-        """The coordinator's reason for a FAIL token (a question asked before it is skipped)."""
-        while True:
-            answer = self.poller.wait_message(self.cluster.coordinator_rank,
-                                              self.tags[Tag.INFO], lambda: "the reason")
-            if not is_still_question(answer):     # not for one in step()
-                return answer
-
     def _send_hyper(self, step: int, hyper: tuple[np.ndarray, np.ndarray]) -> None:
         words, codes = hyper
         width = len(words)
@@ -626,10 +618,8 @@ class DenseChannel:
             for r in self.recvs:
                 r.Cancel()
             MPI.Request.Waitall(self.recvs)
-        for shard in self.shards:
-            for req in (shard.head_send, *shard.data_sends, shard.full_send, *shard.recvs):
-                if req is not None:
-                    req.Free()
+        for req in self.sends + self.recvs:
+            req.Free()
         self.token_req.Free()
 
     def final_stats(self) -> dict:

@@ -186,7 +186,6 @@ class Staging:
         self.label = label
         self.params: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.targets: dict[int, torch.Tensor] = {}
-        self.devices: dict[int, torch.device] = {}
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.copied: dict[int, tuple] = {}     # i -> (weakref, version) of the grad copied
         self.side: dict[torch.device, torch.cuda.Stream] = {}
@@ -201,17 +200,11 @@ class Staging:
     def __contains__(self, i: int) -> bool:
         return i in self.params
 
-    @property
-    def pinned(self) -> bool:
-        """Whether the host buffers should be pinned: some staged tensor is on CUDA."""
-        return self.cuda
-
     def add(self, i: int, param: torch.Tensor, host_param: torch.Tensor,
             host_grad: torch.Tensor) -> None:
         """Parameter ``i`` stays on its device; its values are copied into ``host_param``
         and a gradient it already has into ``host_grad``."""
         self.params[i] = (param, host_param, host_grad)
-        self.devices[i] = param.device
         self.targets[i] = _alias(param.detach())
         self.cuda |= param.device.type == "cuda"
         with torch.no_grad():

@@ -103,7 +103,7 @@ class RowsChannel:
 
         ``peek``: a hash table reads without counting a sighting (no row admitted).
         """
-        index = next(i for i, tb in enumerate(self.tables) if tb.info is info)
+        index = self.index_of(info)
         table = self.tables[index]
         t = table.spec
         order, counts, local = split(t, unique)

@@ -237,9 +237,7 @@ def bucket_layout(layout: ShardLayout, bucket_bytes: int) -> tuple[Bucket, ...]:
             buckets.append(_bucket(len(buckets), entries, first, end, dtype))
         at = stop
     if layout.buffer_entries:
-        start, last = layout.buffer_entries[0].offset, layout.buffer_entries[-1]
-        buckets.append(Bucket(len(buckets), len(entries), len(entries), start,
-                              last.offset + last.nbytes - start, None, True))
+        buckets.append(_buffers_bucket(len(buckets), layout))
     return tuple(buckets)
 
 
@@ -249,9 +247,7 @@ def wire_buckets(buckets: tuple[Bucket, ...], wire: ShardLayout) -> tuple[Bucket
     out = []
     for b in buckets:
         if b.buffers:
-            start, last = wire.buffer_entries[0].offset, wire.buffer_entries[-1]
-            out.append(Bucket(b.index, b.first, b.stop, start,
-                              last.offset + last.nbytes - start, None, True))
+            out.append(_buffers_bucket(b.index, wire))
         else:
             out.append(_bucket(b.index, wire.entries, b.first, b.stop,
                                wire.entries[b.first].dtype))
@@ -267,6 +263,13 @@ def wire_dtypes(dtypes, wire_dtype: torch.dtype | None) -> list[torch.dtype]:
     if wire_dtype is None:
         return list(dtypes)
     return [wire_dtype if d in COMPRESSIBLE else d for d in dtypes]
+
+
+def _buffers_bucket(index: int, layout: ShardLayout) -> Bucket:
+    """The last bucket: every module buffer of ``layout``, after its parameters."""
+    start, last = layout.buffer_entries[0].offset, layout.buffer_entries[-1]
+    return Bucket(index, len(layout.entries), len(layout.entries), start,
+                  last.offset + last.nbytes - start, None, True)
 
 
 def _bucket(index: int, entries, first: int, stop: int, dtype) -> Bucket:
