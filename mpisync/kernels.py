@@ -34,8 +34,9 @@ import torch
 from . import environ
 
 __all__ = ["adagrad_apply_rows", "adagrad_sum_rows", "available", "axpy_rows", "bag_rows",
-           "bag_sums", "dense_mean", "gather", "merge_pieces", "reuse_freed_memory", "rowwise_rows",
-           "scatter", "shard_order", "slots_for", "split_ids", "table_copy", "table_zeros"]
+           "bag_sums", "dense_mean", "dense_sgd", "gather", "merge_pieces", "reuse_freed_memory",
+           "rowwise_rows", "scatter", "sgd_exact", "sgd_settings", "shard_order", "slots_for",
+           "split_ids", "table_copy", "table_zeros"]
 
 _SOURCE = Path(__file__).with_name("_rows.c")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-march=native", "-fPIC", "-shared"]
@@ -146,6 +147,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         dense = getattr(lib, f"dense_mean_{s}")
         dense.argtypes = [_I, _P, _I, ctypes.c_int, real, _P]
         dense.restype = _I
+        sgd = getattr(lib, f"dense_sgd_{s}")
+        sgd.argtypes = [_I, _P, _I, ctypes.c_int, real, _P, _P, _P, real, ctypes.c_int, real,
+                        real, real, ctypes.c_int, ctypes.c_int]
+        sgd.restype = _I
 
 
 def _kernels() -> ctypes.CDLL | None:
@@ -404,3 +409,75 @@ def dense_mean(out: torch.Tensor, grads: list[torch.Tensor], scale: bool) -> boo
     ptrs = (ctypes.c_void_p * len(grads))(*[g.data_ptr() for g in grads])
     return bool(_fn("dense_mean", out.dtype)(out.numel(), ptrs, len(grads), int(scale),
                                              1.0 / len(grads), out.data_ptr()))
+
+
+def dense_sgd(out: torch.Tensor, grads: list[torch.Tensor], scale: bool, runs) -> bool:
+    """``dense_mean`` of ``grads`` into ``out`` and, in the same pass, torch.optim.SGD's
+    step of the parameters with it. ``runs``: ``(offset, param, momentum buffer or None,
+    settings)`` covering ``out``, each ``param`` (and buffer) contiguous, of ``out``'s dtype,
+    for ``out[offset:offset + param.numel()]``; settings as ``sgd_settings`` gives them.
+    Returns whether every element of ``out`` is finite (the parameters are stepped either
+    way)."""
+    fn = _fn("dense_sgd", out.dtype)
+    size = out.element_size()
+    finite = True
+    for offset, param, buf, (neg_lr, decay, wd, mom, damp1, nesterov, maximize) in runs:
+        at = offset * size
+        ptrs = (ctypes.c_void_p * len(grads))(*[g.data_ptr() + at for g in grads])
+        finite &= bool(fn(param.numel(), ptrs, len(grads), int(scale), 1.0 / len(grads),
+                          out.data_ptr() + at, param.data_ptr(), _ptr(buf), neg_lr, decay, wd,
+                          mom, damp1, nesterov, maximize))
+    return finite
+
+
+def sgd_settings(group: dict) -> tuple | None:
+    """A torch.optim.SGD param group's settings as ``dense_sgd`` takes them; None where
+    a hyper-parameter is not a plain number (a tensor learning rate) or the group asks for
+    what the kernel does not do (``fused``, ``differentiable``, ``capturable``)."""
+    values = [group.get(k) for k in ("lr", "momentum", "dampening", "weight_decay")]
+    if any(type(v) not in (float, int) for v in values) or \
+            any(group.get(k) for k in ("fused", "differentiable", "capturable")):
+        return None
+    lr, mom, damp, wd = values
+    return (-lr, int(wd != 0), wd, mom, 1 - damp, int(bool(group.get("nesterov"))),
+            int(bool(group.get("maximize"))))
+
+
+_SGD_EXACT: dict[tuple, bool] = {}
+
+
+def sgd_exact(dtype: torch.dtype, group: dict) -> bool:
+    """Whether ``dense_sgd`` steps bitwise as torch.optim.SGD does on this machine, for a
+    group with these options (checked once per dtype and kind of group, on a probe of odd
+    length: the vectorized body and the tail alike). Torch rounds ``add_(x, alpha=a)`` as
+    one fused multiply-add; a build that does not would fail here, and the ps keeps to
+    torch's step."""
+    kind = (dtype, group["momentum"] != 0, group["dampening"] != 0, group["weight_decay"] != 0,
+            bool(group["nesterov"]), bool(group["maximize"]), group.get("foreach"))
+    known = _SGD_EXACT.get(kind)
+    if known is not None:
+        return known
+    gen = torch.Generator().manual_seed(7)
+    n = 4099
+    opts = {"lr": 0.0123, "momentum": 0.9 if kind[1] else 0.0,
+            "dampening": 0.1 if kind[2] else 0.0, "weight_decay": 0.01 if kind[3] else 0.0,
+            "nesterov": kind[4], "maximize": kind[5], "foreach": kind[6]}
+    start = torch.randn(n, generator=gen, dtype=dtype) * 3
+    first = torch.randn(n, generator=gen, dtype=dtype)
+    grads = [torch.randn(n, generator=gen, dtype=dtype) * 1e-3 for _ in range(2)]
+    param = torch.nn.Parameter(start.clone())
+    opt = torch.optim.SGD([param], **opts)
+    param.grad = first
+    opt.step()                              # the momentum buffer made
+    buf = opt.state[param].get("momentum_buffer")
+    mine_p = param.detach().clone()
+    mine_buf = None if buf is None else buf.clone()
+    param.grad = (grads[0] + grads[1]) * 0.5
+    opt.step()
+    out = torch.empty(n, dtype=dtype)
+    settings = sgd_settings({**opts, **opt.param_groups[0], "lr": opts["lr"]})
+    dense_sgd(out, grads, True, [(0, mine_p, mine_buf, settings)])
+    same = torch.equal(out, param.grad) and torch.equal(mine_p, param.detach()) and (
+        buf is None or torch.equal(mine_buf, opt.state[param]["momentum_buffer"]))
+    _SGD_EXACT[kind] = same
+    return same

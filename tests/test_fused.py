@@ -203,3 +203,73 @@ def test_compiled_dense_reduce_is_torchs_reduce_bitwise(dtype):
                 finite = kernels.dense_mean(out, grads, how == "mean" and k > 1)
                 assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), (k, how, nan)
                 assert finite == bool(torch.isfinite(ref).all()) and (k == 1 or not finite)
+
+
+SGD_CASES = [({"lr": 0.1}, True), ({"lr": 0.1, "momentum": 0.9}, True),
+             ({"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}, True),
+             ({"lr": 0.1, "weight_decay": 0.01, "foreach": True}, True),
+             ({"lr": 0.1, "momentum": 0.9, "nesterov": True}, False),
+             ({"lr": 0.1, "maximize": True}, False),
+             ({"lr": torch.tensor(0.1)}, False)]
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")     # the fused steps skip opt.step()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kw,fuses", SGD_CASES, ids=[str(i) for i in range(len(SGD_CASES))])
+def test_compiled_sgd_in_the_reduce_is_torchs_step_bitwise(dtype, kw, fuses):
+    """For SGD the ps steps a bucket in the reduce's pass (``Applier.sgd_runs`` +
+    ``kernels.dense_sgd``): the parameters and momentum buffers are torch's per-parameter
+    step after the mean of two workers' gradients, bit for bit, with a scheduler, two
+    groups and parameters that miss steps; the settings it does not fuse step as before."""
+    from mpisync import kernels
+    if not kernels.available(torch.zeros(1, dtype=dtype)):
+        pytest.skip("no C compiler: the ps reduces and steps with torch")
+    applier, opt, params, _, ref, ref_opt = build(torch.optim.SGD, kw, [dtype] * len(SIZES))
+    region = applier.grad_regions[0]
+    workers = [torch.zeros_like(region) for _ in range(2)]
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 3, 0.5)
+    gen = torch.Generator().manual_seed(5)
+    fused = 0
+    for t in range(STEPS):
+        present = np.array([not (t in (2, 3) and i == 4) for i in range(len(params))])
+        for i, r in enumerate(ref):
+            a, b = int(applier.lo[i]), int(applier.hi[i])
+            for w in workers:
+                w[a:b] = torch.randn(b - a, generator=gen, dtype=dtype) * 10.0 ** (t % 3) \
+                    if present[i] else 0.0
+            r.grad = (workers[0][a:b] + workers[1][a:b]) * 0.5 if present[i] else None
+        applier.begin(present)
+        for k, members in enumerate(applier.buckets):
+            a, b = int(applier.lo[members.start]), int(applier.hi[members.stop - 1])
+            out, ins = region[a:b], [w[a:b] for w in workers]
+            runs = applier.sgd_runs(k, out)
+            if runs is None:
+                assert kernels.dense_mean(out, ins, True)
+                applier.apply(k)
+            else:
+                assert kernels.dense_sgd(out, ins, True, runs)
+                fused += 1
+        if applier.steps_whole:
+            opt.step()
+        applier.end()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+        assert_same(opt, params, ref, ref_opt)
+    # momentum: torch makes the buffers on the first step; a bucket missing a parameter
+    # (steps 2 and 3) is not covered by its runs
+    assert fused >= (len(applier.buckets) * (STEPS - 3) - 2 if fuses else 0)
+    assert fuses or fused == 0
+
+
+def test_compiled_sgd_steps_aside_for_step_hooks():
+    """A hook on the optimizer's step runs: such a step goes through ``optimizer.step()``."""
+    applier, opt, *_ = build(torch.optim.SGD, {"lr": 0.1}, [torch.float32] * len(SIZES))
+    applier.begin(np.ones(len(SIZES), bool))
+    out = applier.grad_regions[0][:int(applier.hi[2])]
+    assert applier.sgd_runs(0, out) is not None
+    handle = opt.register_step_post_hook(lambda *a: None)
+    assert applier.sgd_runs(0, out) is None
+    handle.remove()
+    assert applier.sgd_runs(0, out) is not None

@@ -18,6 +18,11 @@ everything else (``state_dict()``, ``load_state_dict()``, the tables' rows): a r
 swaps in, for the duration of one ``optimizer.step()``, param groups that hold the runs'
 flat parameters (with each group's hyper-parameters) and a state holding theirs.
 
+For plain SGD the ps goes one further: ``sgd_runs`` hands a bucket's runs to the compiled
+reduce (``kernels.dense_sgd``), which steps them in the same pass over memory that averages
+the workers' gradients, bitwise torch's step (checked once per machine, ``kernels.sgd_exact``,
+and in ``tests/test_fused.py``).
+
 Every other case steps ``"whole"``: one ``optimizer.step()`` over every parameter once
 every bucket is reduced, exactly as torch's own loop. That is optimizers that look at a
 whole tensor or at several at once (Adafactor, Muon, LBFGS), subclasses and unknown
@@ -33,6 +38,8 @@ from collections import defaultdict
 
 import numpy as np
 import torch
+
+from .. import kernels
 
 __all__ = ["ELEMENTWISE", "Applier", "only_params"]
 
@@ -61,6 +68,14 @@ def only_params(optimizer: torch.optim.Optimizer, params_per_group: list[list[to
     finally:
         optimizer.param_groups = groups
         optimizer.state = saved_state
+
+
+def _hooked(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` would run step hooks (its own or torch's global ones)."""
+    from torch.optim import optimizer as module
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or getattr(module, "_global_optimizer_pre_hooks", None)
+                or getattr(module, "_global_optimizer_post_hooks", None))
 
 
 class _Run:
@@ -219,6 +234,35 @@ class Applier:
         """Bucket ``k``'s reduced gradients are in: step its parameters (``"fused"``)."""
         if self.mode == "fused" and self.runs[k]:
             self._step_runs(self.runs[k])
+
+    def sgd_runs(self, k: int, out: torch.Tensor) -> list[tuple] | None:
+        """Bucket ``k``'s runs as ``kernels.dense_sgd`` takes them, where it may step them
+        in the reduce's pass over ``out`` (the bucket's reduced gradients): a plain
+        torch.optim.SGD without step hooks, whose kernel ``kernels.sgd_exact`` found bitwise
+        torch's here, runs that cover the whole bucket, each group's hyper-parameters plain
+        numbers, without ``nesterov`` or ``maximize`` (the kernel's slow, general loop) and
+        its momentum buffers made (torch makes them, on the first step). None otherwise:
+        the reduce, then ``apply(k)``. The caller fuses a mean of two or more only."""
+        opt, runs = self.optimizer, self.runs[k]
+        if self.mode != "fused" or type(opt) is not torch.optim.SGD or not runs or \
+                _hooked(opt) or sum(r.param.numel() for r in runs) != out.numel():
+            return None
+        base, size, end = out.data_ptr(), out.element_size(), out.numel()
+        taken = []
+        for run in runs:
+            grad, group = run.param.grad, opt.param_groups[run.group]
+            offset = (grad.data_ptr() - base) // size
+            settings = kernels.sgd_settings(group)
+            if settings is None or settings[5] or settings[6] or not 0 <= offset <= end - grad.numel() or \
+                    grad.dtype != out.dtype or not kernels.sgd_exact(out.dtype, group):
+                return None
+            buf = None
+            if group["momentum"] != 0:
+                buf = self.run_state[run.param].get("momentum_buffer")
+                if buf is None or not buf.is_contiguous() or buf.dtype != out.dtype:
+                    return None
+            taken.append((offset, run.param, buf, settings))
+        return taken
 
     def end(self) -> None:
         """Every bucket is in: ``"whole"`` steps now; ``"fused"`` notes the new histories."""

@@ -652,11 +652,11 @@ class ShardServer:
                 return None
             t0 = time.perf_counter() if timed else 0.0
             self._wait_sends(self.bucket_sends[b.index])   # last step's, of these values
-            finite = False
+            finite = stepped = False
             if b.buffers:
                 self._update_buffers(cur.chosen)
             else:
-                finite = self._reduce(b, cur.chosen)
+                finite, stepped = self._reduce(b, cur.chosen)
             if timed:
                 t1 = time.perf_counter()
                 cur.reduce_s += t1 - t0
@@ -664,7 +664,8 @@ class ShardServer:
                 if self.spec.nonfinite == "raise" and not finite:
                     self._check_finite(cur, self._nonfinite([self.grad_views[b.index]],
                                                              b.first, b.stop))
-                self.applier.apply(b.index)
+                if not stepped:
+                    self.applier.apply(b.index)
                 if timed:
                     cur.apply_s += time.perf_counter() - t1
             cur.next += 1
@@ -683,20 +684,27 @@ class ShardServer:
             if w not in self.lost:
                 self._start_send(self.bucket_sends[k][w])
 
-    def _reduce(self, b: Bucket, chosen: list[_Slot]) -> bool:
-        """Bucket ``b``'s taken gradients into the reduced ones; True when that found every
-        element finite (the compiled pass: a mean over a power of two, or a sum)."""
+    def _reduce(self, b: Bucket, chosen: list[_Slot]) -> tuple[bool, bool]:
+        """Bucket ``b``'s taken gradients into the reduced ones: (whether that found every
+        element finite, whether it stepped the bucket's parameters too). The compiled pass
+        (a mean over a power of two, or a sum) checks finiteness, and for SGD steps the
+        parameters in the same pass (``Applier.sgd_runs``); with non-finite gradients and
+        ``nonfinite="raise"`` the job ends with the error, as when a bucket before it was
+        stepped already."""
         out = self.grad_views[b.index]
         if out is None or self.optimizer is None:
-            return False
+            return False, False
         grads = [s.views[b.index] for s in chosen]
         n = len(grads)
         mean = self.acc.reduction == "mean" and n > 1
         if kernels.available(out) and all(g.dtype == out.dtype for g in grads) and \
                 (not mean or n & (n - 1) == 0):
-            return kernels.dense_mean(out, grads, mean)
+            runs = self.applier.sgd_runs(b.index, out) if mean else None
+            if runs is not None:
+                return kernels.dense_sgd(out, grads, mean, runs), True
+            return kernels.dense_mean(out, grads, mean), False
         self.acc.reduce([out], [[g] for g in grads], n)
-        return False
+        return False, False
 
     def _complete(self, cur: _Step) -> np.ndarray:
         """Every bucket is reduced: what comes after them, then the notice."""
