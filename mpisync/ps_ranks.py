@@ -622,6 +622,10 @@ def _install_excepthook() -> None:
         if cluster is not None and not cluster.closed and not isinstance(exc, PeerError):
             _notify_peers(cluster, f"{label} failed: {exc_type.__name__}: {exc}")
         time.sleep(1.5)  # let every rank print why it stops before the abort ends them all
+        if cluster is not None and cluster.losses is not None:
+            # a job that survives lost ranks (Open MPI with ULFM) has seen an abort wait on
+            # for good after ranks had died: this rank then ends itself, and the job with it
+            threading.Timer(FINALIZE_GRACE, os._exit, (1,)).start()
         MPI.COMM_WORLD.Abort(1)
 
     hook._mpisync = True
