@@ -415,7 +415,8 @@ def dense_sgd(out: torch.Tensor, grads: list[torch.Tensor], scale: bool, runs) -
     """``dense_mean`` of ``grads`` into ``out`` and, in the same pass, torch.optim.SGD's
     step of the parameters with it. ``runs``: ``(offset, param, momentum buffer or None,
     settings)`` covering ``out``, each ``param`` (and buffer) contiguous, of ``out``'s dtype,
-    for ``out[offset:offset + param.numel()]``; settings as ``sgd_settings`` gives them.
+    for ``out[offset:offset + param.numel()]``; settings as ``sgd_settings`` gives them for
+    that dtype.
     Returns whether every element of ``out`` is finite (the parameters are stepped either
     way)."""
     fn = _fn("dense_sgd", out.dtype)
@@ -430,15 +431,23 @@ def dense_sgd(out: torch.Tensor, grads: list[torch.Tensor], scale: bool, runs) -
     return finite
 
 
-def sgd_settings(group: dict) -> tuple | None:
-    """A torch.optim.SGD param group's settings as ``dense_sgd`` takes them; None where
-    a hyper-parameter is not a plain number (a tensor learning rate) or the group asks for
+def sgd_settings(group: dict, dtype: torch.dtype = torch.float32) -> tuple | None:
+    """A torch.optim.SGD param group's settings as ``dense_sgd`` takes them for parameters
+    of ``dtype``; None where a hyper-parameter is not a plain number (a tensor learning
+    rate), where torch would convert one differently (an int beyond 2**53, which ctypes
+    rounds twice) or refuse it (a learning rate, weight decay or ``1 - dampening`` beyond
+    the dtype's range: torch raises, the ps keeps to torch), or where the group asks for
     what the kernel does not do (``fused``, ``differentiable``, ``capturable``)."""
     values = [group.get(k) for k in ("lr", "momentum", "dampening", "weight_decay")]
     if any(type(v) not in (float, int) for v in values) or \
             any(group.get(k) for k in ("fused", "differentiable", "capturable")):
         return None
     lr, mom, damp, wd = values
+    alphas = (-lr, wd, 1 - damp)           # what torch converts with a range check
+    top = torch.finfo(dtype).max
+    if any(type(v) is int and abs(v) > 2 ** 53 for v in (*alphas, mom)) or \
+            any(math.isfinite(v) and abs(v) > top for v in alphas):
+        return None
     return (-lr, int(wd != 0), wd, mom, 1 - damp, int(bool(group.get("nesterov"))),
             int(bool(group.get("maximize"))))
 
@@ -459,12 +468,14 @@ def sgd_exact(dtype: torch.dtype, group: dict) -> bool:
         return known
     gen = torch.Generator().manual_seed(7)
     n = 4099
-    opts = {"lr": 0.0123, "momentum": 0.9 if kind[1] else 0.0,
-            "dampening": 0.1 if kind[2] else 0.0, "weight_decay": 0.01 if kind[3] else 0.0,
+    # every product about the size of what it is added to, so that rounding it apart from
+    # the sum (two roundings instead of one) changes hundreds of elements
+    opts = {"lr": 0.7, "momentum": 0.9 if kind[1] else 0.0,
+            "dampening": 0.3 if kind[2] else 0.0, "weight_decay": 0.3 if kind[3] else 0.0,
             "nesterov": kind[4], "maximize": kind[5], "foreach": kind[6]}
-    start = torch.randn(n, generator=gen, dtype=dtype) * 3
+    start = torch.randn(n, generator=gen, dtype=dtype)
     first = torch.randn(n, generator=gen, dtype=dtype)
-    grads = [torch.randn(n, generator=gen, dtype=dtype) * 1e-3 for _ in range(2)]
+    grads = [torch.randn(n, generator=gen, dtype=dtype) for _ in range(2)]
     param = torch.nn.Parameter(start.clone())
     opt = torch.optim.SGD([param], **opts)
     param.grad = first
@@ -475,7 +486,7 @@ def sgd_exact(dtype: torch.dtype, group: dict) -> bool:
     param.grad = (grads[0] + grads[1]) * 0.5
     opt.step()
     out = torch.empty(n, dtype=dtype)
-    settings = sgd_settings({**opts, **opt.param_groups[0], "lr": opts["lr"]})
+    settings = sgd_settings({**opts, **opt.param_groups[0], "lr": opts["lr"]}, dtype)
     dense_sgd(out, grads, True, [(0, mine_p, mine_buf, settings)])
     same = torch.equal(out, param.grad) and torch.equal(mine_p, param.detach()) and (
         buf is None or torch.equal(mine_buf, opt.state[param]["momentum_buffer"]))

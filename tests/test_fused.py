@@ -11,6 +11,10 @@ every state value must be bitwise equal at every step.
 from __future__ import annotations
 
 import copy
+import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -225,6 +229,9 @@ def test_compiled_sgd_in_the_reduce_is_torchs_step_bitwise(dtype, kw, fuses):
     if not kernels.available(torch.zeros(1, dtype=dtype)):
         pytest.skip("no C compiler: the ps reduces and steps with torch")
     applier, opt, params, _, ref, ref_opt = build(torch.optim.SGD, kw, [dtype] * len(SIZES))
+    # where torch's CPU kernels round differently (no fused multiply-add), the ps's check
+    # refuses the kernel, and every step is torch's
+    fuses = fuses and kernels.sgd_exact(dtype, opt.param_groups[0])
     region = applier.grad_regions[0]
     workers = [torch.zeros_like(region) for _ in range(2)]
     sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
@@ -273,3 +280,33 @@ def test_compiled_sgd_steps_aside_for_step_hooks():
     assert applier.sgd_runs(0, out) is None
     handle.remove()
     assert applier.sgd_runs(0, out) is not None
+
+
+def test_compiled_sgd_is_torchs_step_where_torch_rounds_otherwise():
+    """On torch's plain C++ kernels (``ATEN_CPU_CAPABILITY=default``, as on a processor
+    without AVX2) ``add_(x, alpha=a)`` rounds twice: the ps's check must see that (its
+    probe's products are the size of what they are added to) and the steps stay torch's."""
+    from mpisync import kernels
+    if os.environ.get("ATEN_CPU_CAPABILITY") or not kernels.available(torch.zeros(1)):
+        pytest.skip("already on one capability, or no C compiler")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          __file__, "-k", "compiled_sgd_in_the_reduce"],
+                         check=False, env=dict(os.environ, ATEN_CPU_CAPABILITY="default"),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert re.search(r"\b14 passed", run.stdout), run.stdout[-2000:]
+
+
+def test_compiled_sgd_leaves_to_torch_what_torch_converts_otherwise():
+    """Hyper-parameters torch refuses for float32 (beyond its range) or rounds once where
+    ctypes would round twice (ints beyond 2**53): the ps keeps to torch's step."""
+    from mpisync import kernels
+    group = {"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0,
+             "nesterov": False, "maximize": False}
+    assert kernels.sgd_settings(group, torch.float32) is not None
+    for key, value in (("lr", 1e300), ("lr", 3.4028236e38), ("weight_decay", 1e300),
+                       ("dampening", -1e39), ("lr", 2 ** 60 + 2 ** 36 + 1),
+                       ("momentum", 2 ** 60 + 2 ** 36 + 1)):
+        assert kernels.sgd_settings({**group, key: value}, torch.float32) is None, (key, value)
+    assert kernels.sgd_settings({**group, "lr": 1e300}, torch.float64) is not None
+    assert kernels.sgd_settings({**group, "lr": float("inf")}, torch.float32) is not None

@@ -252,7 +252,7 @@ class Applier:
         for run in runs:
             grad, group = run.param.grad, opt.param_groups[run.group]
             offset = (grad.data_ptr() - base) // size
-            settings = kernels.sgd_settings(group)
+            settings = kernels.sgd_settings(group, out.dtype)
             if settings is None or settings[5] or settings[6] or grad.dtype != out.dtype or \
                     not 0 <= offset <= end - grad.numel() or \
                     not kernels.sgd_exact(out.dtype, group):     # [5], [6]: nesterov, maximize
