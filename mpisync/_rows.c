@@ -430,20 +430,38 @@ KERNELS(double, f64)
  * ``inv`` where ``scale`` (the exact inverse of a power-of-two count: bitwise the
  * quotient), in one pass over memory for two gradients (torch: an add, a multiply and,
  * for the finiteness check, a sum: three). Returns whether every element of ``out`` is
- * finite. */
+ * finite. ``sum_but_last`` sums every gradient but the last into ``out`` (none for two)
+ * and ``mean_at`` finishes element ``i`` (``dense_sgd`` below does the same). */
 #define DENSE(T, S, U, EXPMASK)                                                              \
+static inline const T *sum_but_last_##S(int64_t n, const T *const *in, int64_t k, T *out)   \
+{                                                                                            \
+    const T *a = in[0];                                                                      \
+    for (int64_t j = 1; j + 1 < k; j++) {        /* all but the last: sums, in order */      \
+        for (int64_t i = 0; i < n; i++)                                                      \
+            out[i] = a[i] + in[j][i];                                                        \
+        a = out;                                                                             \
+    }                                                                                        \
+    return a;                                                                                \
+}                                                                                            \
+                                                                                             \
+static inline __attribute__((always_inline)) T                                              \
+mean_at_##S(int64_t i, const T *a, const T *b, int scale, T inv, T *out, U *bad)             \
+{                                                                                            \
+    T x = b ? a[i] + b[i] : a[i];                                                            \
+    if (scale)                                                                               \
+        x = x * inv;                                                                         \
+    out[i] = x;                                                                              \
+    U bits;                                                                                  \
+    memcpy(&bits, &x, sizeof bits);                                                          \
+    *bad |= (bits & EXPMASK) == EXPMASK;                                                     \
+    return x;                                                                                \
+}                                                                                            \
+                                                                                             \
 static inline U last_pass_##S(int64_t n, const T *a, const T *b, int scale, T inv, T *out)  \
 {                                                                                            \
     U bad = 0;                                                                               \
-    for (int64_t i = 0; i < n; i++) {                                                        \
-        T x = b ? a[i] + b[i] : a[i];                                                        \
-        if (scale)                                                                           \
-            x = x * inv;                                                                     \
-        out[i] = x;                                                                          \
-        U bits;                                                                              \
-        memcpy(&bits, &x, sizeof bits);                                                      \
-        bad |= (bits & EXPMASK) == EXPMASK;                                                  \
-    }                                                                                        \
+    for (int64_t i = 0; i < n; i++)                                                          \
+        mean_at_##S(i, a, b, scale, inv, out, &bad);                                         \
     return bad;                                                                              \
 }                                                                                            \
                                                                                              \
@@ -455,12 +473,7 @@ int64_t dense_mean_##S(int64_t n, const T *const *in, int64_t k, int scale, T in
                     : last_pass_##S(n, in[0], NULL, 0, inv, out);                            \
         return !bad;                                                                         \
     }                                                                                        \
-    const T *a = in[0];                                                                      \
-    for (int64_t j = 1; j + 1 < k; j++) {        /* all but the last: sums, in order */      \
-        for (int64_t i = 0; i < n; i++)                                                      \
-            out[i] = a[i] + in[j][i];                                                        \
-        a = out;                                                                             \
-    }                                                                                        \
+    const T *a = sum_but_last_##S(n, in, k, out);                                            \
     bad = scale ? last_pass_##S(n, a, in[k - 1], 1, inv, out)                                \
                 : last_pass_##S(n, a, in[k - 1], 0, inv, out);                               \
     return !bad;                                                                             \
@@ -469,74 +482,49 @@ int64_t dense_mean_##S(int64_t n, const T *const *in, int64_t k, int scale, T in
 DENSE(float, f32, uint32_t, 0x7f800000u)
 DENSE(double, f64, uint64_t, 0x7ff0000000000000ull)
 
-/* The dense reduce of ``dense_mean`` and, in the same pass, torch.optim.SGD's update of
- * the parameters ``p`` with that gradient (one trip through memory instead of two): for
- * each element, torch's operations in torch's order, each rounded as torch rounds it (its
- * ``add_(x, alpha=a)`` is one fused multiply-add; ``kernels.sgd_exact`` checks that on
- * this machine before the ps uses this). ``maximize`` negates the gradient; ``wd``
- * (weight decay, when ``decay``) adds ``wd * p``; with ``buf`` (the momentum buffer,
- * already made) ``buf = buf * mom + damp1 * g`` and the step follows ``buf`` (or, with
- * ``nesterov``, ``g + mom * buf``); then ``p += neg_lr * g``. ``out`` gets the reduced
- * gradient as ``dense_mean`` writes it. Returns whether every element of ``out`` is
- * finite (the parameters are updated either way). The ps calls it for a mean of two or
- * more gradients without ``maximize`` or ``nesterov``, the settings compiled on their
- * own below (vectorized, faster than torch's passes); the general loop is slower. */
-#define DENSE_SGD(T, S, U, EXPMASK, FMA)                                                     \
+/* The mean of ``k`` >= 2 gradients as ``dense_mean`` takes it (a power-of-two count, its
+ * inverse ``inv``) and, in the same pass, torch.optim.SGD's update of the parameters
+ * ``p`` with it (one trip through memory instead of two): for each element, torch's
+ * operations in torch's order, each rounded as torch rounds it (its ``add_(x, alpha=a)``
+ * is one fused multiply-add; ``kernels.sgd_exact`` checks that on this machine before the
+ * ps uses this). ``wd`` (weight decay, when ``decay``) adds ``wd * p``; with ``buf`` (the
+ * momentum buffer, already made) ``buf = buf * mom + damp1 * g`` and the step follows
+ * ``buf``; then ``p += neg_lr * g``. ``out`` gets the mean as ``dense_mean`` writes it.
+ * Returns whether every element of ``out`` is finite (the parameters are updated either
+ * way). Each of the four settings is compiled on its own (vectorized). */
+#define DENSE_SGD(T, S, U, FMA)                                                              \
 static inline __attribute__((always_inline)) U                                               \
-sgd_pass_##S(int64_t n, const T *a, const T *b, int scale, T inv, T *out, T *restrict p,     \
-             T *restrict buf, T neg_lr, int decay, T wd, T mom, T damp1, int nesterov,       \
-             int maximize)                                                                   \
+sgd_pass_##S(int64_t n, const T *a, const T *b, T inv, T *out, T *restrict p,                \
+             T *restrict buf, T neg_lr, int decay, T wd, T mom, T damp1)                     \
 {                                                                                            \
     U bad = 0;                                                                               \
     _Pragma("GCC ivdep")                                                                     \
     for (int64_t i = 0; i < n; i++) {                                                        \
-        T x = b ? a[i] + b[i] : a[i];                                                        \
-        if (scale)                                                                           \
-            x = x * inv;                                                                     \
-        out[i] = x;                                                                          \
-        U bits;                                                                              \
-        memcpy(&bits, &x, sizeof bits);                                                      \
-        bad |= (bits & EXPMASK) == EXPMASK;                                                  \
-        T g = maximize ? -x : x;                                                             \
+        T g = mean_at_##S(i, a, b, 1, inv, out, &bad);                                       \
         if (decay)                                                                           \
             g = FMA(p[i], wd, g);                                                            \
         if (buf) {                                                                           \
             T v = buf[i] * mom;                                                              \
-            v = FMA(g, damp1, v);                                                            \
-            buf[i] = v;                                                                      \
-            g = nesterov ? FMA(v, mom, g) : v;                                               \
+            g = buf[i] = FMA(g, damp1, v);                                                   \
         }                                                                                    \
         p[i] = FMA(g, neg_lr, p[i]);                                                         \
     }                                                                                        \
     return bad;                                                                              \
 }                                                                                            \
                                                                                              \
-int64_t dense_sgd_##S(int64_t n, const T *const *in, int64_t k, int scale, T inv, T *out,   \
-                      T *p, T *buf, T neg_lr, int decay, T wd, T mom, T damp1,              \
-                      int nesterov, int maximize)                                           \
+int64_t dense_sgd_##S(int64_t n, const T *const *in, int64_t k, T inv, T *out, T *p,        \
+                      T *buf, T neg_lr, int decay, T wd, T mom, T damp1)                    \
 {                                                                                            \
-    const T *a = in[0];                                                                      \
-    const T *b = k > 1 ? in[k - 1] : NULL;                                                   \
-    for (int64_t j = 1; j + 1 < k; j++) {        /* all but the last: sums, in order */      \
-        for (int64_t i = 0; i < n; i++)                                                      \
-            out[i] = a[i] + in[j][i];                                                        \
-        a = out;                                                                             \
-    }                                                                                        \
+    const T *a = sum_but_last_##S(n, in, k, out), *b = in[k - 1];                            \
     U bad;                                                                                   \
-    /* the settings the ps uses this for, each compiled on its own (vectorized) */        \
-    if (b && scale && !maximize && !nesterov && !buf)                                        \
-        bad = decay ? sgd_pass_##S(n, a, b, 1, inv, out, p, NULL, neg_lr, 1, wd, 0, 0, 0, 0)\
-                    : sgd_pass_##S(n, a, b, 1, inv, out, p, NULL, neg_lr, 0, 0, 0, 0, 0, 0);\
-    else if (b && scale && !maximize && !nesterov)                                           \
-        bad = decay ? sgd_pass_##S(n, a, b, 1, inv, out, p, buf, neg_lr, 1, wd, mom, damp1,  \
-                                   0, 0)                                                     \
-                    : sgd_pass_##S(n, a, b, 1, inv, out, p, buf, neg_lr, 0, 0, mom, damp1,   \
-                                   0, 0);                                                    \
+    if (buf)                                                                                 \
+        bad = decay ? sgd_pass_##S(n, a, b, inv, out, p, buf, neg_lr, 1, wd, mom, damp1)     \
+                    : sgd_pass_##S(n, a, b, inv, out, p, buf, neg_lr, 0, 0, mom, damp1);     \
     else                                                                                     \
-        bad = sgd_pass_##S(n, a, b, scale, inv, out, p, buf, neg_lr, decay, wd, mom, damp1,  \
-                           nesterov, maximize);                                              \
+        bad = decay ? sgd_pass_##S(n, a, b, inv, out, p, NULL, neg_lr, 1, wd, 0, 0)          \
+                    : sgd_pass_##S(n, a, b, inv, out, p, NULL, neg_lr, 0, 0, 0, 0);          \
     return !bad;                                                                             \
 }
 
-DENSE_SGD(float, f32, uint32_t, 0x7f800000u, fmaf)
-DENSE_SGD(double, f64, uint64_t, 0x7ff0000000000000ull, fma)
+DENSE_SGD(float, f32, uint32_t, fmaf)
+DENSE_SGD(double, f64, uint64_t, fma)

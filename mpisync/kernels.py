@@ -148,8 +148,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         dense.argtypes = [_I, _P, _I, ctypes.c_int, real, _P]
         dense.restype = _I
         sgd = getattr(lib, f"dense_sgd_{s}")
-        sgd.argtypes = [_I, _P, _I, ctypes.c_int, real, _P, _P, _P, real, ctypes.c_int, real,
-                        real, real, ctypes.c_int, ctypes.c_int]
+        sgd.argtypes = [_I, _P, _I, real, _P, _P, _P, real, ctypes.c_int, real, real, real]
         sgd.restype = _I
 
 
@@ -411,36 +410,35 @@ def dense_mean(out: torch.Tensor, grads: list[torch.Tensor], scale: bool) -> boo
                                              1.0 / len(grads), out.data_ptr()))
 
 
-def dense_sgd(out: torch.Tensor, grads: list[torch.Tensor], scale: bool, runs) -> bool:
-    """``dense_mean`` of ``grads`` into ``out`` and, in the same pass, torch.optim.SGD's
-    step of the parameters with it. ``runs``: ``(offset, param, momentum buffer or None,
-    settings)`` covering ``out``, each ``param`` (and buffer) contiguous, of ``out``'s dtype,
-    for ``out[offset:offset + param.numel()]``; settings as ``sgd_settings`` gives them for
-    that dtype.
-    Returns whether every element of ``out`` is finite (the parameters are stepped either
-    way)."""
+def dense_sgd(out: torch.Tensor, grads: list[torch.Tensor], runs) -> bool:
+    """``dense_mean`` of two or more ``grads`` (a power-of-two count) into ``out`` and, in
+    the same pass, torch.optim.SGD's step of the parameters with it. ``runs``: ``(offset,
+    param, momentum buffer or None, settings)`` covering ``out``, each ``param`` (and
+    buffer) contiguous, of ``out``'s dtype, for ``out[offset:offset + param.numel()]``;
+    settings as ``sgd_settings`` gives them for that dtype. Returns whether every element
+    of ``out`` is finite (the parameters are stepped either way)."""
     fn = _fn("dense_sgd", out.dtype)
     size = out.element_size()
     finite = True
-    for offset, param, buf, (neg_lr, decay, wd, mom, damp1, nesterov, maximize) in runs:
+    for offset, param, buf, settings in runs:
         at = offset * size
         ptrs = (ctypes.c_void_p * len(grads))(*[g.data_ptr() + at for g in grads])
-        finite &= bool(fn(param.numel(), ptrs, len(grads), int(scale), 1.0 / len(grads),
-                          out.data_ptr() + at, param.data_ptr(), _ptr(buf), neg_lr, decay, wd,
-                          mom, damp1, nesterov, maximize))
+        finite &= bool(fn(param.numel(), ptrs, len(grads), 1.0 / len(grads),
+                          out.data_ptr() + at, param.data_ptr(), _ptr(buf), *settings))
     return finite
 
 
 def sgd_settings(group: dict, dtype: torch.dtype = torch.float32) -> tuple | None:
     """A torch.optim.SGD param group's settings as ``dense_sgd`` takes them for parameters
-    of ``dtype``; None where a hyper-parameter is not a plain number (a tensor learning
-    rate), where torch would convert one differently (an int beyond 2**53, which ctypes
-    rounds twice) or refuse it (a learning rate, weight decay or ``1 - dampening`` beyond
-    the dtype's range: torch raises, the ps keeps to torch), or where the group asks for
-    what the kernel does not do (``fused``, ``differentiable``, ``capturable``)."""
+    of ``dtype``: (-lr, whether weight decay, weight decay, momentum, 1 - dampening). None
+    where the kernel does not do what the group asks (``nesterov``, ``maximize``,
+    ``fused``, ``differentiable``, ``capturable``), where a hyper-parameter is not a plain
+    number (a tensor learning rate), where torch would convert one differently (an int
+    beyond 2**53, which ctypes rounds twice) or refuse it (a learning rate, weight decay or
+    ``1 - dampening`` beyond the dtype's range: torch raises, the ps keeps to torch)."""
     values = [group.get(k) for k in ("lr", "momentum", "dampening", "weight_decay")]
-    if any(type(v) not in (float, int) for v in values) or \
-            any(group.get(k) for k in ("fused", "differentiable", "capturable")):
+    if any(type(v) not in (float, int) for v in values) or any(group.get(k) for k in (
+            "nesterov", "maximize", "fused", "differentiable", "capturable")):
         return None
     lr, mom, damp, wd = values
     alphas = (-lr, wd, 1 - damp)           # what torch converts with a range check
@@ -448,8 +446,7 @@ def sgd_settings(group: dict, dtype: torch.dtype = torch.float32) -> tuple | Non
     if any(type(v) is int and abs(v) > 2 ** 53 for v in (*alphas, mom)) or \
             any(math.isfinite(v) and abs(v) > top for v in alphas):
         return None
-    return (-lr, int(wd != 0), wd, mom, 1 - damp, int(bool(group.get("nesterov"))),
-            int(bool(group.get("maximize"))))
+    return -lr, int(wd != 0), wd, mom, 1 - damp
 
 
 _SGD_EXACT: dict[tuple, bool] = {}
@@ -457,12 +454,14 @@ _SGD_EXACT: dict[tuple, bool] = {}
 
 def sgd_exact(dtype: torch.dtype, group: dict) -> bool:
     """Whether ``dense_sgd`` steps bitwise as torch.optim.SGD does on this machine, for a
-    group with these options (checked once per dtype and kind of group, on a probe of odd
-    length: the vectorized body and the tail alike). Torch rounds ``add_(x, alpha=a)`` as
-    one fused multiply-add; a build that does not would fail here, and the ps keeps to
-    torch's step."""
+    group with these options (False where ``sgd_settings`` refuses it; checked once per
+    dtype and kind of group, on a probe of odd length: the vectorized body and the tail
+    alike). Torch rounds ``add_(x, alpha=a)`` as one fused multiply-add; a build that does
+    not would fail here, and the ps keeps to torch's step."""
+    if sgd_settings(group, dtype) is None:
+        return False
     kind = (dtype, group["momentum"] != 0, group["dampening"] != 0, group["weight_decay"] != 0,
-            bool(group["nesterov"]), bool(group["maximize"]), group.get("foreach"))
+            group.get("foreach"))
     known = _SGD_EXACT.get(kind)
     if known is not None:
         return known
@@ -472,7 +471,7 @@ def sgd_exact(dtype: torch.dtype, group: dict) -> bool:
     # the sum (two roundings instead of one) changes hundreds of elements
     opts = {"lr": 0.7, "momentum": 0.9 if kind[1] else 0.0,
             "dampening": 0.3 if kind[2] else 0.0, "weight_decay": 0.3 if kind[3] else 0.0,
-            "nesterov": kind[4], "maximize": kind[5], "foreach": kind[6]}
+            "foreach": kind[4]}
     start = torch.randn(n, generator=gen, dtype=dtype)
     first = torch.randn(n, generator=gen, dtype=dtype)
     grads = [torch.randn(n, generator=gen, dtype=dtype) for _ in range(2)]
@@ -486,8 +485,7 @@ def sgd_exact(dtype: torch.dtype, group: dict) -> bool:
     param.grad = (grads[0] + grads[1]) * 0.5
     opt.step()
     out = torch.empty(n, dtype=dtype)
-    settings = sgd_settings({**opts, **opt.param_groups[0], "lr": opts["lr"]}, dtype)
-    dense_sgd(out, grads, True, [(0, mine_p, mine_buf, settings)])
+    dense_sgd(out, grads, [(0, mine_p, mine_buf, sgd_settings(opt.param_groups[0], dtype))])
     same = torch.equal(out, param.grad) and torch.equal(mine_p, param.detach()) and (
         buf is None or torch.equal(mine_buf, opt.state[param]["momentum_buffer"]))
     _SGD_EXACT[kind] = same

@@ -255,7 +255,7 @@ def test_compiled_sgd_in_the_reduce_is_torchs_step_bitwise(dtype, kw, fuses):
                 assert kernels.dense_mean(out, ins, True)
                 applier.apply(k)
             else:
-                assert kernels.dense_sgd(out, ins, True, runs)
+                assert kernels.dense_sgd(out, ins, runs)
                 fused += 1
         if applier.steps_whole:
             opt.step()

@@ -240,9 +240,9 @@ class Applier:
         in the reduce's pass over ``out`` (the bucket's reduced gradients): a plain
         torch.optim.SGD without step hooks, whose kernel ``kernels.sgd_exact`` found bitwise
         torch's here, runs that cover the whole bucket, each group's hyper-parameters plain
-        numbers, without ``nesterov`` or ``maximize`` (the kernel's slow, general loop) and
-        its momentum buffers made (torch makes them, on the first step). None otherwise:
-        the reduce, then ``apply(k)``. The caller fuses a mean of two or more only."""
+        numbers, without ``nesterov`` or ``maximize`` (``kernels.sgd_settings``) and its
+        momentum buffers made (torch makes them, on the first step). None otherwise: the
+        reduce, then ``apply(k)``. The caller fuses a mean of two or more only."""
         opt, runs = self.optimizer, self.runs[k]
         if self.mode != "fused" or type(opt) is not torch.optim.SGD or not runs or \
                 _hooked(opt) or sum(r.param.numel() for r in runs) != out.numel():
@@ -253,9 +253,9 @@ class Applier:
             grad, group = run.param.grad, opt.param_groups[run.group]
             offset = (grad.data_ptr() - base) // size
             settings = kernels.sgd_settings(group, out.dtype)
-            if settings is None or settings[5] or settings[6] or grad.dtype != out.dtype or \
+            if settings is None or grad.dtype != out.dtype or \
                     not 0 <= offset <= end - grad.numel() or \
-                    not kernels.sgd_exact(out.dtype, group):     # [5], [6]: nesterov, maximize
+                    not kernels.sgd_exact(out.dtype, group):
                 return None
             buf = None
             if group["momentum"] != 0:

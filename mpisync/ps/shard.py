@@ -701,7 +701,7 @@ class ShardServer:
                 (not mean or n & (n - 1) == 0):
             runs = self.applier.sgd_runs(b.index, out) if mean else None
             if runs is not None:
-                return kernels.dense_sgd(out, grads, mean, runs), True
+                return kernels.dense_sgd(out, grads, runs), True
             return kernels.dense_mean(out, grads, mean), False
         self.acc.reduce([out], [[g] for g in grads], n)
         return False, False
