@@ -13,7 +13,7 @@ the gradients are filled in place). Three phases, each with ``--warmup`` untimed
    from the median round trip;
 2. allreduce: ``MPI_Allreduce`` (SUM) of D MiB of float32 over the workers only
    (``cluster.worker_comm``), the ps ranks sleep in a barrier; ms per call on the chief;
-3. step: ``opt.step()`` of a ``SyncReplicasOptimizer`` around ``torch.optim.SGD``
+3. step: ``opt.step()`` of a ``SyncReplicasOptimizer`` around ``torch.optim.SGD`` (or ``--optimizer``)
    (push gradients, apply on the ps, token, pull parameters); ms per step on the chief;
 4. allreduce step: the same with ``dense="allreduce"`` (the gradients averaged among the
    workers in buckets, SGD applied on every worker, the token still from ps 0). With no
@@ -54,9 +54,21 @@ def parse_args() -> argparse.Namespace:
                         help="B optimizers without and B with the statistics log, alternating")
     parser.add_argument("--stats-ab-log", default="/tmp/mpisync-step-bench-stats.jsonl",
                         help="where the --stats-ab optimizers log")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd",
+                        help="the optimizer the ps ranks apply (default: sgd)")
     parser.add_argument("--no-allreduce-step", action="store_true",
                         help="leave out phase 4 (the dense='allreduce' optimizer)")
     return parser.parse_args()
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-9),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-9, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-9),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-9),
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-9),
+}
 
 
 class DenseModel(torch.nn.Module):
@@ -144,7 +156,7 @@ def sync_steps(cluster, args, numel: int, dense: str = "ps",
     """Per-step seconds of opt.step() on this worker, and the final statistics."""
     model = DenseModel(args.tensors, numel)
     opt = mpisync.SyncReplicasOptimizer(
-        torch.optim.SGD(model.parameters(), lr=1e-9),
+        OPTIMIZERS[args.optimizer](model.parameters()),
         named_parameters=model.named_parameters(), cluster=cluster, dense=dense,
         stats_log=stats_log)
     times = []
@@ -201,7 +213,7 @@ def main() -> None:
     result = {
         "machine": machine(), "cores": os.cpu_count(),
         "workers": cluster.num_workers, "ps": cluster.num_ps, "mb": args.mb,
-        "tensors": args.tensors, "steps": args.steps,
+        "tensors": args.tensors, "optimizer": args.optimizer, "steps": args.steps,
         "step_ms": step_ms, "allreduce_ms": ar_ms,
         "ratio_step_to_allreduce": round(step_ms["median"] / ar_ms["median"], 2),
         "allreduce_step_ms": reduced_ms,

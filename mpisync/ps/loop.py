@@ -6,7 +6,7 @@ import time
 
 from mpi4py import MPI
 
-from .. import timeline
+from .. import heap, timeline
 from ..errors import ConfigError, StallError
 from ..progress import SETUP_TIMEOUT, STALL_WARNING, Pace, Poller, spin_seconds
 from ..spec import decode, versions
@@ -224,15 +224,19 @@ def serve(cluster) -> dict | list[dict]:
     serving = _Serving(cluster, poller)
     last_progress, warned_at = time.monotonic(), STALL_WARNING
     between_steps = Pace()          # from a step applied to the next push arriving
-    while not serving.over:
-        if serving.turn():
-            poller.busy()
-            if serving.applied:
-                poller.expect(between_steps)     # the workers compute the next step now
-            last_progress, warned_at = time.monotonic(), STALL_WARNING
-            continue
-        poller.idle()
-        warned_at = serving.check_idle(time.monotonic() - last_progress, warned_at)
+    heap.keep()                     # the optimizer's temporaries: no page faults each step
+    try:
+        while not serving.over:
+            if serving.turn():
+                poller.busy()
+                if serving.applied:
+                    poller.expect(between_steps)     # the workers compute the next step now
+                last_progress, warned_at = time.monotonic(), STALL_WARNING
+                continue
+            poller.idle()
+            warned_at = serving.check_idle(time.monotonic() - last_progress, warned_at)
+    finally:
+        heap.release()
     stats = [s for _, s in sorted(serving.results, key=lambda r: r[0])]
     return stats[0] if len(stats) == 1 else stats
 

@@ -1,0 +1,72 @@
+"""The ps ranks' heap (mpisync.heap): large blocks served from the heap and kept there."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# In a process of its own (the setting is process-wide): a 40 MB tensor, made and freed
+# three times as an optimizer's temporary is each step; glibc's counters tell where it
+# lived (hblks: blocks mapped with mmap, counted before and with it) and how much the
+# heap holds (arena).
+PROBE = r"""
+import ctypes, json, torch
+from mpisync import heap
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+kept = heap.keep()
+mapped, held = [], []
+for _ in range(3):
+    before = libc.mallinfo2().hblks
+    t = torch.ones(10 * 1024 * 1024)
+    mapped.append(libc.mallinfo2().hblks - before)
+    del t
+    held.append(libc.mallinfo2().arena)
+heap.release()
+print(json.dumps({"kept": kept, "again": heap.keep(), "mapped": mapped, "held": held,
+                  "released": libc.mallinfo2().arena}))
+"""
+
+
+def _probe(**env) -> dict:
+    run = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, **env), check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def glibc():
+    if not os.confstr("CS_GNU_LIBC_VERSION"):
+        pytest.skip("not glibc: mpisync leaves the C library's malloc alone")
+
+
+def test_kept_heap_serves_large_blocks_without_mmap_and_keeps_them(glibc):
+    got = _probe(MPISYNC_KEEP_HEAP="")
+    assert got["kept"] and got["again"], got
+    assert got["mapped"] == [0, 0, 0], got              # never a fresh mapping
+    assert min(got["held"]) >= 40 * 1024 * 1024, got      # freed, still the heap's
+    assert got["held"][-1] - got["released"] >= 40 * 1024 * 1024, got   # release(): back
+
+
+def test_keep_heap_off_leaves_glibcs_defaults(glibc):
+    got = _probe(MPISYNC_KEEP_HEAP="0")
+    assert not got["kept"] and not got["again"], got
+    assert got["mapped"][0] == 1, got                     # glibc maps a first 40 MB block
+
+
+def test_keep_heap_refuses_a_malformed_switch(glibc):
+    run = subprocess.run([sys.executable, "-c", "from mpisync import heap; heap.keep()"],
+                         capture_output=True, text=True, timeout=120, check=False,
+                         env=dict(os.environ, MPISYNC_KEEP_HEAP="yes"))
+    assert run.returncode != 0
+    assert "MPISYNC_KEEP_HEAP='yes' is not 1 (on) or 0 (off)" in run.stderr, run.stderr[-2000:]
