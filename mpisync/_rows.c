@@ -528,3 +528,66 @@ int64_t dense_sgd_##S(int64_t n, const T *const *in, int64_t k, T inv, T *out, T
 
 DENSE_SGD(float, f32, uint32_t, fmaf)
 DENSE_SGD(double, f64, uint64_t, fma)
+
+/* torch.optim.Adam's (and AdamW's) update as torch's single-tensor loop does it (without
+ * amsgrad), in two passes around torch's own square root (``torch.sqrt`` calls MKL, whose
+ * results are not always the correctly rounded ones a C ``sqrt`` gives; torch's
+ * ``kernels.adam_exact`` checks the rest on this machine before the ps uses this). Each
+ * element gets torch's operations in torch's order, each rounded as torch's kernels round
+ * it. ``adam_moments``: the mean of ``k`` >= 2 gradients as ``dense_mean`` takes it, then
+ * ``keep`` = 1 - lr * weight decay multiplies the parameter (``decoupled``: AdamW), or
+ * ``g += wd * p`` (``decay``: Adam's weight decay, torch's ``add(p, alpha=wd)``, one fused
+ * multiply-add); ``m.lerp_(g, w1)`` (a fused multiply-add from ``m`` when ``|w1| < 0.5``,
+ * else from ``g``); ``v = v * b2`` then ``v += s2 * g * g`` (``addcmul_``: the first
+ * product rounded, the second fused). Returns whether every element of ``out`` is finite.
+ * ``adam_update``, with ``root`` = torch.sqrt(v): ``denom = root / bc2 + eps``, then
+ * ``p += neg_step * m / denom`` (``addcdiv_``: each operation rounded). */
+#define DENSE_ADAM(T, S, U, FMA)                                                             \
+static inline __attribute__((always_inline)) U                                               \
+moments_pass_##S(int64_t n, const T *a, const T *b, T inv, T *out, T *restrict p,            \
+                 T *restrict m, T *restrict v, int decay, T wd, int decoupled, T keep,       \
+                 int small, T w1, T b2, T s2)                                                \
+{                                                                                            \
+    U bad = 0;                                                                               \
+    const T w1m1 = w1 - (T)1;                                                                \
+    _Pragma("GCC ivdep")                                                                     \
+    for (int64_t i = 0; i < n; i++) {                                                        \
+        T g = mean_at_##S(i, a, b, 1, inv, out, &bad);                                       \
+        if (decoupled)                                                                       \
+            p[i] = p[i] * keep;                                                              \
+        else if (decay)                                                                      \
+            g = FMA(p[i], wd, g);                                                            \
+        T d = g - m[i];                                                                      \
+        m[i] = small ? FMA(w1, d, m[i]) : FMA(w1m1, d, g);                                   \
+        v[i] = FMA(s2 * g, g, v[i] * b2);                                                    \
+    }                                                                                        \
+    return bad;                                                                              \
+}                                                                                            \
+                                                                                             \
+int64_t adam_moments_##S(int64_t n, const T *const *in, int64_t k, T inv, T *out, T *p,     \
+                         T *m, T *v, int decay, T wd, int decoupled, T keep, int small,      \
+                         T w1, T b2, T s2)                                                   \
+{                                                                                            \
+    const T *a = sum_but_last_##S(n, in, k, out), *b = in[k - 1];                            \
+    U bad;                                                                                   \
+    if (decoupled)                                                                           \
+        bad = small ? moments_pass_##S(n, a, b, inv, out, p, m, v, 0, 0, 1, keep, 1, w1, b2, s2) \
+                    : moments_pass_##S(n, a, b, inv, out, p, m, v, 0, 0, 1, keep, 0, w1, b2, s2);\
+    else if (decay)                                                                          \
+        bad = small ? moments_pass_##S(n, a, b, inv, out, p, m, v, 1, wd, 0, 1, 1, w1, b2, s2) \
+                    : moments_pass_##S(n, a, b, inv, out, p, m, v, 1, wd, 0, 1, 0, w1, b2, s2);\
+    else                                                                                     \
+        bad = small ? moments_pass_##S(n, a, b, inv, out, p, m, v, 0, 0, 0, 1, 1, w1, b2, s2)  \
+                    : moments_pass_##S(n, a, b, inv, out, p, m, v, 0, 0, 0, 1, 0, w1, b2, s2); \
+    return !bad;                                                                             \
+}                                                                                            \
+                                                                                             \
+void adam_update_##S(int64_t n, T *restrict p, const T *restrict m, const T *restrict root, \
+                     T bc2, T eps, T neg_step)                                               \
+{                                                                                            \
+    for (int64_t i = 0; i < n; i++)                                                          \
+        p[i] = p[i] + (neg_step * m[i]) / (root[i] / bc2 + eps);                             \
+}
+
+DENSE_ADAM(float, f32, uint32_t, fmaf)
+DENSE_ADAM(double, f64, uint64_t, fma)

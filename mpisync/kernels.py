@@ -33,8 +33,8 @@ import torch
 
 from . import environ
 
-__all__ = ["adagrad_apply_rows", "adagrad_sum_rows", "available", "axpy_rows", "bag_rows",
-           "bag_sums", "dense_mean", "dense_sgd", "gather", "merge_pieces", "reuse_freed_memory",
+__all__ = ["adagrad_apply_rows", "adagrad_sum_rows", "adam_exact", "adam_settings", "available",
+           "axpy_rows", "bag_rows", "bag_sums", "dense_adam", "dense_mean", "dense_sgd", "gather", "merge_pieces", "reuse_freed_memory",
            "rowwise_rows", "scatter", "sgd_exact", "sgd_settings", "shard_order", "slots_for",
            "split_ids", "table_copy", "table_zeros"]
 
@@ -150,6 +150,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         sgd = getattr(lib, f"dense_sgd_{s}")
         sgd.argtypes = [_I, _P, _I, real, _P, _P, _P, real, ctypes.c_int, real, real, real]
         sgd.restype = _I
+        moments = getattr(lib, f"adam_moments_{s}")
+        moments.argtypes = [_I, _P, _I, real, _P, _P, _P, _P, ctypes.c_int, real, ctypes.c_int,
+                            real, ctypes.c_int, real, real, real]
+        moments.restype = _I
+        getattr(lib, f"adam_update_{s}").argtypes = [_I, _P, _P, _P, real, real, real]
 
 
 def _kernels() -> ctypes.CDLL | None:
@@ -489,4 +494,117 @@ def sgd_exact(dtype: torch.dtype, group: dict) -> bool:
     same = torch.equal(out, param.grad) and torch.equal(mine_p, param.detach()) and (
         buf is None or torch.equal(mine_buf, opt.state[param]["momentum_buffer"]))
     _SGD_EXACT[kind] = same
+    return same
+
+
+def dense_adam(out: torch.Tensor, grads: list[torch.Tensor], runs, scratch: torch.Tensor) -> bool:
+    """``dense_mean`` of two or more ``grads`` (a power-of-two count) into ``out`` and, in
+    the same pass, torch.optim.Adam's (or AdamW's) step of the moments with it; then
+    torch's square root of the second moments into ``scratch`` (as long as the longest
+    run, of ``out``'s dtype) and a second pass that steps the parameters. ``runs``:
+    ``(offset, param, exp_avg, exp_avg_sq, settings)`` covering ``out``, each tensor
+    contiguous, of ``out``'s dtype, for ``out[offset:offset + param.numel()]``; settings
+    as ``adam_settings`` gives them for the step. The ``step`` counts are the caller's.
+    Returns whether every element of ``out`` is finite (the parameters are stepped either
+    way)."""
+    moments, update = _fn("adam_moments", out.dtype), _fn("adam_update", out.dtype)
+    size = out.element_size()
+    finite = True
+    for offset, param, exp_avg, exp_avg_sq, settings in runs:
+        at, n = offset * size, param.numel()
+        ptrs = (ctypes.c_void_p * len(grads))(*[g.data_ptr() + at for g in grads])
+        finite &= bool(moments(n, ptrs, len(grads), 1.0 / len(grads), out.data_ptr() + at,
+                               param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                               *settings[:8]))
+        root = scratch[:n]
+        torch.sqrt(exp_avg_sq.view(-1), out=root)
+        update(n, param.data_ptr(), exp_avg.data_ptr(), root.data_ptr(), *settings[8:])
+    return finite
+
+
+_ADAM_OFF = ("amsgrad", "maximize", "fused", "differentiable", "capturable")
+
+
+def adam_settings(group: dict, dtype: torch.dtype, step: float) -> tuple | None:
+    """A torch.optim.Adam or AdamW param group's settings as ``dense_adam`` takes them for
+    parameters of ``dtype`` at ``step`` (the count after this step's increment), computed
+    as torch computes them (the bias corrections in Python's floats): (whether weight
+    decay, weight decay, whether decoupled, 1 - lr * weight decay, whether ``|1 - beta1|``
+    < 0.5 in ``dtype``, 1 - beta1, beta2, 1 - beta2, sqrt of the second bias correction,
+    eps, -step size). None where the kernel does not do what the group asks (``amsgrad``,
+    ``maximize``, ``fused``, ``differentiable``, ``capturable``), where a hyper-parameter
+    is not a plain number (a tensor learning rate or beta), where torch would convert one
+    differently (an int beyond 2**53) or refuse it (a value beyond the dtype's range, a
+    bias correction of zero), or where Python's arithmetic leaves the reals. The first
+    eight are ``adam_moments``'s, the last three ``adam_update``'s."""
+    betas = group.get("betas")
+    if type(betas) not in (tuple, list) or len(betas) != 2 or any(group.get(k) for k in _ADAM_OFF):
+        return None
+    lr, eps, wd = group.get("lr"), group.get("eps"), group.get("weight_decay")
+    beta1, beta2 = betas
+    if any(type(v) not in (float, int) for v in (lr, eps, wd, beta1, beta2)):
+        return None
+    decoupled = bool(group.get("decoupled_weight_decay", False))
+    try:                                      # torch's own arithmetic, in its order
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2 = 1 - beta2 ** step
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2 ** 0.5
+        keep = 1 - lr * wd
+    except (ZeroDivisionError, OverflowError):
+        return None
+    w1 = 1 - beta1
+    values = (wd, keep, w1, beta2, 1 - beta2, bias_correction2_sqrt, eps, -step_size)
+    top = torch.finfo(dtype).max
+    if any(type(v) not in (float, int) for v in values) or \
+            any(type(v) is int and abs(v) > 2 ** 53 for v in values) or \
+            any(math.isfinite(v) and abs(v) > top for v in values):
+        return None
+    small = abs(float(torch.tensor(w1, dtype=dtype))) < 0.5
+    return (int(wd != 0 and not decoupled), wd, int(wd != 0 and decoupled), keep, int(small),
+            *values[2:])
+
+
+_ADAM_EXACT: dict[tuple, bool] = {}
+
+
+def adam_exact(dtype: torch.dtype, group: dict) -> bool:
+    """Whether ``dense_adam`` steps bitwise as torch.optim.Adam (AdamW) does on this
+    machine for a group with these options (False where ``adam_settings`` refuses it at
+    step 1; checked once per dtype and kind of group on a probe of odd length, the
+    vectorized body and the tail alike, with hyper-parameters that make every rounding
+    show: each product about the size of what it is added to)."""
+    if adam_settings(group, dtype, 1.0) is None:
+        return False
+    decoupled = bool(group.get("decoupled_weight_decay", False))
+    small = abs(float(torch.tensor(1 - group["betas"][0], dtype=dtype))) < 0.5
+    kind = (dtype, decoupled, group["weight_decay"] != 0, small, group.get("foreach"))
+    known = _ADAM_EXACT.get(kind)
+    if known is not None:
+        return known
+    gen = torch.Generator().manual_seed(11)
+    n = 4099
+    opts = {"lr": 0.7, "betas": (0.6 if small else 0.2, 0.3), "eps": 0.3,
+            "weight_decay": 0.3 if kind[2] else 0.0, "foreach": kind[4],
+            "decoupled_weight_decay": decoupled}
+    param = torch.nn.Parameter(torch.randn(n, generator=gen, dtype=dtype))
+    opt = torch.optim.Adam([param], **opts)
+    for _ in range(2):                      # the moments made, the bias corrections not 0
+        param.grad = torch.randn(n, generator=gen, dtype=dtype)
+        opt.step()
+    state = opt.state[param]
+    mine = [t.detach().clone() for t in (param, state["exp_avg"], state["exp_avg_sq"])]
+    step = float(state["step"]) + 1
+    grads = [torch.randn(n, generator=gen, dtype=dtype) for _ in range(2)]
+    param.grad = (grads[0] + grads[1]) * 0.5
+    opt.step()
+    out = torch.empty(n, dtype=dtype)
+    settings = adam_settings(opt.param_groups[0], dtype, step)
+    same = settings is not None
+    if same:
+        dense_adam(out, grads, [(0, *mine, settings)], torch.empty(n, dtype=dtype))
+        same = torch.equal(out, param.grad) and all(
+            torch.equal(a, b) for a, b in zip(mine, (param.detach(), state["exp_avg"],
+                                                     state["exp_avg_sq"])))
+    _ADAM_EXACT[kind] = same
     return same

@@ -209,33 +209,53 @@ def test_compiled_dense_reduce_is_torchs_reduce_bitwise(dtype):
                 assert finite == bool(torch.isfinite(ref).all()) and (k == 1 or not finite)
 
 
-SGD_CASES = [({"lr": 0.1}, True), ({"lr": 0.1, "momentum": 0.9}, True),
-             ({"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}, True),
-             ({"lr": 0.1, "weight_decay": 0.01, "foreach": True}, True),
-             ({"lr": 0.1, "momentum": 0.9, "nesterov": True}, False),
-             ({"lr": 0.1, "maximize": True}, False),
-             ({"lr": torch.tensor(0.1)}, False)]
+SGD, ADAM, ADAMW = torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
+COMPILED_CASES = [
+    (SGD, {"lr": 0.1}, True), (SGD, {"lr": 0.1, "momentum": 0.9}, True),
+    (SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}, True),
+    (SGD, {"lr": 0.1, "weight_decay": 0.01, "foreach": True}, True),
+    (SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}, False),
+    (SGD, {"lr": 0.1, "maximize": True}, False),
+    (SGD, {"lr": torch.tensor(0.1)}, False),
+    (ADAM, {"lr": 0.01}, True), (ADAM, {"lr": 0.01, "weight_decay": 0.1}, True),
+    (ADAM, {"lr": 0.01, "betas": (0.3, 0.5), "eps": 0.1}, True),     # lerp's other branch
+    (ADAM, {"lr": 0.01, "weight_decay": 0.1, "foreach": True}, True),
+    (ADAM, {"lr": 1, "betas": (0.0, 0.0), "eps": 1, "weight_decay": 1}, True),   # ints
+    (ADAMW, {"lr": 0.01}, True),
+    (ADAMW, {"lr": 0.01, "weight_decay": 0.5, "betas": (0.2, 0.9)}, True),
+    (ADAM, {"lr": 0.01, "amsgrad": True}, False),
+    (ADAM, {"lr": 0.01, "maximize": True}, False),
+    (ADAMW, {"lr": torch.tensor(0.01)}, False)]
+
+
+def _scheduler(opt):
+    """StepLR for SGD; for Adam OneCycleLR, which moves beta1 (and lr) every step."""
+    if isinstance(opt, torch.optim.Adam) and not torch.is_tensor(opt.param_groups[0]["lr"]):
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS + 1)
+    return torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")     # the fused steps skip opt.step()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("kw,fuses", SGD_CASES, ids=[str(i) for i in range(len(SGD_CASES))])
-def test_compiled_sgd_in_the_reduce_is_torchs_step_bitwise(dtype, kw, fuses):
-    """For SGD the ps steps a bucket in the reduce's pass (``Applier.sgd_runs`` +
-    ``kernels.dense_sgd``): the parameters and momentum buffers are torch's per-parameter
-    step after the mean of two workers' gradients, bit for bit, with a scheduler, two
-    groups and parameters that miss steps; the settings it does not fuse step as before."""
+@pytest.mark.parametrize("cls,kw,fuses", COMPILED_CASES,
+                         ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(COMPILED_CASES)])
+def test_compiled_step_in_the_reduce_is_torchs_step_bitwise(dtype, cls, kw, fuses):
+    """For SGD, Adam and AdamW the ps steps a bucket in the reduce's pass
+    (``Applier.compiled_step``: ``kernels.dense_sgd``, ``dense_adam``): the parameters and
+    the optimizer's state are torch's per-parameter step after the mean of two workers'
+    gradients, bit for bit, with a scheduler, two groups and parameters that miss steps;
+    the settings it does not fuse step as before."""
     from mpisync import kernels
     if not kernels.available(torch.zeros(1, dtype=dtype)):
         pytest.skip("no C compiler: the ps reduces and steps with torch")
-    applier, opt, params, _, ref, ref_opt = build(torch.optim.SGD, kw, [dtype] * len(SIZES))
+    applier, opt, params, _, ref, ref_opt = build(cls, kw, [dtype] * len(SIZES))
     # where torch's CPU kernels round differently (no fused multiply-add), the ps's check
     # refuses the kernel, and every step is torch's
-    fuses = fuses and kernels.sgd_exact(dtype, opt.param_groups[0])
+    exact = kernels.sgd_exact if cls is SGD else kernels.adam_exact
+    fuses = fuses and exact(dtype, opt.param_groups[0])
     region = applier.grad_regions[0]
     workers = [torch.zeros_like(region) for _ in range(2)]
-    sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
-    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 3, 0.5)
+    sched, ref_sched = _scheduler(opt), _scheduler(ref_opt)
     gen = torch.Generator().manual_seed(5)
     fused = 0
     for t in range(STEPS):
@@ -250,12 +270,12 @@ def test_compiled_sgd_in_the_reduce_is_torchs_step_bitwise(dtype, kw, fuses):
         for k, members in enumerate(applier.buckets):
             a, b = int(applier.lo[members.start]), int(applier.hi[members.stop - 1])
             out, ins = region[a:b], [w[a:b] for w in workers]
-            runs = applier.sgd_runs(k, out)
-            if runs is None:
+            step = applier.compiled_step(k, out)
+            if step is None:
                 assert kernels.dense_mean(out, ins, True)
                 applier.apply(k)
             else:
-                assert kernels.dense_sgd(out, ins, runs)
+                assert step(ins)
                 fused += 1
         if applier.steps_whole:
             opt.step()
@@ -264,8 +284,9 @@ def test_compiled_sgd_in_the_reduce_is_torchs_step_bitwise(dtype, kw, fuses):
         sched.step()
         ref_sched.step()
         assert_same(opt, params, ref, ref_opt)
-    # momentum: torch makes the buffers on the first step; a bucket missing a parameter
-    # (steps 2 and 3) is not covered by its runs
+    # torch makes the state on the first step; a bucket missing a parameter (steps 2 and
+    # 3) is not covered by its runs, nor, for Adam, is one whose parameters' step counts
+    # parted then (the run splits, and the next steps fuse again)
     assert fused >= (len(applier.buckets) * (STEPS - 3) - 2 if fuses else 0)
     assert fuses or fused == 0
 
@@ -275,11 +296,11 @@ def test_compiled_sgd_steps_aside_for_step_hooks():
     applier, opt, *_ = build(torch.optim.SGD, {"lr": 0.1}, [torch.float32] * len(SIZES))
     applier.begin(np.ones(len(SIZES), bool))
     out = applier.grad_regions[0][:int(applier.hi[2])]
-    assert applier.sgd_runs(0, out) is not None
+    assert applier.compiled_step(0, out) is not None
     handle = opt.register_step_post_hook(lambda *a: None)
-    assert applier.sgd_runs(0, out) is None
+    assert applier.compiled_step(0, out) is None
     handle.remove()
-    assert applier.sgd_runs(0, out) is not None
+    assert applier.compiled_step(0, out) is not None
 
 
 def test_compiled_sgd_is_torchs_step_where_torch_rounds_otherwise():
@@ -290,11 +311,11 @@ def test_compiled_sgd_is_torchs_step_where_torch_rounds_otherwise():
     if os.environ.get("ATEN_CPU_CAPABILITY") or not kernels.available(torch.zeros(1)):
         pytest.skip("already on one capability, or no C compiler")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          __file__, "-k", "compiled_sgd_in_the_reduce"],
+                          __file__, "-k", "compiled_step_in_the_reduce"],
                          check=False, env=dict(os.environ, ATEN_CPU_CAPABILITY="default"),
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert re.search(r"\b14 passed", run.stdout), run.stdout[-2000:]
+    assert re.search(r"\b34 passed", run.stdout), run.stdout[-2000:]
 
 
 def test_compiled_sgd_leaves_to_torch_what_torch_converts_otherwise():

@@ -18,10 +18,11 @@ everything else (``state_dict()``, ``load_state_dict()``, the tables' rows): a r
 swaps in, for the duration of one ``optimizer.step()``, param groups that hold the runs'
 flat parameters (with each group's hyper-parameters) and a state holding theirs.
 
-For plain SGD the ps goes one further: ``sgd_runs`` hands a bucket's runs to the compiled
-reduce (``kernels.dense_sgd``), which steps them in the same pass over memory that averages
-the workers' gradients, bitwise torch's step (checked once per machine, ``kernels.sgd_exact``,
-and in ``tests/test_fused.py``).
+For plain SGD, Adam and AdamW the ps goes one further: ``compiled_step`` hands a bucket's
+runs to the compiled reduce (``kernels.dense_sgd``, ``kernels.dense_adam``), which steps
+them in the same pass over memory that averages the workers' gradients (Adam: and one more
+after torch's square root), bitwise torch's step (checked once per machine and kind of
+group, ``kernels.sgd_exact`` and ``adam_exact``, and in ``tests/test_fused.py``).
 
 Every other case steps ``"whole"``: one ``optimizer.step()`` over every parameter once
 every bucket is reduced, exactly as torch's own loop. That is optimizers that look at a
@@ -135,6 +136,7 @@ class Applier:
         self.mode = "whole"
         self.flags = None
         self.hold = False      # the caller steps whole (a check of the whole step, opt.update)
+        self.scratch: dict[torch.dtype, torch.Tensor] = {}
         self.sync()
 
     # -- state -------------------------------------------------------------------------
@@ -235,35 +237,92 @@ class Applier:
         if self.mode == "fused" and self.runs[k]:
             self._step_runs(self.runs[k])
 
-    def sgd_runs(self, k: int, out: torch.Tensor) -> list[tuple] | None:
-        """Bucket ``k``'s runs as ``kernels.dense_sgd`` takes them, where it may step them
-        in the reduce's pass over ``out`` (the bucket's reduced gradients): a plain
-        torch.optim.SGD without step hooks, whose kernel ``kernels.sgd_exact`` found bitwise
-        torch's here, runs that cover the whole bucket, each group's hyper-parameters plain
-        numbers, without ``nesterov`` or ``maximize`` (``kernels.sgd_settings``) and its
-        momentum buffers made (torch makes them, on the first step). None otherwise: the
-        reduce, then ``apply(k)``. The caller fuses a mean of two or more only."""
+    def compiled_step(self, k: int, out: torch.Tensor):
+        """Where the compiled reduce may step bucket ``k``'s parameters in its pass over
+        ``out`` (the bucket's reduced gradients): a function of the workers' gradients (two
+        or more, a power of two: their mean) that reduces them into ``out``, steps the
+        bucket and returns whether every element of ``out`` is finite. That is a plain
+        torch.optim.SGD (``kernels.dense_sgd``) or Adam or AdamW (``kernels.dense_adam``)
+        without step hooks, whose kernel ``kernels.sgd_exact`` / ``adam_exact`` found
+        bitwise torch's here, runs that cover the whole bucket, each group's
+        hyper-parameters plain numbers its kernel takes (``kernels.sgd_settings`` /
+        ``adam_settings``) and the state torch makes on the first step made. None
+        otherwise: the reduce, then ``apply(k)``."""
         opt, runs = self.optimizer, self.runs[k]
-        if self.mode != "fused" or type(opt) is not torch.optim.SGD or not runs or \
-                _hooked(opt) or sum(r.param.numel() for r in runs) != out.numel():
+        if self.mode != "fused" or not runs or _hooked(opt) or \
+                sum(r.param.numel() for r in runs) != out.numel():
             return None
-        base, size, end = out.data_ptr(), out.element_size(), out.numel()
+        if type(opt) is torch.optim.SGD:
+            taken = self.sgd_runs(runs, out)
+            return None if taken is None else lambda grads: kernels.dense_sgd(out, grads, taken)
+        if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
+            return self._adam_step(runs, out)
+        return None
+
+    def _offset(self, run: _Run, out: torch.Tensor) -> int | None:
+        """Where ``run``'s gradient lies in ``out`` (in elements), if it does, in its dtype."""
+        grad = run.param.grad
+        offset = (grad.data_ptr() - out.data_ptr()) // out.element_size()
+        if grad.dtype != out.dtype or not 0 <= offset <= out.numel() - grad.numel():
+            return None
+        return offset
+
+    def sgd_runs(self, runs: list[_Run], out: torch.Tensor) -> list[tuple] | None:
+        """``runs`` as ``kernels.dense_sgd`` takes them, or None (see ``compiled_step``)."""
+        opt, dtype = self.optimizer, out.dtype
         taken = []
         for run in runs:
-            grad, group = run.param.grad, opt.param_groups[run.group]
-            offset = (grad.data_ptr() - base) // size
-            settings = kernels.sgd_settings(group, out.dtype)
-            if settings is None or grad.dtype != out.dtype or \
-                    not 0 <= offset <= end - grad.numel() or \
-                    not kernels.sgd_exact(out.dtype, group):
+            group = opt.param_groups[run.group]
+            offset = self._offset(run, out)
+            settings = kernels.sgd_settings(group, dtype)
+            if settings is None or offset is None or not kernels.sgd_exact(dtype, group):
                 return None
             buf = None
             if group["momentum"] != 0:
                 buf = self.run_state[run.param].get("momentum_buffer")
-                if buf is None or not buf.is_contiguous() or buf.dtype != out.dtype:
+                if buf is None or not buf.is_contiguous() or buf.dtype != dtype:
                     return None
             taken.append((offset, run.param, buf, settings))
         return taken
+
+    def _adam_step(self, runs: list[_Run], out: torch.Tensor):
+        """Bucket ``runs``' Adam (AdamW) step in the reduce's pass, or None (see
+        ``compiled_step``): each run's ``step`` count goes up by one, as torch's does,
+        the settings follow from it, the moments and parameters step in the compiled
+        passes, and the new counts reach the runs' members."""
+        opt, dtype = self.optimizer, out.dtype
+        taken, counts = [], []
+        for run in runs:
+            group, st = opt.param_groups[run.group], self.run_state[run.param]
+            offset = self._offset(run, out)
+            count, moments = st.get("step"), (st.get("exp_avg"), st.get("exp_avg_sq"))
+            if offset is None or not torch.is_tensor(count) or count.dim() or \
+                    count.device.type != "cpu" or any(
+                        m is None or m.dtype != dtype or not m.is_contiguous() or
+                        m.numel() != run.param.numel() for m in moments):
+                return None
+            settings = kernels.adam_settings(group, dtype, (count + 1).item())
+            if settings is None or not kernels.adam_exact(dtype, group):
+                return None
+            taken.append((offset, run.param, *moments, settings))
+            counts.append(count)
+        longest = max(run.param.numel() for run in runs)
+
+        def step(grads: list[torch.Tensor]) -> bool:
+            for count in counts:
+                count += 1                # torch's step_t += 1
+            finite = kernels.dense_adam(out, grads, taken, self._scratch(dtype, longest))
+            for run in runs:
+                self._write_back(run)
+            return finite
+        return step
+
+    def _scratch(self, dtype: torch.dtype, n: int) -> torch.Tensor:
+        """A buffer of at least ``n`` elements (the compiled Adam's square roots)."""
+        buf = self.scratch.get(dtype)
+        if buf is None or buf.numel() < n:
+            buf = self.scratch[dtype] = torch.empty(n, dtype=dtype)
+        return buf
 
     def end(self) -> None:
         """Every bucket is in: ``"whole"`` steps now; ``"fused"`` notes the new histories."""

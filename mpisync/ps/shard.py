@@ -688,7 +688,7 @@ class ShardServer:
         """Bucket ``b``'s taken gradients into the reduced ones: (whether that found every
         element finite, whether it stepped the bucket's parameters too). The compiled pass
         (a mean over a power of two, or a sum) checks finiteness, and for SGD steps the
-        parameters in the same pass (``Applier.sgd_runs``); with non-finite gradients and
+        parameters in the same pass (``Applier.compiled_step``); with non-finite gradients and
         ``nonfinite="raise"`` the job ends with the error, as when a bucket before it was
         stepped already."""
         out = self.grad_views[b.index]
@@ -699,9 +699,9 @@ class ShardServer:
         mean = self.acc.reduction == "mean" and n > 1
         if kernels.available(out) and all(g.dtype == out.dtype for g in grads) and \
                 (not mean or n & (n - 1) == 0):
-            runs = self.applier.sgd_runs(b.index, out) if mean else None
-            if runs is not None:
-                return kernels.dense_sgd(out, grads, runs), True
+            step = self.applier.compiled_step(b.index, out) if mean else None
+            if step is not None:
+                return step(grads), True
             return kernels.dense_mean(out, grads, mean), False
         self.acc.reduce([out], [[g] for g in grads], n)
         return False, False
