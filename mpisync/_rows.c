@@ -591,3 +591,59 @@ void adam_update_##S(int64_t n, T *restrict p, const T *restrict m, const T *res
 
 DENSE_ADAM(float, f32, uint32_t, fmaf)
 DENSE_ADAM(double, f64, uint64_t, fma)
+
+/* torch.optim.Adagrad's update as torch's single-tensor loop does it, in two passes around
+ * torch's own square root (as Adam's above; ``kernels.adagrad_exact`` checks it on this
+ * machine). ``adagrad_sums``: the mean of ``k`` >= 2 gradients as ``dense_mean`` takes it,
+ * ``g += wd * p`` (``decay``: torch's ``add(p, alpha=wd)``, one fused multiply-add), then
+ * ``sum += g * g`` (``addcmul_`` with value 1: one fused multiply-add). Returns whether
+ * every element of ``out`` is finite. ``adagrad_update``, with ``root`` = torch.sqrt(sum)
+ * and the mean in ``out`` (the parameters unchanged since, so ``g`` is made again):
+ * ``p += neg_clr * g / (root + eps)`` (``addcdiv_``: each operation rounded). */
+#define DENSE_ADAGRAD(T, S, U, FMA)                                                          \
+static inline __attribute__((always_inline)) U                                               \
+sums_pass_##S(int64_t n, const T *a, const T *b, T inv, T *out, const T *restrict p,         \
+              T *restrict sum, int decay, T wd)                                              \
+{                                                                                            \
+    U bad = 0;                                                                               \
+    _Pragma("GCC ivdep")                                                                     \
+    for (int64_t i = 0; i < n; i++) {                                                        \
+        T g = mean_at_##S(i, a, b, 1, inv, out, &bad);                                       \
+        if (decay)                                                                           \
+            g = FMA(p[i], wd, g);                                                            \
+        sum[i] = FMA(g, g, sum[i]);                                                          \
+    }                                                                                        \
+    return bad;                                                                              \
+}                                                                                            \
+                                                                                             \
+int64_t adagrad_sums_##S(int64_t n, const T *const *in, int64_t k, T inv, T *out,           \
+                         const T *p, T *sum, int decay, T wd)                                \
+{                                                                                            \
+    const T *a = sum_but_last_##S(n, in, k, out), *b = in[k - 1];                            \
+    U bad = decay ? sums_pass_##S(n, a, b, inv, out, p, sum, 1, wd)                          \
+                  : sums_pass_##S(n, a, b, inv, out, p, sum, 0, 0);                          \
+    return !bad;                                                                             \
+}                                                                                            \
+                                                                                             \
+static inline __attribute__((always_inline)) void                                           \
+adagrad_pass_##S(int64_t n, T *restrict p, const T *restrict mean,                          \
+                 const T *restrict root, int decay, T wd, T eps, T neg_clr)                  \
+{                                                                                            \
+    _Pragma("GCC ivdep")                                                                     \
+    for (int64_t i = 0; i < n; i++) {                                                        \
+        T g = decay ? FMA(p[i], wd, mean[i]) : mean[i];                                      \
+        p[i] = p[i] + (neg_clr * g) / (root[i] + eps);                                       \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+void adagrad_update_##S(int64_t n, T *p, const T *mean, const T *root, int decay, T wd,     \
+                        T eps, T neg_clr)                                                    \
+{                                                                                            \
+    if (decay)                                                                               \
+        adagrad_pass_##S(n, p, mean, root, 1, wd, eps, neg_clr);                             \
+    else                                                                                     \
+        adagrad_pass_##S(n, p, mean, root, 0, 0, eps, neg_clr);                              \
+}
+
+DENSE_ADAGRAD(float, f32, uint32_t, fmaf)
+DENSE_ADAGRAD(double, f64, uint64_t, fma)

@@ -33,10 +33,34 @@ import torch
 
 from . import environ
 
-__all__ = ["adagrad_apply_rows", "adagrad_sum_rows", "adam_exact", "adam_settings", "available",
-           "axpy_rows", "bag_rows", "bag_sums", "dense_adam", "dense_mean", "dense_sgd", "gather", "merge_pieces", "reuse_freed_memory",
-           "rowwise_rows", "scatter", "sgd_exact", "sgd_settings", "shard_order", "slots_for",
-           "split_ids", "table_copy", "table_zeros"]
+__all__ = [
+    "adagrad_apply_rows",
+    "adagrad_exact",
+    "adagrad_settings",
+    "adagrad_sum_rows",
+    "adam_exact",
+    "adam_settings",
+    "available",
+    "axpy_rows",
+    "bag_rows",
+    "bag_sums",
+    "dense_adagrad",
+    "dense_adam",
+    "dense_mean",
+    "dense_sgd",
+    "gather",
+    "merge_pieces",
+    "reuse_freed_memory",
+    "rowwise_rows",
+    "scatter",
+    "sgd_exact",
+    "sgd_settings",
+    "shard_order",
+    "slots_for",
+    "split_ids",
+    "table_copy",
+    "table_zeros",
+]
 
 _SOURCE = Path(__file__).with_name("_rows.c")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-march=native", "-fPIC", "-shared"]
@@ -155,6 +179,11 @@ def _declare(lib: ctypes.CDLL) -> None:
                             real, ctypes.c_int, real, real, real]
         moments.restype = _I
         getattr(lib, f"adam_update_{s}").argtypes = [_I, _P, _P, _P, real, real, real]
+        sums = getattr(lib, f"adagrad_sums_{s}")
+        sums.argtypes = [_I, _P, _I, real, _P, _P, _P, ctypes.c_int, real]
+        sums.restype = _I
+        getattr(lib, f"adagrad_update_{s}").argtypes = [_I, _P, _P, _P, ctypes.c_int, real,
+                                                        real, real]
 
 
 def _kernels() -> ctypes.CDLL | None:
@@ -607,4 +636,92 @@ def adam_exact(dtype: torch.dtype, group: dict) -> bool:
             torch.equal(a, b) for a, b in zip(mine, (param.detach(), state["exp_avg"],
                                                      state["exp_avg_sq"])))
     _ADAM_EXACT[kind] = same
+    return same
+
+
+def dense_adagrad(out: torch.Tensor, grads: list[torch.Tensor], runs, scratch: torch.Tensor
+                  ) -> bool:
+    """``dense_mean`` of two or more ``grads`` (a power-of-two count) into ``out`` and, in
+    the same pass, torch.optim.Adagrad's update of the squared sums with it; then torch's
+    square root of the sums into ``scratch`` (as long as the longest run, of ``out``'s
+    dtype) and a second pass that steps the parameters. ``runs``: ``(offset, param, sum,
+    settings)`` covering ``out`` (each tensor contiguous, of ``out``'s dtype, for
+    ``out[offset:offset + param.numel()]``), settings as ``adagrad_settings`` gives them.
+    The ``step`` counts are the caller's. Returns whether every element of ``out`` is
+    finite (the parameters are stepped either way)."""
+    sums, update = _fn("adagrad_sums", out.dtype), _fn("adagrad_update", out.dtype)
+    size = out.element_size()
+    finite = True
+    for offset, param, state_sum, (decay, wd, eps, neg_clr) in runs:
+        at, n = offset * size, param.numel()
+        ptrs = (ctypes.c_void_p * len(grads))(*[g.data_ptr() + at for g in grads])
+        finite &= bool(sums(n, ptrs, len(grads), 1.0 / len(grads), out.data_ptr() + at,
+                            param.data_ptr(), state_sum.data_ptr(), decay, wd))
+        root = scratch[:n]
+        torch.sqrt(state_sum.view(-1), out=root)
+        update(n, param.data_ptr(), out.data_ptr() + at, root.data_ptr(), decay, wd, eps,
+               neg_clr)
+    return finite
+
+
+def adagrad_settings(group: dict, dtype: torch.dtype, step: float) -> tuple | None:
+    """A torch.optim.Adagrad param group's settings as ``dense_adagrad`` takes them for
+    parameters of ``dtype`` at ``step`` (the count after this step's increment), computed
+    as torch computes them: (whether weight decay, weight decay, eps, -lr / (1 + (step - 1)
+    * lr_decay)). None where the kernel does not do what the group asks (``maximize``,
+    ``fused``, ``differentiable``), where a hyper-parameter is not a plain number, where
+    torch would convert one differently (an int beyond 2**53) or refuse it (beyond the
+    dtype's range, a learning rate divided by zero)."""
+    if any(group.get(k) for k in ("maximize", "fused", "differentiable")):
+        return None
+    lr, decay, wd, eps = (group.get(k) for k in ("lr", "lr_decay", "weight_decay", "eps"))
+    if any(type(v) not in (float, int) for v in (lr, decay, wd, eps)):
+        return None
+    try:                                      # torch's own arithmetic, in its order
+        clr = lr / (1 + (step - 1) * decay)
+    except (ZeroDivisionError, OverflowError):
+        return None
+    values = (wd, eps, -clr)
+    top = torch.finfo(dtype).max
+    if any(type(v) is int and abs(v) > 2 ** 53 for v in values) or \
+            any(math.isfinite(v) and abs(v) > top for v in values):
+        return None
+    return int(wd != 0), *values
+
+
+_ADAGRAD_EXACT: dict[tuple, bool] = {}
+
+
+def adagrad_exact(dtype: torch.dtype, group: dict) -> bool:
+    """Whether ``dense_adagrad`` steps bitwise as torch.optim.Adagrad does on this machine
+    for a group with these options (False where ``adagrad_settings`` refuses it at step 1;
+    checked once per dtype and kind of group, as ``adam_exact``)."""
+    if adagrad_settings(group, dtype, 1.0) is None:
+        return False
+    kind = (dtype, group["weight_decay"] != 0, group.get("foreach"))
+    known = _ADAGRAD_EXACT.get(kind)
+    if known is not None:
+        return known
+    gen = torch.Generator().manual_seed(13)
+    n = 4099
+    param = torch.nn.Parameter(torch.randn(n, generator=gen, dtype=dtype))
+    opt = torch.optim.Adagrad([param], lr=0.7, lr_decay=0.1, eps=0.3,
+                              weight_decay=0.3 if kind[1] else 0.0,
+                              initial_accumulator_value=0.5, foreach=kind[2])
+    param.grad = torch.randn(n, generator=gen, dtype=dtype)
+    opt.step()
+    state = opt.state[param]
+    mine = [t.detach().clone() for t in (param, state["sum"])]
+    step = float(state["step"]) + 1
+    grads = [torch.randn(n, generator=gen, dtype=dtype) for _ in range(2)]
+    param.grad = (grads[0] + grads[1]) * 0.5
+    opt.step()
+    out = torch.empty(n, dtype=dtype)
+    settings = adagrad_settings(opt.param_groups[0], dtype, step)
+    same = settings is not None
+    if same:
+        dense_adagrad(out, grads, [(0, *mine, settings)], torch.empty(n, dtype=dtype))
+        same = torch.equal(out, param.grad) and torch.equal(mine[0], param.detach()) and \
+            torch.equal(mine[1], state["sum"])
+    _ADAGRAD_EXACT[kind] = same
     return same

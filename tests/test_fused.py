@@ -209,7 +209,8 @@ def test_compiled_dense_reduce_is_torchs_reduce_bitwise(dtype):
                 assert finite == bool(torch.isfinite(ref).all()) and (k == 1 or not finite)
 
 
-SGD, ADAM, ADAMW = torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
+SGD, ADAM, ADAMW, ADAGRAD = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
+                             torch.optim.Adagrad)
 COMPILED_CASES = [
     (SGD, {"lr": 0.1}, True), (SGD, {"lr": 0.1, "momentum": 0.9}, True),
     (SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}, True),
@@ -223,6 +224,11 @@ COMPILED_CASES = [
     (ADAM, {"lr": 1, "betas": (0.0, 0.0), "eps": 1, "weight_decay": 1}, True),   # ints
     (ADAMW, {"lr": 0.01}, True),
     (ADAMW, {"lr": 0.01, "weight_decay": 0.5, "betas": (0.2, 0.9)}, True),
+    (ADAGRAD, {"lr": 0.1}, True),
+    (ADAGRAD, {"lr": 0.1, "lr_decay": 0.01, "weight_decay": 0.1, "eps": 0.01,
+               "initial_accumulator_value": 0.5}, True),
+    (ADAGRAD, {"lr": 0.1, "weight_decay": 0.1, "foreach": True}, True),
+    (ADAGRAD, {"lr": 0.1, "maximize": True}, False),
     (ADAM, {"lr": 0.01, "amsgrad": True}, False),
     (ADAM, {"lr": 0.01, "maximize": True}, False),
     (ADAMW, {"lr": torch.tensor(0.01)}, False)]
@@ -240,18 +246,18 @@ def _scheduler(opt):
 @pytest.mark.parametrize("cls,kw,fuses", COMPILED_CASES,
                          ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(COMPILED_CASES)])
 def test_compiled_step_in_the_reduce_is_torchs_step_bitwise(dtype, cls, kw, fuses):
-    """For SGD, Adam and AdamW the ps steps a bucket in the reduce's pass
-    (``Applier.compiled_step``: ``kernels.dense_sgd``, ``dense_adam``): the parameters and
-    the optimizer's state are torch's per-parameter step after the mean of two workers'
-    gradients, bit for bit, with a scheduler, two groups and parameters that miss steps;
-    the settings it does not fuse step as before."""
+    """For SGD, Adam, AdamW and Adagrad the ps steps a bucket in the reduce's pass
+    (``Applier.compiled_step``: ``kernels.dense_sgd``, ``dense_adam``, ``dense_adagrad``):
+    the parameters and the optimizer's state are torch's per-parameter step after the mean
+    of two workers' gradients, bit for bit, with a scheduler, two groups and parameters
+    that miss steps; the settings it does not fuse step as before."""
     from mpisync import kernels
     if not kernels.available(torch.zeros(1, dtype=dtype)):
         pytest.skip("no C compiler: the ps reduces and steps with torch")
     applier, opt, params, _, ref, ref_opt = build(cls, kw, [dtype] * len(SIZES))
     # where torch's CPU kernels round differently (no fused multiply-add), the ps's check
     # refuses the kernel, and every step is torch's
-    exact = kernels.sgd_exact if cls is SGD else kernels.adam_exact
+    exact = {SGD: kernels.sgd_exact, ADAGRAD: kernels.adagrad_exact}.get(cls, kernels.adam_exact)
     fuses = fuses and exact(dtype, opt.param_groups[0])
     region = applier.grad_regions[0]
     workers = [torch.zeros_like(region) for _ in range(2)]
@@ -315,7 +321,7 @@ def test_compiled_sgd_is_torchs_step_where_torch_rounds_otherwise():
                          check=False, env=dict(os.environ, ATEN_CPU_CAPABILITY="default"),
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert re.search(r"\b34 passed", run.stdout), run.stdout[-2000:]
+    assert re.search(r"\b42 passed", run.stdout), run.stdout[-2000:]
 
 
 def test_compiled_sgd_leaves_to_torch_what_torch_converts_otherwise():

@@ -18,11 +18,12 @@ everything else (``state_dict()``, ``load_state_dict()``, the tables' rows): a r
 swaps in, for the duration of one ``optimizer.step()``, param groups that hold the runs'
 flat parameters (with each group's hyper-parameters) and a state holding theirs.
 
-For plain SGD, Adam and AdamW the ps goes one further: ``compiled_step`` hands a bucket's
-runs to the compiled reduce (``kernels.dense_sgd``, ``kernels.dense_adam``), which steps
-them in the same pass over memory that averages the workers' gradients (Adam: and one more
-after torch's square root), bitwise torch's step (checked once per machine and kind of
-group, ``kernels.sgd_exact`` and ``adam_exact``, and in ``tests/test_fused.py``).
+For plain SGD, Adam, AdamW and Adagrad the ps goes one further: ``compiled_step`` hands a
+bucket's runs to the compiled reduce (``kernels.dense_sgd``, ``dense_adam``,
+``dense_adagrad``), which steps them in the same pass over memory that averages the
+workers' gradients (Adam and Adagrad: and one more after torch's square root), bitwise
+torch's step (checked once per machine and kind of group, ``kernels.sgd_exact``,
+``adam_exact``, ``adagrad_exact``, and in ``tests/test_fused.py``).
 
 Every other case steps ``"whole"``: one ``optimizer.step()`` over every parameter once
 every bucket is reduced, exactly as torch's own loop. That is optimizers that look at a
@@ -77,6 +78,17 @@ def _hooked(optimizer: torch.optim.Optimizer) -> bool:
     return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
                 or getattr(module, "_global_optimizer_pre_hooks", None)
                 or getattr(module, "_global_optimizer_post_hooks", None))
+
+
+#: Optimizers that count steps and whose step the compiled reduce takes: the state each
+#: run's kernel updates, its settings at a step, its check against torch, the kernel.
+_COUNTED = {
+    torch.optim.Adam: (("exp_avg", "exp_avg_sq"), kernels.adam_settings, kernels.adam_exact,
+                       kernels.dense_adam),
+    torch.optim.AdamW: (("exp_avg", "exp_avg_sq"), kernels.adam_settings, kernels.adam_exact,
+                        kernels.dense_adam),
+    torch.optim.Adagrad: (("sum",), kernels.adagrad_settings, kernels.adagrad_exact,
+                          kernels.dense_adagrad)}
 
 
 class _Run:
@@ -242,12 +254,12 @@ class Applier:
         ``out`` (the bucket's reduced gradients): a function of the workers' gradients (two
         or more, a power of two: their mean) that reduces them into ``out``, steps the
         bucket and returns whether every element of ``out`` is finite. That is a plain
-        torch.optim.SGD (``kernels.dense_sgd``) or Adam or AdamW (``kernels.dense_adam``)
-        without step hooks, whose kernel ``kernels.sgd_exact`` / ``adam_exact`` found
-        bitwise torch's here, runs that cover the whole bucket, each group's
-        hyper-parameters plain numbers its kernel takes (``kernels.sgd_settings`` /
-        ``adam_settings``) and the state torch makes on the first step made. None
-        otherwise: the reduce, then ``apply(k)``."""
+        torch.optim.SGD (``kernels.dense_sgd``), Adam or AdamW (``kernels.dense_adam``) or
+        Adagrad (``kernels.dense_adagrad``) without step hooks, whose kernel
+        (``kernels.sgd_exact``, ``adam_exact``, ``adagrad_exact``) found bitwise torch's
+        here, runs that cover the whole bucket, each group's hyper-parameters plain numbers
+        its kernel takes (``kernels.sgd_settings``, ...) and the state torch makes on the
+        first step made. None otherwise: the reduce, then ``apply(k)``."""
         opt, runs = self.optimizer, self.runs[k]
         if self.mode != "fused" or not runs or _hooked(opt) or \
                 sum(r.param.numel() for r in runs) != out.numel():
@@ -255,9 +267,8 @@ class Applier:
         if type(opt) is torch.optim.SGD:
             taken = self.sgd_runs(runs, out)
             return None if taken is None else lambda grads: kernels.dense_sgd(out, grads, taken)
-        if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
-            return self._adam_step(runs, out)
-        return None
+        counted = _COUNTED.get(type(opt))
+        return None if counted is None else self._counted_step(runs, out, *counted)
 
     def _offset(self, run: _Run, out: torch.Tensor) -> int | None:
         """Where ``run``'s gradient lies in ``out`` (in elements), if it does, in its dtype."""
@@ -285,33 +296,35 @@ class Applier:
             taken.append((offset, run.param, buf, settings))
         return taken
 
-    def _adam_step(self, runs: list[_Run], out: torch.Tensor):
-        """Bucket ``runs``' Adam (AdamW) step in the reduce's pass, or None (see
-        ``compiled_step``): each run's ``step`` count goes up by one, as torch's does,
-        the settings follow from it, the moments and parameters step in the compiled
-        passes, and the new counts reach the runs' members."""
+    def _counted_step(self, runs: list[_Run], out: torch.Tensor, keys: tuple[str, ...],
+                      settings_of, exact, kernel):
+        """Bucket ``runs``' step of an optimizer that counts steps (Adam, AdamW, Adagrad)
+        in the reduce's pass, or None (see ``compiled_step``): each run's ``step`` count
+        goes up by one, as torch's does, the settings follow from it (``settings_of``),
+        ``kernel`` steps the state ``keys`` and the parameters, and the new counts reach
+        the runs' members."""
         opt, dtype = self.optimizer, out.dtype
         taken, counts = [], []
         for run in runs:
             group, st = opt.param_groups[run.group], self.run_state[run.param]
             offset = self._offset(run, out)
-            count, moments = st.get("step"), (st.get("exp_avg"), st.get("exp_avg_sq"))
+            count, state = st.get("step"), [st.get(key) for key in keys]
             if offset is None or not torch.is_tensor(count) or count.dim() or \
                     count.device.type != "cpu" or any(
-                        m is None or m.dtype != dtype or not m.is_contiguous() or
-                        m.numel() != run.param.numel() for m in moments):
+                        t is None or t.dtype != dtype or not t.is_contiguous() or
+                        t.numel() != run.param.numel() for t in state):
                 return None
-            settings = kernels.adam_settings(group, dtype, (count + 1).item())
-            if settings is None or not kernels.adam_exact(dtype, group):
+            settings = settings_of(group, dtype, (count + 1).item())
+            if settings is None or not exact(dtype, group):
                 return None
-            taken.append((offset, run.param, *moments, settings))
+            taken.append((offset, run.param, *state, settings))
             counts.append(count)
         longest = max(run.param.numel() for run in runs)
 
         def step(grads: list[torch.Tensor]) -> bool:
             for count in counts:
                 count += 1                # torch's step_t += 1
-            finite = kernels.dense_adam(out, grads, taken, self._scratch(dtype, longest))
+            finite = kernel(out, grads, taken, self._scratch(dtype, longest))
             for run in runs:
                 self._write_back(run)
             return finite
