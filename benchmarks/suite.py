@@ -21,8 +21,9 @@ and ``pingpong_gbs`` (worker 0 and ps 0 bounce D bytes, before and after the res
 other ranks asleep; one-way GB/s from the median round trip), ``many_tensors`` (a 4 MiB model of 1,000
 tensors against one tensor of the same bytes, ``opt.step()`` alone) and ``mlp`` (a real
 training step of an MLP of about 10 M parameters on seeded random data, DDP against
-mpisync). ``--only horovod`` runs Horovod's allreduce instead, interleaved with
-``MPI_Allreduce``, on every rank (Open MPI's virtualenv, no ps).
+mpisync; SGD with momentum, or Adam with ``--mlp-optimizer adam``). ``--only horovod``
+runs Horovod's allreduce instead, interleaved with ``MPI_Allreduce``, on every rank (Open
+MPI's virtualenv, no ps).
 
 Every time is a median (p10, p90) over ``--steps`` timed iterations after ``--warmup``.
 The chief prints one JSON object as the last line of stdout (and to ``--json-out``).
@@ -60,6 +61,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--many", type=int, default=1000, help="tensors of the many-tensor model")
     parser.add_argument("--mlp-batch", type=int, default=32, help="MLP batch per worker")
     parser.add_argument("--mlp-steps", type=int, default=30, help="timed MLP steps")
+    parser.add_argument("--mlp-optimizer", choices=("sgd", "adam"), default="sgd",
+                        help="the MLP's optimizer: SGD with momentum 0.9 (default) or Adam")
     parser.add_argument("--rounds", type=int, default=5,
                         help="blocks of each figure, interleaved with the others'")
     parser.add_argument("--skip", nargs="*", default=[],
@@ -150,9 +153,18 @@ def sync_options(args) -> dict:
     return {k: v for k, v in extra.items() if k in known}
 
 
-def wrap(cluster, model: torch.nn.Module, args, lr: float = 1e-9, momentum: float = 0.0):
+def local_optimizer(params, args, dense: bool) -> torch.optim.Optimizer:
+    """The models' optimizer: SGD (momentum 0.9 for the MLP), or Adam (``--mlp-optimizer``)."""
+    if dense:
+        return torch.optim.SGD(params, lr=1e-9)
+    if args.mlp_optimizer == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def wrap(cluster, model: torch.nn.Module, args, dense: bool = True):
     return mpisync.SyncReplicasOptimizer(
-        torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
+        local_optimizer(model.parameters(), args, dense),
         named_parameters=model.named_parameters(), cluster=cluster, **sync_options(args))
 
 
@@ -199,17 +211,14 @@ def train(model: torch.nn.Module, opt, batches):
 
 
 def sync_train(cluster, model: torch.nn.Module, batches, args) -> Figure:
-    dense = batches is None
-    opt = wrap(cluster, model, args, lr=1e-9 if dense else 0.01, momentum=0.0 if dense else 0.9)
+    opt = wrap(cluster, model, args, dense=batches is None)
     return Figure(train(model, opt, batches), None, opt.close)
 
 
-def ddp_train(dist, model: torch.nn.Module, batches) -> Figure:
+def ddp_train(dist, model: torch.nn.Module, batches, args) -> Figure:
     from torch.nn.parallel import DistributedDataParallel
     ddp = DistributedDataParallel(model)
-    dense = batches is None
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-9 if dense else 0.01,
-                          momentum=0.0 if dense else 0.9)
+    opt = local_optimizer(ddp.parameters(), args, dense=batches is None)
     return Figure(train(ddp, opt, batches), dist.barrier)
 
 
@@ -242,7 +251,7 @@ def mpisync_phase(cluster, workers: MPI.Comm, dist, args, out: dict, key: str) -
             t = torch.ones(nbytes // 4)
             figs["gloo_ms"] = Figure(lambda t=t: dist.all_reduce(t), dist.barrier)
         if dist is not None and "ddp" not in args.skip:
-            figs["ddp_ms"] = ddp_train(dist, DenseModel(sizes), None)
+            figs["ddp_ms"] = ddp_train(dist, DenseModel(sizes), None, args)
             figs["train_ms"] = sync_train(cluster, DenseModel(sizes), None, args)
         out[f"{mb:g}"].setdefault("mpisync", {})[key] = interleave(
             figs, rounds, max(1, steps // rounds), warmup)
@@ -258,7 +267,7 @@ def mpisync_phase(cluster, workers: MPI.Comm, dist, args, out: dict, key: str) -
         batches = mlp_batches(cluster.worker_index, args.mlp_batch)
         ddp_model, sync_model = mlp(), mlp()
         out["mlp"]["params"] = sum(p.numel() for p in sync_model.parameters())
-        out["mlp"][key] = interleave({"ddp_ms": ddp_train(dist, ddp_model, batches),
+        out["mlp"][key] = interleave({"ddp_ms": ddp_train(dist, ddp_model, batches, args),
                                       "mpisync_ms": sync_train(cluster, sync_model, batches,
                                                                args)},
                                      rounds, max(1, args.mlp_steps // rounds), 2)
