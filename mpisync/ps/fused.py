@@ -293,14 +293,11 @@ class Applier:
         opt, dtype = self.optimizer, out.dtype
         taken, counts = [], []
         for run in runs:
-            group, st = opt.param_groups[run.group], self.run_state[run.param]
-            offset = self._offset(run, out)
-            count, moments = st.get("step"), (st.get("exp_avg"), st.get("exp_avg_sq"))
-            if offset is None or not torch.is_tensor(count) or count.dim() or \
-                    count.device.type != "cpu" or any(
-                        m is None or m.dtype != dtype or not m.is_contiguous() or
-                        m.numel() != run.param.numel() for m in moments):
+            group = opt.param_groups[run.group]
+            offset, state = self._offset(run, out), self._adam_state(run, group, dtype)
+            if offset is None or state is None:
                 return None
+            count, moments = state
             settings = kernels.adam_settings(group, dtype, (count + 1).item())
             if settings is None or not kernels.adam_exact(dtype, group):
                 return None
@@ -316,6 +313,20 @@ class Applier:
                 self._write_back(run)
             return finite
         return step
+
+    def _adam_state(self, run: _Run, group: dict, dtype: torch.dtype) -> tuple | None:
+        """``run``'s step count and moments where the compiled passes may step them: a 0-dim
+        CPU count (with ``foreach``, float32 or float64: torch's multi-tensor step refuses
+        other counts) and contiguous moments of ``dtype``; None otherwise."""
+        st = self.run_state[run.param]
+        count, moments = st.get("step"), (st.get("exp_avg"), st.get("exp_avg_sq"))
+        if not torch.is_tensor(count) or count.dim() or count.device.type != "cpu" or \
+                (group.get("foreach") and count.dtype not in (torch.float32, torch.float64)):
+            return None
+        if any(m is None or m.dtype != dtype or not m.is_contiguous() or
+               m.numel() != run.param.numel() for m in moments):
+            return None
+        return count, moments
 
     def _scratch(self, dtype: torch.dtype, n: int) -> torch.Tensor:
         """A buffer of at least ``n`` elements (the compiled Adam's square roots)."""
