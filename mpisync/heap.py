@@ -21,7 +21,7 @@ import os
 
 from . import environ as env
 
-__all__ = ["keep", "kept", "release"]
+__all__ = ["keep", "kept", "release", "wanted"]
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -42,12 +42,23 @@ def _glibc():
         return None
 
 
+def wanted() -> bool:
+    """Whether ``MPISYNC_KEEP_HEAP`` asks for the kept heap (unset, empty or ``1``: yes).
+
+    Raises:
+        ConfigError: any other value, naming the variable and this rank. ``mpisync.init()``
+            reads it on every rank, so that every rank raises it alike, not the ps ranks
+            alone once they serve while the workers wait for them.
+    """
+    return env.switch("MPISYNC_KEEP_HEAP", True)
+
+
 def keep() -> bool:
     """Serve every block from the heap and keep freed memory there (glibc, unless
     ``MPISYNC_KEEP_HEAP=0``); whether the setting is in force now."""
     if _state["kept"]:
         return True
-    if not env.switch("MPISYNC_KEEP_HEAP", True):
+    if not wanted():
         return False
     libc = _glibc()
     if libc is None:

@@ -297,6 +297,32 @@ def test_compiled_step_in_the_reduce_is_torchs_step_bitwise(dtype, cls, kw, fuse
     assert fuses or fused == 0
 
 
+@pytest.mark.parametrize("cls", [ADAM, ADAGRAD], ids=["Adam", "Adagrad"])
+def test_compiled_step_leaves_to_torch_a_step_count_foreach_refuses(cls):
+    """torch's multi-tensor Adam and Adagrad (``foreach=True``) refuse a ``step`` count that
+    is not a float32 or float64 tensor (an int one, from a state saved elsewhere): the ps
+    keeps to torch's step, which raises as torch does; the single-tensor step takes any
+    count."""
+    from mpisync import kernels
+    exact = kernels.adam_exact if cls is ADAM else kernels.adagrad_exact
+    for foreach in (True, None):
+        applier, opt, params, grads, ref, ref_opt = build(
+            cls, {"lr": 0.01, "foreach": foreach}, [torch.float32] * len(SIZES))
+        step_both(applier, opt, params, grads, ref, ref_opt, 0, torch.Generator().manual_seed(1))
+        for st in opt.state.values():
+            st["step"] = st["step"].to(torch.int64)
+        applier.sync()
+        applier.begin(np.ones(len(SIZES), bool))
+        out = applier.grad_regions[0][:int(applier.hi[2])]
+        step = applier.compiled_step(0, out)
+        if foreach:
+            assert step is None
+            with pytest.raises(RuntimeError, match="float32/64"):
+                applier.apply(0)
+        elif kernels.available(out) and exact(torch.float32, opt.param_groups[0]):
+            assert step is not None
+
+
 def test_compiled_sgd_steps_aside_for_step_hooks():
     """A hook on the optimizer's step runs: such a step goes through ``optimizer.step()``."""
     applier, opt, *_ = build(torch.optim.SGD, {"lr": 0.1}, [torch.float32] * len(SIZES))

@@ -11,10 +11,16 @@ import pytest
 # In a process of its own (the setting is process-wide): a 40 MB tensor, made and freed
 # three times as an optimizer's temporary is each step; glibc's counters tell where it
 # lived (hblks: blocks mapped with mmap, counted before and with it) and how much the
-# heap holds (arena); the resident set tells what release() gave back.
+# heap holds (arena); the resident set (Linux's /proc/self/statm) what release() gave back
+# (malloc_trim returns free pages inside the heap too, where a block above them keeps
+# the heap's top, and arena, where they were).
 PROBE = r"""
-import ctypes, json, torch
+import ctypes, json, os, torch
 from mpisync import heap
+
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -31,10 +37,6 @@ for _ in range(3):
     mapped.append(libc.mallinfo2().hblks - before)
     del t
     held.append(libc.mallinfo2().arena)
-def resident():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
 before = resident()
 heap.release()
 print(json.dumps({"kept": kept, "again": heap.keep(), "mapped": mapped, "held": held,
@@ -60,7 +62,7 @@ def test_kept_heap_serves_large_blocks_without_mmap_and_keeps_them(glibc):
     assert got["kept"] and got["again"], got
     assert got["mapped"] == [0, 0, 0], got              # never a fresh mapping
     assert min(got["held"]) >= 40 * 1024 * 1024, got      # freed, still the heap's
-    assert got["released"] >= 40 * 1024 * 1024, got      # release(): back to the kernel
+    assert got["released"] >= 40 * 1024 * 1024, got     # release(): back to the kernel
 
 
 def test_keep_heap_off_leaves_glibcs_defaults(glibc):
@@ -75,3 +77,17 @@ def test_keep_heap_refuses_a_malformed_switch(glibc):
                          env=dict(os.environ, MPISYNC_KEEP_HEAP="yes"))
     assert run.returncode != 0
     assert "MPISYNC_KEEP_HEAP='yes' is not 1 (on) or 0 (off)" in run.stderr, run.stderr[-2000:]
+
+
+def test_init_refuses_a_malformed_switch_on_every_rank(glibc):
+    """``mpisync.init()`` reads the switch on every rank (workers included), so that a bad
+    value ends every rank alike at once, not the ps ranks alone when they start to serve
+    while the workers wait for them."""
+    run = subprocess.run([sys.executable, "-c", "import mpisync; mpisync.init()"],
+                         capture_output=True, text=True, timeout=120, check=False,
+                         env=dict(os.environ, MPISYNC_KEEP_HEAP="on"))
+    assert run.returncode != 0
+    assert run.stderr.rstrip().splitlines()[-1] == (
+        "mpisync.errors.ConfigError: rank 0: MPISYNC_KEEP_HEAP='on' is not 1 (on) or 0 (off); "
+        "set it to 1 (on) or 0 (off) or unset it"), run.stderr[-2000:]
+    assert "in init" in run.stderr and "serve" not in run.stderr, run.stderr[-2000:]

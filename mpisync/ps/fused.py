@@ -306,14 +306,11 @@ class Applier:
         opt, dtype = self.optimizer, out.dtype
         taken, counts = [], []
         for run in runs:
-            group, st = opt.param_groups[run.group], self.run_state[run.param]
-            offset = self._offset(run, out)
-            count, state = st.get("step"), [st.get(key) for key in keys]
-            if offset is None or not torch.is_tensor(count) or count.dim() or \
-                    count.device.type != "cpu" or any(
-                        t is None or t.dtype != dtype or not t.is_contiguous() or
-                        t.numel() != run.param.numel() for t in state):
+            group = opt.param_groups[run.group]
+            offset, found = self._offset(run, out), self._counted_state(run, group, dtype, keys)
+            if offset is None or found is None:
                 return None
+            count, state = found
             settings = settings_of(group, dtype, (count + 1).item())
             if settings is None or not exact(dtype, group):
                 return None
@@ -329,6 +326,21 @@ class Applier:
                 self._write_back(run)
             return finite
         return step
+
+    def _counted_state(self, run: _Run, group: dict, dtype: torch.dtype,
+                       keys: tuple[str, ...]) -> tuple | None:
+        """``run``'s step count and state ``keys`` where the compiled passes may step them:
+        a 0-dim CPU count (with ``foreach``, float32 or float64: torch's multi-tensor step
+        refuses other counts) and contiguous tensors of ``dtype``; None otherwise."""
+        st = self.run_state[run.param]
+        count, state = st.get("step"), [st.get(key) for key in keys]
+        if not torch.is_tensor(count) or count.dim() or count.device.type != "cpu" or \
+                (group.get("foreach") and count.dtype not in (torch.float32, torch.float64)):
+            return None
+        if any(t is None or t.dtype != dtype or not t.is_contiguous() or
+               t.numel() != run.param.numel() for t in state):
+            return None
+        return count, state
 
     def _scratch(self, dtype: torch.dtype, n: int) -> torch.Tensor:
         """A buffer of at least ``n`` elements (the compiled Adam's square roots)."""
