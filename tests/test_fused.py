@@ -323,6 +323,26 @@ def test_compiled_step_leaves_to_torch_a_step_count_foreach_refuses(cls):
             assert step is not None
 
 
+def test_loaded_state_torch_cannot_step_in_place_raises_as_torch():
+    """A loaded Adagrad ``sum`` whose elements share memory (expanded from one value):
+    torch's in-place step refuses it; the ps does not copy it whole into its arenas (nor
+    step it in the reduce) but keeps to torch's step, which raises."""
+    applier, opt, _, _, ref, ref_opt = build(ADAGRAD, {"lr": 0.1}, [torch.float32] * len(SIZES))
+    for o in (opt, ref_opt):
+        sd = o.state_dict()
+        for st in sd["state"].values():
+            st["sum"] = torch.full((1,), 0.5).expand_as(st["sum"])
+        o.load_state_dict(sd)
+    applier.sync()
+    applier.begin(np.ones(len(SIZES), bool))
+    assert applier.compiled_step(0, applier.grad_regions[0][:int(applier.hi[2])]) is None
+    for r in ref:
+        r.grad = torch.ones_like(r)
+    for o in (opt, ref_opt):
+        with pytest.raises(RuntimeError, match="single memory location"):
+            o.step()
+
+
 def test_compiled_sgd_steps_aside_for_step_hooks():
     """A hook on the optimizer's step runs: such a step goes through ``optimizer.step()``."""
     applier, opt, *_ = build(torch.optim.SGD, {"lr": 0.1}, [torch.float32] * len(SIZES))

@@ -200,11 +200,14 @@ class Applier:
         return tuple(sig)
 
     def _adopt(self, i: int, st: dict) -> bool:
-        """Move parameter ``i``'s state into the arenas; False if a value does not fit."""
+        """Move parameter ``i``'s state into the arenas; False if a value does not fit (or
+        is one torch's in-place step refuses: elements sharing memory, an expanded tensor
+        from a loaded state, which a copy into the arena would quietly make whole)."""
         p = self.params[i]
         r, a, b = int(self.region[i]), int(self.lo[i]), int(self.hi[i])
         for key, v in list(st.items()):
-            if not torch.is_tensor(v) or v.device != p.device:
+            if not torch.is_tensor(v) or v.device != p.device or \
+                    any(s == 0 and n > 1 for s, n in zip(v.stride(), v.shape)):
                 return False
             if v.dim() == 0:
                 arena = self._scalar_arena(key, v.dtype)
