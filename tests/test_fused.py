@@ -343,6 +343,24 @@ def test_loaded_state_torch_cannot_step_in_place_raises_as_torch():
             o.step()
 
 
+def test_loaded_state_shared_by_parameters_steps_as_torch():
+    """A loaded Adagrad ``sum`` that is a view of another parameter's (state saved so):
+    torch's step adds both parameters' squares into the memory they share; the ps keeps to
+    torch's step, bitwise, instead of parting them into arenas of their own."""
+    applier, opt, params, grads, ref, ref_opt = build(
+        ADAGRAD, {"lr": 0.1, "lr_decay": 0.01}, [torch.float32] * len(SIZES))
+    for o in (opt, ref_opt):
+        sd = o.state_dict()
+        sd["state"][0]["sum"] = sd["state"][2]["sum"][5:12]        # 7 of parameter 2's 33
+        o.load_state_dict(sd)
+    applier.sync()
+    gen = torch.Generator().manual_seed(3)
+    for t in range(3):
+        step_both(applier, opt, params, grads, ref, ref_opt, t, gen)
+        assert_same(opt, params, ref, ref_opt)
+    assert opt.state[params[0]]["sum"].data_ptr() == opt.state[params[2]]["sum"][5:].data_ptr()
+
+
 def test_compiled_sgd_steps_aside_for_step_hooks():
     """A hook on the optimizer's step runs: such a step goes through ``optimizer.step()``."""
     applier, opt, *_ = build(torch.optim.SGD, {"lr": 0.1}, [torch.float32] * len(SIZES))

@@ -91,6 +91,13 @@ _COUNTED = {
                           kernels.dense_adagrad)}
 
 
+def _overlap(tensors: list[torch.Tensor]) -> bool:
+    """Whether two of ``tensors`` may share memory (the byte spans they reach overlap)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.element_size() * (1 + sum(
+        (n - 1) * s for n, s in zip(t.shape, t.stride())))) for t in tensors if t.numel())
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+
+
 class _Run:
     """Neighbouring parameters ``[first, stop)`` stepped as one flat parameter."""
 
@@ -166,6 +173,10 @@ class Applier:
             return
         signatures: dict[tuple, int] = {}
         state = self.optimizer.state
+        if _overlap(self.params + [v for p in self.params for v in state.get(p, {}).values()
+                                   if torch.is_tensor(v) and v.dim()]):
+            self.mode = "whole"     # state shared by parameters (loaded so): torch steps it
+            return
         for i, p in enumerate(self.params):
             st = state.get(p)
             if st and not self._adopt(i, st):
