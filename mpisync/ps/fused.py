@@ -94,7 +94,8 @@ _COUNTED = {
 def _overlap(tensors: list[torch.Tensor]) -> bool:
     """Whether two of ``tensors`` may share memory (the byte spans they reach overlap)."""
     spans = sorted((t.data_ptr(), t.data_ptr() + t.element_size() * (1 + sum(
-        (n - 1) * s for n, s in zip(t.shape, t.stride())))) for t in tensors if t.numel())
+        (n - 1) * s for n, s in zip(t.shape, t.stride())))) for t in tensors
+        if t.numel() and t.layout == torch.strided)
     return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
 
 
@@ -217,7 +218,7 @@ class Applier:
         p = self.params[i]
         r, a, b = int(self.region[i]), int(self.lo[i]), int(self.hi[i])
         for key, v in list(st.items()):
-            if not torch.is_tensor(v) or v.device != p.device or \
+            if not torch.is_tensor(v) or v.device != p.device or v.layout != torch.strided or \
                     any(s == 0 and n > 1 for s, n in zip(v.stride(), v.shape)):
                 return False
             if v.dim() == 0:
