@@ -621,20 +621,7 @@ def adam_exact(dtype: torch.dtype, group: dict) -> bool:
     for _ in range(2):                      # the moments made, the bias corrections not 0
         param.grad = torch.randn(n, generator=gen, dtype=dtype)
         opt.step()
-    state = opt.state[param]
-    mine = [t.detach().clone() for t in (param, state["exp_avg"], state["exp_avg_sq"])]
-    step = float(state["step"]) + 1
-    grads = [torch.randn(n, generator=gen, dtype=dtype) for _ in range(2)]
-    param.grad = (grads[0] + grads[1]) * 0.5
-    opt.step()
-    out = torch.empty(n, dtype=dtype)
-    settings = adam_settings(opt.param_groups[0], dtype, step)
-    same = settings is not None
-    if same:
-        dense_adam(out, grads, [(0, *mine, settings)], torch.empty(n, dtype=dtype))
-        same = torch.equal(out, param.grad) and all(
-            torch.equal(a, b) for a, b in zip(mine, (param.detach(), state["exp_avg"],
-                                                     state["exp_avg_sq"])))
+    same = _probe_step(opt, param, ("exp_avg", "exp_avg_sq"), adam_settings, dense_adam, gen)
     _ADAM_EXACT[kind] = same
     return same
 
@@ -710,18 +697,26 @@ def adagrad_exact(dtype: torch.dtype, group: dict) -> bool:
                               initial_accumulator_value=0.5, foreach=kind[2])
     param.grad = torch.randn(n, generator=gen, dtype=dtype)
     opt.step()
-    state = opt.state[param]
-    mine = [t.detach().clone() for t in (param, state["sum"])]
+    same = _probe_step(opt, param, ("sum",), adagrad_settings, dense_adagrad, gen)
+    _ADAGRAD_EXACT[kind] = same
+    return same
+
+
+def _probe_step(opt: torch.optim.Optimizer, param: torch.nn.Parameter, keys: tuple[str, ...],
+                settings_of, kernel, gen: torch.Generator) -> bool:
+    """One more step of ``opt`` (over ``param`` alone, its state made) with the mean of two
+    random gradients, against ``kernel`` from the same state: whether the reduced
+    gradients, the parameter and the state ``keys`` come out bitwise the same."""
+    n, dtype, state = param.numel(), param.dtype, opt.state[param]
+    mine = [t.detach().clone() for t in (param, *(state[k] for k in keys))]
     step = float(state["step"]) + 1
     grads = [torch.randn(n, generator=gen, dtype=dtype) for _ in range(2)]
     param.grad = (grads[0] + grads[1]) * 0.5
     opt.step()
+    settings = settings_of(opt.param_groups[0], dtype, step)
+    if settings is None:
+        return False
     out = torch.empty(n, dtype=dtype)
-    settings = adagrad_settings(opt.param_groups[0], dtype, step)
-    same = settings is not None
-    if same:
-        dense_adagrad(out, grads, [(0, *mine, settings)], torch.empty(n, dtype=dtype))
-        same = torch.equal(out, param.grad) and torch.equal(mine[0], param.detach()) and \
-            torch.equal(mine[1], state["sum"])
-    _ADAGRAD_EXACT[kind] = same
-    return same
+    kernel(out, grads, [(0, *mine, settings)], torch.empty(n, dtype=dtype))
+    return torch.equal(out, param.grad) and all(
+        torch.equal(a, b) for a, b in zip(mine, (param.detach(), *(state[k] for k in keys))))
