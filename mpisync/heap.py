@@ -21,7 +21,7 @@ import os
 
 from . import environ as env
 
-__all__ = ["keep", "kept", "release", "wanted"]
+__all__ = ["keep", "release", "wanted"]
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -76,8 +76,3 @@ def release() -> None:
         libc = _glibc()
         if libc is not None:
             libc.malloc_trim(0)
-
-
-def kept() -> bool:
-    """Whether ``keep()`` put the setting in force in this process."""
-    return _state["kept"]

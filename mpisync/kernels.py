@@ -435,11 +435,23 @@ def rowwise_rows(ids: torch.Tensor | None, grad: torch.Tensor, sign: float, lr: 
                                     sign, lr, eps, total.data_ptr(), param.data_ptr())
 
 
+def _ptrs(grads: list[torch.Tensor], at: int):
+    """The gradients' addresses, each ``at`` bytes in, as a C array of pointers."""
+    return (ctypes.c_void_p * len(grads))(*[g.data_ptr() + at for g in grads])
+
+
+def _small_weight(w: float, dtype: torch.dtype) -> bool:
+    """torch's ``lerp`` test on its weight ``w`` as the kernel holds it (in ``dtype``):
+    ``|w| < 0.5``, the branch that adds to the start rather than to the end."""
+    held = ctypes.c_float(w).value if dtype == torch.float32 else float(w)
+    return abs(held) < 0.5
+
+
 def dense_mean(out: torch.Tensor, grads: list[torch.Tensor], scale: bool) -> bool:
     """``out`` = the sum of ``grads`` in order (contiguous, of ``out``'s dtype and size),
     times ``1 / len(grads)`` where ``scale`` (a power of two only: bitwise the mean);
     in one pass for two gradients. Returns whether every element of ``out`` is finite."""
-    ptrs = (ctypes.c_void_p * len(grads))(*[g.data_ptr() for g in grads])
+    ptrs = _ptrs(grads, 0)
     return bool(_fn("dense_mean", out.dtype)(out.numel(), ptrs, len(grads), int(scale),
                                              1.0 / len(grads), out.data_ptr()))
 
@@ -456,7 +468,7 @@ def dense_sgd(out: torch.Tensor, grads: list[torch.Tensor], runs) -> bool:
     finite = True
     for offset, param, buf, settings in runs:
         at = offset * size
-        ptrs = (ctypes.c_void_p * len(grads))(*[g.data_ptr() + at for g in grads])
+        ptrs = _ptrs(grads, at)
         finite &= bool(fn(param.numel(), ptrs, len(grads), 1.0 / len(grads),
                           out.data_ptr() + at, param.data_ptr(), _ptr(buf), *settings))
     return finite
@@ -541,7 +553,7 @@ def dense_adam(out: torch.Tensor, grads: list[torch.Tensor], runs, scratch: torc
     finite = True
     for offset, param, exp_avg, exp_avg_sq, settings in runs:
         at, n = offset * size, param.numel()
-        ptrs = (ctypes.c_void_p * len(grads))(*[g.data_ptr() + at for g in grads])
+        ptrs = _ptrs(grads, at)
         finite &= bool(moments(n, ptrs, len(grads), 1.0 / len(grads), out.data_ptr() + at,
                                param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
                                *settings[:8]))
@@ -589,7 +601,7 @@ def adam_settings(group: dict, dtype: torch.dtype, step: float) -> tuple | None:
             any(type(v) is int and abs(v) > 2 ** 53 for v in values) or \
             any(math.isfinite(v) and abs(v) > top for v in values):
         return None
-    small = abs(float(torch.tensor(w1, dtype=dtype))) < 0.5
+    small = _small_weight(w1, dtype)
     return (int(wd != 0 and not decoupled), wd, int(wd != 0 and decoupled), keep, int(small),
             *values[2:])
 
@@ -606,7 +618,7 @@ def adam_exact(dtype: torch.dtype, group: dict) -> bool:
     if adam_settings(group, dtype, 1.0) is None:
         return False
     decoupled = bool(group.get("decoupled_weight_decay", False))
-    small = abs(float(torch.tensor(1 - group["betas"][0], dtype=dtype))) < 0.5
+    small = _small_weight(1 - group["betas"][0], dtype)
     kind = (dtype, decoupled, group["weight_decay"] != 0, small, group.get("foreach"))
     known = _ADAM_EXACT.get(kind)
     if known is not None:
@@ -641,7 +653,7 @@ def dense_adagrad(out: torch.Tensor, grads: list[torch.Tensor], runs, scratch: t
     finite = True
     for offset, param, state_sum, (decay, wd, eps, neg_clr) in runs:
         at, n = offset * size, param.numel()
-        ptrs = (ctypes.c_void_p * len(grads))(*[g.data_ptr() + at for g in grads])
+        ptrs = _ptrs(grads, at)
         finite &= bool(sums(n, ptrs, len(grads), 1.0 / len(grads), out.data_ptr() + at,
                             param.data_ptr(), state_sum.data_ptr(), decay, wd))
         root = scratch[:n]

@@ -280,7 +280,7 @@ class Applier:
                 sum(r.param.numel() for r in runs) != out.numel():
             return None
         if type(opt) is torch.optim.SGD:
-            taken = self.sgd_runs(runs, out)
+            taken = self._sgd_runs(runs, out)
             return None if taken is None else lambda grads: kernels.dense_sgd(out, grads, taken)
         counted = _COUNTED.get(type(opt))
         return None if counted is None else self._counted_step(runs, out, *counted)
@@ -293,7 +293,7 @@ class Applier:
             return None
         return offset
 
-    def sgd_runs(self, runs: list[_Run], out: torch.Tensor) -> list[tuple] | None:
+    def _sgd_runs(self, runs: list[_Run], out: torch.Tensor) -> list[tuple] | None:
         """``runs`` as ``kernels.dense_sgd`` takes them, or None (see ``compiled_step``)."""
         opt, dtype = self.optimizer, out.dtype
         taken = []
@@ -358,7 +358,7 @@ class Applier:
         return count, state
 
     def _scratch(self, dtype: torch.dtype, n: int) -> torch.Tensor:
-        """A buffer of at least ``n`` elements (the compiled Adam's square roots)."""
+        """A buffer of at least ``n`` elements (the compiled Adam's and Adagrad's roots)."""
         buf = self.scratch.get(dtype)
         if buf is None or buf.numel() < n:
             buf = self.scratch[dtype] = torch.empty(n, dtype=dtype)
