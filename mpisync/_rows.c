@@ -647,3 +647,100 @@ void adagrad_update_##S(int64_t n, T *p, const T *mean, const T *root, int decay
 
 DENSE_ADAGRAD(float, f32, uint32_t, fmaf)
 DENSE_ADAGRAD(double, f64, uint64_t, fma)
+
+/* torch.optim.RMSprop's update as torch's single-tensor loop does it, in two passes around
+ * torch's own square root (as Adam's above; ``kernels.rmsprop_exact`` checks it on this
+ * machine). ``rmsprop_sums``: the mean of ``k`` >= 2 gradients as ``dense_mean`` takes it,
+ * ``g += wd * p`` (``decay``: torch's ``add(p, alpha=wd)``, one fused multiply-add), then
+ * ``v = v * alpha`` and ``v += s * g * g`` (``addcmul_`` with value ``s`` = 1 - alpha: the
+ * first product rounded, the second fused); with ``ga`` (centered) ``ga.lerp_(g, s)`` (a
+ * fused multiply-add from ``ga`` when ``|s| < 0.5``, else from ``g``) and ``c = v - ga *
+ * ga`` into ``centered`` (``addcmul(ga, ga, value=-1)``: one fused multiply-add). Returns
+ * whether every element of ``out`` is finite. ``rmsprop_update``, with ``root`` =
+ * torch.sqrt(v or c) and the mean in ``out`` (the parameters unchanged since, so ``g`` is
+ * made again): ``avg = root + eps``; with ``buf`` (momentum) ``buf = buf * mom + g / avg``
+ * (``addcdiv_`` with value 1: each operation rounded) and ``p += neg_lr * buf`` (one fused
+ * multiply-add), else ``p += neg_lr * g / avg`` (``addcdiv_``: each operation rounded). */
+#define DENSE_RMSPROP(T, S, U, FMA)                                                          \
+static inline __attribute__((always_inline)) U                                               \
+squares_pass_##S(int64_t n, const T *a, const T *b, T inv, T *out, const T *restrict p,      \
+                 T *restrict v, int ctr, T *restrict ga, T *restrict centered, int decay,    \
+                 T wd, T alpha, T s, int small)                                              \
+{                                                                                            \
+    U bad = 0;                                                                               \
+    const T sm1 = s - (T)1;                                                                  \
+    _Pragma("GCC ivdep")                                                                     \
+    for (int64_t i = 0; i < n; i++) {                                                        \
+        T g = mean_at_##S(i, a, b, 1, inv, out, &bad);                                       \
+        if (decay)                                                                           \
+            g = FMA(p[i], wd, g);                                                            \
+        T sq = FMA(s * g, g, v[i] * alpha);                                                  \
+        v[i] = sq;                                                                           \
+        if (ctr) {                                                                           \
+            T d = g - ga[i];                                                                 \
+            T avg = small ? FMA(s, d, ga[i]) : FMA(sm1, d, g);                               \
+            ga[i] = avg;                                                                     \
+            centered[i] = FMA(-avg, avg, sq);                                                \
+        }                                                                                    \
+    }                                                                                        \
+    return bad;                                                                              \
+}                                                                                            \
+                                                                                             \
+int64_t rmsprop_sums_##S(int64_t n, const T *const *in, int64_t k, T inv, T *out,            \
+                         const T *p, T *v, T *ga, T *centered, int decay, T wd, T alpha,     \
+                         T s, int small)                                                     \
+{                                                                                            \
+    const T *a = sum_but_last_##S(n, in, k, out), *b = in[k - 1];                            \
+    U bad;                                                                                   \
+    if (!ga)                                                                                 \
+        bad = decay ? squares_pass_##S(n, a, b, inv, out, p, v, 0, NULL, NULL, 1, wd,        \
+                                       alpha, s, 0)                                          \
+                    : squares_pass_##S(n, a, b, inv, out, p, v, 0, NULL, NULL, 0, 0,         \
+                                       alpha, s, 0);                                         \
+    else if (decay)                                                                          \
+        bad = small ? squares_pass_##S(n, a, b, inv, out, p, v, 1, ga, centered, 1, wd,      \
+                                       alpha, s, 1)                                          \
+                    : squares_pass_##S(n, a, b, inv, out, p, v, 1, ga, centered, 1, wd,      \
+                                       alpha, s, 0);                                         \
+    else                                                                                     \
+        bad = small ? squares_pass_##S(n, a, b, inv, out, p, v, 1, ga, centered, 0, 0,       \
+                                       alpha, s, 1)                                          \
+                    : squares_pass_##S(n, a, b, inv, out, p, v, 1, ga, centered, 0, 0,       \
+                                       alpha, s, 0);                                         \
+    return !bad;                                                                             \
+}                                                                                            \
+                                                                                             \
+static inline __attribute__((always_inline)) void                                            \
+rmsprop_pass_##S(int64_t n, T *restrict p, const T *restrict mean, const T *restrict root,   \
+                 int with_buf, T *restrict buf, int decay, T wd, T eps, T mom, T neg_lr)     \
+{                                                                                            \
+    _Pragma("GCC ivdep")                                                                     \
+    for (int64_t i = 0; i < n; i++) {                                                        \
+        T g = decay ? FMA(p[i], wd, mean[i]) : mean[i];                                      \
+        T avg = root[i] + eps;                                                               \
+        if (with_buf) {                                                                      \
+            T kept = buf[i] * mom;                                                           \
+            T next = kept + g / avg;                                                         \
+            buf[i] = next;                                                                   \
+            p[i] = FMA(next, neg_lr, p[i]);                                                  \
+        } else {                                                                             \
+            p[i] = p[i] + (neg_lr * g) / avg;                                                \
+        }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+void rmsprop_update_##S(int64_t n, T *p, const T *mean, const T *root, T *buf, int decay,    \
+                        T wd, T eps, T mom, T neg_lr)                                        \
+{                                                                                            \
+    if (buf && decay)                                                                        \
+        rmsprop_pass_##S(n, p, mean, root, 1, buf, 1, wd, eps, mom, neg_lr);                 \
+    else if (buf)                                                                            \
+        rmsprop_pass_##S(n, p, mean, root, 1, buf, 0, 0, eps, mom, neg_lr);                  \
+    else if (decay)                                                                          \
+        rmsprop_pass_##S(n, p, mean, root, 0, NULL, 1, wd, eps, 0, neg_lr);                  \
+    else                                                                                     \
+        rmsprop_pass_##S(n, p, mean, root, 0, NULL, 0, 0, eps, 0, neg_lr);                   \
+}
+
+DENSE_RMSPROP(float, f32, uint32_t, fmaf)
+DENSE_RMSPROP(double, f64, uint64_t, fma)

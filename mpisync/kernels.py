@@ -47,10 +47,14 @@ __all__ = [
     "dense_adagrad",
     "dense_adam",
     "dense_mean",
+    "dense_rmsprop",
     "dense_sgd",
     "gather",
     "merge_pieces",
     "reuse_freed_memory",
+    "rmsprop_exact",
+    "rmsprop_keys",
+    "rmsprop_settings",
     "rowwise_rows",
     "scatter",
     "sgd_exact",
@@ -184,6 +188,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         sums.restype = _I
         getattr(lib, f"adagrad_update_{s}").argtypes = [_I, _P, _P, _P, ctypes.c_int, real,
                                                         real, real]
+        squares = getattr(lib, f"rmsprop_sums_{s}")
+        squares.argtypes = [_I, _P, _I, real, _P, _P, _P, _P, _P, ctypes.c_int, real, real, real,
+                            ctypes.c_int]
+        squares.restype = _I
+        getattr(lib, f"rmsprop_update_{s}").argtypes = [_I, _P, _P, _P, _P, ctypes.c_int, real,
+                                                        real, real, real]
 
 
 def _kernels() -> ctypes.CDLL | None:
@@ -711,6 +721,104 @@ def adagrad_exact(dtype: torch.dtype, group: dict) -> bool:
     opt.step()
     same = _probe_step(opt, param, ("sum",), adagrad_settings, dense_adagrad, gen)
     _ADAGRAD_EXACT[kind] = same
+    return same
+
+
+def dense_rmsprop(out: torch.Tensor, grads: list[torch.Tensor], runs, scratch: torch.Tensor
+                  ) -> bool:
+    """``dense_mean`` of two or more ``grads`` (a power-of-two count) into ``out`` and, in
+    the same pass, torch.optim.RMSprop's update of the square averages (and, centered, of
+    the gradient averages and the centered values, into ``scratch``) with it; then torch's
+    square root into ``scratch`` (as long as the longest run, of ``out``'s dtype) and a
+    second pass that steps the momentum buffers and the parameters. ``runs``: ``(offset,
+    param, square_avg, grad_avg if centered, momentum_buffer if momentum, settings)`` (the
+    state ``rmsprop_keys`` names, in its order) covering ``out``, each tensor contiguous,
+    of ``out``'s dtype, for ``out[offset:offset + param.numel()]``; settings as
+    ``rmsprop_settings`` gives them. The ``step`` counts are the caller's. Returns whether
+    every element of ``out`` is finite (the parameters are stepped either way)."""
+    squares, update = _fn("rmsprop_sums", out.dtype), _fn("rmsprop_update", out.dtype)
+    size = out.element_size()
+    finite = True
+    for offset, param, square_avg, *more, settings in runs:
+        centered, momentum, decay, wd, alpha, s, small, eps, mom, neg_lr = settings
+        grad_avg = more[0] if centered else None
+        buf = more[-1] if momentum else None
+        at, n = offset * size, param.numel()
+        root = scratch[:n]
+        finite &= bool(squares(n, _ptrs(grads, at), len(grads), 1.0 / len(grads),
+                               out.data_ptr() + at, param.data_ptr(), square_avg.data_ptr(),
+                               _ptr(grad_avg), root.data_ptr(), decay, wd, alpha, s, small))
+        torch.sqrt(root if centered else square_avg.view(-1), out=root)
+        update(n, param.data_ptr(), out.data_ptr() + at, root.data_ptr(), _ptr(buf), decay,
+               wd, eps, mom, neg_lr)
+    return finite
+
+
+def rmsprop_keys(group: dict) -> tuple[str, ...]:
+    """The state torch.optim.RMSprop steps for a param group, in ``dense_rmsprop``'s
+    order: ``square_avg``, ``grad_avg`` where centered, ``momentum_buffer`` where the
+    momentum is above zero (torch's own tests)."""
+    mom = group.get("momentum")
+    return ("square_avg", *(("grad_avg",) if group.get("centered") else ()),
+            *(("momentum_buffer",) if type(mom) in (float, int) and mom > 0 else ()))
+
+
+def rmsprop_settings(group: dict, dtype: torch.dtype, step: float = 1.0) -> tuple | None:
+    """A torch.optim.RMSprop param group's settings as ``dense_rmsprop`` takes them for
+    parameters of ``dtype`` (RMSprop's update does not read its ``step``): (whether
+    centered, whether momentum, whether weight decay, weight decay, alpha, 1 - alpha,
+    whether ``|1 - alpha|`` < 0.5 in ``dtype`` (``lerp``'s branch), eps, momentum, -lr).
+    None where the kernel does not do what the group asks (``maximize``, ``fused``,
+    ``differentiable``, ``capturable``), where a hyper-parameter is not a plain number (a
+    tensor learning rate, a NumPy float), where torch would convert one differently (an
+    int beyond 2**53, which ctypes rounds twice) or refuse it (beyond the dtype's
+    range)."""
+    if any(group.get(k) for k in ("maximize", "fused", "differentiable", "capturable")):
+        return None
+    lr, alpha, eps, wd, mom = (group.get(k) for k in ("lr", "alpha", "eps", "weight_decay",
+                                                      "momentum"))
+    if any(type(v) not in (float, int) for v in (lr, alpha, eps, wd, mom)):
+        return None
+    s = 1 - alpha                              # torch's own arithmetic
+    values = (wd, alpha, s, eps, mom, -lr)
+    top = torch.finfo(dtype).max
+    if any(type(v) is int and abs(v) > 2 ** 53 for v in values) or \
+            any(math.isfinite(v) and abs(v) > top for v in values):
+        return None
+    centered = bool(group.get("centered"))
+    return (centered, mom > 0, int(wd != 0), wd, alpha, s,
+            int(centered and _small_weight(s, dtype)), eps, mom, -lr)
+
+
+_RMSPROP_EXACT: dict[tuple, bool] = {}
+
+
+def rmsprop_exact(dtype: torch.dtype, group: dict) -> bool:
+    """Whether ``dense_rmsprop`` steps bitwise as torch.optim.RMSprop does on this machine
+    for a group with these options (False where ``rmsprop_settings`` refuses it; checked
+    once per dtype and kind of group, as ``adam_exact``: centered or not, with ``lerp``'s
+    branch, momentum or not, weight decay or not, ``foreach``)."""
+    settings = rmsprop_settings(group, dtype)
+    if settings is None:
+        return False
+    centered, momentum, decay, small = settings[0], settings[1], settings[2], settings[6]
+    kind = (dtype, centered, small, momentum, decay, group.get("foreach"))
+    known = _RMSPROP_EXACT.get(kind)
+    if known is not None:
+        return known
+    gen = torch.Generator().manual_seed(17)
+    n = 4099
+    param = torch.nn.Parameter(torch.randn(n, generator=gen, dtype=dtype))
+    opt = torch.optim.RMSprop([param], lr=0.7, alpha=0.6 if small or not centered else 0.2,
+                              eps=0.3, weight_decay=0.3 if decay else 0.0,
+                              momentum=0.9 if momentum else 0.0, centered=centered,
+                              foreach=kind[5])
+    for _ in range(2):                      # the state made, the momentum buffer not zero
+        param.grad = torch.randn(n, generator=gen, dtype=dtype)
+        opt.step()
+    same = _probe_step(opt, param, rmsprop_keys(opt.param_groups[0]), rmsprop_settings,
+                       dense_rmsprop, gen)
+    _RMSPROP_EXACT[kind] = same
     return same
 
 

@@ -209,8 +209,8 @@ def test_compiled_dense_reduce_is_torchs_reduce_bitwise(dtype):
                 assert finite == bool(torch.isfinite(ref).all()) and (k == 1 or not finite)
 
 
-SGD, ADAM, ADAMW, ADAGRAD = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
-                             torch.optim.Adagrad)
+SGD, ADAM, ADAMW, ADAGRAD, RMSPROP = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
+                                      torch.optim.Adagrad, torch.optim.RMSprop)
 COMPILED_CASES = [
     (SGD, {"lr": 0.1}, True), (SGD, {"lr": 0.1, "momentum": 0.9}, True),
     (SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}, True),
@@ -229,14 +229,34 @@ COMPILED_CASES = [
                "initial_accumulator_value": 0.5}, True),
     (ADAGRAD, {"lr": 0.1, "weight_decay": 0.1, "foreach": True}, True),
     (ADAGRAD, {"lr": 0.1, "maximize": True}, False),
+    (RMSPROP, {"lr": 0.01}, True), (RMSPROP, {"lr": 0.01, "momentum": 0.9}, True),
+    (RMSPROP, {"lr": 0.01, "centered": True, "alpha": 0.3}, True),      # lerp's other branch
+    (RMSPROP, {"lr": 0.01, "centered": True, "momentum": 0.5, "weight_decay": 0.1}, True),
+    (RMSPROP, {"lr": 0.01, "weight_decay": 0.1, "eps": 0.1, "foreach": True}, True),
+    (RMSPROP, {"lr": 0.01, "centered": True, "momentum": 0.9, "foreach": True}, True),
+    (RMSPROP, {"lr": 0.01, "centered": True, "foreach": False}, True),
+    (RMSPROP, {"lr": 1, "alpha": 0, "eps": 1, "momentum": 1, "weight_decay": 1}, True),  # ints
+    (RMSPROP, {"lr": 0.01, "maximize": True}, False),
+    (RMSPROP, {"lr": 0.01, "momentum": np.float64(0.9)}, False),
     (ADAM, {"lr": 0.01, "amsgrad": True}, False),
     (ADAM, {"lr": 0.01, "maximize": True}, False),
     (ADAMW, {"lr": torch.tensor(0.01)}, False)]
 
 
+def _exact(cls):
+    """The ps's check of ``cls``'s compiled step against torch's."""
+    from mpisync import kernels
+    return {SGD: kernels.sgd_exact, ADAGRAD: kernels.adagrad_exact,
+            RMSPROP: kernels.rmsprop_exact}.get(cls, kernels.adam_exact)
+
+
 def _scheduler(opt):
-    """StepLR for SGD; for Adam OneCycleLR, which moves beta1 (and lr) every step."""
-    if isinstance(opt, torch.optim.Adam) and not torch.is_tensor(opt.param_groups[0]["lr"]):
+    """StepLR for SGD; OneCycleLR for Adam, which moves beta1 (and lr) every step, and for
+    RMSprop with a float momentum, which it moves."""
+    group = opt.param_groups[0]
+    cycled = isinstance(opt, torch.optim.Adam) or isinstance(opt, RMSPROP) and \
+        type(group["momentum"]) is float and group["momentum"] > 0
+    if cycled and not torch.is_tensor(group["lr"]):
         return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS + 1)
     return torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
 
@@ -246,8 +266,9 @@ def _scheduler(opt):
 @pytest.mark.parametrize("cls,kw,fuses", COMPILED_CASES,
                          ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(COMPILED_CASES)])
 def test_compiled_step_in_the_reduce_is_torchs_step_bitwise(dtype, cls, kw, fuses):
-    """For SGD, Adam, AdamW and Adagrad the ps steps a bucket in the reduce's pass
-    (``Applier.compiled_step``: ``kernels.dense_sgd``, ``dense_adam``, ``dense_adagrad``):
+    """For SGD, Adam, AdamW, Adagrad and RMSprop the ps steps a bucket in the reduce's pass
+    (``Applier.compiled_step``: ``kernels.dense_sgd``, ``dense_adam``, ``dense_adagrad``,
+    ``dense_rmsprop``):
     the parameters and the optimizer's state are torch's per-parameter step after the mean
     of two workers' gradients, bit for bit, with a scheduler, two groups and parameters
     that miss steps; the settings it does not fuse step as before."""
@@ -257,8 +278,7 @@ def test_compiled_step_in_the_reduce_is_torchs_step_bitwise(dtype, cls, kw, fuse
     applier, opt, params, _, ref, ref_opt = build(cls, kw, [dtype] * len(SIZES))
     # where torch's CPU kernels round differently (no fused multiply-add), the ps's check
     # refuses the kernel, and every step is torch's
-    exact = {SGD: kernels.sgd_exact, ADAGRAD: kernels.adagrad_exact}.get(cls, kernels.adam_exact)
-    fuses = fuses and exact(dtype, opt.param_groups[0])
+    fuses = fuses and _exact(cls)(dtype, opt.param_groups[0])
     region = applier.grad_regions[0]
     workers = [torch.zeros_like(region) for _ in range(2)]
     sched, ref_sched = _scheduler(opt), _scheduler(ref_opt)
@@ -297,14 +317,13 @@ def test_compiled_step_in_the_reduce_is_torchs_step_bitwise(dtype, cls, kw, fuse
     assert fuses or fused == 0
 
 
-@pytest.mark.parametrize("cls", [ADAM, ADAGRAD], ids=["Adam", "Adagrad"])
+@pytest.mark.parametrize("cls", [ADAM, ADAGRAD, RMSPROP], ids=["Adam", "Adagrad", "RMSprop"])
 def test_compiled_step_leaves_to_torch_a_step_count_foreach_refuses(cls):
-    """torch's multi-tensor Adam and Adagrad (``foreach=True``) refuse a ``step`` count that
-    is not a float32 or float64 tensor (an int one, from a state saved elsewhere): the ps
-    keeps to torch's step, which raises as torch does; the single-tensor step takes any
-    count."""
+    """torch's multi-tensor Adam, Adagrad and RMSprop (``foreach=True``) refuse a ``step``
+    count that is not a float32 or float64 tensor (an int one, from a state saved
+    elsewhere): the ps keeps to torch's step, which raises as torch does; the single-tensor
+    step takes any count."""
     from mpisync import kernels
-    exact = kernels.adam_exact if cls is ADAM else kernels.adagrad_exact
     for foreach in (True, None):
         applier, opt, params, grads, ref, ref_opt = build(
             cls, {"lr": 0.01, "foreach": foreach}, [torch.float32] * len(SIZES))
@@ -319,7 +338,7 @@ def test_compiled_step_leaves_to_torch_a_step_count_foreach_refuses(cls):
             assert step is None
             with pytest.raises(RuntimeError, match="float32/64"):
                 applier.apply(0)
-        elif kernels.available(out) and exact(torch.float32, opt.param_groups[0]):
+        elif kernels.available(out) and _exact(cls)(torch.float32, opt.param_groups[0]):
             assert step is not None
 
 
@@ -385,7 +404,7 @@ def test_compiled_sgd_is_torchs_step_where_torch_rounds_otherwise():
                          check=False, env=dict(os.environ, ATEN_CPU_CAPABILITY="default"),
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert re.search(r"\b42 passed", run.stdout), run.stdout[-2000:]
+    assert re.search(r"\b62 passed", run.stdout), run.stdout[-2000:]
 
 
 def test_compiled_sgd_leaves_to_torch_what_torch_converts_otherwise():

@@ -18,12 +18,13 @@ everything else (``state_dict()``, ``load_state_dict()``, the tables' rows): a r
 swaps in, for the duration of one ``optimizer.step()``, param groups that hold the runs'
 flat parameters (with each group's hyper-parameters) and a state holding theirs.
 
-For plain SGD, Adam, AdamW and Adagrad the ps goes one further: ``compiled_step`` hands a
-bucket's runs to the compiled reduce (``kernels.dense_sgd``, ``dense_adam``,
-``dense_adagrad``), which steps them in the same pass over memory that averages the
-workers' gradients (Adam and Adagrad: and one more after torch's square root), bitwise
-torch's step (checked once per machine and kind of group, ``kernels.sgd_exact``,
-``adam_exact``, ``adagrad_exact``, and in ``tests/test_fused.py``).
+For plain SGD, Adam, AdamW, Adagrad and RMSprop the ps goes one further: ``compiled_step``
+hands a bucket's runs to the compiled reduce (``kernels.dense_sgd``, ``dense_adam``,
+``dense_adagrad``, ``dense_rmsprop``), which steps them in the same pass over memory that
+averages the workers' gradients (Adam, Adagrad and RMSprop: and one more after torch's
+square root), bitwise torch's step (checked once per machine and kind of group,
+``kernels.sgd_exact``, ``adam_exact``, ``adagrad_exact``, ``rmsprop_exact``, and in
+``tests/test_fused.py``).
 
 Every other case steps ``"whole"``: one ``optimizer.step()`` over every parameter once
 every bucket is reduced, exactly as torch's own loop. That is optimizers that look at a
@@ -81,14 +82,17 @@ def _hooked(optimizer: torch.optim.Optimizer) -> bool:
 
 
 #: Optimizers that count steps and whose step the compiled reduce takes: the state each
-#: run's kernel updates, its settings at a step, its check against torch, the kernel.
+#: run's kernel updates (or the function of its group that names it), its settings at a
+#: step, its check against torch, the kernel.
 _COUNTED = {
     torch.optim.Adam: (("exp_avg", "exp_avg_sq"), kernels.adam_settings, kernels.adam_exact,
                        kernels.dense_adam),
     torch.optim.AdamW: (("exp_avg", "exp_avg_sq"), kernels.adam_settings, kernels.adam_exact,
                         kernels.dense_adam),
     torch.optim.Adagrad: (("sum",), kernels.adagrad_settings, kernels.adagrad_exact,
-                          kernels.dense_adagrad)}
+                          kernels.dense_adagrad),
+    torch.optim.RMSprop: (kernels.rmsprop_keys, kernels.rmsprop_settings, kernels.rmsprop_exact,
+                          kernels.dense_rmsprop)}
 
 
 def _overlap(tensors: list[torch.Tensor]) -> bool:
@@ -269,9 +273,10 @@ class Applier:
         ``out`` (the bucket's reduced gradients): a function of the workers' gradients (two
         or more, a power of two: their mean) that reduces them into ``out``, steps the
         bucket and returns whether every element of ``out`` is finite. That is a plain
-        torch.optim.SGD (``kernels.dense_sgd``), Adam or AdamW (``kernels.dense_adam``) or
-        Adagrad (``kernels.dense_adagrad``) without step hooks, whose kernel
-        (``kernels.sgd_exact``, ``adam_exact``, ``adagrad_exact``) found bitwise torch's
+        torch.optim.SGD (``kernels.dense_sgd``), Adam or AdamW (``kernels.dense_adam``),
+        Adagrad (``kernels.dense_adagrad``) or RMSprop (``kernels.dense_rmsprop``) without
+        step hooks, whose kernel (``kernels.sgd_exact``, ``adam_exact``, ``adagrad_exact``,
+        ``rmsprop_exact``) found bitwise torch's
         here, runs that cover the whole bucket, each group's hyper-parameters plain numbers
         its kernel takes (``kernels.sgd_settings``, ...) and the state torch makes on the
         first step made. None otherwise: the reduce, then ``apply(k)``."""
@@ -313,16 +318,17 @@ class Applier:
 
     def _counted_step(self, runs: list[_Run], out: torch.Tensor, keys: tuple[str, ...],
                       settings_of, exact, kernel):
-        """Bucket ``runs``' step of an optimizer that counts steps (Adam, AdamW, Adagrad)
-        in the reduce's pass, or None (see ``compiled_step``): each run's ``step`` count
-        goes up by one, as torch's does, the settings follow from it (``settings_of``),
-        ``kernel`` steps the state ``keys`` and the parameters, and the new counts reach
-        the runs' members."""
+        """Bucket ``runs``' step of an optimizer that counts steps (Adam, AdamW, Adagrad,
+        RMSprop) in the reduce's pass, or None (see ``compiled_step``): each run's ``step``
+        count goes up by one, as torch's does, the settings follow from it
+        (``settings_of``), ``kernel`` steps the state ``keys`` (or ``keys(group)``) and the
+        parameters, and the new counts reach the runs' members."""
         opt, dtype = self.optimizer, out.dtype
         taken, counts = [], []
         for run in runs:
             group = opt.param_groups[run.group]
-            offset, found = self._offset(run, out), self._counted_state(run, group, dtype, keys)
+            names = keys(group) if callable(keys) else keys
+            offset, found = self._offset(run, out), self._counted_state(run, group, dtype, names)
             if offset is None or found is None:
                 return None
             count, state = found
@@ -358,7 +364,7 @@ class Applier:
         return count, state
 
     def _scratch(self, dtype: torch.dtype, n: int) -> torch.Tensor:
-        """A buffer of at least ``n`` elements (the compiled Adam's and Adagrad's roots)."""
+        """A buffer of at least ``n`` elements (the compiled steps' roots)."""
         buf = self.scratch.get(dtype)
         if buf is None or buf.numel() < n:
             buf = self.scratch[dtype] = torch.empty(n, dtype=dtype)

@@ -687,10 +687,10 @@ class ShardServer:
     def _reduce(self, b: Bucket, chosen: list[_Slot]) -> tuple[bool, bool]:
         """Bucket ``b``'s taken gradients into the reduced ones: (whether that found every
         element finite, whether it stepped the bucket's parameters too). The compiled pass
-        (a mean over a power of two, or a sum) checks finiteness, and for SGD, Adam, AdamW
-        and Adagrad steps the parameters in it (``Applier.compiled_step``); with non-finite
-        gradients and ``nonfinite="raise"`` the job ends with the error, as when a bucket
-        before it was stepped already."""
+        (a mean over a power of two, or a sum) checks finiteness, and for SGD, Adam, AdamW,
+        Adagrad and RMSprop steps the parameters in it (``Applier.compiled_step``); with
+        non-finite gradients and ``nonfinite="raise"`` the job ends with the error, as when
+        a bucket before it was stepped already."""
         out = self.grad_views[b.index]
         if out is None or self.optimizer is None:
             return False, False

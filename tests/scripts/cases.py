@@ -181,6 +181,9 @@ CASES = [
     Case("adagrad-decay", lambda m: torch.optim.Adagrad(m.parameters(), lr=0.1, lr_decay=0.01,
                                                          weight_decay=0.01),
          lambda o: S.StepLR(o, 2, 0.5)),
+    Case("rmsprop-centered-cyclic", lambda m: torch.optim.RMSprop(
+        m.parameters(), lr=0.01, momentum=0.9, centered=True, weight_decay=0.01),
+         lambda o: S.CyclicLR(o, 0.001, 0.01, step_size_up=2, cycle_momentum=True)),
     Case("sequential", sgd(momentum=0.9),
          lambda o: S.SequentialLR(o, [S.ConstantLR(o, 0.1, 2), S.ExponentialLR(o, 0.9)], [3])),
     Case("polynomial-int-lr", sgd(lr=1), lambda o: S.PolynomialLR(o, total_iters=6, power=2.0),
