@@ -757,7 +757,7 @@ def dense_rmsprop(out: torch.Tensor, grads: list[torch.Tensor], runs, scratch: t
 def rmsprop_keys(group: dict) -> tuple[str, ...]:
     """The state torch.optim.RMSprop steps for a param group, in ``dense_rmsprop``'s
     order: ``square_avg``, ``grad_avg`` where centered, ``momentum_buffer`` where the
-    momentum is above zero (torch's own tests)."""
+    momentum is above zero (torch's step tests the group so)."""
     mom = group.get("momentum")
     return ("square_avg", *(("grad_avg",) if group.get("centered") else ()),
             *(("momentum_buffer",) if type(mom) in (float, int) and mom > 0 else ()))

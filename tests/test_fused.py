@@ -268,10 +268,9 @@ def _scheduler(opt):
 def test_compiled_step_in_the_reduce_is_torchs_step_bitwise(dtype, cls, kw, fuses):
     """For SGD, Adam, AdamW, Adagrad and RMSprop the ps steps a bucket in the reduce's pass
     (``Applier.compiled_step``: ``kernels.dense_sgd``, ``dense_adam``, ``dense_adagrad``,
-    ``dense_rmsprop``):
-    the parameters and the optimizer's state are torch's per-parameter step after the mean
-    of two workers' gradients, bit for bit, with a scheduler, two groups and parameters
-    that miss steps; the settings it does not fuse step as before."""
+    ``dense_rmsprop``): the parameters and the optimizer's state are torch's per-parameter
+    step after the mean of two workers' gradients, bit for bit, with a scheduler, two
+    groups and parameters that miss steps; the settings it does not fuse step as before."""
     from mpisync import kernels
     if not kernels.available(torch.zeros(1, dtype=dtype)):
         pytest.skip("no C compiler: the ps reduces and steps with torch")
@@ -420,3 +419,21 @@ def test_compiled_sgd_leaves_to_torch_what_torch_converts_otherwise():
         assert kernels.sgd_settings({**group, key: value}, torch.float32) is None, (key, value)
     assert kernels.sgd_settings({**group, "lr": 1e300}, torch.float64) is not None
     assert kernels.sgd_settings({**group, "lr": float("inf")}, torch.float32) is not None
+
+
+def test_compiled_rmsprop_leaves_to_torch_what_it_does_not_do():
+    """RMSprop's settings: refused where the kernel does not do what the group asks, where
+    a hyper-parameter is not a plain number, is an int beyond 2**53 or lies beyond
+    float32's range; taken otherwise, ints and infinities included."""
+    from mpisync import kernels
+    group = torch.optim.RMSprop([torch.zeros(1)], lr=0.01, momentum=0.9).param_groups[0]
+    assert kernels.rmsprop_settings(group, torch.float32) is not None
+    for key, value in (("maximize", True), ("capturable", True), ("differentiable", True),
+                       ("lr", torch.tensor(0.01)), ("alpha", np.float64(0.9)),
+                       ("momentum", np.float32(0.9)), ("eps", 1e39), ("lr", 1e300),
+                       ("weight_decay", -1e300), ("alpha", 2 ** 60 + 2 ** 36 + 1),
+                       ("momentum", 2 ** 60 + 2 ** 36 + 1)):
+        assert kernels.rmsprop_settings({**group, key: value}, torch.float32) is None, key
+    for key, value in (("lr", 1), ("alpha", 0), ("eps", float("inf")), ("momentum", -1)):
+        assert kernels.rmsprop_settings({**group, key: value}, torch.float32) is not None
+    assert kernels.rmsprop_settings({**group, "eps": 1e39}, torch.float64) is not None
