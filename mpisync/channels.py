@@ -34,6 +34,8 @@ __all__ = ["DenseChannel", "ReplicatedChannel"]
 
 
 _grad_of = operator.attrgetter("grad")
+_layout_of, _dtype_of, _shape_of, _requires_grad_of = (
+    operator.attrgetter(a) for a in ("layout", "dtype", "shape", "requires_grad"))
 _no_torch_function = torch._C.DisableTorchFunctionSubclass
 
 
@@ -231,8 +233,13 @@ class DenseChannel:
         self.hook_sends = (not self.staging.cuda
                            or MPI.Query_thread() >= MPI.THREAD_SERIALIZED)
         landing = self._send_landed if self.staging.cuda and self.hook_sends else None
-        self.hooks = GradBuckets([m[0] for m in self.members], [j for j, _ in self.order],
-                                 self.bucket_ready, landing or (lambda: None),
+        # through shared memory every bucket goes at step(): no hooks then (they cost
+        # each parameter a Python call per backward and would send nothing)
+        hooked = [n for n, (j, _) in enumerate(self.order) if self.shards[j].segment is None]
+        self.hooks = GradBuckets([self.members[n][0] for n in hooked],
+                                 [self.order[n][0] for n in hooked],
+                                 lambda k: self.bucket_ready(hooked[k]),
+                                 landing or (lambda: None),
                                  on_hook=landing and (lambda _: landing()))
         self.pace = Pace()               # how long the token took lately
         self.expected_backwards = 1      # backward passes per step, as the last step had
@@ -334,11 +341,14 @@ class DenseChannel:
             for p in self.params:
                 p.grad = None
             return
+        staging, staged = self.staging, bool(self.staging)
         for i, (p, view) in enumerate(zip(self.params, self.gviews)):
             g = p.grad
-            if g is not None and i in self.staging:
+            if g is None or g is view:
+                continue
+            if staged and i in staging:
                 g.zero_()                   # on its device, as torch does
-            elif g is not None and g is not view:
+            else:
                 p.grad = view               # the fused buffer, zeroed below: no copy later
         for shard in self.shards:
             for b, base in zip(shard.buckets, shard.bases):
@@ -357,8 +367,6 @@ class DenseChannel:
             return
         j, k = self.order[n]
         shard = self.shards[j]
-        if shard.segment is not None:
-            return        # shared memory: sent at step()
         if self.landing:    # earlier buckets of this ps on their way count as sent
             k -= sum(1 for m in self.landing if self.order[m][0] == j)
         if k != shard.sent:
@@ -392,22 +400,7 @@ class DenseChannel:
         if all(map(operator.is_, grads, views)):      # the usual step: backward wrote them
             self.has_grad[where] = 1
         else:
-            has = self._has
-            for p, i, g, view in zip(params, ids, grads, views):
-                if g is view:
-                    has[i] = 1
-                elif g is None:
-                    if has[i]:
-                        view.zero_()   # absent: zeros, so the other workers' sum is exact
-                        has[i] = 0
-                elif i in staging:
-                    if g.layout is not torch.strided:
-                        self._adopt_grad(i, p, g, view)     # refused: a sparse gradient
-                    staging.grad_to_host(i, g, view)
-                    has[i] = 1
-                else:
-                    self._adopt_grad(i, p, g, view)
-                    has[i] = 1
+            self._take_grads(params, ids, grads, views)
         pieces = self.pieces_of.get(self.order[n], ())
         if pieces and staging.cuda:
             staging.sync()            # the whole gradient on the host before it is cut
@@ -416,6 +409,48 @@ class DenseChannel:
             if self.piece_versions[id(gview)] != whole._version:
                 gview.copy_(whole[start:stop])
                 self.piece_versions[id(gview)] = whole._version
+
+    def _take_grads(self, params: list[torch.Tensor], ids: list[int],
+                    grads: list[torch.Tensor | None], views: list[torch.Tensor]) -> None:
+        """``_prepare`` where some gradients are not their send buffer's views already."""
+        staging = self.staging
+        has, fresh, staged = self._has, [], bool(staging)
+        for p, i, g, view in zip(params, ids, grads, views):
+            if g is view:
+                has[i] = 1
+            elif g is None:
+                if has[i]:
+                    view.zero_()   # absent: zeros, so the other workers' sum is exact
+                    has[i] = 0
+            elif staged and i in staging:
+                if g.layout is not torch.strided:
+                    self._adopt_grad(i, p, g, view)     # refused: a sparse gradient
+                staging.grad_to_host(i, g, view)
+                has[i] = 1
+            else:
+                fresh.append((i, p, g, view))
+        if fresh:
+            self._adopt_grads(fresh)
+
+    def _adopt_grads(self, fresh: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]
+                     ) -> None:
+        """``_adopt_grad`` for each ``(i, p, g, view)``; the copies in one call where every
+        gradient is dense and of its parameter's shape and dtype (after ``zero_grad()``'s
+        ``set_to_none=True``, torch's default, every gradient of a step comes here)."""
+        has = self._has
+        ids, params, grads, views = zip(*fresh)
+        if any(lay is not torch.strided for lay in map(_layout_of, grads)) or \
+                list(map(_dtype_of, grads)) != list(map(_dtype_of, views)) or \
+                list(map(_shape_of, grads)) != list(map(_shape_of, views)) or \
+                any(map(_requires_grad_of, grads)):
+            for i, p, g, view in fresh:     # one by one: the first not taken raises, and
+                self._adopt_grad(i, p, g, view)     # create_graph's gradients keep copy_'s graph
+                has[i] = 1
+            return
+        torch._foreach_copy_(views, grads)    # (one already over its view: torch skips it)
+        for i, p, view in zip(ids, params, views):
+            p.grad = view
+            has[i] = 1
 
     def _adopt_grad(self, i: int, p: torch.Tensor, g: torch.Tensor, view: torch.Tensor) -> None:
         """A gradient made outside the send buffer: copy it in, and keep using the buffer."""

@@ -159,12 +159,14 @@ def test_buckets_went_from_hooks_and_again_when_changed(job):
     """Messages: hooks sent buckets while backward ran; a bucket changed after (clipping,
     a second backward) went again, and a second backward per step is then waited for.
     Shared memory: no bucket travels at all, except where a 16-bit wire or extra tokens
-    keep the pair on messages."""
+    keep the pair on messages, and no gradient hook is placed where every ps rank is in
+    shared memory (a worker with one of its two ps ranks there hooks the other's buckets)."""
     if job["transport"] == "mixed":
         for case in CASES:
             messages = case in ("kbatch", "bf16", "fp16")
             shared = [job[case][0][w]["counts"]["shared"] for w in (0, 1)]
             assert shared == ([0, 0] if messages else [1, 0]), (case, shared)
+            assert all(job[case][0][w]["counts"]["hooks"] > 0 for w in (0, 1)), case
         return
     if job["transport"] == "shared-memory":
         for case in CASES:
@@ -172,6 +174,7 @@ def test_buckets_went_from_hooks_and_again_when_changed(job):
             messages = case in ("kbatch", "bf16", "fp16")
             assert (counts["buckets"] > 0) == messages, (case, counts)
             assert counts["shared"] == (0 if messages else 2), (case, counts)
+            assert (counts["hooks"] > 0) == messages, (case, counts)
         return
     for case in CASES:
         counts = job[case][0][0]["counts"]

@@ -93,7 +93,8 @@ def train(cluster, case: str) -> dict:
         for _, _, _, part, step in opt._from_every_ps(Kind.STATE, "values"):
             values.update(part)
         master = {"step": step, "values": {n: v.tolist() for n, v in values.items()}}
-    counts = dict(opt._dense.counts, shared=len(opt._dense.shared))   # ps ranks, in memory
+    counts = dict(opt._dense.counts, shared=len(opt._dense.shared),   # ps ranks, in memory
+                  hooks=len(opt._dense.hooks.hooks))                  # gradient hooks placed
     opt.close()
     return {"case": case, "pushes": pushes, "global_step": opt.global_step, "held": held,
             "master": master, "counts": counts}
