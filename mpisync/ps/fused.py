@@ -278,7 +278,8 @@ class Applier:
         step hooks, whose kernel (``kernels.sgd_exact``, ``adam_exact``, ``adagrad_exact``,
         ``rmsprop_exact``) found bitwise torch's here, runs that cover the whole bucket,
         each group's hyper-parameters plain numbers its kernel takes
-        (``kernels.sgd_settings``, ...) and the state torch makes on the first step made. None otherwise: the reduce, then ``apply(k)``."""
+        (``kernels.sgd_settings``, ...) and the state torch makes on the first step made.
+        None otherwise: the reduce, then ``apply(k)``."""
         opt, runs = self.optimizer, self.runs[k]
         if self.mode != "fused" or not runs or _hooked(opt) or \
                 sum(r.param.numel() for r in runs) != out.numel():
