@@ -445,12 +445,13 @@ static inline const T *sum_but_last_##S(int64_t n, const T *const *in, int64_t k
 }                                                                                            \
                                                                                              \
 static inline __attribute__((always_inline)) T                                              \
-mean_at_##S(int64_t i, const T *a, const T *b, int scale, T inv, T *out, U *bad)             \
+mean_at_##S(int64_t i, const T *a, const T *b, int scale, T inv, T *out, int store, U *bad) \
 {                                                                                            \
     T x = b ? a[i] + b[i] : a[i];                                                            \
     if (scale)                                                                               \
         x = x * inv;                                                                         \
-    out[i] = x;                                                                              \
+    if (store)                                                                               \
+        out[i] = x;                                                                          \
     U bits;                                                                                  \
     memcpy(&bits, &x, sizeof bits);                                                          \
     *bad |= (bits & EXPMASK) == EXPMASK;                                                     \
@@ -461,7 +462,7 @@ static inline U last_pass_##S(int64_t n, const T *a, const T *b, int scale, T in
 {                                                                                            \
     U bad = 0;                                                                               \
     for (int64_t i = 0; i < n; i++)                                                          \
-        mean_at_##S(i, a, b, scale, inv, out, &bad);                                         \
+        mean_at_##S(i, a, b, scale, inv, out, 1, &bad);                                         \
     return bad;                                                                              \
 }                                                                                            \
                                                                                              \
@@ -489,18 +490,20 @@ DENSE(double, f64, uint64_t, 0x7ff0000000000000ull)
  * is one fused multiply-add; ``kernels.sgd_exact`` checks that on this machine before the
  * ps uses this). ``wd`` (weight decay, when ``decay``) adds ``wd * p``; with ``buf`` (the
  * momentum buffer, already made) ``buf = buf * mom + damp1 * g`` and the step follows
- * ``buf``; then ``p += neg_lr * g``. ``out`` gets the mean as ``dense_mean`` writes it.
- * Returns whether every element of ``out`` is finite (the parameters are updated either
- * way). Each of the four settings is compiled on its own (vectorized). */
+ * ``buf``; then ``p += neg_lr * g``. ``out`` gets the mean as ``dense_mean`` writes it
+ * where ``store`` (else it is only scratch: nothing reads a stepped bucket's mean, and
+ * writing it is a quarter of the pass's memory traffic). Returns whether every mean is
+ * finite (the parameters are updated either way). Each of the eight settings is compiled
+ * on its own (vectorized). */
 #define DENSE_SGD(T, S, U, FMA)                                                              \
 static inline __attribute__((always_inline)) U                                               \
-sgd_pass_##S(int64_t n, const T *a, const T *b, T inv, T *out, T *restrict p,                \
+sgd_pass_##S(int64_t n, const T *a, const T *b, T inv, T *out, int store, T *restrict p,     \
              T *restrict buf, T neg_lr, int decay, T wd, T mom, T damp1)                     \
 {                                                                                            \
     U bad = 0;                                                                               \
     _Pragma("GCC ivdep")                                                                     \
     for (int64_t i = 0; i < n; i++) {                                                        \
-        T g = mean_at_##S(i, a, b, 1, inv, out, &bad);                                       \
+        T g = mean_at_##S(i, a, b, 1, inv, out, store, &bad);                                \
         if (decay)                                                                           \
             g = FMA(p[i], wd, g);                                                            \
         if (buf) {                                                                           \
@@ -512,17 +515,27 @@ sgd_pass_##S(int64_t n, const T *a, const T *b, T inv, T *out, T *restrict p,   
     return bad;                                                                              \
 }                                                                                            \
                                                                                              \
-int64_t dense_sgd_##S(int64_t n, const T *const *in, int64_t k, T inv, T *out, T *p,        \
-                      T *buf, T neg_lr, int decay, T wd, T mom, T damp1)                    \
+static inline __attribute__((always_inline)) U                                               \
+sgd_settings_##S(int64_t n, const T *a, const T *b, T inv, T *out, int store, T *p, T *buf,  \
+                 T neg_lr, int decay, T wd, T mom, T damp1)                                  \
+{                                                                                            \
+    if (buf)                                                                                 \
+        return decay ? sgd_pass_##S(n, a, b, inv, out, store, p, buf, neg_lr, 1, wd, mom,    \
+                                    damp1)                                                   \
+                     : sgd_pass_##S(n, a, b, inv, out, store, p, buf, neg_lr, 0, 0, mom,     \
+                                    damp1);                                                  \
+    return decay ? sgd_pass_##S(n, a, b, inv, out, store, p, NULL, neg_lr, 1, wd, 0, 0)      \
+                 : sgd_pass_##S(n, a, b, inv, out, store, p, NULL, neg_lr, 0, 0, 0, 0);      \
+}                                                                                            \
+                                                                                             \
+int64_t dense_sgd_##S(int64_t n, const T *const *in, int64_t k, T inv, T *out, int store,   \
+                      T *p, T *buf, T neg_lr, int decay, T wd, T mom, T damp1)              \
 {                                                                                            \
     const T *a = sum_but_last_##S(n, in, k, out), *b = in[k - 1];                            \
-    U bad;                                                                                   \
-    if (buf)                                                                                 \
-        bad = decay ? sgd_pass_##S(n, a, b, inv, out, p, buf, neg_lr, 1, wd, mom, damp1)     \
-                    : sgd_pass_##S(n, a, b, inv, out, p, buf, neg_lr, 0, 0, mom, damp1);     \
-    else                                                                                     \
-        bad = decay ? sgd_pass_##S(n, a, b, inv, out, p, NULL, neg_lr, 1, wd, 0, 0)          \
-                    : sgd_pass_##S(n, a, b, inv, out, p, NULL, neg_lr, 0, 0, 0, 0);          \
+    U bad = store ? sgd_settings_##S(n, a, b, inv, out, 1, p, buf, neg_lr, decay, wd, mom,  \
+                                     damp1)                                                  \
+                  : sgd_settings_##S(n, a, b, inv, out, 0, p, buf, neg_lr, decay, wd, mom,  \
+                                     damp1);                                                 \
     return !bad;                                                                             \
 }
 
@@ -552,7 +565,7 @@ moments_pass_##S(int64_t n, const T *a, const T *b, T inv, T *out, T *restrict p
     const T w1m1 = w1 - (T)1;                                                                \
     _Pragma("GCC ivdep")                                                                     \
     for (int64_t i = 0; i < n; i++) {                                                        \
-        T g = mean_at_##S(i, a, b, 1, inv, out, &bad);                                       \
+        T g = mean_at_##S(i, a, b, 1, inv, out, 1, &bad);                                       \
         if (decoupled)                                                                       \
             p[i] = p[i] * keep;                                                              \
         else if (decay)                                                                      \
@@ -608,7 +621,7 @@ sums_pass_##S(int64_t n, const T *a, const T *b, T inv, T *out, const T *restric
     U bad = 0;                                                                               \
     _Pragma("GCC ivdep")                                                                     \
     for (int64_t i = 0; i < n; i++) {                                                        \
-        T g = mean_at_##S(i, a, b, 1, inv, out, &bad);                                       \
+        T g = mean_at_##S(i, a, b, 1, inv, out, 1, &bad);                                       \
         if (decay)                                                                           \
             g = FMA(p[i], wd, g);                                                            \
         sum[i] = FMA(g, g, sum[i]);                                                          \
@@ -671,7 +684,7 @@ squares_pass_##S(int64_t n, const T *a, const T *b, T inv, T *out, const T *rest
     const T sm1 = s - (T)1;                                                                  \
     _Pragma("GCC ivdep")                                                                     \
     for (int64_t i = 0; i < n; i++) {                                                        \
-        T g = mean_at_##S(i, a, b, 1, inv, out, &bad);                                       \
+        T g = mean_at_##S(i, a, b, 1, inv, out, 1, &bad);                                       \
         if (decay)                                                                           \
             g = FMA(p[i], wd, g);                                                            \
         T sq = FMA(s * g, g, v[i] * alpha);                                                  \

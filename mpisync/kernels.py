@@ -176,7 +176,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         dense.argtypes = [_I, _P, _I, ctypes.c_int, real, _P]
         dense.restype = _I
         sgd = getattr(lib, f"dense_sgd_{s}")
-        sgd.argtypes = [_I, _P, _I, real, _P, _P, _P, real, ctypes.c_int, real, real, real]
+        sgd.argtypes = [_I, _P, _I, real, _P, ctypes.c_int, _P, _P, real, ctypes.c_int, real,
+                        real, real]
         sgd.restype = _I
         moments = getattr(lib, f"adam_moments_{s}")
         moments.argtypes = [_I, _P, _I, real, _P, _P, _P, _P, ctypes.c_int, real, ctypes.c_int,
@@ -466,13 +467,14 @@ def dense_mean(out: torch.Tensor, grads: list[torch.Tensor], scale: bool) -> boo
                                              1.0 / len(grads), out.data_ptr()))
 
 
-def dense_sgd(out: torch.Tensor, grads: list[torch.Tensor], runs) -> bool:
+def dense_sgd(out: torch.Tensor, grads: list[torch.Tensor], runs, store: bool = True) -> bool:
     """``dense_mean`` of two or more ``grads`` (a power-of-two count) into ``out`` and, in
     the same pass, torch.optim.SGD's step of the parameters with it. ``runs``: ``(offset,
     param, momentum buffer or None, settings)`` covering ``out``, each ``param`` (and
     buffer) contiguous, of ``out``'s dtype, for ``out[offset:offset + param.numel()]``;
-    settings as ``sgd_settings`` gives them for that dtype. Returns whether every element
-    of ``out`` is finite (the parameters are stepped either way)."""
+    settings as ``sgd_settings`` gives them for that dtype. Without ``store`` the means
+    are not written (``out`` is scratch then, its values undefined). Returns whether every
+    mean is finite (the parameters are stepped either way)."""
     fn = _fn("dense_sgd", out.dtype)
     size = out.element_size()
     finite = True
@@ -480,7 +482,8 @@ def dense_sgd(out: torch.Tensor, grads: list[torch.Tensor], runs) -> bool:
         at = offset * size
         ptrs = _ptrs(grads, at)
         finite &= bool(fn(param.numel(), ptrs, len(grads), 1.0 / len(grads),
-                          out.data_ptr() + at, param.data_ptr(), _ptr(buf), *settings))
+                          out.data_ptr() + at, int(store), param.data_ptr(), _ptr(buf),
+                          *settings))
     return finite
 
 

@@ -391,6 +391,30 @@ def test_compiled_sgd_steps_aside_for_step_hooks():
     assert applier.compiled_step(0, out) is not None
 
 
+def test_compiled_sgd_keeps_the_means_only_where_one_is_not_finite():
+    """SGD's compiled step does not write the bucket's means (nothing reads them after the
+    step; its parameters are torch's step bitwise: the test above); where one is NaN or Inf
+    it writes them all, for the error that names the parameters, and says so."""
+    from mpisync import kernels
+    if not kernels.available(torch.zeros(1)):
+        pytest.skip("no C compiler: the ps reduces and steps with torch")
+    applier, _, params, *_ = build(torch.optim.SGD, {"lr": 0.1}, [torch.float32] * len(SIZES))
+    applier.begin(np.ones(len(SIZES), bool))
+    out = applier.grad_regions[0][:int(applier.hi[2])]
+    gen = torch.Generator().manual_seed(3)
+    ins = [torch.randn(out.numel(), generator=gen) for _ in range(2)]
+    mean = (ins[0] + ins[1]) * 0.5
+    out.fill_(7.0)
+    before = [p.detach().clone() for p in params[:3]]
+    assert applier.compiled_step(0, out)(ins)
+    assert torch.equal(out, torch.full_like(out, 7.0))        # not written
+    assert not any(torch.equal(p.detach(), b) for p, b in zip(params, before))   # stepped
+    ins[1][5] = float("nan")
+    assert not applier.compiled_step(0, out)(ins)
+    assert torch.isnan(out[5]) and torch.equal(out[:5], mean[:5]) and \
+        torch.equal(out[6:], mean[6:])
+
+
 def test_compiled_sgd_is_torchs_step_where_torch_rounds_otherwise():
     """On torch's plain C++ kernels (``ATEN_CPU_CAPABILITY=default``, as on a processor
     without AVX2) ``add_(x, alpha=a)`` rounds twice: the ps's check must see that (its
