@@ -4,6 +4,7 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Callable
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -34,8 +35,9 @@ __all__ = ["DenseChannel", "ReplicatedChannel"]
 
 
 _grad_of = operator.attrgetter("grad")
-_layout_of, _dtype_of, _shape_of, _requires_grad_of = (
-    operator.attrgetter(a) for a in ("layout", "dtype", "shape", "requires_grad"))
+_layout_of, _dtype_of, _shape_of, _requires_grad_of, _base_of = (
+    operator.attrgetter(a) for a in ("layout", "dtype", "shape", "requires_grad", "_base"))
+_data_ptr = torch.Tensor.data_ptr
 _no_torch_function = torch._C.DisableTorchFunctionSubclass
 
 
@@ -309,8 +311,15 @@ class DenseChannel:
     def _bucket_members(self) -> None:
         """Every bucket of every ps (the buffers' buckets aside, they go at ``step()``):
         ``order[n] = (ps, bucket)``, ``members[n] = (parameters, their indices, their
-        gradient views, the indices as an array, whether their ``.grad`` is read plainly)``."""
+        gradient views, the indices as an array, whether their ``.grad`` is read plainly,
+        where the views' memory starts)``."""
+        # aliases of the gradient views that no ``p.grad.data = x`` can move, and where
+        # they start: a view whose memory moved holds the user's tensor (``_rehome``)
+        self.ghomes = [None if g is None else g.detach() for g in self.gviews]
+        self.gptrs = [0 if g is None else g.data_ptr() for g in self.gviews]
         self.order, self.members = [], []
+        self.plain = _plain(self.params)
+        self.gview_ids = {id(g) for g in self.gviews}
         self.pieces_of: dict[tuple[int, int], list] = {}
         for j, shard in enumerate(self.shards):
             for b in shard.buckets:
@@ -320,7 +329,8 @@ class DenseChannel:
                 self.order.append((j, b.index))
                 params = [self.params[i] for i in ids]
                 self.members.append((params, ids, [self.gviews[i] for i in ids],
-                                     np.array(ids, np.intp), _plain(params)))
+                                     np.array(ids, np.intp), _plain(params),
+                                     [self.gptrs[i] for i in ids]))
         for (j, k), piece in self.piece_entries.items():
             b = next(b for b in self.shards[j].buckets if b.first <= k < b.stop)
             self.pieces_of.setdefault((j, b.index), []).append(piece)
@@ -344,7 +354,11 @@ class DenseChannel:
         staging, staged = self.staging, bool(self.staging)
         for i, (p, view) in enumerate(zip(self.params, self.gviews)):
             g = p.grad
-            if g is None or g is view:
+            if g is None:
+                continue
+            if g is view:
+                if view.data_ptr() != self.gptrs[i]:      # p.grad.data = x since
+                    self._adopt_grad(i, p, self._rehome(i, view), view, copy=False)
                 continue
             if staged and i in staging:
                 g.zero_()                   # on its device, as torch does
@@ -390,15 +404,15 @@ class DenseChannel:
 
     def _prepare(self, n: int) -> None:
         """Bucket ``n``'s gradients into its buffer; note which parameters have one."""
-        params, ids, views, where, plain = self.members[n]
+        params, ids, views, where, plain, ptrs = self.members[n]
         if plain:
             with _no_torch_function():
                 grads = list(map(_grad_of, params))
         else:
             grads = list(map(_grad_of, params))
         staging = self.staging
-        if all(map(operator.is_, grads, views)):      # the usual step: backward wrote them
-            self.has_grad[where] = 1
+        if all(map(operator.is_, grads, views)) and list(map(_data_ptr, views)) == ptrs:
+            self.has_grad[where] = 1        # the usual step: backward wrote them
         else:
             self._take_grads(params, ids, grads, views)
         pieces = self.pieces_of.get(self.order[n], ())
@@ -416,7 +430,9 @@ class DenseChannel:
         staging = self.staging
         has, fresh, staged = self._has, [], bool(staging)
         for p, i, g, view in zip(params, ids, grads, views):
-            if g is view:
+            if g is view and view.data_ptr() != self.gptrs[i]:     # p.grad.data = x
+                fresh.append((i, p, self._rehome(i, view), view))
+            elif g is view:
                 has[i] = 1
             elif g is None:
                 if has[i]:
@@ -452,8 +468,17 @@ class DenseChannel:
             p.grad = view
             has[i] = 1
 
-    def _adopt_grad(self, i: int, p: torch.Tensor, g: torch.Tensor, view: torch.Tensor) -> None:
-        """A gradient made outside the send buffer: copy it in, and keep using the buffer."""
+    def _rehome(self, i: int, view: torch.Tensor) -> torch.Tensor:
+        """Parameter ``i``'s gradient view was given another tensor (``p.grad.data = x``):
+        point it back into the send buffer; returns an alias of the tensor it held."""
+        held = view.detach()
+        torch._C.TensorBase.data.__set__(view, self.ghomes[i])
+        return held
+
+    def _adopt_grad(self, i: int, p: torch.Tensor, g: torch.Tensor, view: torch.Tensor,
+                    copy: bool = True) -> None:
+        """A gradient made outside the send buffer: copy it in (unless ``copy`` is False:
+        ``zero_grad`` zeroes it), and keep using the buffer."""
         if g.layout is not torch.strided:
             raise TypeError(f"{self.label}: parameter {self.names[i]!r} has a sparse gradient "
                             f"({g.layout}) but is not the weight of an nn.Embedding or "
@@ -464,7 +489,7 @@ class DenseChannel:
                              f"{g.dtype} {list(g.shape)}, the parameter {view.dtype} "
                              f"{list(view.shape)}; .grad must have its parameter's shape and "
                              f"dtype")
-        if g.data_ptr() != view.data_ptr():
+        if copy and g.data_ptr() != view.data_ptr():
             view.copy_(g)              # deliberate: the gradient was made outside our buffer
         p.grad = view
 
@@ -473,6 +498,7 @@ class DenseChannel:
         whose buckets sent during backward changed since (they go again, whole)."""
         resend = self._resend
         resend.clear()
+        self._unalias()
         self._send_landed(wait=True)     # staged buckets handed out in backward: sent
         for n, (j, k) in enumerate(self.order):
             self._prepare(n)
@@ -482,6 +508,26 @@ class DenseChannel:
         if self.staging:
             self.staging.sync()          # every gradient on the host before it is sent
             self.staging.buffers_to_host()
+
+    def _unalias(self) -> None:
+        """A gradient given by hand that is another parameter's gradient buffer or a view
+        (``a.grad, b.grad = b.grad, a.grad``) becomes a copy of it first: the buckets'
+        copies write the buffers one bucket after another."""
+        if self.plain:
+            with _no_torch_function():
+                grads = list(map(_grad_of, self.params))
+        else:
+            grads = list(map(_grad_of, self.params))
+        if all(map(operator.is_, grads, self.gviews)):
+            return
+        given = [g for g in grads if g is not None]       # (fresh from backward: no views)
+        if all(map(operator.is_, map(_base_of, given), repeat(None))) and \
+                self.gview_ids.isdisjoint(map(id, given)):
+            return
+        for p, g, view in zip(self.params, grads, self.gviews):
+            if g is not None and g is not view and (g._base is not None
+                                                    or id(g) in self.gview_ids):
+                p.grad = g.clone()     # deliberate: read before the buffer is written
 
     def push(self, step: int, worker: int, seq: int, flags: int, written: list[int]) -> None:
         """Send this worker's gradients (and first what it wrote) to every ps rank, after

