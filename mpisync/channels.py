@@ -335,6 +335,9 @@ class DenseChannel:
             b = next(b for b in self.shards[j].buckets if b.first <= k < b.stop)
             self.pieces_of.setdefault((j, b.index), []).append(piece)
         self.piece_versions = {id(g): -1 for _, _, _, _, g in self.pieces}
+        # every parameter a bucket holds (all of them, unless a gradient view is missing)
+        self.bucketed = np.unique(np.concatenate([m[3] for m in self.members] or
+                                                 [np.zeros(0, np.intp)]))
 
     # -- set-up ---------------------------------------------------------------------------
     def send_initial(self) -> None:
@@ -410,11 +413,15 @@ class DenseChannel:
                 grads = list(map(_grad_of, params))
         else:
             grads = list(map(_grad_of, params))
-        staging = self.staging
         if all(map(operator.is_, grads, views)) and list(map(_data_ptr, views)) == ptrs:
             self.has_grad[where] = 1        # the usual step: backward wrote them
         else:
             self._take_grads(params, ids, grads, views)
+        self._copy_pieces(n)
+
+    def _copy_pieces(self, n: int) -> None:
+        """The pieces of partitioned parameters in bucket ``n``: cut from their gradients."""
+        staging = self.staging
         pieces = self.pieces_of.get(self.order[n], ())
         if pieces and staging.cuda:
             staging.sync()            # the whole gradient on the host before it is cut
@@ -498,10 +505,15 @@ class DenseChannel:
         whose buckets sent during backward changed since (they go again, whole)."""
         resend = self._resend
         resend.clear()
-        self._unalias()
+        home = self._unalias()
+        if home:                         # the usual step: backward wrote every buffer
+            self.has_grad[self.bucketed] = 1
         self._send_landed(wait=True)     # staged buckets handed out in backward: sent
         for n, (j, k) in enumerate(self.order):
-            self._prepare(n)
+            if home:
+                self._copy_pieces(n)
+            else:
+                self._prepare(n)
             shard = self.shards[j]
             if k < shard.sent and shard.bases[k]._version != shard.versions[k]:
                 resend.add(j)
@@ -509,25 +521,27 @@ class DenseChannel:
             self.staging.sync()          # every gradient on the host before it is sent
             self.staging.buffers_to_host()
 
-    def _unalias(self) -> None:
-        """A gradient given by hand that is another parameter's gradient buffer or a view
-        (``a.grad, b.grad = b.grad, a.grad``) becomes a copy of it first: the buckets'
-        copies write the buffers one bucket after another."""
+    def _unalias(self) -> bool:
+        """Whether every gradient is its send buffer's view, in place (backward wrote
+        them all: nothing to copy). Else a gradient given by hand that is another
+        parameter's gradient buffer or a view (``a.grad, b.grad = b.grad, a.grad``) becomes
+        a copy of it first: the buckets' copies write the buffers one bucket after another."""
         if self.plain:
             with _no_torch_function():
                 grads = list(map(_grad_of, self.params))
         else:
             grads = list(map(_grad_of, self.params))
         if all(map(operator.is_, grads, self.gviews)):
-            return
+            return list(map(_data_ptr, self.gviews)) == self.gptrs
         given = [g for g in grads if g is not None]       # (fresh from backward: no views)
         if all(map(operator.is_, map(_base_of, given), repeat(None))) and \
                 self.gview_ids.isdisjoint(map(id, given)):
-            return
+            return False
         for p, g, view in zip(self.params, grads, self.gviews):
             if g is not None and g is not view and (g._base is not None
                                                     or id(g) in self.gview_ids):
                 p.grad = g.clone()     # deliberate: read before the buffer is written
+        return False
 
     def push(self, step: int, worker: int, seq: int, flags: int, written: list[int]) -> None:
         """Send this worker's gradients (and first what it wrote) to every ps rank, after
