@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -508,7 +509,16 @@ def sgd_settings(group: dict, dtype: torch.dtype = torch.float32) -> tuple | Non
     return -lr, int(wd != 0), wd, mom, 1 - damp
 
 
-_SGD_EXACT: dict[tuple, bool] = {}
+#: the compiled steps' checks against torch: (kernel, dtype, kind of group) -> bitwise
+_EXACT: dict[tuple, bool] = {}
+
+
+def _checked(kind: tuple, probe: Callable[[], bool]) -> bool:
+    """``probe()``, once per ``kind`` (its kernel, dtype and kind of group)."""
+    known = _EXACT.get(kind)
+    if known is None:
+        known = _EXACT[kind] = probe()
+    return known
 
 
 def sgd_exact(dtype: torch.dtype, group: dict) -> bool:
@@ -519,18 +529,20 @@ def sgd_exact(dtype: torch.dtype, group: dict) -> bool:
     not would fail here, and the ps keeps to torch's step."""
     if sgd_settings(group, dtype) is None:
         return False
-    kind = (dtype, group["momentum"] != 0, group["dampening"] != 0, group["weight_decay"] != 0,
-            group.get("foreach"))
-    known = _SGD_EXACT.get(kind)
-    if known is not None:
-        return known
+    kind = ("sgd", dtype, group["momentum"] != 0, group["dampening"] != 0,
+            group["weight_decay"] != 0, group.get("foreach"))
+    return _checked(kind, lambda: _sgd_probe(*kind[1:]))
+
+
+def _sgd_probe(dtype: torch.dtype, momentum: bool, dampening: bool, decay: bool,
+               foreach: bool | None) -> bool:
     gen = torch.Generator().manual_seed(7)
     n = 4099
     # every product about the size of what it is added to, so that rounding it apart from
     # the sum (two roundings instead of one) changes hundreds of elements
-    opts = {"lr": 0.7, "momentum": 0.9 if kind[1] else 0.0,
-            "dampening": 0.3 if kind[2] else 0.0, "weight_decay": 0.3 if kind[3] else 0.0,
-            "foreach": kind[4]}
+    opts = {"lr": 0.7, "momentum": 0.9 if momentum else 0.0,
+            "dampening": 0.3 if dampening else 0.0, "weight_decay": 0.3 if decay else 0.0,
+            "foreach": foreach}
     start = torch.randn(n, generator=gen, dtype=dtype)
     first = torch.randn(n, generator=gen, dtype=dtype)
     grads = [torch.randn(n, generator=gen, dtype=dtype) for _ in range(2)]
@@ -545,10 +557,8 @@ def sgd_exact(dtype: torch.dtype, group: dict) -> bool:
     opt.step()
     out = torch.empty(n, dtype=dtype)
     dense_sgd(out, grads, [(0, mine_p, mine_buf, sgd_settings(opt.param_groups[0], dtype))])
-    same = torch.equal(out, param.grad) and torch.equal(mine_p, param.detach()) and (
+    return torch.equal(out, param.grad) and torch.equal(mine_p, param.detach()) and (
         buf is None or torch.equal(mine_buf, opt.state[param]["momentum_buffer"]))
-    _SGD_EXACT[kind] = same
-    return same
 
 
 def dense_adam(out: torch.Tensor, grads: list[torch.Tensor], runs, scratch: torch.Tensor) -> bool:
@@ -619,9 +629,6 @@ def adam_settings(group: dict, dtype: torch.dtype, step: float) -> tuple | None:
             *values[2:])
 
 
-_ADAM_EXACT: dict[tuple, bool] = {}
-
-
 def adam_exact(dtype: torch.dtype, group: dict) -> bool:
     """Whether ``dense_adam`` steps bitwise as torch.optim.Adam (AdamW) does on this
     machine for a group with these options (False where ``adam_settings`` refuses it at
@@ -632,23 +639,23 @@ def adam_exact(dtype: torch.dtype, group: dict) -> bool:
         return False
     decoupled = bool(group.get("decoupled_weight_decay", False))
     small = _small_weight(1 - group["betas"][0], dtype)
-    kind = (dtype, decoupled, group["weight_decay"] != 0, small, group.get("foreach"))
-    known = _ADAM_EXACT.get(kind)
-    if known is not None:
-        return known
+    kind = ("adam", dtype, decoupled, group["weight_decay"] != 0, small, group.get("foreach"))
+    return _checked(kind, lambda: _adam_probe(*kind[1:]))
+
+
+def _adam_probe(dtype: torch.dtype, decoupled: bool, decay: bool, small: bool,
+                foreach: bool | None) -> bool:
     gen = torch.Generator().manual_seed(11)
     n = 4099
     opts = {"lr": 0.7, "betas": (0.6 if small else 0.2, 0.3), "eps": 0.3,
-            "weight_decay": 0.3 if kind[2] else 0.0, "foreach": kind[4],
+            "weight_decay": 0.3 if decay else 0.0, "foreach": foreach,
             "decoupled_weight_decay": decoupled}
     param = torch.nn.Parameter(torch.randn(n, generator=gen, dtype=dtype))
     opt = torch.optim.Adam([param], **opts)
     for _ in range(2):                      # the moments made, the bias corrections not 0
         param.grad = torch.randn(n, generator=gen, dtype=dtype)
         opt.step()
-    same = _probe_step(opt, param, ("exp_avg", "exp_avg_sq"), adam_settings, dense_adam, gen)
-    _ADAM_EXACT[kind] = same
-    return same
+    return _probe_step(opt, param, ("exp_avg", "exp_avg_sq"), adam_settings, dense_adam, gen)
 
 
 def dense_adagrad(out: torch.Tensor, grads: list[torch.Tensor], runs, scratch: torch.Tensor
@@ -701,30 +708,26 @@ def adagrad_settings(group: dict, dtype: torch.dtype, step: float) -> tuple | No
     return int(wd != 0), *values
 
 
-_ADAGRAD_EXACT: dict[tuple, bool] = {}
-
-
 def adagrad_exact(dtype: torch.dtype, group: dict) -> bool:
     """Whether ``dense_adagrad`` steps bitwise as torch.optim.Adagrad does on this machine
     for a group with these options (False where ``adagrad_settings`` refuses it at step 1;
     checked once per dtype and kind of group, as ``adam_exact``)."""
     if adagrad_settings(group, dtype, 1.0) is None:
         return False
-    kind = (dtype, group["weight_decay"] != 0, group.get("foreach"))
-    known = _ADAGRAD_EXACT.get(kind)
-    if known is not None:
-        return known
+    kind = ("adagrad", dtype, group["weight_decay"] != 0, group.get("foreach"))
+    return _checked(kind, lambda: _adagrad_probe(*kind[1:]))
+
+
+def _adagrad_probe(dtype: torch.dtype, decay: bool, foreach: bool | None) -> bool:
     gen = torch.Generator().manual_seed(13)
     n = 4099
     param = torch.nn.Parameter(torch.randn(n, generator=gen, dtype=dtype))
     opt = torch.optim.Adagrad([param], lr=0.7, lr_decay=0.1, eps=0.3,
-                              weight_decay=0.3 if kind[1] else 0.0,
-                              initial_accumulator_value=0.5, foreach=kind[2])
+                              weight_decay=0.3 if decay else 0.0,
+                              initial_accumulator_value=0.5, foreach=foreach)
     param.grad = torch.randn(n, generator=gen, dtype=dtype)
     opt.step()
-    same = _probe_step(opt, param, ("sum",), adagrad_settings, dense_adagrad, gen)
-    _ADAGRAD_EXACT[kind] = same
-    return same
+    return _probe_step(opt, param, ("sum",), adagrad_settings, dense_adagrad, gen)
 
 
 def dense_rmsprop(out: torch.Tensor, grads: list[torch.Tensor], runs, scratch: torch.Tensor
@@ -793,9 +796,6 @@ def rmsprop_settings(group: dict, dtype: torch.dtype, step: float = 1.0) -> tupl
             int(centered and _small_weight(s, dtype)), eps, mom, -lr)
 
 
-_RMSPROP_EXACT: dict[tuple, bool] = {}
-
-
 def rmsprop_exact(dtype: torch.dtype, group: dict) -> bool:
     """Whether ``dense_rmsprop`` steps bitwise as torch.optim.RMSprop does on this machine
     for a group with these options (False where ``rmsprop_settings`` refuses it; checked
@@ -805,24 +805,24 @@ def rmsprop_exact(dtype: torch.dtype, group: dict) -> bool:
     if settings is None:
         return False
     centered, momentum, decay, small = settings[0], settings[1], settings[2], settings[6]
-    kind = (dtype, centered, small, momentum, decay, group.get("foreach"))
-    known = _RMSPROP_EXACT.get(kind)
-    if known is not None:
-        return known
+    kind = ("rmsprop", dtype, centered, small, momentum, decay, group.get("foreach"))
+    return _checked(kind, lambda: _rmsprop_probe(*kind[1:]))
+
+
+def _rmsprop_probe(dtype: torch.dtype, centered: bool, small: bool, momentum: bool,
+                   decay: bool, foreach: bool | None) -> bool:
     gen = torch.Generator().manual_seed(17)
     n = 4099
     param = torch.nn.Parameter(torch.randn(n, generator=gen, dtype=dtype))
     opt = torch.optim.RMSprop([param], lr=0.7, alpha=0.6 if small or not centered else 0.2,
                               eps=0.3, weight_decay=0.3 if decay else 0.0,
                               momentum=0.9 if momentum else 0.0, centered=centered,
-                              foreach=kind[5])
+                              foreach=foreach)
     for _ in range(2):                      # the state made, the momentum buffer not zero
         param.grad = torch.randn(n, generator=gen, dtype=dtype)
         opt.step()
-    same = _probe_step(opt, param, rmsprop_keys(opt.param_groups[0]), rmsprop_settings,
+    return _probe_step(opt, param, rmsprop_keys(opt.param_groups[0]), rmsprop_settings,
                        dense_rmsprop, gen)
-    _RMSPROP_EXACT[kind] = same
-    return same
 
 
 def _probe_step(opt: torch.optim.Optimizer, param: torch.nn.Parameter, keys: tuple[str, ...],
