@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import socket
 import sys
@@ -585,9 +586,21 @@ def _exit_status(cluster: Cluster) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    threading.Timer(FINALIZE_GRACE, os._exit, (LOST_WORKERS_EXIT,)).start()
-    MPI.Finalize()
-    os._exit(LOST_WORKERS_EXIT)
+    finalize_within(FINALIZE_GRACE, LOST_WORKERS_EXIT)
+
+
+def finalize_within(grace: float, code: int) -> None:
+    """``MPI_Finalize``, then ``os._exit(code)``; after ``grace`` seconds the process exits
+    with ``code`` whether or not it returned. ``MPI_Finalize`` is called through ctypes,
+    which lets go of the GIL while it waits: mpi4py's ``MPI.Finalize`` keeps it, so the
+    timer that ends the wait could never run."""
+    threading.Timer(grace, os._exit, (code,)).start()
+    try:
+        finalize = ctypes.CDLL(MPI.__file__).MPI_Finalize
+    except (OSError, AttributeError):
+        finalize = MPI.Finalize
+    finalize()
+    os._exit(code)
 
 
 def _check_versions(comm: MPI.Comm) -> None:

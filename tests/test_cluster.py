@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -150,3 +151,14 @@ def test_two_names_of_this_machine_are_two_nodes_where_mpiexec_makes_them_so(no_
         assert records[0]["nodes"] == ["localhost"] * 2 + ["127.0.0.1"] * 2, run.describe()
         assert records[0]["ps_ranks"] == [1, 3]   # one ps on each
         assert [r["host"] for r in records] == records[0]["nodes"]
+
+
+def test_a_finalize_that_waits_on_a_peer_ends_after_the_grace():
+    """mpi4py's ``MPI.Finalize`` holds the GIL while it waits, so a timer thread could
+    never end it; ``finalize_within`` calls it with the GIL let go: the rank exits with
+    its code after the grace, and the job with it, long before the peer would come."""
+    start = time.monotonic()
+    run = run_mpi("finalize_grace.py", workers=1, ps=1, timeout=50, expect_ok=False)
+    assert run.returncode != 0 and time.monotonic() - start < 40, run.describe()
+    assert [r["role"] for r in run.results] == ["finalizing"], run.describe()
+
