@@ -282,8 +282,9 @@ class Applier:
     def compiled_step(self, k: int, out: torch.Tensor):
         """Where the compiled reduce may step bucket ``k``'s parameters in its pass over
         ``out`` (the bucket's reduced gradients): a function of the workers' gradients (two
-        or more, a power of two: their mean) that reduces them into ``out``, steps the
-        bucket and returns whether every element of ``out`` is finite. That is a plain
+        or more, a power of two: their mean) that reduces them, steps the bucket and
+        returns whether every mean is finite (SGD's leaves ``out`` as scratch unless one
+        is not: nothing reads a stepped bucket's means). That is a plain
         torch.optim.SGD (``kernels.dense_sgd``), Adam or AdamW (``kernels.dense_adam``),
         Adagrad (``kernels.dense_adagrad``) or RMSprop (``kernels.dense_rmsprop``) without
         step hooks, whose kernel (``kernels.sgd_exact``, ``adam_exact``, ``adagrad_exact``,
