@@ -41,6 +41,14 @@ _data_ptr = torch.Tensor.data_ptr
 _no_torch_function = torch._C.DisableTorchFunctionSubclass
 
 
+def _grads_of(params: list[torch.Tensor], plain: bool) -> list[torch.Tensor | None]:
+    """Each parameter's ``.grad`` (read past ``__torch_function__`` where ``plain``)."""
+    if plain:
+        with _no_torch_function():
+            return list(map(_grad_of, params))
+    return list(map(_grad_of, params))
+
+
 def _plain(params: list[torch.Tensor]) -> bool:
     """Whether reading these parameters' ``.grad`` calls no ``__torch_function__`` anyway
     (tensors and parameters, ``TrackedParameter`` too): then it may skip torch's look-up."""
@@ -408,11 +416,7 @@ class DenseChannel:
     def _prepare(self, n: int) -> None:
         """Bucket ``n``'s gradients into its buffer; note which parameters have one."""
         params, ids, views, where, plain, ptrs = self.members[n]
-        if plain:
-            with _no_torch_function():
-                grads = list(map(_grad_of, params))
-        else:
-            grads = list(map(_grad_of, params))
+        grads = _grads_of(params, plain)
         if all(map(operator.is_, grads, views)) and list(map(_data_ptr, views)) == ptrs:
             self.has_grad[where] = 1        # the usual step: backward wrote them
         else:
@@ -526,11 +530,7 @@ class DenseChannel:
         them all: nothing to copy). Else a gradient given by hand that is another
         parameter's gradient buffer or a view (``a.grad, b.grad = b.grad, a.grad``) becomes
         a copy of it first: the buckets' copies write the buffers one bucket after another."""
-        if self.plain:
-            with _no_torch_function():
-                grads = list(map(_grad_of, self.params))
-        else:
-            grads = list(map(_grad_of, self.params))
+        grads = _grads_of(self.params, self.plain)
         if all(map(operator.is_, grads, self.gviews)):
             return list(map(_data_ptr, self.gviews)) == self.gptrs
         given = [g for g in grads if g is not None]       # (fresh from backward: no views)
