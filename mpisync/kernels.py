@@ -17,22 +17,18 @@ finite (the ``nonfinite="raise"`` check), bitwise torch's add and multiply.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
 import mmap
 import os
-import platform
 import shutil
-import subprocess
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from . import environ
+from . import environ, native
 
 __all__ = [
     "adagrad_apply_rows",
@@ -75,75 +71,19 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
 
-def _cpu() -> str:
-    """This machine's processor (``-march=native``: a shared cache dir may see others)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return line
-    return platform.machine()
-
-
-def _compile(cc: str, target: Path) -> str | None:
-    """Build the library into ``target`` (atomically: ranks building at once all agree);
-    None when built, else why not."""
-    tmp = None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], check=True,
-                       capture_output=True, timeout=120)
-        os.replace(tmp, target)
-        return None
-    except subprocess.CalledProcessError as exc:
-        why = (exc.stderr or b"").decode(errors="replace").strip().splitlines()
-        return f"{cc} exited with status {exc.returncode}" + (f": {why[0]}" if why else "")
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"{cc}: {exc}"
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-
-
-def _load(path: Path) -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(path))
-        _declare(lib)
-    except (OSError, AttributeError):        # not a library, or not this source's
-        return None
-    return lib
-
-
 def _build() -> ctypes.CDLL | None:
-    """The library: from the cache, else compiled into it, else (a cache that cannot be
-    written) compiled into a private temporary directory; None without a compiler."""
+    """The library (``native.load``); None without a compiler."""
     if not environ.switch("MPISYNC_ROW_KERNELS", True):
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc, *_FLAGS, _cpu()]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("MPISYNC_CACHE") or Path.home() / ".cache" / "mpisync")
-    target = cache / f"rows-{key}.so"
-    if target.exists() or _compile(cc, target) is None:
-        lib = _load(target)
-        if lib is not None:
-            return lib
-    with tempfile.TemporaryDirectory(prefix="mpisync-rows-") as private:
-        built = Path(private) / f"rows-{key}.so"
-        why = _compile(cc, built)
-        # loaded before the directory goes: the mapping outlives the file
-        lib = _load(built) if why is None else None
+    lib, why = native.load("rows", _SOURCE, [cc, *_FLAGS], ["-lm"], _declare)
     if lib is None:
         warnings.warn(f"mpisync: the row kernels ({_SOURCE.name}) could not be built "
-                      f"({why or 'not a loadable library'}); the ps's row updates and dense "
-                      f"reduce run on torch, bitwise the same and slower (MPISYNC_ROW_KERNELS=0 "
-                      f"silences this)", RuntimeWarning, stacklevel=3)
+                      f"({why}); the ps's row updates and dense reduce run on torch, bitwise "
+                      f"the same and slower (MPISYNC_ROW_KERNELS=0 silences this)",
+                      RuntimeWarning, stacklevel=3)
     return lib
 
 
