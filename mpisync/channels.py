@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from . import shm
 from .buckets import GradBuckets
+from .bulk import Grads, grads_of
 from .devices import Staging, host_bytes, staged
 from .errors import DeadlockError, ProtocolError
 from .progress import SETUP_TIMEOUT, Pace, Poller
@@ -34,19 +35,8 @@ from .wire import (
 __all__ = ["DenseChannel", "ReplicatedChannel"]
 
 
-_grad_of = operator.attrgetter("grad")
 _layout_of, _dtype_of, _shape_of, _requires_grad_of, _base_of = (
     operator.attrgetter(a) for a in ("layout", "dtype", "shape", "requires_grad", "_base"))
-_data_ptr = torch.Tensor.data_ptr
-_no_torch_function = torch._C.DisableTorchFunctionSubclass
-
-
-def _grads_of(params: list[torch.Tensor], plain: bool) -> list[torch.Tensor | None]:
-    """Each parameter's ``.grad`` (read past ``__torch_function__`` where ``plain``)."""
-    if plain:
-        with _no_torch_function():
-            return list(map(_grad_of, params))
-    return list(map(_grad_of, params))
 
 
 def _plain(params: list[torch.Tensor]) -> bool:
@@ -320,13 +310,15 @@ class DenseChannel:
         """Every bucket of every ps (the buffers' buckets aside, they go at ``step()``):
         ``order[n] = (ps, bucket)``, ``members[n] = (parameters, their indices, their
         gradient views, the indices as an array, whether their ``.grad`` is read plainly,
-        where the views' memory starts)``."""
+        whether backward wrote each in place: a ``bulk.Grads``)``; ``in_place``: the
+        latter for every parameter."""
         # aliases of the gradient views that no ``p.grad.data = x`` can move, and where
         # they start: a view whose memory moved holds the user's tensor (``_rehome``)
         self.ghomes = [None if g is None else g.detach() for g in self.gviews]
         self.gptrs = [0 if g is None else g.data_ptr() for g in self.gviews]
         self.order, self.members = [], []
         self.plain = _plain(self.params)
+        self.in_place = Grads(self.params, self.gviews, self.plain)
         self.gview_ids = {id(g) for g in self.gviews}
         self.pieces_of: dict[tuple[int, int], list] = {}
         for j, shard in enumerate(self.shards):
@@ -336,9 +328,9 @@ class DenseChannel:
                 ids = list(dict.fromkeys(int(i) for i in shard.idx[b.first:b.stop]))
                 self.order.append((j, b.index))
                 params = [self.params[i] for i in ids]
-                self.members.append((params, ids, [self.gviews[i] for i in ids],
-                                     np.array(ids, np.intp), _plain(params),
-                                     [self.gptrs[i] for i in ids]))
+                views, plain = [self.gviews[i] for i in ids], _plain(params)
+                self.members.append((params, ids, views, np.array(ids, np.intp), plain,
+                                     Grads(params, views, plain)))
         for (j, k), piece in self.piece_entries.items():
             b = next(b for b in self.shards[j].buckets if b.first <= k < b.stop)
             self.pieces_of.setdefault((j, b.index), []).append(piece)
@@ -362,6 +354,20 @@ class DenseChannel:
             for p in self.params:
                 p.grad = None
             return
+        if not self.in_place.in_place():     # (the usual step: backward wrote them all)
+            self._point_grads_home()
+        for shard in self.shards:
+            for b, base in zip(shard.buckets, shard.bases):
+                if not b.buffers:
+                    base.zero_()
+        for i in {i for i, *_ in self.pieces}:
+            self.gviews[i].zero_()
+        self.has_grad.fill(0)
+
+    def _point_grads_home(self) -> None:
+        """``zero_grad(set_to_none=False)`` where some ``.grad`` is not its view in place:
+        each becomes its view (zeroed by the caller), a staged one is zeroed on its
+        device."""
         staging, staged = self.staging, bool(self.staging)
         for i, (p, view) in enumerate(zip(self.params, self.gviews)):
             g = p.grad
@@ -375,13 +381,6 @@ class DenseChannel:
                 g.zero_()                   # on its device, as torch does
             else:
                 p.grad = view               # the fused buffer, zeroed below: no copy later
-        for shard in self.shards:
-            for b, base in zip(shard.buckets, shard.bases):
-                if not b.buffers:
-                    base.zero_()
-        for i in {i for i, *_ in self.pieces}:
-            self.gviews[i].zero_()
-        self._has[:] = bytes(len(self._has))
 
     def bucket_ready(self, n: int) -> None:
         """Backward filled bucket ``n`` (of ``order``): send it, unless this step pushes
@@ -415,12 +414,11 @@ class DenseChannel:
 
     def _prepare(self, n: int) -> None:
         """Bucket ``n``'s gradients into its buffer; note which parameters have one."""
-        params, ids, views, where, plain, ptrs = self.members[n]
-        grads = _grads_of(params, plain)
-        if all(map(operator.is_, grads, views)) and list(map(_data_ptr, views)) == ptrs:
+        params, ids, views, where, plain, in_place = self.members[n]
+        if in_place.in_place():
             self.has_grad[where] = 1        # the usual step: backward wrote them
         else:
-            self._take_grads(params, ids, grads, views)
+            self._take_grads(params, ids, grads_of(params, plain), views)
         self._copy_pieces(n)
 
     def _copy_pieces(self, n: int) -> None:
@@ -530,9 +528,11 @@ class DenseChannel:
         them all: nothing to copy). Else a gradient given by hand that is another
         parameter's gradient buffer or a view (``a.grad, b.grad = b.grad, a.grad``) becomes
         a copy of it first: the buckets' copies write the buffers one bucket after another."""
-        grads = _grads_of(self.params, self.plain)
+        if self.in_place.in_place():
+            return True
+        grads = grads_of(self.params, self.plain)
         if all(map(operator.is_, grads, self.gviews)):
-            return list(map(_data_ptr, self.gviews)) == self.gptrs
+            return False                # a view's memory moved: _prepare brings it back
         given = [g for g in grads if g is not None]       # (fresh from backward: no views)
         if all(map(operator.is_, map(_base_of, given), repeat(None))) and \
                 self.gview_ids.isdisjoint(map(id, given)):

@@ -1,15 +1,16 @@
 """Writes to parameters between steps: seen through version counters, never lost."""
 from __future__ import annotations
 
-import operator
 import weakref
 
+import numpy as np
 import torch
+
+from .bulk import Versions
 
 __all__ = ["TrackedParameter", "WriteTracker", "rebound", "was_rebound"]
 
 _set_data = torch._C.TensorBase.data.__set__
-_version_of = operator.attrgetter("_version")
 _rebound: set[int] = set()      # ids of tracked parameters given a new tensor by `p.data = x`
 # id(parameter) -> (the parameter, the module it was last registered in, its name there)
 _holders: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
@@ -91,14 +92,14 @@ class WriteTracker:
         # the module that holds each parameter (known for those registered after import)
         self.holders = [(h[1], h[2]) if h is not None and h[0]() is p else None
                         for p, h in ((p, _holders.get(id(p))) for p in params)]
-        # plain aliases share each parameter's version counter and read it faster
+        # plain aliases share each parameter's version counter: read together, in one call
         self.aliases = [p.detach() for p in params]
-        self.versions = [0] * len(params)
+        self.counters = Versions(params, self.aliases)
         self.snapshot()
 
     def snapshot(self) -> None:
         """What the parameters hold now is what the ps ranks hold."""
-        self.versions = list(map(_version_of, self.aliases))
+        self.versions = self.counters.read()[0]
         if _rebound:
             _rebound.difference_update(id(p) for p in self.params)
 
@@ -113,9 +114,8 @@ class WriteTracker:
         Receiving parameters writes raw memory and changes no version, so what this
         returns stays the snapshot through the next pull.
         """
-        now = list(map(_version_of, self.aliases))
-        changed = [] if now == self.versions else [
-            i for i, (v, w) in enumerate(zip(now, self.versions)) if v != w]
+        now, moved = self.counters.read()      # (against self.versions, marks included)
+        changed = np.flatnonzero(now != self.versions).tolist() if moved else []
         self.versions = now
         if _rebound:
             for i, p in enumerate(self.params):
@@ -135,7 +135,7 @@ class WriteTracker:
                 f"its device (cluster.device) before creating the optimizer")
         if self.staging is not None and i in self.staging:
             self.staging.rebind(i)
-            self.aliases[i] = p.detach()
+            self._alias(i)
             return True
         if p.data_ptr() == view.data_ptr() and p.shape == view.shape:
             return False
@@ -148,9 +148,15 @@ class WriteTracker:
         with torch.no_grad():
             view.copy_(p)           # deliberate: the new values must reach the ps
         _set_data(p, view)
-        self.aliases[i] = p.detach()
+        self._alias(i)
         self._home_grad(i)
         return True
+
+    def _alias(self, i: int) -> None:
+        """Parameter ``i`` holds another tensor: a new alias of it (the same counter)."""
+        p = self.params[i]
+        self.aliases[i] = alias = p.detach()
+        self.counters.replace(i, p, alias)
 
     def _home_grad(self, i: int) -> None:
         """Converting a model (``model.half()``, then ``model.float()``) converts each
