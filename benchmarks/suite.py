@@ -17,6 +17,10 @@ them alike), the ps ranks waiting in their serve loop while the peers run:
   written in place (no backward), as step_bench.py times it;
 - ``train_ms``: the DDP step's loop with mpisync (forward, backward, ``opt.step()``);
 
+each timed call after a barrier of the workers (untimed, on a communicator of their own),
+so that a figure is the call's own time, not the wait for a worker still in the untimed
+work before it (a fill of 1,000 gradients takes longer than the step);
+
 and ``pingpong_gbs`` (worker 0 and ps 0 bounce D bytes, before and after the rest, the
 other ranks asleep; one-way GB/s from the median round trip), ``many_tensors`` (a 4 MiB model of 1,000
 tensors against one tensor of the same bytes, ``opt.step()`` alone) and ``mlp`` (a real
@@ -183,14 +187,17 @@ def allreduce_figure(comm: MPI.Comm, nbytes: int) -> Figure:
     return Figure(lambda: comm.Allreduce(send, recv, op=MPI.SUM), comm.Barrier)
 
 
-def step_only(cluster, sizes: list[int], args) -> Figure:
-    """``opt.step()`` with the gradients written in place (as step_bench.py)."""
+def step_only(cluster, workers: MPI.Comm, sizes: list[int], args) -> Figure:
+    """``opt.step()`` with the gradients written in place (as step_bench.py), then a
+    barrier of the workers (``workers``, a communicator of their own), as before each of
+    the peers' timed calls."""
     model = DenseModel(sizes)
     opt = wrap(cluster, model, args)
 
     def fill():
         opt.zero_grad(set_to_none=False)
         fill_grads(model)
+        workers.Barrier()
     return Figure(opt.step, fill, opt.close)
 
 
@@ -210,9 +217,9 @@ def train(model: torch.nn.Module, opt, batches):
     return step
 
 
-def sync_train(cluster, model: torch.nn.Module, batches, args) -> Figure:
+def sync_train(cluster, workers: MPI.Comm, model: torch.nn.Module, batches, args) -> Figure:
     opt = wrap(cluster, model, args, dense=batches is None)
-    return Figure(train(model, opt, batches), None, opt.close)
+    return Figure(train(model, opt, batches), workers.Barrier, opt.close)
 
 
 def ddp_train(dist, model: torch.nn.Module, batches, args) -> Figure:
@@ -246,21 +253,21 @@ def mpisync_phase(cluster, workers: MPI.Comm, dist, args, out: dict, key: str) -
         sizes = dense_sizes(mb, args.tensors)
         nbytes = 4 * sum(sizes)
         figs = {"allreduce_ms": allreduce_figure(workers, nbytes),
-                "step_ms": step_only(cluster, sizes, args)}
+                "step_ms": step_only(cluster, workers, sizes, args)}
         if dist is not None and "gloo" not in args.skip:
             t = torch.ones(nbytes // 4)
             figs["gloo_ms"] = Figure(lambda t=t: dist.all_reduce(t), dist.barrier)
         if dist is not None and "ddp" not in args.skip:
             figs["ddp_ms"] = ddp_train(dist, DenseModel(sizes), None, args)
-            figs["train_ms"] = sync_train(cluster, DenseModel(sizes), None, args)
+            figs["train_ms"] = sync_train(cluster, workers, DenseModel(sizes), None, args)
         out[f"{mb:g}"].setdefault("mpisync", {})[key] = interleave(
             figs, rounds, max(1, steps // rounds), warmup)
     if "many" not in args.skip:
         numel = int(4 * MiB) // 4
         many = [numel // args.many] * args.many
         many[-1] += numel - sum(many)
-        got = interleave({"one_ms": step_only(cluster, [numel], args),
-                          "many_ms": step_only(cluster, many, args)},
+        got = interleave({"one_ms": step_only(cluster, workers, [numel], args),
+                          "many_ms": step_only(cluster, workers, many, args)},
                          rounds, max(1, args.steps // rounds), args.warmup)
         out["many_tensors"] = {"tensors": args.many, **got}
     if "mlp" not in args.skip and dist is not None:
@@ -268,8 +275,8 @@ def mpisync_phase(cluster, workers: MPI.Comm, dist, args, out: dict, key: str) -
         ddp_model, sync_model = mlp(), mlp()
         out["mlp"]["params"] = sum(p.numel() for p in sync_model.parameters())
         out["mlp"][key] = interleave({"ddp_ms": ddp_train(dist, ddp_model, batches, args),
-                                      "mpisync_ms": sync_train(cluster, sync_model, batches,
-                                                               args)},
+                                      "mpisync_ms": sync_train(cluster, workers, sync_model,
+                                                               batches, args)},
                                      rounds, max(1, args.mlp_steps // rounds), 2)
 
 
