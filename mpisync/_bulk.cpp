@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -69,6 +70,97 @@ int64_t bulk_grads_at(int64_t n, const int64_t* params, const int64_t* grads,
     }
   }
   return n;
+}
+
+// Backward's gradients into their send buffers, for params whose .grad may be a tensor
+// backward made (after zero_grad(set_to_none=True)): where every params[i].grad is either
+// grads[i] in place (as bulk_grads_at), None, or a plain dense CPU tensor of its view's
+// dtype and shape, contiguous, not requiring grad and lying outside the guarded ranges
+// [lows[k], highs[k]) (mpisync's gradient memory), then for each: a new one is copied into
+// grads[i] and params[i].grad becomes grads[i], has[i] = 1; a None one leaves has[i] = 0
+// (grads[i] zeroed first where has[i] was 1, so that the others' sum is exact); one in
+// place sets has[i] = 1 (has is indexed by index[i]). A copy or a zeroing counts as a
+// write to grads[i] (its version counter moves, as torch's copy_ and zero_ move it).
+// Returns n when done; -1, having changed nothing, where one is something else (the
+// caller takes every gradient through torch then).
+int64_t bulk_adopt(int64_t n, const int64_t* params, const int64_t* grads,
+                   const int64_t* storages, const int64_t* offsets, int64_t nguards,
+                   const int64_t* lows, const int64_t* highs, uint8_t* has,
+                   const int64_t* index, int64_t* scratch) {
+  auto given = reinterpret_cast<c10::TensorImpl**>(scratch);
+  try {
+    for (int64_t i = 0; i < n; ++i) {           // look at every gradient first
+      c10::AutogradMetaInterface* meta = impl(params[i])->autograd_meta();
+      c10::TensorImpl* g = meta == nullptr ? nullptr : meta->grad().unsafeGetTensorImpl();
+      given[i] = g;
+      c10::TensorImpl* view = impl(grads[i]);
+      if (g == nullptr || !meta->grad().defined()) {
+        given[i] = nullptr;
+        continue;
+      }
+      if (g == view) {
+        if (reinterpret_cast<int64_t>(g->unsafe_storage().unsafeGetStorageImpl()) !=
+                storages[i] || g->storage_offset() != offsets[i]) {
+          return -1;
+        }
+        continue;
+      }
+      c10::DispatchKeySet keys = g->key_set();
+      if (g->device_type() != c10::DeviceType::CPU || g->layout() != c10::kStrided ||
+          keys.has(c10::DispatchKey::Python) || keys.has(c10::DispatchKey::Functionalize) ||
+          keys.has(c10::DispatchKey::NestedTensor) || g->is_conj() || g->is_neg() ||
+          g->dtype() != view->dtype() || g->sizes() != view->sizes() ||
+          !g->is_contiguous() || g->requires_grad() || !g->has_storage()) {
+        return -1;
+      }
+      int64_t lo = reinterpret_cast<int64_t>(g->data());
+      int64_t hi = lo + static_cast<int64_t>(g->numel() * g->itemsize());
+      for (int64_t k = 0; k < nguards; ++k) {
+        if (lo < highs[k] && lows[k] < hi) {
+          return -1;
+        }
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {           // then take them
+      c10::TensorImpl* g = given[i];
+      c10::TensorImpl* view = impl(grads[i]);
+      int64_t at = index[i];
+      if (g == nullptr) {
+        if (has[at]) {
+          std::memset(view->mutable_data(), 0, view->numel() * view->itemsize());
+          view->bump_version();        // a write, as torch's zero_() is
+          has[at] = 0;
+        }
+        continue;
+      }
+      if (g != view) {
+        std::memcpy(view->mutable_data(), g->data(), g->numel() * g->itemsize());
+        view->bump_version();          // a write, as torch's copy_() is
+        impl(params[i])->mutable_grad() =
+            at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::
+                           reclaim_copy(view));
+      }
+      has[at] = 1;
+    }
+    return n;
+  } catch (...) {
+    return -1;
+  }
+}
+
+// zero_grad(set_to_none=True) for n parameters: every .grad None.
+int64_t bulk_clear(int64_t n, const int64_t* params) {
+  try {
+    for (int64_t i = 0; i < n; ++i) {
+      c10::AutogradMetaInterface* meta = impl(params[i])->autograd_meta();
+      if (meta != nullptr && meta->grad().defined()) {
+        impl(params[i])->mutable_grad().reset();
+      }
+    }
+    return n;
+  } catch (...) {
+    return -1;
+  }
 }
 
 }  // extern "C"

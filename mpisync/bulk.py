@@ -51,6 +51,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bulk_homes.argtypes = [_I, _P, _P, _P]
     lib.bulk_grads_at.restype = _I
     lib.bulk_grads_at.argtypes = [_I, _P, _P, _P, _P, _P]
+    lib.bulk_adopt.restype = _I
+    lib.bulk_adopt.argtypes = [_I, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P]
+    lib.bulk_clear.restype = _I
+    lib.bulk_clear.argtypes = [_I, _P]
 
 
 def _build() -> ctypes.CDLL | None:
@@ -138,21 +142,41 @@ class Versions:
 
 
 class Grads:
-    """Whether each of ``params``' ``.grad`` is ``views[i]`` and the view's memory still
-    starts where it did here (``p.grad.data = x`` moves it): backward wrote every gradient
-    in place. With ``plain`` (the parameters' classes override no ``__torch_function__``)
-    ``.grad`` is read past torch's look-up, in one call where the reads are compiled."""
+    """The ``.grad`` of each of ``params``, against ``views[i]``, the buffer it belongs in.
+
+    ``in_place()``: whether every ``.grad`` is its view and the view's memory still starts
+    where it did here (``p.grad.data = x`` moves it): backward wrote every gradient in
+    place. ``adopt()``: gradients backward made (after ``zero_grad(set_to_none=True)``)
+    copied into their views in one call, ``clear()``: every ``.grad`` None in one (both
+    where compiled). With ``plain`` (the parameters' classes override no
+    ``__torch_function__``) ``.grad`` is read past torch's look-up.
+
+    Args:
+        has: a writable byte array, ``has[index[i]]`` whether parameter ``i`` has a
+            gradient (``adopt`` sets it).
+        guards: ``(start, end)`` addresses of the memory that ``views`` lie in (and any
+            other gradient memory of the caller's): a ``.grad`` there is left to the
+            caller (it may be another parameter's buffer, which copies would overwrite).
+    """
 
     def __init__(self, params: list[torch.Tensor], views: list[torch.Tensor | None],
-                 plain: bool):
+                 plain: bool, index: list[int] | None = None, has: np.ndarray | None = None,
+                 guards: list[tuple[int, int]] = ()):
         self.params, self.views, self.plain = list(params), list(views), plain
         self.pins = _pin(self.params) + _pin([v for v in self.views if v is not None])
         self.ptrs = [0 if v is None else v.data_ptr() for v in self.views]
         self.n = n = len(self.params)
+        self.index = np.arange(n, dtype=np.int64) if index is None else np.array(index,
+                                                                               np.int64)
+        self.has = has
+        self.guards = np.array(list(guards) or [(0, 0)], np.int64).reshape(-1, 2).T.copy()
+        self.adopt_where = (self.guards[0].ctypes.data, self.guards[1].ctypes.data,
+                            0 if has is None else has.ctypes.data, self.index.ctypes.data)
         self.arrays = [_addresses(self.params), _addresses(self.views),
                        *(np.zeros(n, np.int64) for _ in range(3))]   # storages, offsets, scratch
         self.where = [a.ctypes.data for a in self.arrays]
-        lib = _library() if plain else None
+        self.compiled = plain and all(v is not None for v in self.views)
+        lib = self._lib()
         if lib is not None:
             present = np.flatnonzero(self.arrays[1])
             views, homes = self.arrays[1][present], [np.zeros(len(present), np.int64)
@@ -160,9 +184,28 @@ class Grads:
             lib.bulk_homes(len(present), views.ctypes.data, *(h.ctypes.data for h in homes))
             self.arrays[2][present], self.arrays[3][present] = homes
 
+    def _lib(self) -> ctypes.CDLL | None:
+        return _library() if self.compiled else None
+
     def in_place(self) -> bool:
-        lib = _library() if self.plain else None
+        lib = self._lib()
         if lib is not None:
             return lib.bulk_grads_at(self.n, *self.where) == self.n
         return all(map(operator.is_, grads_of(self.params, self.plain), self.views)) and \
             [0 if v is None else _data_ptr(v) for v in self.views] == self.ptrs
+
+    def adopt(self) -> bool:
+        """Every ``.grad`` in its view (see ``_bulk.cpp``'s ``bulk_adopt``), ``has`` set;
+        False, having changed nothing, where that takes the caller's own path."""
+        lib = self._lib()
+        if lib is None or self.has is None:
+            return False
+        a = self.where
+        return lib.bulk_adopt(self.n, a[0], a[1], a[2], a[3], self.guards.shape[1],
+                              *self.adopt_where, a[4]) == self.n
+
+    def clear(self) -> bool:
+        """Every ``.grad`` None (``zero_grad(set_to_none=True)``); False where that takes
+        the caller's own path."""
+        lib = self._lib()
+        return lib is not None and lib.bulk_clear(self.n, self.where[0]) == self.n

@@ -318,7 +318,9 @@ class DenseChannel:
         self.gptrs = [0 if g is None else g.data_ptr() for g in self.gviews]
         self.order, self.members = [], []
         self.plain = _plain(self.params)
-        self.in_place = Grads(self.params, self.gviews, self.plain)
+        guards = self._grad_memory()
+        self.in_place = Grads(self.params, self.gviews, self.plain, has=self.has_grad,
+                              guards=guards)
         self.gview_ids = {id(g) for g in self.gviews}
         self.pieces_of: dict[tuple[int, int], list] = {}
         for j, shard in enumerate(self.shards):
@@ -330,7 +332,7 @@ class DenseChannel:
                 params = [self.params[i] for i in ids]
                 views, plain = [self.gviews[i] for i in ids], _plain(params)
                 self.members.append((params, ids, views, np.array(ids, np.intp), plain,
-                                     Grads(params, views, plain)))
+                                     Grads(params, views, plain, ids, self.has_grad, guards)))
         for (j, k), piece in self.piece_entries.items():
             b = next(b for b in self.shards[j].buckets if b.first <= k < b.stop)
             self.pieces_of.setdefault((j, b.index), []).append(piece)
@@ -338,6 +340,21 @@ class DenseChannel:
         # every parameter a bucket holds (all of them, unless a gradient view is missing)
         self.bucketed = np.unique(np.concatenate([m[3] for m in self.members] or
                                                  [np.zeros(0, np.intp)]))
+
+    def _grad_memory(self) -> list[tuple[int, int]]:
+        """The address ranges of every gradient buffer (the shards' and the partitioned
+        parameters' own), merged."""
+        spans = sorted([(s.gmem.ctypes.data, s.gmem.ctypes.data + s.gmem.nbytes)
+                        for s in self.shards] +
+                       [(g.data_ptr(), g.data_ptr() + g.numel() * g.element_size())
+                        for g in self.gviews if g is not None])
+        merged: list[tuple[int, int]] = []
+        for lo, hi in spans:
+            if merged and lo <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        return merged
 
     # -- set-up ---------------------------------------------------------------------------
     def send_initial(self) -> None:
@@ -351,8 +368,9 @@ class DenseChannel:
     def zero_grad(self, set_to_none: bool) -> None:
         """torch's ``zero_grad``: a gradient that is None stays None."""
         if set_to_none:
-            for p in self.params:
-                p.grad = None
+            if not self.in_place.clear():
+                for p in self.params:
+                    p.grad = None
             return
         if not self.in_place.in_place():     # (the usual step: backward wrote them all)
             self._point_grads_home()
@@ -414,10 +432,10 @@ class DenseChannel:
 
     def _prepare(self, n: int) -> None:
         """Bucket ``n``'s gradients into its buffer; note which parameters have one."""
-        params, ids, views, where, plain, in_place = self.members[n]
-        if in_place.in_place():
+        params, ids, views, where, plain, grads = self.members[n]
+        if grads.in_place():
             self.has_grad[where] = 1        # the usual step: backward wrote them
-        else:
+        elif not grads.adopt():             # (backward's own tensors: copied in, one call)
             self._take_grads(params, ids, grads_of(params, plain), views)
         self._copy_pieces(n)
 
@@ -507,12 +525,16 @@ class DenseChannel:
         whose buckets sent during backward changed since (they go again, whole)."""
         resend = self._resend
         resend.clear()
-        home = self._unalias()
-        if home:                         # the usual step: backward wrote every buffer
+        if self.in_place.in_place():     # the usual step: backward wrote every buffer
             self.has_grad[self.bucketed] = 1
+            taken = True
+        else:                            # backward's own tensors: copied in, in one call
+            taken = self.in_place.adopt()
+            if not taken:
+                self._unalias()
         self._send_landed(wait=True)     # staged buckets handed out in backward: sent
         for n, (j, k) in enumerate(self.order):
-            if home:
+            if taken:
                 self._copy_pieces(n)
             else:
                 self._prepare(n)
@@ -523,25 +545,21 @@ class DenseChannel:
             self.staging.sync()          # every gradient on the host before it is sent
             self.staging.buffers_to_host()
 
-    def _unalias(self) -> bool:
-        """Whether every gradient is its send buffer's view, in place (backward wrote
-        them all: nothing to copy). Else a gradient given by hand that is another
-        parameter's gradient buffer or a view (``a.grad, b.grad = b.grad, a.grad``) becomes
-        a copy of it first: the buckets' copies write the buffers one bucket after another."""
-        if self.in_place.in_place():
-            return True
+    def _unalias(self) -> None:
+        """Before the buckets' gradients are taken one bucket after another: a gradient
+        given by hand that is another parameter's gradient buffer or a view
+        (``a.grad, b.grad = b.grad, a.grad``) becomes a copy of it first."""
         grads = grads_of(self.params, self.plain)
         if all(map(operator.is_, grads, self.gviews)):
-            return False                # a view's memory moved: _prepare brings it back
+            return                      # a view's memory moved: _prepare brings it back
         given = [g for g in grads if g is not None]       # (fresh from backward: no views)
         if all(map(operator.is_, map(_base_of, given), repeat(None))) and \
                 self.gview_ids.isdisjoint(map(id, given)):
-            return False
+            return
         for p, g, view in zip(self.params, grads, self.gviews):
             if g is not None and g is not view and (g._base is not None
                                                     or id(g) in self.gview_ids):
                 p.grad = g.clone()     # deliberate: read before the buffer is written
-        return False
 
     def push(self, step: int, worker: int, seq: int, flags: int, written: list[int]) -> None:
         """Send this worker's gradients (and first what it wrote) to every ps rank, after

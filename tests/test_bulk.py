@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -181,3 +182,102 @@ def test_without_a_cxx_compiler_the_python_reads_step_in(tmp_path):
             out = run()
             assert out.stdout.split("\n")[:2] == ["True", "True [0]"], out.stdout
         assert len(list((tmp_path / "cache").glob("bulk-*.so"))) == 1
+
+
+# -- backward's own gradients copied into the buffers: Grads.adopt, Grads.clear -----------------
+def adopter(n: int = 4, numel: int = 4):
+    """``n`` parameters whose gradient buffer is one flat tensor, and a Grads over them."""
+    flat = torch.zeros(n * numel)
+    ps = [torch.nn.Parameter(torch.full((numel,), float(i))) for i in range(n)]
+    views = [flat[i * numel:(i + 1) * numel] for i in range(n)]
+    has = np.zeros(n, np.uint8)
+    guard = (flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size())
+    return ps, views, has, bulk.Grads(ps, views, True, has=has, guards=[guard]), flat
+
+
+def test_adopt_copies_backwards_gradients_into_their_buffers():
+    ps, views, has, grads, flat = adopter()
+    if not grads.compiled or not bulk.available():
+        pytest.skip("no compiled reads here")
+    has[:] = [0, 1, 0, 1]
+    ps[0].grad = views[0]                                # in place already
+    views[0].fill_(7.0)
+    sum((p * (i + 1)).sum() for i, p in enumerate(ps[1:3], 1)).backward()   # fresh: 1, 2
+    versions = [v._version for v in views]
+    assert ps[3].grad is None
+    flat[12:] = 5.0                                      # p3's buffer: stale values
+    assert grads.adopt()
+    assert all(p.grad is v for p, v in zip(ps[:3], views)) and ps[3].grad is None
+    assert flat.tolist() == [7.0] * 4 + [2.0] * 4 + [3.0] * 4 + [0.0] * 4
+    assert has.tolist() == [1, 1, 1, 0]
+    assert [v._version for v in views] != versions       # copies and the zeroing are writes
+    assert grads.in_place() is False                     # (p3 has none)
+    grads.clear()
+    assert all(p.grad is None for p in ps)
+
+
+@pytest.mark.parametrize("given", ["sparse", "double", "shape", "strided", "requires-grad",
+                                   "another-buffer", "moved-view", "dispatch-subclass",
+                                   "conj-view"])
+def test_adopt_leaves_what_it_does_not_take_untouched(given):
+    ps, views, has, grads, flat = adopter()
+    if not grads.compiled or not bulk.available():
+        pytest.skip("no compiled reads here")
+    ps[0].grad = torch.ones(4)                           # one it would take: not taken either
+    if given == "sparse":
+        ps[2].grad = torch.ones(4).to_sparse()
+    elif given == "double":
+        ps[2].data = ps[2].data.double()
+        ps[2].grad = torch.ones(4, dtype=torch.float64)
+    elif given == "shape":
+        ps[2].data = torch.zeros(2, 2)
+        ps[2].grad = torch.ones(2, 2)
+    elif given == "strided":
+        ps[2].grad = torch.ones(8)[::2]
+    elif given == "requires-grad":
+        ps[2].grad = torch.ones(4, requires_grad=True)
+    elif given == "another-buffer":
+        ps[2].grad = views[1]
+    elif given == "moved-view":
+        ps[2].grad = views[2]
+        ps[2].grad.data = torch.ones(4)
+    elif given == "dispatch-subclass":          # its values are not its memory
+        from torch.testing._internal.two_tensor import TwoTensor
+        ps[2].grad = TwoTensor(torch.ones(4), torch.ones(4))
+    elif given == "conj-view":
+        ps = [torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64)) for _ in range(3)]
+        cflat = torch.zeros(6, dtype=torch.complex64)
+        views = [cflat[2 * i:2 * i + 2] for i in range(3)]
+        grads = bulk.Grads(ps, views, True, has=has,
+                           guards=[(cflat.data_ptr(), cflat.data_ptr() + 48)])
+        ps[0].grad = torch.ones(2, dtype=torch.complex64)
+        ps[2].grad = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj()
+        flat = cflat
+    before = flat.clone()
+    held = [p.grad for p in ps]
+    assert not grads.adopt()
+    assert torch.equal(flat, before) and has.tolist() == [0] * 4
+    assert all(p.grad is g for p, g in zip(ps, held))
+
+
+def test_adopt_takes_a_plain_subclass_by_its_memory():
+    class Mine(torch.Tensor):
+        pass
+
+    ps, views, has, grads, flat = adopter(2)
+    if not grads.compiled or not bulk.available():
+        pytest.skip("no compiled reads here")
+    ps[0].grad = torch.full((4,), 3.0).as_subclass(Mine)
+    assert grads.adopt() and ps[0].grad is views[0] and ps[1].grad is None
+    assert flat.tolist() == [3.0] * 4 + [0.0] * 4 and has.tolist() == [1, 0]
+
+
+def test_clear_is_set_to_none():
+    ps, views, _, grads, _ = adopter()
+    for p, v in zip(ps, views):
+        p.grad = v
+    ps[1].grad = torch.ones(4)
+    ps[2].grad = None
+    assert grads.clear() == bulk.available()
+    if bulk.available():
+        assert all(p.grad is None for p in ps)
