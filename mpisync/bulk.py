@@ -24,7 +24,7 @@ import torch
 
 from . import environ, native
 
-__all__ = ["Grads", "Versions", "available", "grads_of"]
+__all__ = ["Grads", "Versions", "available", "grads_of", "wanted"]
 
 _SOURCE = Path(__file__).with_name("_bulk.cpp")
 _lib: ctypes.CDLL | None | bool = False          # False: not tried yet
@@ -57,8 +57,17 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bulk_clear.argtypes = [_I, _P]
 
 
+def wanted() -> bool:
+    """Whether ``MPISYNC_BULK`` asks for the compiled reads (unset, empty or ``1``: yes).
+
+    Raises:
+        ConfigError: any value but 1 or 0, naming it and this rank.
+    """
+    return environ.switch("MPISYNC_BULK", True)
+
+
 def _build() -> ctypes.CDLL | None:
-    if not environ.switch("MPISYNC_BULK", True):
+    if not wanted():
         return None
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     root = Path(torch.__file__).parent

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from . import bulk, heap
 from . import environ as env
-from . import heap
 from .devices import resolve_cuda_aware, worker_device
 from .errors import ConfigError, MismatchError, StallError, WorldTooSmallError
 from .guard import GuardedComm
@@ -515,8 +515,8 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
             ranks and at least one worker.
         ConfigError: on every rank, when the ranks run different versions of mpisync
             or of its wire format, ``MPISYNC_NUM_PS`` is not a number of ranks or
-            ``MPISYNC_KEEP_HEAP`` not 1 or 0; for a bad ``cuda_aware`` or ``True`` with
-            an MPI library that takes no CUDA buffers.
+            ``MPISYNC_KEEP_HEAP`` or ``MPISYNC_BULK`` not 1 or 0; for a bad ``cuda_aware``
+            or ``True`` with an MPI library that takes no CUDA buffers.
         RuntimeError: ``init()`` was called already on this rank (and not closed).
     """
     global _current
@@ -530,6 +530,7 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
     if num_ps is None:
         num_ps = env.count("MPISYNC_NUM_PS", 1, minimum=1, expected="a number of ps ranks >= 1")
     heap.wanted()         # read on every rank: a malformed value stops them all alike
+    bulk.wanted()
     if isinstance(num_ps, bool) or not isinstance(num_ps, int):
         raise TypeError(f"rank {comm.Get_rank()}: num_ps must be an int, "
                         f"got {type(num_ps).__name__} {num_ps!r}")
