@@ -24,6 +24,10 @@ TOLERANCE = 1e-5
 HOROVOD = importlib.util.find_spec("horovod") is not None
 
 
+# also run under Open MPI (make test-openmpi)
+pytestmark = pytest.mark.openmpi
+
+
 def _backends():
     """Both backends; ``ALLREDUCE_BACKENDS=horovod`` (make test-openmpi) picks one."""
     chosen = os.environ.get("ALLREDUCE_BACKENDS", "mpi,horovod").split(",")

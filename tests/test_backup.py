@@ -6,6 +6,9 @@ import re
 import pytest
 from mpi_helpers import run_mpi
 
+# also run under Open MPI (make test-openmpi)
+pytestmark = pytest.mark.openmpi
+
 
 def per_step(run) -> dict[int, dict]:
     (ps,) = run.ps()

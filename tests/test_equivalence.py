@@ -38,6 +38,7 @@ def max_diff(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("opt,extra", [("sgd", ()), ("adam", ()),
                                        ("adam", ("--zero-in-place",))],
                          ids=["sgd", "adam", "adam-zero-copy-grads"])
+@pytest.mark.openmpi
 def test_workers_equal_one_big_batch(tmp_path, opt, extra):
     ref = reference(tmp_path, opt)
     dist, results = distributed(tmp_path, opt, *extra)
@@ -117,6 +118,7 @@ def test_moving_averages_on_the_ps_follow_single_process(tmp_path, extra):
     assert chief["averaged_ok"] is True    # averaged() swapped them in, then restored
 
 
+@pytest.mark.openmpi
 def test_restore_pattern_never_races_with_four_workers():
     """load_state_dict() on every worker, then training; one worker late at random."""
     rounds = 12

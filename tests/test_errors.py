@@ -72,6 +72,7 @@ def test_a_state_that_does_not_fit_is_refused_and_loses_nothing():
     assert run.ps()[0]["global_step"] == 25
 
 
+@pytest.mark.openmpi
 def test_workers_with_different_models_fail_on_every_rank():
     run = failing("errors.py", 2, 1, ["--case", "mismatch"])
     msg = "worker 1 (rank 1) has parameter #0 = '0.weight' shape [33, 10]"
@@ -155,6 +156,7 @@ def test_sparse_gradients_end_the_job_naming_the_parameter():
     ("collective_uneven", 2, [1], [0], "the workers ran different numbers of steps"),
     ("collective_uneven_split", 2, [1], [0], "the workers ran different numbers of steps"),
 ])
+@pytest.mark.openmpi
 def test_a_collective_that_a_step_waits_for_fails_fast_on_every_worker(case, workers,
                                                                       blocked, parked, why):
     run = failing("errors.py", workers, 1, ["--case", case])
@@ -188,6 +190,7 @@ def test_a_write_dropped_with_a_late_gradient_is_not_dropped_silently():
                      r"that travelled with it were dropped too", run.output), run.describe()
 
 
+@pytest.mark.openmpi
 def test_a_nonfinite_gradient_ends_the_job_naming_the_parameter_and_worker():
     run = failing("errors.py", 2, 1, ["--case", "nonfinite"])
     assert_every_rank_says(run, r"NonFiniteError: .*the gradient of parameter '2\.weight' for "
@@ -201,6 +204,7 @@ def test_step_after_close_is_a_clear_error():
     assert "ClosedError" in out and "step() called after close()" in out
 
 
+@pytest.mark.openmpi
 def test_exception_in_user_code_ends_the_whole_job():
     run = failing("errors.py", 3, 1, ["--case", "raise"])
     assert re.search(r"worker 1 \(rank 1 on [^)]*\): ValueError: boom on purpose", run.output)
@@ -209,11 +213,13 @@ def test_exception_in_user_code_ends_the_whole_job():
                                 r"failed: ValueError): boom on purpose", labels(3, 1))
 
 
+@pytest.mark.openmpi
 def test_exception_on_a_ps_rank_ends_the_whole_job():
     out = failed("raise_ps", 2, 1)
     assert re.search(r"ps 0 \(rank 2 on [^)]*\): RuntimeError: boom on purpose", out), out
 
 
+@pytest.mark.openmpi
 def test_chief_that_finishes_first_does_not_leave_the_others_waiting():
     run = run_mpi("errors.py", 3, 1, ["--case", "chief_first"], timeout=60)
     workers = run.by_worker()
@@ -223,12 +229,14 @@ def test_chief_that_finishes_first_does_not_leave_the_others_waiting():
     assert run.ps()[0]["global_step"] == 5
 
 
+@pytest.mark.openmpi
 def test_worker_that_exits_without_close_still_ends_cleanly():
     run = run_mpi("errors.py", 2, 2, ["--case", "exit_without_close", "--num-ps", 2],
                   timeout=60)
     assert {r["global_step"] for r in run.ps()} == {20}
 
 
+@pytest.mark.openmpi
 def test_a_stalled_worker_ends_the_job_with_a_message_naming_it():
     out = failed("stall", env={"MPISYNC_TIMEOUT": "5", "MPISYNC_STALL_WARNING": "2"})
     assert re.search(r"ps 0 \(rank 2[^)]*\): nothing arrived for \d+ s; .*computing: \[1\]",
@@ -238,6 +246,7 @@ def test_a_stalled_worker_ends_the_job_with_a_message_naming_it():
 
 
 @pytest.mark.parametrize("case", ["killed", "killed_ps"])
+@pytest.mark.openmpi
 def test_a_rank_that_dies_ends_the_whole_job(case):
     # SIGKILL leaves no excepthook and no MPI_Abort: the launcher must end the others,
     # and mpisync's launcher says what the status means; the shared memory between the

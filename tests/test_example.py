@@ -15,6 +15,10 @@ from mpisync.launch import detect_mpi_flavor, find_mpiexec
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# also run under Open MPI (make test-openmpi)
+pytestmark = pytest.mark.openmpi
+
+
 def run_example(script: str, timeout: float, env: dict[str, str] | None = None) -> str:
     """``script`` on 2 workers and 1 ps under the launcher; exits 0; returns its output."""
     proc = subprocess.run(

