@@ -14,7 +14,8 @@ them alike), the ps ranks waiting in their serve loop while the peers run:
 - ``ddp_ms``: a DDP step of the model: ``zero_grad``, a forward that sums the parameters,
   ``backward`` (DDP's buckets all-reduced while it runs), ``torch.optim.SGD.step``;
 - ``step_ms``: ``opt.step()`` of a ``SyncReplicasOptimizer`` around SGD with the gradients
-  written in place (no backward), as step_bench.py times it;
+  written in place (no backward), as step_bench.py times it (with ``--set-to-none``, new
+  gradient tensors each step, as after torch's default ``zero_grad()``);
 - ``train_ms``: the DDP step's loop with mpisync (forward, backward, ``opt.step()``);
 
 each timed call after a barrier of the workers (untimed, on a communicator of their own),
@@ -71,6 +72,10 @@ def parse_args() -> argparse.Namespace:
                         help="blocks of each figure, interleaved with the others'")
     parser.add_argument("--skip", nargs="*", default=[],
                         help="figures left out: ddp, gloo, many, mlp")
+    parser.add_argument("--set-to-none", action="store_true",
+                        help="the step figures' zero_grad(set_to_none=True), torch's default: "
+                             "each step's gradients are new tensors (default: written in "
+                             "place, set_to_none=False)")
     parser.add_argument("--sync-options", default="{}",
                         help="JSON of extra SyncReplicasOptimizer arguments (e.g. wire dtype)")
     parser.add_argument("--only", choices=["horovod"], default=None,
@@ -195,7 +200,7 @@ def step_only(cluster, workers: MPI.Comm, sizes: list[int], args) -> Figure:
     opt = wrap(cluster, model, args)
 
     def fill():
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=args.set_to_none)
         fill_grads(model)
         workers.Barrier()
     return Figure(opt.step, fill, opt.close)
