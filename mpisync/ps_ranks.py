@@ -604,6 +604,25 @@ def finalize_within(grace: float, code: int) -> None:
     os._exit(code)
 
 
+def abort_within(grace: float, code: int) -> None:
+    """``MPI_Abort`` on ``COMM_WORLD``; after ``grace`` seconds the process exits with
+    ``code`` whether or not the abort returned. Called through ctypes for the reason
+    ``finalize_within`` gives: mpi4py's ``Comm.Abort`` keeps the GIL while it waits, and an
+    abort can wait for good once ranks have died (Open MPI with ULFM)."""
+    threading.Timer(grace, os._exit, (code,)).start()
+    comm = MPI.COMM_WORLD
+    try:
+        abort = ctypes.CDLL(MPI.__file__).MPI_Abort
+        handle = ctypes.c_void_p if MPI._sizeof(MPI.Comm) == ctypes.sizeof(ctypes.c_void_p) \
+            else ctypes.c_int
+        abort.argtypes = [handle, ctypes.c_int]
+        abort.restype = ctypes.c_int
+        abort(MPI._handleof(comm), code)
+    except (OSError, AttributeError, TypeError):
+        comm.Abort(code)
+    os._exit(code)
+
+
 def _check_versions(comm: MPI.Comm) -> None:
     """Every rank runs the same mpisync and wire format, or every rank raises ConfigError."""
     from . import __version__  # late: defined once the package is imported
@@ -639,11 +658,9 @@ def _install_excepthook() -> None:
         if cluster is not None and not cluster.closed and not isinstance(exc, PeerError):
             _notify_peers(cluster, f"{label} failed: {exc_type.__name__}: {exc}")
         time.sleep(1.5)  # let every rank print why it stops before the abort ends them all
-        if cluster is not None and cluster.losses is not None:
-            # a job that survives lost ranks (Open MPI with ULFM) has seen an abort wait on
-            # for good after ranks had died: this rank then ends itself, and the job with it
-            threading.Timer(FINALIZE_GRACE, os._exit, (1,)).start()
-        MPI.COMM_WORLD.Abort(1)
+        # a job that survives lost ranks (Open MPI with ULFM) has seen an abort wait on for
+        # good after ranks had died: this rank then ends itself, and the job with it
+        abort_within(FINALIZE_GRACE, 1)
 
     hook._mpisync = True
     hook._previous = previous
