@@ -48,33 +48,42 @@ void bulk_homes(int64_t n, const int64_t* tensors, int64_t* storages, int64_t* o
   }
 }
 
-// The first i whose params[i].grad is not the tensor grads[i], or whose grads[i] no longer
-// lies where bulk_homes found it (``p.grad.data = x`` moves it); n when every one is.
-// scratch: n words.
+// Whether grads[i] (contiguous, of its parameter's shape, when bulk_homes found it) still
+// is that memory: ``p.grad.data = x`` moves it, ``p.grad.t_()`` changes its strides.
+inline bool at_home(c10::TensorImpl* g, c10::TensorImpl* param, int64_t storage,
+                    int64_t offset) {
+  return reinterpret_cast<int64_t>(g->unsafe_storage().unsafeGetStorageImpl()) == storage &&
+         g->storage_offset() == offset && g->is_contiguous() && g->sizes() == param->sizes();
+}
+
+// The first i whose params[i].grad is not the tensor grads[i], or whose grads[i] is not at
+// home (above); n when every one is (0 where torch raised). scratch: n words.
 int64_t bulk_grads_at(int64_t n, const int64_t* params, const int64_t* grads,
                       const int64_t* storages, const int64_t* offsets, int64_t* scratch) {
   auto metas = reinterpret_cast<c10::AutogradMetaInterface**>(scratch);
-  for (int64_t i = 0; i < n; ++i) {
-    metas[i] = impl(params[i])->autograd_meta();
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    if (metas[i] == nullptr || metas[i]->grad().unsafeGetTensorImpl() != impl(grads[i])) {
-      return i;
+  try {
+    for (int64_t i = 0; i < n; ++i) {
+      metas[i] = impl(params[i])->autograd_meta();
     }
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    c10::TensorImpl* g = impl(grads[i]);
-    if (reinterpret_cast<int64_t>(g->unsafe_storage().unsafeGetStorageImpl()) != storages[i] ||
-        g->storage_offset() != offsets[i]) {
-      return i;
+    for (int64_t i = 0; i < n; ++i) {
+      if (metas[i] == nullptr || metas[i]->grad().unsafeGetTensorImpl() != impl(grads[i])) {
+        return i;
+      }
     }
+    for (int64_t i = 0; i < n; ++i) {
+      if (!at_home(impl(grads[i]), impl(params[i]), storages[i], offsets[i])) {
+        return i;
+      }
+    }
+    return n;
+  } catch (...) {
+    return 0;
   }
-  return n;
 }
 
 // Backward's gradients into their send buffers, for params whose .grad may be a tensor
 // backward made (after zero_grad(set_to_none=True)): where every params[i].grad is either
-// grads[i] in place (as bulk_grads_at), None, or a plain dense CPU tensor of its view's
+// grads[i] at home (as bulk_grads_at), None, or a plain dense CPU tensor of its view's
 // dtype and shape, contiguous, not requiring grad and lying outside the guarded ranges
 // [lows[k], highs[k]) (mpisync's gradient memory), then for each: a new one is copied into
 // grads[i] and params[i].grad becomes grads[i], has[i] = 1; a None one leaves has[i] = 0
@@ -99,8 +108,7 @@ int64_t bulk_adopt(int64_t n, const int64_t* params, const int64_t* grads,
         continue;
       }
       if (g == view) {
-        if (reinterpret_cast<int64_t>(g->unsafe_storage().unsafeGetStorageImpl()) !=
-                storages[i] || g->storage_offset() != offsets[i]) {
+        if (!at_home(g, impl(params[i]), storages[i], offsets[i])) {
           return -1;
         }
         continue;

@@ -153,9 +153,9 @@ class Versions:
 class Grads:
     """The ``.grad`` of each of ``params``, against ``views[i]``, the buffer it belongs in.
 
-    ``in_place()``: whether every ``.grad`` is its view and the view's memory still starts
-    where it did here (``p.grad.data = x`` moves it): backward wrote every gradient in
-    place. ``adopt()``: gradients backward made (after ``zero_grad(set_to_none=True)``)
+    ``in_place()``: whether every ``.grad`` is its view and the view still is the memory it
+    was here (``p.grad.data = x`` moves it, ``p.grad.t_()`` changes its strides): backward
+    wrote every gradient in place. ``adopt()``: gradients backward made (after ``zero_grad(set_to_none=True)``)
     copied into their views in one call, ``clear()``: every ``.grad`` None in one (both
     where compiled). With ``plain`` (the parameters' classes override no
     ``__torch_function__``) ``.grad`` is read past torch's look-up.
@@ -201,7 +201,9 @@ class Grads:
         if lib is not None:
             return lib.bulk_grads_at(self.n, *self.where) == self.n
         return all(map(operator.is_, grads_of(self.params, self.plain), self.views)) and \
-            [0 if v is None else _data_ptr(v) for v in self.views] == self.ptrs
+            [0 if v is None else _data_ptr(v) for v in self.views] == self.ptrs and \
+            all(v is None or (v.is_contiguous() and v.shape == p.shape)
+                for p, v in zip(self.params, self.views))
 
     def adopt(self) -> bool:
         """Every ``.grad`` in its view (see ``_bulk.cpp``'s ``bulk_adopt``), ``has`` set;

@@ -4,7 +4,6 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Callable
-from itertools import repeat
 
 import numpy as np
 import torch
@@ -35,8 +34,8 @@ from .wire import (
 __all__ = ["DenseChannel", "ReplicatedChannel"]
 
 
-_layout_of, _dtype_of, _shape_of, _requires_grad_of, _base_of = (
-    operator.attrgetter(a) for a in ("layout", "dtype", "shape", "requires_grad", "_base"))
+_layout_of, _dtype_of, _shape_of, _requires_grad_of = (
+    operator.attrgetter(a) for a in ("layout", "dtype", "shape", "requires_grad"))
 
 
 def _plain(params: list[torch.Tensor]) -> bool:
@@ -318,10 +317,9 @@ class DenseChannel:
         self.gptrs = [0 if g is None else g.data_ptr() for g in self.gviews]
         self.order, self.members = [], []
         self.plain = _plain(self.params)
-        guards = self._grad_memory()
+        self.guards = guards = self._grad_memory()
         self.in_place = Grads(self.params, self.gviews, self.plain, has=self.has_grad,
                               guards=guards)
-        self.gview_ids = {id(g) for g in self.gviews}
         self.pieces_of: dict[tuple[int, int], list] = {}
         for j, shard in enumerate(self.shards):
             for b in shard.buckets:
@@ -392,7 +390,7 @@ class DenseChannel:
             if g is None:
                 continue
             if g is view:
-                if view.data_ptr() != self.gptrs[i]:      # p.grad.data = x since
+                if self._moved(i, view):      # p.grad.data = x, or t_(), since
                     self._adopt_grad(i, p, self._rehome(i, view), view, copy=False)
                 continue
             if staged and i in staging:
@@ -457,7 +455,7 @@ class DenseChannel:
         staging = self.staging
         has, fresh, staged = self._has, [], bool(staging)
         for p, i, g, view in zip(params, ids, grads, views):
-            if g is view and view.data_ptr() != self.gptrs[i]:     # p.grad.data = x
+            if g is view and self._moved(i, view):     # p.grad.data = x, or t_()
                 fresh.append((i, p, self._rehome(i, view), view))
             elif g is view:
                 has[i] = 1
@@ -495,10 +493,31 @@ class DenseChannel:
             p.grad = view
             has[i] = 1
 
+    def _moved(self, i: int, view: torch.Tensor) -> bool:
+        """Whether parameter ``i``'s gradient view no longer is the memory it was made as:
+        given another tensor (``p.grad.data = x``) or other strides (``p.grad.t_()``)."""
+        home = self.ghomes[i]
+        return view.data_ptr() != self.gptrs[i] or view.stride() != home.stride() or \
+            view.shape != home.shape
+
+    def _in_grad_memory(self, g: torch.Tensor) -> bool:
+        """Whether ``g`` shares memory with a gradient buffer (another parameter's buffer,
+        or its own seen through other strides): taking it must read it before any buffer
+        is written."""
+        if g.layout is not torch.strided or g.device.type != "cpu":
+            return False
+        storage = g.untyped_storage()
+        lo = storage.data_ptr()
+        hi = lo + storage.nbytes()
+        return any(lo < end and start < hi for start, end in self.guards)
+
     def _rehome(self, i: int, view: torch.Tensor) -> torch.Tensor:
-        """Parameter ``i``'s gradient view was given another tensor (``p.grad.data = x``):
-        point it back into the send buffer; returns an alias of the tensor it held."""
+        """Parameter ``i``'s gradient view was given another tensor (``p.grad.data = x``)
+        or other strides: point it back into the send buffer; returns the tensor it held
+        (a copy where that lies in a gradient buffer, which the taking overwrites)."""
         held = view.detach()
+        if self._in_grad_memory(held):
+            held = held.clone()     # deliberate: read before the buffer is written
         torch._C.TensorBase.data.__set__(view, self.ghomes[i])
         return held
 
@@ -516,7 +535,7 @@ class DenseChannel:
                              f"{g.dtype} {list(g.shape)}, the parameter {view.dtype} "
                              f"{list(view.shape)}; .grad must have its parameter's shape and "
                              f"dtype")
-        if copy and g.data_ptr() != view.data_ptr():
+        if copy and (g.data_ptr() != view.data_ptr() or g.stride() != view.stride()):
             view.copy_(g)              # deliberate: the gradient was made outside our buffer
         p.grad = view
 
@@ -547,18 +566,14 @@ class DenseChannel:
 
     def _unalias(self) -> None:
         """Before the buckets' gradients are taken one bucket after another: a gradient
-        given by hand that is another parameter's gradient buffer or a view
-        (``a.grad, b.grad = b.grad, a.grad``) becomes a copy of it first."""
+        given by hand that shares memory with a gradient buffer (another parameter's
+        buffer or a view of it, ``a.grad, b.grad = b.grad.data, a.grad.data``) becomes a
+        copy of it first."""
         grads = grads_of(self.params, self.plain)
         if all(map(operator.is_, grads, self.gviews)):
             return                      # a view's memory moved: _prepare brings it back
-        given = [g for g in grads if g is not None]       # (fresh from backward: no views)
-        if all(map(operator.is_, map(_base_of, given), repeat(None))) and \
-                self.gview_ids.isdisjoint(map(id, given)):
-            return
         for p, g, view in zip(self.params, grads, self.gviews):
-            if g is not None and g is not view and (g._base is not None
-                                                    or id(g) in self.gview_ids):
+            if g is not None and g is not view and self._in_grad_memory(g):
                 p.grad = g.clone()     # deliberate: read before the buffer is written
 
     def push(self, step: int, worker: int, seq: int, flags: int, written: list[int]) -> None:

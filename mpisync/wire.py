@@ -224,7 +224,7 @@ def bucket_layout(layout: ShardLayout, bucket_bytes: int) -> tuple[Bucket, ...]:
     at = 0
     for dtype, offset, nbytes in layout.regions:
         stop = at
-        while stop < len(entries) and entries[stop].offset < offset + nbytes:
+        while stop < len(entries) and entries[stop].dtype == dtype:   # (empty ones too)
             stop += 1
         first, end = stop, stop            # the bucket being filled: entries [first, end)
         for k in range(stop - 1, at - 1, -1):

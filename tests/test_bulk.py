@@ -109,6 +109,25 @@ def test_grads_in_place_is_torchs_answer(way, change):
                                                                          "grad-data"))
 
 
+@pytest.mark.parametrize("change", ["t_", "data-t", "data-view"])
+def test_a_gradient_seen_through_other_strides_or_shape_is_not_in_place(way, change):
+    ps = [torch.nn.Parameter(torch.zeros(3, 3)), torch.nn.Parameter(torch.zeros(4))]
+    views = with_views(ps)
+    check = bulk.Grads(ps, views, plain=True)
+    assert check.in_place()
+    if change == "t_":
+        ps[0].grad.t_()                      # the same tensor and memory, other strides
+    elif change == "data-t":
+        ps[0].grad.data = ps[0].grad.data.t()
+    else:
+        ps[0].grad.data = ps[0].grad.data.view(9)
+    assert ps[0].grad is views[0] and ps[0].grad.data_ptr() == views[0].data_ptr()
+    assert not check.in_place()
+    if change == "t_":
+        ps[0].grad.t_()
+        assert check.in_place()
+
+
 def test_grads_of_a_class_that_overrides_torch_function_are_read_through_it(way):
     class Shown(torch.Tensor):          # a subclass whose .grad is read through torch's look-up
         pass
@@ -217,8 +236,8 @@ def test_adopt_copies_backwards_gradients_into_their_buffers():
 
 
 @pytest.mark.parametrize("given", ["sparse", "double", "shape", "strided", "requires-grad",
-                                   "another-buffer", "moved-view", "dispatch-subclass",
-                                   "conj-view"])
+                                   "another-buffer", "moved-view", "restrided-view",
+                                   "dispatch-subclass", "conj-view"])
 def test_adopt_leaves_what_it_does_not_take_untouched(given):
     ps, views, has, grads, flat = adopter()
     if not grads.compiled or not bulk.available():
@@ -241,6 +260,14 @@ def test_adopt_leaves_what_it_does_not_take_untouched(given):
     elif given == "moved-view":
         ps[2].grad = views[2]
         ps[2].grad.data = torch.ones(4)
+    elif given == "restrided-view":             # its own memory, read through other strides
+        ps = [torch.nn.Parameter(torch.zeros(2, 2)) for _ in range(4)]
+        views = [flat[4 * i:4 * i + 4].view(2, 2) for i in range(4)]
+        grads = bulk.Grads(ps, views, True, has=has, guards=[(flat.data_ptr(),
+                                                              flat.data_ptr() + 64)])
+        ps[0].grad = torch.ones(2, 2)
+        ps[2].grad = views[2]
+        ps[2].grad.t_()
     elif given == "dispatch-subclass":          # its values are not its memory
         from torch.testing._internal.two_tensor import TwoTensor
         ps[2].grad = TwoTensor(torch.ones(4), torch.ones(4))

@@ -319,7 +319,8 @@ class ShardServer:
         regions = layout.regions
         places = []
         for e in layout.entries:
-            r = next(k for k, (_, off, n) in enumerate(regions) if off <= e.offset < off + n)
+            r = next(k for k, (d, off, n) in enumerate(regions)   # (an empty one: n == 0)
+                     if d == e.dtype and off <= e.offset <= off + n)
             size = e.dtype.itemsize
             a = (e.offset - regions[r][1]) // size
             places.append((r, a, a + e.nbytes // size))

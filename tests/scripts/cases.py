@@ -55,6 +55,27 @@ def bn_net() -> torch.nn.Module:
                                torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(F64)
 
 
+def square() -> torch.nn.Module:
+    """A square weight (its gradient can be transposed in place) and two biases alike."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(10, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8),
+                               torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(F64)
+
+
+class WithEmpty(torch.nn.Module):
+    """Parameters with no elements: one alone in its dtype, one at the end of the model's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(10, 3).to(F64)
+        self.nothing = torch.nn.Parameter(torch.zeros(0, 4))              # float32, alone
+        self.last = torch.nn.Parameter(torch.zeros(0, dtype=F64))
+
+    def forward(self, x):
+        return self.body(x) + self.nothing.sum() + self.last.sum()
+
+
 class WithExtras(torch.nn.Module):
     """A frozen parameter, an integer one, and one used only on odd steps."""
 
@@ -165,6 +186,23 @@ def regrad(m):
     b2.grad.data = b2.grad.data * 3
 
 
+def regrad_shared(m):
+    """Gradients given by hand that share memory with other gradients without being views
+    of them (``.data``, ``.detach()``), and one transposed in place: in ``zeros`` mode each
+    is mpisync's send buffer, read before it is written and at its own strides."""
+    w0, b0, w1, b1, _, _ = m.parameters()
+    b0.grad, b1.grad = b1.grad.data, b0.grad.data
+    w0.grad = w0.grad.detach() * 1          # (a product: new memory, for contrast)
+    w1.grad.t_()
+
+
+def regrad_shared_data(m):
+    """As ``regrad_shared``, through ``.detach()`` and ``p.grad.data = ...t()``."""
+    _, b0, w1, b1, _, _ = m.parameters()
+    b0.grad, b1.grad = b1.grad.detach(), b0.grad.detach()
+    w1.grad.data = w1.grad.data.t()
+
+
 def bump_counts(m, t):
     with torch.no_grad():
         m.counts.add_(1)                        # integer parameters are written, never updated
@@ -242,6 +280,13 @@ CASES = [
     Case("regrad-none-last", adam(), order="last", regrad=regrad),
     Case("regrad-partitioned", sgd(momentum=0.9), zero="zeros", regrad=regrad,
          sync={"partitioner": {"0.weight": mpisync.fixed_size(3)}}),
+    Case("regrad-shared-zeros", sgd(momentum=0.9), zero="zeros", model=square,
+         regrad=regrad_shared),
+    Case("regrad-shared-data-zeros", adam(), zero="zeros", model=square,
+         regrad=regrad_shared_data, order="last"),
+    Case("regrad-shared-none", adam(), model=square, regrad=regrad_shared_data),
+    # parameters with no elements
+    Case("empty-parameters", adam(), model=WithEmpty),
     # 6. module buffers, each way
     Case("buffers-broadcast", sgd(momentum=0.9), model=bn_net, replicas=True),
     Case("buffers-mean", adam(), model=bn_net, replicas=True, sync={"buffers": "mean"}),
