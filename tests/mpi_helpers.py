@@ -127,3 +127,18 @@ def assert_every_rank_says(run: Run, pattern: str, ranks: list[str]) -> None:
     missing = [who for who in ranks
                if not re.search(re.escape(who) + r"[^)]*\)[:,]? .*" + pattern, run.output)]
     assert not missing, (f"no line matching {pattern!r} from {missing}; {run.describe()}")
+
+
+def assert_init_refuses_switch(name: str, value: str = "on") -> str:
+    """``mpisync.init()`` in one process with ``name=value`` (not 1 or 0) ends with the
+    ConfigError that names it, raised in ``init`` itself; returns stderr."""
+    import subprocess
+    run = subprocess.run([sys.executable, "-c", "import mpisync; mpisync.init()"],
+                         capture_output=True, text=True, timeout=120, check=False,
+                         env=dict(os.environ, **{name: value}))
+    assert run.returncode != 0
+    assert run.stderr.rstrip().splitlines()[-1] == (
+        f"mpisync.errors.ConfigError: rank 0: {name}={value!r} is not 1 (on) or 0 (off); "
+        "set it to 1 (on) or 0 (off) or unset it"), run.stderr[-2000:]
+    assert "in init" in run.stderr, run.stderr[-2000:]
+    return run.stderr

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from mpi_helpers import assert_init_refuses_switch
 
 from mpisync import bulk
 from mpisync.tracking import TrackedParameter, WriteTracker
@@ -313,11 +314,4 @@ def test_clear_is_set_to_none():
 def test_init_refuses_a_malformed_switch_on_every_rank():
     """``mpisync.init()`` reads ``MPISYNC_BULK`` on every rank, so that a bad value ends
     every rank alike at once, not the workers alone when they build their channels."""
-    run = subprocess.run([sys.executable, "-c", "import mpisync; mpisync.init()"],
-                         capture_output=True, text=True, timeout=120, check=False,
-                         env=dict(os.environ, MPISYNC_BULK="on"))
-    assert run.returncode != 0
-    assert run.stderr.rstrip().splitlines()[-1] == (
-        "mpisync.errors.ConfigError: rank 0: MPISYNC_BULK='on' is not 1 (on) or 0 (off); "
-        "set it to 1 (on) or 0 (off) or unset it"), run.stderr[-2000:]
-    assert "in init" in run.stderr, run.stderr[-2000:]
+    assert_init_refuses_switch("MPISYNC_BULK")

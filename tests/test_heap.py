@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from mpi_helpers import assert_init_refuses_switch
 
 # In a process of its own (the setting is process-wide): a 40 MB tensor, made and freed
 # three times as an optimizer's temporary is each step; glibc's counters tell where it
@@ -83,11 +84,4 @@ def test_init_refuses_a_malformed_switch_on_every_rank(glibc):
     """``mpisync.init()`` reads the switch on every rank (workers included), so that a bad
     value ends every rank alike at once, not the ps ranks alone when they start to serve
     while the workers wait for them."""
-    run = subprocess.run([sys.executable, "-c", "import mpisync; mpisync.init()"],
-                         capture_output=True, text=True, timeout=120, check=False,
-                         env=dict(os.environ, MPISYNC_KEEP_HEAP="on"))
-    assert run.returncode != 0
-    assert run.stderr.rstrip().splitlines()[-1] == (
-        "mpisync.errors.ConfigError: rank 0: MPISYNC_KEEP_HEAP='on' is not 1 (on) or 0 (off); "
-        "set it to 1 (on) or 0 (off) or unset it"), run.stderr[-2000:]
-    assert "in init" in run.stderr and "serve" not in run.stderr, run.stderr[-2000:]
+    assert "serve" not in assert_init_refuses_switch("MPISYNC_KEEP_HEAP")
