@@ -155,9 +155,9 @@ class Grads:
 
     ``in_place()``: whether every ``.grad`` is its view and the view still is the memory it
     was here (``p.grad.data = x`` moves it, ``p.grad.t_()`` changes its strides): backward
-    wrote every gradient in place. ``adopt()``: gradients backward made (after ``zero_grad(set_to_none=True)``)
-    copied into their views in one call, ``clear()``: every ``.grad`` None in one (both
-    where compiled). With ``plain`` (the parameters' classes override no
+    wrote every gradient in place. ``adopt()``: gradients backward made (after
+    ``zero_grad(set_to_none=True)``) copied into their views in one call, ``clear()``:
+    every ``.grad`` None in one (both where compiled). With ``plain`` (the parameters' classes override no
     ``__torch_function__``) ``.grad`` is read past torch's look-up.
 
     Args:
