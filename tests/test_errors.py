@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 import sys
+import time
 
 import pytest
 from mpi_helpers import SCRIPTS, assert_every_rank_says, failing, labels, mpi_flavor, run_mpi
@@ -267,3 +270,25 @@ def test_a_rank_that_dies_ends_the_whole_job(case):
                          r"survive a lost rank \(only Open MPI with ULFM can\)",
                          job.output), job.output
     assert not {f for f in set(os.listdir("/dev/shm")) - before if "mpisync" in f}
+
+
+ABORT_THAT_NEVER_RETURNS = "#include <unistd.h>\nint MPI_Abort(void *c, int e) { for (;;) sleep(100); }\n"
+
+
+def test_an_abort_that_never_returns_still_ends_the_rank(tmp_path):
+    """The abort that ends a failing job lets go of the GIL while it waits, so the timer
+    that ends a rank whose abort waits for good (seen with Open MPI's ULFM, once ranks had
+    died) runs: here ``MPI_Abort`` itself never returns (a library preloaded in its place)."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    (tmp_path / "abort.c").write_text(ABORT_THAT_NEVER_RETURNS)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "abort.so"),
+                    str(tmp_path / "abort.c")], check=True, timeout=120)
+    start = time.monotonic()
+    probe = "from mpi4py import MPI\nfrom mpisync.ps_ranks import abort_within\nabort_within(2, 7)"
+    run = subprocess.run([sys.executable, "-c", probe],
+                         capture_output=True, text=True, timeout=120, check=False,
+                         env=dict(os.environ, LD_PRELOAD=str(tmp_path / "abort.so")))
+    assert run.returncode == 7, run.stderr[-2000:]
+    assert time.monotonic() - start < 100
