@@ -8,6 +8,7 @@ import re
 import shlex
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,7 +95,9 @@ def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 12
         oversubscribe=True, hosts=hosts)
     shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra_env.items()
                      if k != "RESULT_DIR") + " " + shlex.join(cmd)
+    started = time.monotonic()
     job = run_job(cmd, timeout=timeout, env=dict(os.environ, **extra_env), capture=True)
+    _log_launch(script, workers, ps, args, time.monotonic() - started)
     results = [json.loads(line) for f in sorted(Path(result_dir).glob("*.jsonl"))
                for line in f.read_text().splitlines()]
     run = Run(job.returncode, job.stdout, job.stderr, results, shown)
@@ -104,6 +107,18 @@ def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 12
     if expect_ok and run.returncode != 0:
         pytest.fail(f"{script} exited {run.returncode}; {run.describe()}")
     return run
+
+
+def _log_launch(script: str, workers: int, ps: int, args, seconds: float) -> None:
+    """With ``MPISYNC_TEST_LAUNCH_LOG=file``, one JSON line per job this suite starts (the
+    test, the script, its ranks and wall seconds): where the suite's time goes."""
+    path = os.environ.get("MPISYNC_TEST_LAUNCH_LOG")
+    if path:
+        record = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
+                  "script": script, "workers": workers, "ps": ps,
+                  "args": [str(a) for a in args], "seconds": round(seconds, 2)}
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def failing(script: str, workers: int, ps: int = 1, args=(), timeout: float = 45,

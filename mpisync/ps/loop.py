@@ -218,6 +218,7 @@ class _Serving:
 
 def serve(cluster) -> dict | list[dict]:
     """Serve every optimizer the workers set up, until every worker left the job."""
+    _import_what_the_optimizer_needs()
     poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label,
                     spin_seconds(cluster.oversubscribed), cluster.losses)
     timeline.start(cluster, thread="shard server")
@@ -239,6 +240,18 @@ def serve(cluster) -> dict | list[dict]:
         heap.release()
     stats = [s for _, s in sorted(serving.results, key=lambda r: r[0])]
     return stats[0] if len(stats) == 1 else stats
+
+
+def _import_what_the_optimizer_needs() -> None:
+    """Import ``torch._dynamo`` now, while the workers build their models and optimizers.
+
+    Every torch optimizer imports it on its first construction (``add_param_group`` is
+    wrapped in ``torch._disable_dynamo``), and a ps rank builds the workers' optimizer only
+    once their set-up message arrives: imported there, it would hold every worker's first
+    step up for as long as the import takes. Imported here, it overlaps with the workers'
+    own construction of the same optimizer.
+    """
+    import torch._dynamo  # noqa: F401 (the import is the point)
 
 
 def _describe(jobs: dict) -> str:
