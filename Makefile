@@ -27,7 +27,7 @@ EXTRAS := $(subst $(space),$(comma),$(strip $(MPI_EXTRA) test examples))
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-ctr test test-openmpi horovod demo-horovod lint bench clean distclean
+.PHONY: venv demo demo-ctr check test test-openmpi coverage horovod demo-horovod lint bench clean distclean
 
 venv: $(STAMP)
 
@@ -48,12 +48,35 @@ demo-ctr: venv
 	$(VPY) -m mpisync.launch --workers 2 --ps 1 -- $(VPY) examples/ctr.py
 
 # pytest exits 5 when it collects no tests; that must fail the build, so the status is
-# passed through explicitly (and named when it is 5).
+# passed through explicitly (and named when it is 5). PYTEST_FLAGS adds pytest options
+# (make coverage runs the same targets under coverage.py).
+PYTEST ?= $(VPY) -m pytest
+PYTEST_FLAGS ?=
 test: venv
-	@rc=0; $(VPY) -m pytest -q || rc=$$?; \
+	@rc=0; $(PYTEST) -q $(PYTEST_FLAGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; \
 	exit $$rc
 	$(MAKE) test-openmpi
+
+# The edit loop: lint, then every test that starts no MPI job (tests/conftest.py skips a
+# test at the moment it would start mpiexec, horovodrun, Slurm or the launcher).
+check: lint
+	@rc=0; MPISYNC_TESTS_IN_PROCESS=1 $(PYTEST) -q $(PYTEST_FLAGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make check: pytest collected no tests" >&2; fi; \
+	exit $$rc
+
+# Line coverage of mpisync/ over the whole suite, every rank included: coverage.py starts
+# in every Python process the tests start (its `patch = subprocess`, pyproject.toml), each
+# writes its own data file, and they are combined into one report by module.
+COVERAGE_DATA := $(abspath .coverage)
+coverage: venv horovod
+	rm -f $(COVERAGE_DATA) $(COVERAGE_DATA).*
+	@rc=0; COVERAGE_FILE=$(COVERAGE_DATA) $(MAKE) test \
+	PYTEST="$(VPY) -m coverage run -m pytest" \
+	OMPI_PYTEST="$(OMPI_VENV)/bin/python -m coverage run -m pytest" || rc=$$?; \
+	$(VPY) -m coverage combine -q --data-file=$(COVERAGE_DATA) && \
+	$(VPY) -m coverage report --data-file=$(COVERAGE_DATA) || rc=$$((rc ? rc : 1)); \
+	exit $$rc
 
 # The multi-rank core again under Open MPI (from PyPI, in its own virtualenv): the same
 # programs, launched with Open MPI's mpiexec and its options (as root, oversubscribed),
@@ -65,8 +88,9 @@ OMPI_TESTS ?= tests/test_equivalence.py tests/test_backup.py tests/test_errors.p
 	tests/test_example.py tests/test_horovod.py tests/test_allreduce.py tests/test_survive.py
 # test_allreduce.py: here with Horovod's allreduce (mpi4py's runs under MPICH above);
 # test_survive.py: here only, as only Open MPI (with ULFM) survives a lost worker
+OMPI_PYTEST ?= $(OMPI_VENV)/bin/python -m pytest
 test-openmpi: horovod
-	@rc=0; ALLREDUCE_BACKENDS=horovod $(OMPI_VENV)/bin/python -m pytest -q -m openmpi \
+	@rc=0; ALLREDUCE_BACKENDS=horovod $(OMPI_PYTEST) -q -m openmpi $(PYTEST_FLAGS) \
 	$(OMPI_TESTS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-openmpi: pytest collected no tests" >&2; fi; \
 	exit $$rc

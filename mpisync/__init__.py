@@ -1,31 +1,61 @@
-"""mpisync: synchronous parameter-server training for PyTorch on MPI."""
+"""mpisync: synchronous parameter-server training for PyTorch on MPI.
+
+``import mpisync`` alone imports neither torch nor MPI, so that the launcher
+(``python -m mpisync.launch``) starts at once; the first use of any public name
+(``mpisync.init``, ``mpisync.SyncReplicasOptimizer``, ...) imports the whole package.
+"""
 from __future__ import annotations
 
-from . import hashing, placement
-from .checkpoint import Checkpointer, latest, load, plain_state, save
-from .collection import EmbeddingBagCollection
-from .data import WorkerSampler
-from .errors import (
-    CapacityError,
-    ClosedError,
-    ConfigError,
-    DeadlockError,
-    MismatchError,
-    ModelMismatchError,
-    NonFiniteError,
-    PeerError,
-    ProtocolError,
-    StallError,
-    WorldTooSmallError,
-)
-from .hashtables import HashEmbedding, HashEmbeddingBag
-from .metrics import Accuracy, Mean, Metric, Sum
-from .optimizer import SyncReplicasOptimizer
-from .partition import axis_size, fixed_size, min_max
-from .ps_ranks import Cluster, RankLayout, init
-from .rowwise import RowWiseAdagrad
-from .tables import Embedding, EmbeddingBag
-from .watch import Progress
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:     # what the first use of a public name imports (see _load)
+    from . import hashing, placement
+    from .checkpoint import Checkpointer, latest, load, plain_state, save
+    from .collection import EmbeddingBagCollection
+    from .data import WorkerSampler
+    from .errors import (
+        CapacityError,
+        ClosedError,
+        ConfigError,
+        DeadlockError,
+        MismatchError,
+        ModelMismatchError,
+        NonFiniteError,
+        PeerError,
+        ProtocolError,
+        StallError,
+        WorldTooSmallError,
+    )
+    from .hashtables import HashEmbedding, HashEmbeddingBag
+    from .metrics import Accuracy, Mean, Metric, Sum
+    from .optimizer import SyncReplicasOptimizer
+    from .partition import axis_size, fixed_size, min_max
+    from .ps_ranks import Cluster, RankLayout, init
+    from .rowwise import RowWiseAdagrad
+    from .tables import Embedding, EmbeddingBag
+    from .watch import Progress
+
+# public name -> the module that defines it (relative to this package)
+_HOMES = {
+    "hashing": None, "placement": None,
+    "Checkpointer": "checkpoint", "latest": "checkpoint", "load": "checkpoint",
+    "plain_state": "checkpoint", "save": "checkpoint",
+    "EmbeddingBagCollection": "collection",
+    "WorkerSampler": "data",
+    "CapacityError": "errors", "ClosedError": "errors", "ConfigError": "errors",
+    "DeadlockError": "errors", "MismatchError": "errors", "ModelMismatchError": "errors",
+    "NonFiniteError": "errors", "PeerError": "errors", "ProtocolError": "errors",
+    "StallError": "errors", "WorldTooSmallError": "errors",
+    "HashEmbedding": "hashtables", "HashEmbeddingBag": "hashtables",
+    "Accuracy": "metrics", "Mean": "metrics", "Metric": "metrics", "Sum": "metrics",
+    "SyncReplicasOptimizer": "optimizer",
+    "axis_size": "partition", "fixed_size": "partition", "min_max": "partition",
+    "Cluster": "ps_ranks", "RankLayout": "ps_ranks", "init": "ps_ranks",
+    "RowWiseAdagrad": "rowwise",
+    "Embedding": "tables", "EmbeddingBag": "tables",
+    "Progress": "watch",
+}
 
 __all__ = [
     "Accuracy",
@@ -67,3 +97,26 @@ __all__ = [
     "save",
 ]
 __version__ = "0.3.0"
+
+
+def _load() -> None:
+    """Import every module behind a public name, as an eager package would at import.
+
+    All of them at once, as before: the modules that see parameters registered on torch
+    modules (tables, write tracking) are then in place before a model is built after the
+    first ``mpisync.init()``.
+    """
+    for name, home in _HOMES.items():
+        module = importlib.import_module(f".{home or name}", __name__)
+        globals()[name] = module if home is None else getattr(module, name)
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

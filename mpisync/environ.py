@@ -7,7 +7,14 @@ from collections.abc import Mapping
 
 from .errors import ConfigError
 
-__all__ = ["count", "number", "switch"]
+__all__ = ["LOST_WORKERS_EXIT", "SURVIVE_ENV", "count", "number", "switch"]
+
+#: Set (``1``) by ``python -m mpisync.launch --survive-worker-loss`` on every rank.
+SURVIVE_ENV = "MPISYNC_SURVIVE_WORKER_LOSS"
+
+#: Exit status of every rank that saw workers lost in a job that survived them (the job
+#: trained to its end without them); ``python -m mpisync.launch`` passes it on.
+LOST_WORKERS_EXIT = 3
 
 
 def _rank() -> str:

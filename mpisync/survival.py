@@ -6,14 +6,9 @@ from collections.abc import Mapping
 
 from mpi4py import MPI
 
+from .environ import LOST_WORKERS_EXIT, SURVIVE_ENV
+
 __all__ = ["LOST_WORKERS_EXIT", "SURVIVE_ENV", "Losses", "improbe", "is_failure", "support"]
-
-#: Exit status of every rank that saw workers lost in a job that survived them (the job
-#: trained to its end without them); ``python -m mpisync.launch`` passes it on.
-LOST_WORKERS_EXIT = 3
-
-#: Set (``1``) by ``python -m mpisync.launch --survive-worker-loss`` on every rank.
-SURVIVE_ENV = "MPISYNC_SURVIVE_WORKER_LOSS"
 
 _FAILURE_CLASSES = {getattr(MPI, name) for name in
                     ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
