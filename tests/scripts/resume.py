@@ -6,7 +6,9 @@ checkpoint of step KILL_AT; ``resume`` loads the newest checkpoint in DIR and tr
 STEPS. Each worker's batch at global step t is drawn from a generator seeded with t, so
 a resumed run sees the data an uninterrupted one sees. The model has a dense part and an
 ``mpisync.Embedding`` table on the ps ranks; the loop has an LR scheduler and, with
-``--ema``, moving averages; everything runs in deterministic mode.
+``--ema``, moving averages; everything runs in deterministic mode. Through
+checkpoint_jobs.py, ``full`` and ``resume`` share a job with other programs: their record is
+case ``MODE`` or ``MODE-ema``.
 """
 from __future__ import annotations
 
@@ -95,13 +97,23 @@ def worker(cluster, args) -> dict:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="resume.py")
     p.add_argument("mode", choices=["full", "kill", "resume"])  # resume: from DIR's newest
     p.add_argument("dir")
     p.add_argument("--ema", action="store_true")
     p.add_argument("--dense", default="ps")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def cases(cluster, argv: list[str]):
+    """The run that ``argv`` asks for, as one case of a checkpoint_jobs.py job."""
+    args = parse(argv)
+    yield args.mode + ("-ema" if args.ema else ""), worker(cluster, args)
+
+
+def main() -> None:
+    args = parse()
     run(lambda cluster: worker(cluster, args))
 
 

@@ -9,7 +9,8 @@ table kind, the optimizer, and the partitioner and ``partition_strategy`` at sav
 load; the layout is the job's number of ps ranks. Every batch touches every shard of
 every layout used here (so SparseAdam's per-shard step counters stay equal), and each
 step's batch is drawn from a generator seeded with the step, so a restored run sees the
-data an unbroken one sees. Everything runs in deterministic mode.
+data an unbroken one sees. Everything runs in deterministic mode. checkpoint_jobs.py runs
+it in a job beside other programs (``tables_reshard MODE DIR CASE...`` there).
 """
 from __future__ import annotations
 
@@ -199,13 +200,18 @@ def shape(cluster, case: Case, where: str) -> dict:
     return dict(out, global_step=0)
 
 
-def worker(cluster) -> None:
-    mode, where, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+def cases(cluster, argv: list[str]):
+    """``argv`` = ``MODE DIR CASE...``: each case's ``(name, record)`` in turn."""
+    mode, where, names = argv[0], argv[1], argv[2:]
     for name in names:
         do, case = (shape, name.removeprefix("shape:")) if name.startswith("shape:") else \
             (save if mode == "save" else load, name)
-        emit(role="worker", worker=cluster.worker_index, case=name,
-             **do(cluster, BY_NAME[case], where))
+        yield name, do(cluster, BY_NAME[case], where)
+
+
+def worker(cluster) -> None:
+    for name, record in cases(cluster, sys.argv[1:]):
+        emit(role="worker", worker=cluster.worker_index, case=name, **record)
 
 
 if __name__ == "__main__":
