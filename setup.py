@@ -6,7 +6,7 @@ setup(
     name="mpisync",
     version="0.3.0",
     description="Synchronous parameter-server training for PyTorch on MPI",
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     packages=find_packages(include=["mpisync", "mpisync.*"]),
     # compiled on first use: the ps's row kernels (mpisync/kernels.py), the worker's bulk
     # reads (mpisync/bulk.py)
