@@ -276,7 +276,12 @@ def _version() -> str:
 
 # -- load ----------------------------------------------------------------------------------
 def _read(path: str) -> dict:
-    """The checkpoint's dict, its tensors mapped from the file (nothing read yet)."""
+    """The checkpoint's dict, its tensors mapped from the file (nothing read yet).
+
+    Raises:
+        FileNotFoundError: there is no file at ``path``.
+        ValueError: the file is not a checkpoint this mpisync reads (the message names it).
+    """
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file")
     if not zipfile.is_zipfile(path):
@@ -293,7 +298,38 @@ def _read(path: str) -> dict:
         raise ValueError(f"{path}: written in checkpoint format version {ck['version']} by "
                          f"mpisync {ck.get('mpisync_version', '?')}; this mpisync "
                          f"({_version()}) reads version {VERSION} and older: upgrade mpisync")
+    problem = _missing_entry(ck)
+    if problem:
+        raise ValueError(f"{path}: a malformed mpisync checkpoint ({problem})")
     return ck
+
+
+# the entries of a table in the file, as save writes them
+_TABLE_ENTRIES = ("num_rows", "row_shape", "dtype", "strategy", "shards")
+
+
+def _missing_entry(ck: dict) -> str | None:
+    """Which entry that every checkpoint has is missing or not a dict, or None."""
+    for key in ("model", "optimizer"):
+        if key not in ck:
+            return f"no {key!r} entry"
+    for key in ("model", "optimizer", "tables"):        # no tables: nothing to place
+        if not isinstance(ck.get(key, {}), dict):
+            return f"its {key!r} entry is a {type(ck[key]).__name__}, not a dict"
+    for name, table in ck.get("tables", {}).items():
+        if not isinstance(table, dict):
+            return f"table {name!r} is a {type(table).__name__}, not a dict"
+        missing = [key for key in _TABLE_ENTRIES if key not in table]
+        if missing:
+            return f"table {name!r} has no {' or '.join(map(repr, missing))} entry"
+    return None
+
+
+def _malformed(path: str, exc: Exception) -> str:
+    """What load says of the file at ``path`` when reading or checking it raised ``exc``."""
+    said = str(exc).splitlines()
+    return (f"{path}: a malformed mpisync checkpoint ({type(exc).__name__}"
+            f"{': ' + said[0] if said else ''})")
 
 
 def _check_model(ck: dict, model: torch.nn.Module) -> str | None:
@@ -351,15 +387,38 @@ def _check(ck: dict, model, opt) -> str | None:
     return check_state(ck["optimizer"], opt.param_groups, order, shapes, {})
 
 
+def _verdict(path: str, model, opt) -> tuple[tuple, dict | None]:
+    """The chief's verdict on the file at ``path``, for every worker; it never raises.
+
+    Returns:
+        ``((None, model state, optimizer state, extra), the checkpoint)`` to load it, or
+        ``((what is wrong with it, naming the file,), None)``.
+    """
+    try:
+        ck = _read(path)
+    except (OSError, ValueError) as exc:      # its refusals of the file name the file
+        return (str(exc),), None
+    except Exception as exc:  # noqa: BLE001 (a malformed file: every worker raises it)
+        return (_malformed(path, exc),), None
+    try:
+        problem = _check(ck, model, opt)
+    except Exception as exc:  # noqa: BLE001 (a malformed file can make any check raise)
+        return (_malformed(path, exc),), None
+    if problem:
+        return (f"{path}: {problem}",), None
+    return (None, ck["model"], _without_tables(ck["optimizer"]), ck.get("extra")), ck
+
+
 def load(path: str | os.PathLike, model: torch.nn.Module, opt):
     """Load a checkpoint written by ``save`` into ``model`` and ``opt``; returns ``extra``.
 
     Call on every worker, before training or between steps. The chief reads the file
     and checks it against the model and the optimizer before anything changes; a file
-    that is truncated, of another model, or of a newer format raises the same error on
-    every worker, naming the file and the problem, and nothing is loaded. Parameters,
-    buffers, optimizer state, moving averages, the global step and the tables are then
-    placed for this job (any number of ps ranks and workers).
+    that is truncated, malformed (an entry missing or of the wrong kind), of another
+    model, or of a newer format raises the same error on every worker, naming the file
+    and the problem, and nothing is loaded. Parameters, buffers, optimizer state, moving
+    averages, the global step and the tables are then placed for this job (any number of
+    ps ranks and workers).
 
     Raises:
         ConfigError: the file cannot be loaded into this model and optimizer.
@@ -368,13 +427,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, opt):
     cluster = opt.cluster
     payload, ck = None, None
     if cluster.is_chief:
-        try:
-            ck = _read(path)
-            problem = _check(ck, model, opt)
-            payload = ((f"{path}: {problem}",) if problem else
-                       (None, ck["model"], _without_tables(ck["optimizer"]), ck.get("extra")))
-        except (OSError, ValueError) as exc:
-            payload = (str(exc),)
+        payload, ck = _verdict(path, model, opt)
     payload = cluster.worker_comm.bcast(payload, root=0)
     if payload[0] is not None:
         raise ConfigError(f"{cluster.label}: mpisync.load(): {payload[0]}", collective=True)

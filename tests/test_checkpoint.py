@@ -134,12 +134,16 @@ def at_three_ps(killed, at_one_ps):
 def _refusal(path: str) -> str:
     """What the chief finds wrong with the file at ``path``, as ``mpisync.load`` says it
     after ``"worker W (rank R on HOST): mpisync.load(): "``: the file read, then checked
-    against the model (the tables of this file and model agree)."""
+    against the model (the tables of this file and model agree); what a check raises is
+    the refusal of a malformed file."""
     try:
         ck = checkpoint._read(path)
     except (OSError, ValueError) as exc:
         return str(exc)
-    return f"{path}: {checkpoint._check_model(ck, Net())}"
+    try:
+        return f"{path}: {checkpoint._check_model(ck, Net())}"
+    except Exception as exc:  # noqa: BLE001 (as the chief's verdict)
+        return checkpoint._malformed(path, exc)
 
 
 # kind: what the refusal of such a file must say (a regex), after its path
@@ -152,6 +156,11 @@ BAD_CAUSES = {
     "not_a_checkpoint": r"not an mpisync checkpoint \(no format 'mpisync\.checkpoint'\)",
     "unreadable": r"not a readable checkpoint \(RuntimeError: .+\)",
     "missing": r"no such file",
+    "no_model": r"a malformed mpisync checkpoint \(no 'model' entry\)",
+    "no_optimizer": r"a malformed mpisync checkpoint \(no 'optimizer' entry\)",
+    "no_strategy": (r"a malformed mpisync checkpoint \(table 'emb\.weight' has no 'strategy' "
+                    r"entry\)"),
+    "not_a_tensor": r"a malformed mpisync checkpoint \(AttributeError: .+\)",
 }
 
 
@@ -173,6 +182,12 @@ def test_a_bad_file_is_refused_by_the_check_of_the_file(bad, kind):
                         f"has shape [16, 13], the checkpoint's [3, 3]"),
         "not_a_checkpoint": f"{path}: not an mpisync checkpoint (no format 'mpisync.checkpoint')",
         "missing": f"{path}: no such file",
+        "no_model": f"{path}: a malformed mpisync checkpoint (no 'model' entry)",
+        "no_optimizer": f"{path}: a malformed mpisync checkpoint (no 'optimizer' entry)",
+        "no_strategy": (f"{path}: a malformed mpisync checkpoint (table 'emb.weight' has no "
+                        f"'strategy' entry)"),
+        "not_a_tensor": (f"{path}: a malformed mpisync checkpoint (AttributeError: 'str' "
+                         f"object has no attribute 'shape')"),
     }
     got = _refusal(path)
     if kind in exact:
@@ -196,6 +211,23 @@ def test_a_bad_file_is_refused_on_every_worker_and_nothing_is_loaded(at_one_ps, 
                             + re.escape(_refusal(bad[how])), got["error"]), got["error"]
         assert got["unchanged"], w
         assert got["step_at_load"] == 2 + BAD_KINDS.index(how), got
+
+
+def test_whatever_reading_or_checking_a_file_raises_is_the_chiefs_verdict(monkeypatch):
+    """The chief's verdict never raises, since the other workers wait for it: anything a
+    malformed file makes the reading or the check raise is refused, naming the file."""
+    def raising(exc: Exception):
+        def raise_it(*args):
+            raise exc
+        return raise_it
+
+    monkeypatch.setattr(checkpoint, "_read", raising(TypeError("'>' not supported")))
+    assert checkpoint._verdict("d/bad.pt", Net(), None) == (
+        ("d/bad.pt: a malformed mpisync checkpoint (TypeError: '>' not supported)",), None)
+    monkeypatch.setattr(checkpoint, "_read", lambda path: {})
+    monkeypatch.setattr(checkpoint, "_check", raising(KeyError("ids")))
+    assert checkpoint._verdict("d/bad.pt", Net(), None) == (
+        ("d/bad.pt: a malformed mpisync checkpoint (KeyError: 'ids')",), None)
 
 
 def test_an_interrupted_write_leaves_the_previous_checkpoint(at_one_ps):

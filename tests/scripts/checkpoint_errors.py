@@ -4,7 +4,9 @@
 worker catches the refusal, checks that nothing was loaded, trains a step and goes on to
 the next file (case ``load_bad:<the file's folder>``). ``interrupted``: a save whose write
 fails after the tables went in (case ``interrupted``). ``bad_files`` writes the bad files
-from a good checkpoint (the test calls it, and checks each file's refusal in one process).
+from a good checkpoint (the test calls it, and checks each file's refusal in one process):
+some are no checkpoint, some lack an entry (``no_model``, ``no_optimizer``, ``no_strategy``:
+a table's), and ``not_a_tensor`` makes the chief's check itself raise.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from resume import Net, batch
 
 import mpisync
 
-BAD_KINDS = ("truncated", "newer", "other_model", "not_a_checkpoint", "unreadable", "missing")
+BAD_KINDS = ("truncated", "newer", "other_model", "not_a_checkpoint", "unreadable", "missing",
+             "no_model", "no_optimizer", "no_strategy", "not_a_tensor")
 
 
 def bad_files(good, directory) -> dict[str, str]:
@@ -42,6 +45,14 @@ def bad_files(good, directory) -> dict[str, str]:
                 ck["version"] = 99
             elif kind == "other_model":
                 ck["model"]["body.weight"] = torch.zeros(3, 3)
+            elif kind == "no_model":
+                del ck["model"]
+            elif kind == "no_optimizer":
+                del ck["optimizer"]
+            elif kind == "no_strategy":
+                del ck["tables"]["emb.weight"]["strategy"]
+            elif kind == "not_a_tensor":           # passes the check of the entries
+                ck["model"]["body.weight"] = "not a tensor"
             else:                                  # the model's state_dict alone
                 ck = ck["model"]
             torch.save(ck, dst)
