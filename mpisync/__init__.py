@@ -113,6 +113,8 @@ def _load() -> None:
 
 def __getattr__(name: str):
     if name in _HOMES:
+        if _HOMES[name] is None:       # a submodule: itself (its own imports may be partial)
+            return importlib.import_module(f".{name}", __name__)
         _load()
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
