@@ -7,6 +7,7 @@ The slot map (``mpisync.hashing.SlotMap``) is checked against a shard written pl
 """
 from __future__ import annotations
 
+import re
 import sys
 
 import numpy as np
@@ -130,6 +131,30 @@ def test_bad_arguments_are_refused():
         mpisync.HashEmbedding(4, capacity_per_shard=3, eviction="fifo")
     with pytest.raises(ValueError, match="admit_after must be an int >= 1"):
         mpisync.HashEmbeddingBag(4, capacity_per_shard=3, admit_after=0)
+
+
+def test_a_lookup_over_capacity_is_refused_before_anything_is_sent():
+    """The worker's check (CapacityError; the whole job's end: the last test here), with
+    the table of the loading job: one shard per ps rank, 2 ps ranks, capacity 4."""
+    # (imported here, after mpisync's other modules: see test_tables.py)
+    from mpisync import spec as specs
+    model = torch.nn.ModuleDict({"emb": mpisync.HashEmbedding(3, capacity_per_shard=4)})
+    spec, _ = specs.build_spec(torch.optim.SGD(model.parameters(), lr=0.1),
+                               specs.Model(tuple(model.named_parameters())), specs.Options(),
+                               opt_id=0, num_workers=WORKERS, num_ps=2)
+    info = model["emb"].table
+    info.name, info.label, info.spec = "emb.weight", "worker 1 (rank 1)", spec.tables[0]
+    info.channel = object()                # the lookup is refused before it is used
+    candidates = torch.arange(-1000, 1000)
+    on_first = candidates[hashing.shard_of(candidates, 2) == 0]
+    with pytest.raises(AttributeError):    # as many as a shard holds: sent (on no channel)
+        model["emb"](on_first[:4])
+    message = (f"worker 1 (rank 1): mpisync.HashEmbedding 'emb.weight' needs 6 rows on shard 0 "
+               f"(on ps {spec.tables[0].owners[0]}) for one lookup, more than its "
+               f"capacity_per_shard=4; raise capacity_per_shard, use more shards (partitioner=) "
+               f"or look up fewer distinct ids at once")
+    with pytest.raises(mpisync.CapacityError, match="^" + re.escape(message) + "$"):
+        model["emb"](on_first[:6])
 
 
 # -- under MPI -----------------------------------------------------------------------------

@@ -2,9 +2,12 @@
 
 One-process tests check the bags (``mpisync.bags``) and the pooled messages
 (``mpisync.pooled``: what a ps answers and what it makes of a push) against
-``nn.EmbeddingBag(sparse=True)``. One MPI job (2 workers, 2 ps ranks) runs every case of
-tests/scripts/pooling.py: the rows path and the pooled path trained side by side, the
-collection beside separate tables, and the bytes of a step; small jobs end on bad input.
+``nn.EmbeddingBag(sparse=True)``, and every bad bag's message. One MPI job (2 workers, 2
+ps ranks) runs every case of tests/scripts/pooling.py: the rows path and the pooled path
+trained side by side, the collection beside separate tables, and the bytes of a step. A
+second (tests/scripts/pooling_errors.py, 2 workers, 1 ps) gives every bad bag, and a
+collection a feature too few or too many, on every worker, which catches each error and
+goes on, until a feature left out, not caught, ends it.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from mpi_helpers import SCRIPTS, assert_every_rank_says, failing, labels, run_mpi
+from mpi_helpers import SCRIPTS, Run, assert_every_rank_says, failing, labels, run_mpi
 
 import mpisync
 from mpisync import partition
@@ -22,6 +25,8 @@ from mpisync.pooled import EXCHANGE, POOLED, Part, answer, pack_parts, row_grads
 
 sys.path.insert(0, str(SCRIPTS))
 import pooling as script
+import pooling_errors
+from pooling_errors import BAD
 
 # -- one process: the bags and the messages against nn.EmbeddingBag ------------------------
 ROWS, DIM = 30, 3
@@ -124,35 +129,6 @@ def test_a_ps_sums_bags_in_any_order_of_their_ids():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-BAD = [
-    ({"mode": "mean"}, torch.arange(4), torch.tensor([0, 2]), torch.ones(4),
-     (r"per_sample_weights with mode='mean'; as nn.EmbeddingBag, per_sample_weights only go "
-     r"with mode='sum'")),
-    ({"mode": "max"}, torch.arange(4), torch.tensor([0, 2]), torch.ones(4),
-     r"per_sample_weights with mode='max'"),
-    ({"mode": "sum"}, torch.arange(4), torch.tensor([0, 3, 2]), None,
-     r"offsets that decrease: offsets\[2\] = 2 after 3"),
-    ({"mode": "sum"}, torch.arange(4), torch.tensor([1, 3]), None,
-     r"offsets starting at 1; the first bag must start at 0"),
-    ({"mode": "sum"}, torch.arange(4), torch.tensor([0, 5]), None,
-     r"offsets\[-1\] = 5, beyond the input's length 4"),
-    ({"mode": "sum"}, torch.arange(4), torch.tensor([0, 2]), torch.ones(3),
-     r"per_sample_weights of shape \[3\]; expected the input's shape \[4\]"),
-    ({"mode": "sum"}, torch.arange(4), None, None, r"1-D input without offsets"),
-    ({"mode": "sum"}, torch.zeros(2, 2, dtype=torch.long), torch.tensor([0]), None,
-     r"2-D input \[2, 2\] with offsets"),
-    ({"mode": "sum", "include_last_offset": True}, torch.arange(4),
-     torch.tensor([], dtype=torch.long), None, r"empty offsets with include_last_offset=True"),
-    ({"mode": "sum", "include_last_offset": True}, torch.arange(4), torch.tensor([0, 2, 3]),
-     None, r"offsets\[-1\] = 3 with include_last_offset=True; it must be the input's length 4"),
-    ({"mode": "sum"}, torch.arange(4), torch.tensor([0, 2]), torch.ones(4, dtype=torch.float64),
-     (r"per_sample_weights of dtype torch.float64; as nn.EmbeddingBag, they must have the "
-     r"table's dtype torch.float32")),
-    ({"mode": "sum"}, torch.arange(4), torch.tensor([0.0, 2.0]), None,
-     r"offsets of dtype torch.float32"),
-]
-
-
 @pytest.mark.parametrize("kw, input, offsets, psw, message", BAD)
 def test_bad_bags_name_the_table_and_the_rank(kw, input, offsets, psw, message):
     with pytest.raises((ValueError, TypeError),
@@ -242,27 +218,70 @@ def test_pooled_bytes_are_a_quarter_of_the_rows_for_bags_of_20(job):
         assert max(pooled) * 4 <= min(rows), (w, rows, pooled)
 
 
-# -- bad input in a job: every rank ends, the cause named ----------------------------------
+# -- bad input in a job: every worker refuses it and goes on; the last one ends the job ---
+@pytest.fixture(scope="module")
+def errors():
+    """The job of tests/scripts/pooling_errors.py: its records by case, and what the ranks
+    said (its RESULT lines left out). MPISYNC_TIMEOUT is above the timeout, so that a
+    failure noticed only as a stall fails the test instead of ending the job non-zero."""
+    run = failing("pooling_errors.py", 2, 1, timeout=150, env={"MPISYNC_TIMEOUT": "300"})
+    said = "".join(line for line in run.stdout.splitlines(keepends=True)
+                   if not line.startswith("RESULT "))
+    return run, run.by_case(), Run(run.returncode, said, run.stderr, [], run.command)
+
+
+def test_every_bad_bag_is_refused_on_every_worker_and_training_goes_on(errors):
+    run, by_case, _ = errors
+    assert sorted(by_case) == sorted([f"bag-{n}" for n in range(len(BAD))]
+                                     + ["missing_feature", "unknown_feature"]), run.describe()
+    for n, (*_, message) in enumerate(BAD):
+        assert sorted(by_case[f"bag-{n}"]) == [0, 1], run.describe()
+        for w, record in by_case[f"bag-{n}"].items():
+            assert re.match(rf"(ValueError|TypeError): worker {w} \(rank {w}[^)]*\): "
+                            r"mpisync\.EmbeddingBag 'emb\.weight' got " + message,
+                            record["error"]), (n, w, record)
+            assert record["global_step"] == pooling_errors.STEPS, record
+
+
+#: the cause each worker gives (``{w}``: its index), as every rank said it when it ended
+#: the job; the case of BAD that gives it
 @pytest.mark.parametrize("case, cause", [
-    ("psw_mean", (r"ValueError: worker 1 \(rank 1[^)]*\): mpisync\.EmbeddingBag 'emb\.weight' "
-                 r"got per_sample_weights with mode='mean'")),
-    ("offsets_decrease", (r"ValueError: worker 1 \(rank 1[^)]*\): mpisync\.EmbeddingBag "
-                         r"'emb\.weight' got offsets that decrease")),
-])
-def test_bad_bags_end_the_job_naming_the_table_and_the_rank(case, cause):
-    run = failing("pooling_errors.py", 2, 1, ["--case", case], timeout=60)
-    assert re.search(cause, run.output), run.describe()
-    assert_every_rank_says(run, r"(ValueError|stopping because worker 1 \(rank 1 on [^)]*\) "
-                                r"failed: ValueError): .*'emb\.weight'", labels(2, 1))
+    ("bag-0", (r"ValueError: worker {w} \(rank {w}[^)]*\): mpisync\.EmbeddingBag "
+               r"'emb\.weight' got per_sample_weights with mode='mean'")),
+    ("bag-2", (r"ValueError: worker {w} \(rank {w}[^)]*\): mpisync\.EmbeddingBag "
+               r"'emb\.weight' got offsets that decrease")),
+], ids=["psw_mean", "offsets_decrease"])
+def test_bad_bags_are_refused_on_every_worker_naming_the_table_and_the_rank(errors, case,
+                                                                            cause):
+    run, by_case, _ = errors
+    assert sorted(by_case[case]) == [0, 1], run.describe()
+    for w, record in by_case[case].items():
+        assert re.search(cause.replace("{w}", str(w)), record["error"]), run.describe()
+        assert re.search(r"(ValueError|stopping because worker 1 \(rank 1 on [^)]*\) "
+                         r"failed: ValueError): .*'emb\.weight'", record["error"]), record
 
 
-def test_a_feature_left_out_of_a_collection_ends_the_job_naming_it():
-    """As TorchRec's (a KeyError), not silently: the job ends on every rank."""
-    run = failing("pooling_errors.py", 2, 1, ["--case", "missing_feature"], timeout=60)
+def test_a_collection_refuses_a_feature_left_out_or_unknown_on_every_worker(errors):
+    _, by_case, _ = errors
+    for w, record in by_case["missing_feature"].items():
+        assert re.match(rf"KeyError: [\"']worker {w} \(rank {w}[^)]*\): "
+                        r"mpisync\.EmbeddingBagCollection got no input for features \['b'\]",
+                        record["error"]), record
+        assert record["global_step"] == pooling_errors.STEPS, record
+    for w, record in by_case["unknown_feature"].items():
+        assert re.match(rf"KeyError: [\"']worker {w} \(rank {w}[^)]*\): "
+                        r"mpisync\.EmbeddingBagCollection got features \['c'\] that have no "
+                        r"table here; the tables are \['a', 'b'\]", record["error"]), record
+    assert sorted(by_case["missing_feature"]) == sorted(by_case["unknown_feature"]) == [0, 1]
+
+
+def test_a_feature_left_out_of_a_collection_ends_the_job_naming_it(errors):
+    """As TorchRec's (a KeyError), not silently: uncaught, the job ends on every rank."""
+    run, _, said = errors
     assert re.search(r"KeyError: [\"']?worker 1 \(rank 1[^)]*\): mpisync\.EmbeddingBagCollection "
-                     r"got no input for features \['b'\]", run.output), run.describe()
-    assert_every_rank_says(run, r"(KeyError|stopping because worker 1 \(rank 1 on [^)]*\) "
-                                r"failed: KeyError): .*features \['b'\]", labels(2, 1))
+                     r"got no input for features \['b'\]", said.output), run.describe()
+    assert_every_rank_says(said, r"(KeyError|stopping because worker 1 \(rank 1 on [^)]*\) "
+                                 r"failed: KeyError): .*features \['b'\]", labels(2, 1))
 
 
 def test_a_collection_names_a_feature_it_has_no_table_or_no_input_for():

@@ -5,14 +5,22 @@ ranks; ``sparse``: nn.Embedding(sparse=True) on every worker), the optimizer, th
 and the shards. ``reference(case)`` trains the same model with a dense nn.Embedding in
 one process on the workers' combined batch (``sparse_adam``: torch's SparseAdam on a sparse
 nn.Embedding).
+
+The command line names the cases to run, one optimizer after another (``--dense=X`` first:
+every case with ``dense=X``). A name ``allreduce:NAME`` runs case NAME with
+``dense="allreduce"``; the names of ``OTHER`` run the cases of tables_modes.py (backup
+workers, K-batch, async, the bytes a step moves) and tables_state.py (save and load). Each
+ps rank reports each optimizer it served under the name of its case.
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
 
+import tables_modes
+import tables_state
 import torch
-from common import emit, run
+from common import emit
 
 import mpisync
 
@@ -68,6 +76,15 @@ GPU_CASES = [
     Case("cuda-bag-mean", kind="bag", mode="mean", strategy="div", device="cuda"),
 ]
 BY_NAME = {c.name: c for c in CASES + GPU_CASES}
+ALLREDUCE = "allreduce:"
+#: Cases of other programs, for a job of 3 workers: name -> (the worker's record of it)
+OTHER = {
+    "mode-backup": lambda cluster: tables_modes.train(cluster, "backup", steps=12),
+    "mode-kbatch": lambda cluster: tables_modes.train(cluster, "kbatch", steps=8),
+    "mode-async": lambda cluster: tables_modes.train(cluster, "async", steps=8),
+    "moves-rows": lambda cluster: tables_modes.train(cluster, "scale", rows=10**6, ids=100),
+    "state": tables_state.train_state,
+}
 
 
 def initial_table() -> torch.Tensor:
@@ -217,14 +234,36 @@ def train(cluster, case: Case, extra: dict) -> dict:
     return out
 
 
-def worker(cluster):
-    names, extra = sys.argv[1:], {}
+def arguments(argv: list[str]) -> tuple[list[str], dict]:
+    """The case names and the options of ``--dense=X``."""
+    names, extra = list(argv), {}
     if names and names[0].startswith("--dense="):
         extra["dense"] = names.pop(0).split("=", 1)[1]
+    return names, extra
+
+
+def run_case(cluster, name: str, extra: dict) -> dict:
+    if name in OTHER:
+        return OTHER[name](cluster)
+    if name.startswith(ALLREDUCE):
+        return train(cluster, BY_NAME[name[len(ALLREDUCE):]], dict(extra, dense="allreduce"))
+    return train(cluster, BY_NAME[name], extra)
+
+
+def main() -> None:
+    names, extra = arguments(sys.argv[1:])
+    cluster = mpisync.init()
+    if cluster.is_ps:
+        served = cluster.serve()
+        for n, stats in enumerate(served if isinstance(served, list) else [served]):
+            emit(role="ps", ps=cluster.ps_index, case=names[n] if n < len(names) else None,
+                 global_step=stats["global_step"],
+                 stats=stats if cluster.ps_index == 0 else None)
+        return
     for name in names:
         emit(role="worker", worker=cluster.worker_index, case=name,
-             **train(cluster, BY_NAME[name], extra))
+             **run_case(cluster, name, extra))
 
 
 if __name__ == "__main__":
-    run(worker)
+    main()
