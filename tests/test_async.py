@@ -1,4 +1,9 @@
-"""Asynchronous mode: each gradient applied alone in arrival order, optionally bounded."""
+"""Asynchronous mode: each gradient applied alone in arrival order, optionally bounded.
+
+One job (3 workers, 2 ps ranks) trains every case, one optimizer after another: SGD and
+Adam with a slow worker, replayed here in arrival order, then a slower worker without a
+bound on staleness and with one.
+"""
 from __future__ import annotations
 
 import sys
@@ -10,8 +15,24 @@ from mpi_helpers import SCRIPTS, run_mpi
 sys.path.insert(0, str(SCRIPTS))
 from async_train import batch
 from common import make_optimizer, model
+from training_cases import case, ps_by_case
 
 STEPS = 20
+#: name: options of each case of the job
+CASES = {"sgd": ("--slow", 2, "--opt", "sgd"), "adam": ("--slow", 2, "--opt", "adam"),
+         "unbounded": ("--slow", 2, "--sleep", 0.05),
+         "bound-1": ("--slow", 2, "--sleep", 0.05, "--max-staleness", 1)}
+
+
+@pytest.fixture(scope="module")
+def job() -> dict[str, tuple[dict, dict]]:
+    """``{case: (its workers' records, ps 0's statistics)}``."""
+    specs = [case(name, "--steps", STEPS, *options) for name, options in CASES.items()]
+    run = run_mpi("async_train.py", 3, 2, [a for s in specs for a in ("--case", s)],
+                  env={"MPISYNC_NUM_PS": "2"}, timeout=120 + 30 * len(specs))
+    workers = run.assert_every_case_ran(CASES, 3, lambda name: None)
+    ps = ps_by_case(run.ps(), list(CASES))
+    return {name: (workers[name], ps[name][0]["stats"]) for name in CASES}
 
 
 def replay(order: list[int], pushes: dict[int, list[int]], opt_name: str) -> dict:
@@ -39,8 +60,8 @@ def replay(order: list[int], pushes: dict[int, list[int]], opt_name: str) -> dic
     return history
 
 
-def order_of(run) -> list[int]:
-    stats = run.ps()[0]["stats"]                 # ps 0, the coordinator
+def order_of(stats: dict) -> list[int]:
+    """The workers whose gradients ps 0 (the coordinator) applied, in order."""
     assert stats["gradients_dropped"] == 0
     steps = stats["per_step"]
     assert [r["step"] for r in steps] == list(range(len(steps)))
@@ -49,11 +70,9 @@ def order_of(run) -> list[int]:
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
-def test_async_equals_applying_each_gradient_in_arrival_order(opt):
-    run = run_mpi("async_train.py", 3, 2, ["--steps", STEPS, "--slow", 2, "--opt", opt],
-                  env={"MPISYNC_NUM_PS": "2"})
-    workers = run.by_worker()
-    order = order_of(run)
+def test_async_equals_applying_each_gradient_in_arrival_order(job, opt):
+    workers, stats = job[opt]
+    order = order_of(stats)
     assert len(order) == 3 * STEPS
     pushes = {w: r["pushes"] for w, r in workers.items()}
     # the slow worker's gradients were stale when applied, and were applied anyway
@@ -82,11 +101,8 @@ def max_lead(order: list[int], workers: int) -> int:
 
 
 @pytest.mark.parametrize("bound", [None, 1])
-def test_bounded_staleness_keeps_fast_workers_near_the_slowest(bound):
-    extra = [] if bound is None else ["--max-staleness", bound]
-    run = run_mpi("async_train.py", 3, 1, ["--steps", STEPS, "--slow", 2, "--sleep", 0.05,
-                                           *extra])
-    order = order_of(run)
+def test_bounded_staleness_keeps_fast_workers_near_the_slowest(job, bound):
+    order = order_of(job["unbounded" if bound is None else f"bound-{bound}"][1])
     assert sorted(order) == sorted(list(range(3)) * STEPS)
     if bound is None:
         assert max_lead(order, 3) > 2          # unbounded: the fast workers run far ahead

@@ -1,29 +1,71 @@
-"""Backup workers, fewer workers than gradients, and clean ends with a laggard mid-step."""
+"""Backup workers, fewer workers than gradients, and clean ends with a laggard mid-step.
+
+Two jobs: 4 workers with 3 replicas to aggregate, the chief asleep for 2 s in one case and
+another worker in the next; 2 workers with 4 gradients a step, with enough tokens and then
+with too few (refused on every rank, the job goes on).
+"""
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
-from mpi_helpers import run_mpi
+import torch
+from mpi_helpers import SCRIPTS, run_mpi
+
+import mpisync.optimizer  # noqa: F401  (first: mpisync.spec imported alone has an import cycle)
+from mpisync.spec import Model, Options, build_spec
+
+sys.path.insert(0, str(SCRIPTS))
+from training_cases import case, ps_by_case
 
 # also run under Open MPI (make test-openmpi)
 pytestmark = pytest.mark.openmpi
 
+#: laggard: the worker that sleeps 2 s before its 4th push
+LAGGARDS = {"chief-sleeps": 0, "worker-sleeps": 2}
+TOO_FEW = "ConfigError: .*num_tokens=1 is too few"
 
-def per_step(run) -> dict[int, dict]:
-    (ps,) = run.ps()
+
+def run_cases(workers: int, specs: list[str], refused: int = 0, timeout_each: float = 30):
+    """The job of these cases, the last ``refused`` of them refused at set-up (the ps rank
+    serves no optimizer for them): its run, ``{case: {worker: record}}``, ``{case: [ps
+    record]}``."""
+    run = run_mpi("backup.py", workers, 1, [a for s in specs for a in ("--case", s)],
+                  timeout=120 + timeout_each * len(specs))
+    names = [s.partition(":")[0] for s in specs]
+    return run, run.assert_every_case_ran(names, workers, lambda name: None), ps_by_case(
+        run.ps(), names[:len(names) - refused])
+
+
+@pytest.fixture(scope="module")
+def laggards():
+    """``{case: (workers' records, ps record)}`` of the job of 4 workers."""
+    # the chief also reads the consolidated state while the others keep stepping
+    _, workers, ps = run_cases(4, [
+        case(name, "--replicas", 3, "--laggard", laggard, "--sleep-at", 3, "--sleep", 2.0,
+             "--after", 10, "--state-every", 2) for name, laggard in LAGGARDS.items()])
+    return {name: (workers[name], ps[name][0]) for name in LAGGARDS}
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    """The job of 2 workers, 4 gradients a step: 2 tokens, then 1 (too few)."""
+    return run_cases(2, [case("kbatch", "--replicas", 4, "--num-tokens", 2, "--steps", 15),
+                         case("too-few-tokens", "--replicas", 4, "--num-tokens", 1)],
+                     refused=1)
+
+
+def per_step(ps: dict) -> dict[int, dict]:
     return {r["step"]: r for r in ps["stats"]["per_step"]}
 
 
-@pytest.mark.parametrize("laggard", [0, 2], ids=["chief-sleeps", "worker-sleeps"])
-def test_backup_workers_leave_a_laggard_behind_without_waiting(laggard):
-    # the chief also reads the consolidated state while the others keep stepping
-    run = run_mpi("backup.py", 4, 1, ["--replicas", 3, "--laggard", laggard,
-                                      "--sleep-at", 3, "--sleep", 2.0, "--after", 10,
-                                      "--state-every", 2])
-    workers = run.by_worker()
+@pytest.mark.parametrize("name", list(LAGGARDS), ids=["chief-sleeps", "worker-sleeps"])
+def test_backup_workers_leave_a_laggard_behind_without_waiting(laggards, name):
+    laggard = LAGGARDS[name]
+    workers, ps = laggards[name]
     assert sorted(workers) == [0, 1, 2, 3]
-    steps = per_step(run)
+    steps = per_step(ps)
     slow = workers[laggard]["pushes"]
     computed_at, answered_with = slow[3]      # the push made after sleeping
     # the others kept completing steps while it slept, without its gradient
@@ -33,7 +75,6 @@ def test_backup_workers_leave_a_laggard_behind_without_waiting(laggard):
         assert len(steps[s]["taken"]) == 3
     # its late gradient was dropped and counted, nothing was lost silently
     assert laggard in steps[computed_at]["dropped"]
-    (ps,) = run.ps()
     assert ps["stats"]["dropped_per_worker"][laggard] >= 1
     # it did not stay behind: the next gradient was computed at the step it was handed
     assert slow[4][0] == answered_with
@@ -56,23 +97,38 @@ def test_backup_workers_leave_a_laggard_behind_without_waiting(laggard):
         assert w["final"] == {k: v for k, v in st.items() if k != "per_step"}
 
 
-def test_fewer_workers_than_gradients_with_enough_tokens():
-    run = run_mpi("backup.py", 2, 1, ["--replicas", 4, "--num-tokens", 2, "--steps", 15])
-    (ps,) = run.ps()
+def test_fewer_workers_than_gradients_with_enough_tokens(two_workers):
+    _, workers, ps = two_workers
+    (ps,) = ps["kbatch"]
     applied = [r for r in ps["stats"]["per_step"] if r["step"] < ps["stats"]["global_step"]]
     assert len(applied) >= 15
     for rec in applied:
         assert len(rec["taken"]) == 4, rec      # each step averaged 4 gradients
         assert set(rec["taken"]) <= {0, 1}
     # both workers computed several batches on the same parameters
-    for w in run.by_worker().values():
+    for w in workers["kbatch"].values():
         assert sum(1 for before, after in w["pushes"] if before == after) > 0
 
 
-def test_too_few_tokens_is_a_clear_error_on_every_rank():
-    run = run_mpi("backup.py", 2, 1, ["--replicas", 4, "--num-tokens", 1], timeout=60,
-                  expect_ok=False)
-    assert run.returncode != 0
-    for who in ("worker 0 (rank 0", "worker 1 (rank 1", "ps 0 (rank 2"):
-        assert re.search(re.escape(who) + r".*ConfigError: .*num_tokens=1 is too few", run.output), (
-            who, run.output)
+def test_too_few_tokens_is_a_clear_error_on_every_rank(two_workers):
+    """Refused on every worker, naming it; the ps rank says why and serves on."""
+    run, workers, _ = two_workers
+    for w, record in workers["too-few-tokens"].items():
+        who = f"worker {w} (rank {w}"
+        assert re.match(re.escape(f"ConfigError: {who}") + r"[^)]*\): .*num_tokens=1 is too few",
+                        record["error"]), (who, record)
+    who = "ps 0 (rank 2"
+    assert re.search(re.escape(who) + r".*" + TOO_FEW + r".*\(serving on", run.output), (
+        who, run.describe())
+
+
+def test_too_few_tokens_message_names_the_counts_and_the_fix():
+    """The refusal is a function of the spec: its whole message, in one process."""
+    net = torch.nn.Linear(4, 3)
+    with pytest.raises(ValueError) as err:
+        build_spec(torch.optim.SGD(net.parameters(), lr=0.1),
+                   Model(tuple(net.named_parameters()), ()),
+                   Options(replicas_to_aggregate=4, num_tokens=1), opt_id=0, num_workers=2,
+                   num_ps=1)
+    assert str(err.value) == ("num_tokens=1 is too few: each step needs 4 gradients from 2 "
+                              "workers, so num_tokens must be >= 2")

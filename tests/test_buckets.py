@@ -1,9 +1,12 @@
 """Pushes in buckets under every mode give what the steps ps 0 records should give.
 
-Two jobs (2 workers, 2 ps ranks) train the cases of ``tests/scripts/buckets.py`` with
-buckets of 64 bytes: one with the workers and ps ranks paired through shared memory, one
-with MPI messages between every pair (the first buckets of each push sent from gradient
-hooks while backward runs, as between machines). This process replays every case: each step's taken pushes (ps 0's record) reduced
+The cases of ``tests/scripts/buckets.py`` train with buckets of 64 bytes (2 workers, 2 ps
+ranks) over three transports: the workers and ps ranks paired through shared memory, MPI
+messages between every pair (the first buckets of each push sent from gradient hooks while
+backward runs, as between machines), and a mix of both. Two jobs carry them: one with
+shared memory on every rank, one with it off on worker 1 and ps 1 (the mix), where each
+case runs again with it off on every worker (messages). This process replays every case:
+each step's taken pushes (ps 0's record) reduced
 as the ps ranks reduce them (in worker order, in float32 from the wire's dtype) and
 applied with plain torch; each push's gradient computed as its worker computed it, at the
 parameters of the step it was computed at (rounded to the wire's dtype when the wire has
@@ -20,6 +23,7 @@ from mpi_helpers import SCRIPTS, run_mpi
 
 sys.path.insert(0, str(SCRIPTS))
 from buckets import CASES, Net, gradient, optimizer
+from training_cases import ps_by_case
 
 TOLERANCE = 1e-6
 #: How far a wire dtype takes the parameters from float32's after the case's 10 steps,
@@ -27,20 +31,38 @@ TOLERANCE = 1e-6
 WIRE_ERROR = {torch.bfloat16: 5e-3, torch.float16: 1e-3}
 
 
+def launch(env: dict[str, str], transports: list[str]) -> dict[str, tuple[dict, dict]]:
+    """One job of every case over each transport: ``{"TRANSPORT:CASE": (workers' records,
+    ps 0's statistics)}``."""
+    given = [f"{transport}:{case}" for transport in transports for case in CASES]
+    before = shm_files()
+    run = run_mpi("buckets.py", 2, 2, given, timeout=120 + 20 * len(given), env=env)
+    assert shm_files() <= before          # shared memory leaves no file behind
+    by_case, ps = run.by_case(), ps_by_case(run.ps(), given)
+    return {name: (by_case[name], ps[name][0]["stats"]) for name in given}
+
+
+@pytest.fixture(scope="module")
+def shared_memory_job():
+    """Workers and ps ranks paired through shared memory where they can (the default on
+    one machine)."""
+    return launch({}, ["shared-memory"])
+
+
+@pytest.fixture(scope="module")
+def split_job():
+    """``MPISYNC_SHARED_MEMORY=0`` on worker 1 and ps 1 only (ranks 1 and 3): worker 0 and
+    ps 0 share memory, every other pair exchanges messages (``mixed``); then each case
+    again with it off on worker 0 too, so that every pair exchanges messages."""
+    return launch({"SHM_OFF_ON_RANKS": "1,3"}, ["mixed", "messages"])
+
+
 @pytest.fixture(scope="module", params=["shared-memory", "messages", "mixed"])
 def job(request):
-    """The job with workers and ps ranks paired through shared memory where they can
-    (the default on one machine), with every pair exchanging MPI messages, and with
-    ``MPISYNC_SHARED_MEMORY=0`` on worker 1 and ps 1 only (ranks 1 and 3): worker 0 and
-    ps 0 share memory, every other pair exchanges messages."""
-    env = {"shared-memory": {}, "messages": {"MPISYNC_SHARED_MEMORY": "0"},
-           "mixed": {"SHM_OFF_ON_RANKS": "1,3"}}[request.param]
-    before = shm_files()
-    run = run_mpi("buckets.py", 2, 2, list(CASES), timeout=240, env=env)
-    assert shm_files() <= before          # shared memory leaves no file behind
-    by_case = run.by_case()
-    ps0 = [r["stats"] for r in run.ps() if r["ps"] == 0]
-    out = {name: (by_case[name], ps0[i]) for i, name in enumerate(CASES)}
+    """The cases of one transport: ``{case: (workers' records, ps 0's statistics)}``."""
+    launched = request.getfixturevalue(
+        "shared_memory_job" if request.param == "shared-memory" else "split_job")
+    out = {name: launched[f"{request.param}:{name}"] for name in CASES}
     out["transport"] = request.param
     return out
 

@@ -3,11 +3,11 @@
 One job (2 workers, 2 ps ranks) runs every case, one optimizer after another; this
 process runs each case in plain torch and compares parameters, buffers, optimizer state,
 the hyper-parameters each ps applied at the last step (values and types) and the
-workers' param groups. A second job runs every case again with ``dense="allreduce"``
+workers' param groups. The same job then runs every case again with ``dense="allreduce"``
 (dense parameters averaged among the workers and updated there, the partitioned ones
-still on the ps ranks). A third runs the cases that reach every part of the staging
-code (``mpisync.devices``: how a GPU worker's parameters travel) with the CPU parameters
-staged through host copies.
+still on the ps ranks), and last the cases that reach every part of the staging code
+(``mpisync.devices``: how a GPU worker's parameters travel) with the CPU parameters
+staged through host copies. A second job runs the partitioned cases on 3 ps ranks.
 """
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ import math
 import sys
 
 import pytest
-from mpi_helpers import SCRIPTS, run_mpi
+from mpi_helpers import SCRIPTS, Run, run_mpi
 
 sys.path.insert(0, str(SCRIPTS))
 from cases import BY_NAME, CASES, WORKERS, reference
+from training_cases import ps_by_case
 
 TOLERANCE = 1e-6     # float64 models: the sums' order differs, nothing else may
 
@@ -27,18 +28,37 @@ STAGED = ["multiplicative", "untouched-zeros-first", "untouched-none-last",
           "load-state-after-wrapping", "restore-model-then-optimizer", "clamp-through-data",
           "assign-data", "write-integer-parameter", "buffers-broadcast",
           "partitioned-zeros-clamp", "partitioned-assign"]
+#: the job's cases as exact.py takes them: ``[MODE:]NAME``, each mode in turn
+GIVEN = ([c.name for c in CASES] + [f"allreduce:{c.name}" for c in CASES]
+         + [f"staged:{name}" for name in STAGED])
+
+
+@pytest.fixture(scope="module")
+def launch() -> Run:
+    return run_mpi("exact.py", WORKERS, 2, GIVEN, timeout=120 + 4 * len(GIVEN))
+
+
+def of_mode(run: Run, mode: str) -> Run:
+    """The job as if it had run only this mode's cases: their worker records (named by
+    case) and the ps ranks' records of their optimizers."""
+    ps, by_case, results = ps_by_case(run.ps(), GIVEN), run.by_case(), []
+    for given in GIVEN:
+        given_mode, _, name = given.rpartition(":")
+        if (given_mode or "ps") == mode:
+            results += [dict(r, case=name) for r in by_case.get(given, {}).values()]
+            results += ps[given]
+    return Run(run.returncode, run.stdout, run.stderr, results, run.command)
 
 
 @pytest.fixture(scope="module", params=["ps", "allreduce"])
-def job(request):
-    dense = [] if request.param == "ps" else [f"--dense={request.param}"]
-    run = run_mpi("exact.py", WORKERS, 2, dense + [c.name for c in CASES], timeout=300)
+def job(request, launch):
+    run = of_mode(launch, request.param)
     return run, run.by_case()
 
 
 @pytest.fixture(scope="module")
-def staged_job():
-    run = run_mpi("exact.py", WORKERS, 2, STAGED, timeout=300, env={"MPISYNC_STAGE_CPU": "1"})
+def staged_job(launch):
+    run = of_mode(launch, "staged")
     return run, run.assert_every_case_ran(STAGED, WORKERS, lambda name: BY_NAME[name].steps)
 
 

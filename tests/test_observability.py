@@ -1,4 +1,9 @@
-"""Watching a job: the statistics log, the timeline and the chief's progress display."""
+"""Watching a job: the statistics log, the timeline and the chief's progress display.
+
+One job (3 workers, 1 ps rank, ``MPISYNC_STATS`` set) trains with a sleeping backup
+worker, its progress shown in lines, then with the chief's progress bar on a terminal;
+the timeline, which records all of a job, has a job of its own.
+"""
 from __future__ import annotations
 
 import io
@@ -10,7 +15,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-from mpi_helpers import run_mpi
+import pytest
+from mpi_helpers import SCRIPTS, run_mpi
 
 from mpisync import timeline
 from mpisync.ps.steplog import StepLog, log_path
@@ -18,13 +24,28 @@ from mpisync.stats import read, render, summarize
 from mpisync.watch import Progress
 from mpisync.wire import Kind
 
+sys.path.insert(0, str(SCRIPTS))
+from training_cases import case
 
-def test_statistics_log_accounts_for_every_gradient_with_a_sleeping_backup(tmp_path):
-    path, png = tmp_path / "stats.jsonl", tmp_path / "stats.png"
-    run = run_mpi("observe.py", 3, 1, ["--replicas", 2, "--laggard", 2, "--sleep", 0.03,
-                                       "--steps", 25, "--progress", "--every", 5],
-                  env={"MPISYNC_STATS": str(path)})
-    workers = run.by_worker()
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory):
+    """The job's output, its workers' records by case, and where the log and the terminal
+    went. The statistics log is the first optimizer's, ``MPISYNC_STATS`` itself."""
+    out = tmp_path_factory.mktemp("watched")
+    path, tty = out / "stats.jsonl", out / "tty.out"
+    specs = [case("stats", "--replicas", 2, "--laggard", 2, "--sleep", 0.03, "--steps", 25,
+                  "--progress", "--every", 5),
+             case("tty", "--steps", 30, "--progress", "--tty", tty)]
+    run = run_mpi("observe.py", 3, 1, [a for s in specs for a in ("--case", s)],
+                  env={"MPISYNC_STATS": str(path)}, timeout=120 + 30 * len(specs))
+    return run, run.assert_every_case_ran(["stats", "tty"], 3, lambda name: None), path, tty
+
+
+def test_statistics_log_accounts_for_every_gradient_with_a_sleeping_backup(tmp_path, watched):
+    png = tmp_path / "stats.png"
+    run, by_case, path, _ = watched
+    workers = by_case["stats"]
     job, lines = read(str(path))
     assert (job["num_workers"], job["num_ps"], job["replicas_to_aggregate"]) == (3, 1, 2)
     # taken + dropped over the log is every gradient each worker pushed, each once
@@ -112,9 +133,8 @@ def test_timeline_has_every_rank_and_a_sleep_shows_as_the_others_token_wait(tmp_
         assert wait["ts"] < sleep["ts"] + sleep["dur"] and wait["ts"] + wait["dur"] > sleep["ts"]
 
 
-def test_progress_bar_on_a_terminal(tmp_path):
-    out = tmp_path / "tty.out"
-    run_mpi("observe.py", 2, 1, ["--steps", 30, "--progress", "--tty", out])
+def test_progress_bar_on_a_terminal(watched):
+    out = watched[3]
     shown = out.read_bytes().decode("utf-8", "replace")
     assert "\r" in shown and "30/30" in shown and "step/s" in shown, shown
     assert "global step 30" in shown and "loss " in shown and "examples/s" in shown, shown

@@ -2,18 +2,38 @@
 
 A schedule of "lr 0.1 for 5 global steps, then 0" applies exactly 5 steps of 0.1, even
 when the slow worker's own count of step() calls lags behind (TensorFlow: the learning
-rate is a function of the global step when the update is applied).
+rate is a function of the global step when the update is applied). One job (3 workers,
+1 ps rank) trains every case, one optimizer after another.
 """
 from __future__ import annotations
 
+import sys
+
 import pytest
-from mpi_helpers import run_mpi
+from mpi_helpers import SCRIPTS, run_mpi
+
+sys.path.insert(0, str(SCRIPTS))
+from training_cases import case
+
+MODES = [("backup", 0), ("backup", 2), ("async", 0)]
 
 
-@pytest.mark.parametrize("mode, slow", [("backup", 0), ("backup", 2), ("async", 0)])
-def test_lr_for_five_global_steps_applies_exactly_five_steps(mode, slow):
-    run = run_mpi("schedule_lag.py", 3, 1, ["--mode", mode, "--slow", slow], timeout=120)
-    workers = run.by_worker()
+def name_of(mode: str, slow: int) -> str:
+    return f"{mode}-slow-{slow}"
+
+
+@pytest.fixture(scope="module")
+def job() -> dict[str, dict[int, dict]]:
+    """``{case: {worker: record}}``."""
+    specs = [case(name_of(mode, slow), "--mode", mode, "--slow", slow) for mode, slow in MODES]
+    run = run_mpi("schedule_lag.py", 3, 1, [a for s in specs for a in ("--case", s)],
+                  timeout=120 + 40 * len(specs))
+    return run.assert_every_case_ran([name_of(*m) for m in MODES], 3, lambda name: None)
+
+
+@pytest.mark.parametrize("mode, slow", MODES)
+def test_lr_for_five_global_steps_applies_exactly_five_steps(job, mode, slow):
+    workers = job[name_of(mode, slow)]
     by_step: dict[int, list] = {}
     for w in workers.values():
         for step, params in w["seen"]:

@@ -1,18 +1,24 @@
-"""Backup workers and token counts: one worker may sleep; every push is logged."""
+"""Backup workers and token counts: one worker may sleep; every push is logged.
+
+``--case NAME:OPTIONS`` (given several times) runs several trainings one after another in
+one job, each with its own options (a RESULT record per case and worker); a case whose
+optimizer is refused records the error (``"Type: message"``) and the job goes on.
+"""
 from __future__ import annotations
 
 import argparse
 import time
 
 import torch
-from common import dataset, make_optimizer, model, run
+from common import dataset, emit, make_optimizer, model, run
+from training_cases import split_cases
 
 import mpisync
 
 
-def parse():
+def parse(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--replicas", type=int, required=True)
+    p.add_argument("--replicas", type=int, default=None, help="required (in each --case)")
     p.add_argument("--num-tokens", type=int, default=None)
     p.add_argument("--laggard", type=int, default=-1)
     p.add_argument("--sleep-at", type=int, default=3)
@@ -21,11 +27,15 @@ def parse():
     p.add_argument("--steps", type=int, default=20, help="without a laggard: stop here")
     p.add_argument("--state-every", type=int, default=0,
                    help="the chief reads opt.state_dict() every N pushes meanwhile")
-    return p.parse_args()
+    p.add_argument("--case", action="append", default=[], metavar="NAME:OPTIONS",
+                   help="run this case in the job (this program's options); repeatable")
+    args = p.parse_args(argv)
+    if args.replicas is None and not args.case:
+        p.error("--replicas (or --case) is required")
+    return args
 
 
-def worker(cluster) -> dict:
-    args = parse()
+def train(args, cluster) -> dict:
     net = model()
     opt = mpisync.SyncReplicasOptimizer(
         make_optimizer("sgd", net.parameters()), named_parameters=net.named_parameters(),
@@ -66,6 +76,21 @@ def worker(cluster) -> dict:
                           "lookup_sent_per_ps", "lookup_received_per_ps")}
     return {"pushes": pushes, "stopped": opt.stopped, "global_step": opt.global_step,
                 "seen_stats": seen_stats, "final": final}
+
+
+def worker(cluster) -> dict | None:
+    args = parse()
+    if not args.case:
+        return train(args, cluster)
+    for name, case_args in split_cases(args.case, parse):
+        if case_args.replicas is None:
+            raise ValueError(f"case {name!r}: --replicas is required")
+        try:
+            record = train(case_args, cluster)
+        except mpisync.ConfigError as exc:          # refused on every worker: the next case
+            record = {"error": f"{type(exc).__name__}: {exc}"}
+        emit(role="worker", worker=cluster.worker_index, case=name, **record)
+    return None
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ workers, extra tokens (several batches on the same parameters) and asynchronous
 training; gradients and parameters on a bfloat16 and a float16 wire. Each worker records
 its pushes (the step each was computed at) and what it holds at the end; the test replays
 the steps in one process from ps 0's record of which pushes each step took.
+
+A case named ``messages:CASE`` runs CASE with ``MPISYNC_SHARED_MEMORY=0`` on every worker
+(so that every pair exchanges MPI messages); any other ``TRANSPORT:CASE`` runs CASE as the
+job's environment says. Each record names its case as given.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import sys
 
 import torch
 from common import emit, run
+from training_cases import environment
 
 import mpisync
 from mpisync.wire import Kind
@@ -101,8 +106,12 @@ def train(cluster, case: str) -> dict:
 
 
 def worker(cluster):
-    for case in sys.argv[1:]:
-        emit(role="worker", worker=cluster.worker_index, **train(cluster, case))
+    for given in sys.argv[1:]:
+        transport, _, case = given.rpartition(":")
+        off = {"MPISYNC_SHARED_MEMORY": "0"} if transport == "messages" else {}
+        with environment(**off):
+            record = train(cluster, case)
+        emit(role="worker", worker=cluster.worker_index, **dict(record, case=given))
 
 
 if __name__ == "__main__":

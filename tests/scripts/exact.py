@@ -1,7 +1,10 @@
 """Run the named cases of cases.py under mpisync, one optimizer after another, in one job.
 
 ``--dense=allreduce`` first runs them all with the dense parameters averaged among the
-workers instead of held on the ps ranks.
+workers instead of held on the ps ranks. A name may also say how its case runs:
+``allreduce:NAME`` (that case alone with ``dense="allreduce"``) or ``staged:NAME`` (its
+CPU parameters staged through host copies, as ``MPISYNC_STAGE_CPU=1`` does); each record
+names its case as given.
 """
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import sys
 
 from cases import BATCH, BY_NAME, batches, build, describe_group, loop_step, snapshot
 from common import emit, run
+from training_cases import environment
 
 import mpisync
 from mpisync.wire import Kind
@@ -40,13 +44,26 @@ def train(cluster, name: str, extra: dict) -> dict:
     return out
 
 
+def run_case(cluster, given: str, extra: dict) -> dict:
+    """The case ``[MODE:]NAME`` run as its mode says."""
+    mode, _, name = given.rpartition(":")
+    if mode == "allreduce":
+        return train(cluster, name, dict(extra, dense="allreduce"))
+    if mode == "staged":
+        with environment(MPISYNC_STAGE_CPU="1"):
+            return train(cluster, name, extra)
+    if mode:
+        raise ValueError(f"{given!r}: the mode is allreduce or staged, got {mode!r}")
+    return train(cluster, name, extra)
+
+
 def worker(cluster):
     names, extra = sys.argv[1:], {}
     if names and names[0].startswith("--dense="):
         extra["dense"] = names.pop(0).split("=", 1)[1]
-    for name in names:
-        emit(role="worker", worker=cluster.worker_index, case=name,
-             **train(cluster, name, extra))
+    for given in names:
+        emit(role="worker", worker=cluster.worker_index, case=given,
+             **run_case(cluster, given, extra))
 
 
 if __name__ == "__main__":

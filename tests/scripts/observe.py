@@ -3,6 +3,9 @@
 One worker (``--laggard``) may sleep before every step (``--sleep``) or once
 (``--sleep-at``); with ``--tty FILE`` the chief's stderr is a pseudo-terminal whose
 output is copied to FILE.
+
+``--case NAME:OPTIONS`` (given several times) runs several trainings one after another in
+one job, each with its own options (a RESULT record per case and worker).
 """
 from __future__ import annotations
 
@@ -17,12 +20,13 @@ import threading
 import time
 
 import torch
-from common import dataset, make_optimizer, model, run
+from common import dataset, emit, make_optimizer, model, run
+from training_cases import split_cases
 
 import mpisync
 
 
-def parse():
+def parse(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--steps", type=int, default=20, help="global steps to train for")
@@ -33,7 +37,9 @@ def parse():
     p.add_argument("--progress", action="store_true")
     p.add_argument("--every", type=int, default=None)
     p.add_argument("--tty", default=None, help="the chief's stderr is a pty copied here")
-    return p.parse_args()
+    p.add_argument("--case", action="append", default=[], metavar="NAME:OPTIONS",
+                   help="run this case in the job (this program's options); repeatable")
+    return p.parse_args(argv)
 
 
 class Terminal:
@@ -67,8 +73,7 @@ class Terminal:
             f.write(b"".join(self.chunks))
 
 
-def worker(cluster) -> dict:
-    args = parse()
+def train(args, cluster) -> dict:
     w = cluster.worker_index
     terminal = Terminal() if args.tty and cluster.is_chief else None
     net = model()
@@ -103,6 +108,15 @@ def worker(cluster) -> dict:
             "gradients_applied": stats["gradients_applied"],
             "gradients_dropped": stats["gradients_dropped"],
             "global_step": stats["global_step"]}
+
+
+def worker(cluster) -> dict | None:
+    args = parse()
+    if not args.case:
+        return train(args, cluster)
+    for name, case_args in split_cases(args.case, parse):
+        emit(role="worker", worker=cluster.worker_index, case=name, **train(case_args, cluster))
+    return None
 
 
 if __name__ == "__main__":

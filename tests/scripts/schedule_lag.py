@@ -1,23 +1,36 @@
-"""A schedule of 'lr 0.1 for 5 global steps, then 0' with a slow worker: backup or async."""
+"""A schedule of 'lr 0.1 for 5 global steps, then 0' with a slow worker: backup or async.
+
+``--case NAME:OPTIONS`` (given several times) runs several trainings one after another in
+one job, each with its own options (a RESULT record per case and worker).
+"""
 from __future__ import annotations
 
 import argparse
 import time
 
 import torch
-from common import dataset, model, run
+from common import dataset, emit, model, run
+from training_cases import split_cases
 
 import mpisync
 
 CHANGE_AT = 5
 
 
-def worker(cluster):
+def parse(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=("backup", "async"), required=True)
+    p.add_argument("--mode", choices=("backup", "async"), default=None)
     p.add_argument("--slow", type=int, default=0)
     p.add_argument("--steps", type=int, default=14)
-    args = p.parse_args()
+    p.add_argument("--case", action="append", default=[], metavar="NAME:OPTIONS",
+                   help="run this case in the job (this program's options); repeatable")
+    args = p.parse_args(argv)
+    if args.mode is None and not args.case:
+        p.error("--mode (or --case) is required")
+    return args
+
+
+def train(args, cluster) -> dict:
     w = cluster.worker_index
     net = model(hidden=8)
     kwargs = ({"asynchronous": True} if args.mode == "async"
@@ -44,6 +57,17 @@ def worker(cluster):
     opt.close()
     return {"seen": seen, "lrs": lrs, "global_step": opt.global_step,
             "dropped": stats["gradients_dropped"]}
+
+
+def worker(cluster) -> dict | None:
+    args = parse()
+    if not args.case:
+        return train(args, cluster)
+    for name, case_args in split_cases(args.case, parse):
+        if case_args.mode is None:
+            raise ValueError(f"case {name!r}: --mode is required")
+        emit(role="worker", worker=cluster.worker_index, case=name, **train(case_args, cluster))
+    return None
 
 
 if __name__ == "__main__":

@@ -1,11 +1,17 @@
-"""Training under test: N workers with batch B, or (--single) one process with batch N*B."""
+"""Training under test: N workers with batch B, or (--single) one process with batch N*B.
+
+``--case NAME:OPTIONS`` (given several times) runs several trainings one after another in
+one job, each with its own options and a fresh model and optimizer (a RESULT record per
+case and worker); the job's own options (``--num-ps``) stay outside the cases.
+"""
 from __future__ import annotations
 
 import argparse
 import time
 
 import torch
-from common import dataset, make_optimizer, model, run
+from common import dataset, emit, make_optimizer, model, run
+from training_cases import environment, split_cases
 
 
 def parse(argv=None):
@@ -26,6 +32,10 @@ def parse(argv=None):
     p.add_argument("--ema-num-updates", action="store_true")
     p.add_argument("--zero-in-place", action="store_true",
                    help="zero_grad(set_to_none=False): gradients stay in the send buffers")
+    p.add_argument("--stage-cpu", action="store_true",
+                   help="this run's parameters staged through host copies (MPISYNC_STAGE_CPU=1)")
+    p.add_argument("--case", action="append", default=[], metavar="NAME:OPTIONS",
+                   help="run this case in the job (this program's options); repeatable")
     return p.parse_args(argv)
 
 
@@ -70,10 +80,12 @@ def distributed(args, cluster) -> dict:
         with torch.no_grad():
             for name, p in net.named_parameters():
                 p.copy_(saved["params"][name])
-    opt = mpisync.SyncReplicasOptimizer(
-        make_optimizer(args.opt, net.parameters()), named_parameters=net.named_parameters(),
-        cluster=cluster, deterministic=args.deterministic, placement=args.placement,
-        ema_decay=args.ema, ema_num_updates=args.ema_num_updates)
+    staging = {"MPISYNC_STAGE_CPU": "1"} if args.stage_cpu else {}    # else as the job's
+    with environment(**staging):
+        opt = mpisync.SyncReplicasOptimizer(
+            make_optimizer(args.opt, net.parameters()), named_parameters=net.named_parameters(),
+            cluster=cluster, deterministic=args.deterministic, placement=args.placement,
+            ema_decay=args.ema, ema_num_updates=args.ema_num_updates)
     if saved:
         opt.load_state_dict(saved["state"])
     sched = scheduler(opt, args.sched)
@@ -107,9 +119,18 @@ def distributed(args, cluster) -> dict:
                 "checksum": float(sum(p.detach().double().sum() for p in net.parameters()))}
 
 
+def cases(specs: list[str], cluster) -> None:
+    """Each case in turn, its record tagged with its name."""
+    for name, args in split_cases(specs, parse):
+        emit(role="worker", worker=cluster.worker_index, case=name,
+             **distributed(args, cluster))
+
+
 if __name__ == "__main__":
     a = parse()
     if a.single:
         single(a)
+    elif a.case:
+        run(lambda cluster: cases(a.case, cluster), num_ps=a.num_ps)
     else:
         run(lambda cluster: distributed(a, cluster), num_ps=a.num_ps)
