@@ -13,7 +13,6 @@ import pytest
 import torch
 from mpi_helpers import SCRIPTS, run_mpi
 
-import mpisync.optimizer  # noqa: F401  (first: mpisync.spec imported alone has an import cycle)
 from mpisync.spec import Model, Options, build_spec
 
 sys.path.insert(0, str(SCRIPTS))
