@@ -111,23 +111,9 @@ def test_the_cases_are_not_vacuous():
     assert no_branch["params"]["extra"] == [0.25, 0.25, 0.25]     # no worker uses it there
 
 
-@pytest.mark.parametrize("sync, cause", [
-    ("replicas_to_aggregate=1", (r"backup workers do not apply: replicas_to_aggregate must "
-                                 r"be the number of workers \(2\)")),
-    ("asynchronous=True", r"it cannot train asynchronously"),
-    ("num_tokens=1", r"num_tokens must be 0 or unset, got 1"),
-    pytest.param("allreduce_backend='nccl'", (r"allreduce_backend='nccl' needs CUDA and a torch "
-                                              r"built with NCCL"),
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
-    ("bucket_bytes=0", r"bucket_bytes must be >= 1, got 0"),
-    pytest.param("allreduce_backend='horovod'", r"allreduce_backend='horovod' needs horovod",
-                 marks=pytest.mark.skipif(HOROVOD, reason="horovod is installed here")),
-])
-def test_what_allreduce_cannot_do_is_refused_on_every_worker(sync, cause):
-    run = failing("errors.py", 2, 1, ["--case", "allreduce_refused", "--sync", sync], timeout=60)
-    for w in range(2):
-        assert re.search(rf"worker {w} \(rank {w} on .*\).*ConfigError.*{cause}", run.output), \
-            run.output
+# What dense="allreduce" refuses (its options, a model converted after wrapping, two open
+# optimizers over one parameter) is tested in one process in tests/test_refusals.py and on
+# every rank in tests/test_errors.py's one job of refusals.
 
 
 def test_a_worker_that_fails_ends_the_job_while_the_others_wait_in_the_allreduce():
@@ -143,17 +129,3 @@ def test_a_stalled_worker_ends_the_job_while_the_others_wait_in_the_allreduce():
     assert re.search(r"ps 0 \(rank 2[^)]*\): StallError: .*no message for 5 s", run.output), \
         run.output
     assert "workers still computing: [1]" in run.output, run.output
-
-
-def test_a_model_converted_after_wrapping_is_refused_naming_the_parameter():
-    run = failing("errors.py", 2, 1, ["--case", "allreduce_convert"])
-    assert re.search(r"worker \d \(rank \d on [^)]*\): TypeError: .*parameter '\d\.(weight|bias)' "
-                     r"became a torch\.float64 tensor", run.output), run.output
-
-
-def test_two_open_optimizers_over_one_parameter_are_refused():
-    run = failing("errors.py", 2, 1, ["--case", "shared_two_opts"])
-    for w in range(2):
-        assert re.search(rf"worker {w} \(rank {w} on [^)]*\).*ConfigError.*parameter "
-                         r"'0\.weight' is held by SyncReplicasOptimizer #0 too", run.output), \
-            run.output

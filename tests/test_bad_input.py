@@ -176,7 +176,9 @@ def test_other_variables_refuse_what_they_cannot_read(monkeypatch, name, value, 
 
 
 def test_a_bad_variable_stops_the_import_with_its_name_not_a_traceback_deep_inside():
-    proc = subprocess.run([sys.executable, "-c", "import mpisync"], check=False,
+    # ``import mpisync`` alone imports nothing: the package is imported, and the variables
+    # read, at the first use of a public name
+    proc = subprocess.run([sys.executable, "-c", "import mpisync; mpisync.init"], check=False,
                           capture_output=True,
                           text=True, timeout=120,
                           env=dict(os.environ, MPISYNC_TIMEOUT="30s"))

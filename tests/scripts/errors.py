@@ -1,4 +1,5 @@
-"""Programs that go wrong on purpose, one per --case."""
+"""Programs that go wrong on purpose, one per --case; or, with --cases, several that end
+normally, one after another in one job."""
 from __future__ import annotations
 
 import argparse
@@ -160,11 +161,16 @@ def after_training(opt, net, cluster, w: int) -> None:
 def main() -> None:
     global CASE, SYNC
     p = argparse.ArgumentParser()
-    p.add_argument("--case", required=True)
+    p.add_argument("--case", help="the one case this job runs")
+    p.add_argument("--cases", help="cases that end normally, one after another in this job "
+                                   "(each worker's record names its case)")
     p.add_argument("--num-ps", type=int, default=None)
     p.add_argument("--sync", default="", help="one more option, key=value")
     args = p.parse_args()
-    CASE, SYNC = args.case, args.sync
+    if (args.case is None) == (args.cases is None):
+        p.error("give --case or --cases")
+    cases = [args.case] if args.cases is None else args.cases.split(",")
+    CASE, SYNC = cases[0], args.sync
     cluster = mpisync.init(num_ps=args.num_ps)
     if cluster.is_ps:
         if CASE == "raise_ps":
@@ -172,8 +178,20 @@ def main() -> None:
         if CASE == "killed_ps" and cluster.ps_index == 1:  # dies while serving
             threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
         stats = cluster.serve()
-        emit(role="ps", ps=cluster.ps_index, global_step=stats["global_step"])
+        if isinstance(stats, list):             # --cases: one optimizer per case
+            emit(role="ps", ps=cluster.ps_index, global_steps=[s["global_step"] for s in stats])
+        else:
+            emit(role="ps", ps=cluster.ps_index, global_step=stats["global_step"])
         return
+    for CASE in cases:
+        record = worker(cluster)
+        if args.cases is not None:
+            record["case"] = CASE
+        emit(**record)
+
+
+def worker(cluster) -> dict:
+    """One case on this worker: set up, train, what the case does after; its record."""
     w = cluster.worker_index
     net = SparseNet() if CASE == "sparse" else model(
         hidden=33 if (CASE == "mismatch" and w == 1) else 32)
@@ -207,7 +225,8 @@ def main() -> None:
         opt.close()
     if CASE == "step_after_close" and w == 1:
         opt.step()
-    emit(role="worker", worker=w, global_step=opt.global_step, stopped=opt.stopped)
+    return {"role": "worker", "worker": w, "global_step": opt.global_step,
+            "stopped": opt.stopped}
 
 
 CASE = SYNC = ""
