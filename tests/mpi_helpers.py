@@ -87,7 +87,7 @@ def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 12
     """
     mpiexec, flavor = _launcher()
     result_dir = tempfile.mkdtemp(prefix="mpisync-results-")
-    extra_env = {"MPISYNC_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "RESULT_DIR": result_dir}
+    extra_env = {"MPISYNC_TIMEOUT": "120", "OMP_NUM_THREADS": "1", "RESULT_DIR": result_dir}
     extra_env.update(env or {})
     cmd = mpiexec_command(
         [sys.executable, str(SCRIPTS / script), *map(str, args)], workers, ps,
@@ -121,11 +121,12 @@ def _log_launch(script: str, workers: int, ps: int, args, seconds: float) -> Non
             f.write(json.dumps(record) + "\n")
 
 
-def failing(script: str, workers: int, ps: int = 1, args=(), timeout: float = 45,
+def failing(script: str, workers: int, ps: int = 1, args=(), timeout: float = 90,
             env: dict[str, str] | None = None) -> Run:
     """A job that must end non-zero, by itself, within ``timeout`` seconds: before the
-    60 s MPISYNC_TIMEOUT that ``run_mpi`` sets, so a failure noticed only as a stall does
-    not pass, with room for starting the ranks on a loaded machine (11-24 s seen)."""
+    120 s MPISYNC_TIMEOUT that ``run_mpi`` sets, so a failure noticed only as a stall does
+    not pass, with room for starting the ranks on a loaded machine (11-24 s seen with one
+    other job beside the suite, 40-50 s with several)."""
     run = run_mpi(script, workers, ps, args, timeout=timeout, env=env, expect_ok=False)
     assert run.returncode != 0, f"{script} exited 0; {run.describe()}"
     return run

@@ -124,7 +124,7 @@ def test_a_worker_that_fails_ends_the_job_while_the_others_wait_in_the_allreduce
 
 
 def test_a_stalled_worker_ends_the_job_while_the_others_wait_in_the_allreduce():
-    run = failing("errors.py", 2, 1, ["--case", "allreduce_stall"], timeout=60,
+    run = failing("errors.py", 2, 1, ["--case", "allreduce_stall"], timeout=90,
                   env={"MPISYNC_TIMEOUT": "5", "MPISYNC_STALL_WARNING": "2"})
     assert re.search(r"ps 0 \(rank 2[^)]*\): StallError: .*no message for 5 s", run.output), \
         run.output

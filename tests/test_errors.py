@@ -354,9 +354,9 @@ def test_a_rank_that_dies_ends_the_whole_job(case):
     before = set(os.listdir("/dev/shm"))
     survive = ["--survive-worker-loss"] if case == "killed" and mpi_flavor() == "mpich" else []
     job = run_job([sys.executable, "-m", "mpisync.launch", *survive, "--workers", "2", "--ps",
-                   "2", "--timeout", "30", "--", sys.executable, str(SCRIPTS / "errors.py"),
-                   "--case", case, "--num-ps", "2"], timeout=60, capture=True,
-                  env=dict(os.environ, MPISYNC_TIMEOUT="60", OMP_NUM_THREADS="1"))
+                   "2", "--timeout", "90", "--", sys.executable, str(SCRIPTS / "errors.py"),
+                   "--case", case, "--num-ps", "2"], timeout=150, capture=True,
+                  env=dict(os.environ, MPISYNC_TIMEOUT="120", OMP_NUM_THREADS="1"))
     assert job.returncode not in (0, 124), job.output
     assert re.search(r"signal 9|Killed", job.output), job.output
     assert re.search(r"mpisync\.launch: the job failed with exit status \d+: a rank ended by "
