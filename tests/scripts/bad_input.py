@@ -17,7 +17,7 @@ if "--thread-level" in sys.argv:
     mpi4py.rc.thread_level = sys.argv[sys.argv.index("--thread-level") + 1]
 
 import torch
-from common import dataset, emit, make_optimizer, model
+from common import attempt, dataset, emit, make_optimizer, model
 from mpi4py import MPI
 
 import mpisync
@@ -37,14 +37,6 @@ def train(opt, net, steps: int, w: int, dtype=torch.float32, device="cpu",
             after_backward()
         opt.step()
 
-
-def attempt(fn) -> str | None:
-    """Run ``fn``; the error it raised (``"Type: message"``), or None."""
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 (the test reads what was raised)
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def sync_opt(net, **kw):

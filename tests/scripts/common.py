@@ -33,6 +33,15 @@ def make_optimizer(name: str, params, lr: float | None = None) -> torch.optim.Op
     raise ValueError(name)
 
 
+def attempt(fn, *args) -> str | None:
+    """Run ``fn(*args)``; the error it raised (``"Type: message"``), or None."""
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 (the test reads what was raised)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def emit(**record) -> None:
     """One record of JSON for the test: a line in this process's file under RESULT_DIR."""
     line = json.dumps(record)

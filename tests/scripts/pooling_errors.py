@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import emit
+from common import attempt, emit
 
 import mpisync
 
@@ -48,14 +48,6 @@ BAD = [
      r"offsets of dtype torch.float32"),
 ]
 
-
-def attempt(fn, *args) -> str | None:
-    """Run ``fn(*args)``; the error it raised (``"Type: message"``), or None."""
-    try:
-        fn(*args)
-    except Exception as exc:  # noqa: BLE001 (the test reads what was raised)
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def optimizer(model):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import emit
+from common import attempt, emit
 
 import mpisync
 
@@ -24,14 +24,6 @@ BAD_IDS = {"out_of_range": lambda: torch.tensor([3, ROWS]),
            "int16_ids": lambda: torch.tensor([1, 2], dtype=torch.int16)}
 BAD_SET_UP = ("bad_strategy", "zero_dim", "weight_differs")
 
-
-def attempt(fn) -> str | None:
-    """Run ``fn``; the error it raised (``"Type: message"``), or None."""
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 (the test reads what was raised)
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def build(w: int, case: str | None = None):
