@@ -99,11 +99,14 @@ def test_ema_decay_out_of_range_fails_on_every_rank(refusals):
                    EVERY_RANK)
 
 
-def test_averages_without_ema_decay_ends_the_job_naming_the_rank():
-    # raised on one worker only: the others must not wait for it
-    out = failed("averages_without_ema")
+def test_averages_without_ema_decay_is_a_clear_error_on_that_worker(refusals):
+    # raised on worker 1 only, before anything is sent: not collective, the others train on
+    # (uncaught, such an error ends the job as a user's exception does: the "raise" case)
+    records = records_of(refusals, "averages_without_ema")
     assert re.search(r"worker 1 \(rank 1[^)]*\): ConfigError: .*averages\(\) needs a "
-                     r"SyncReplicasOptimizer created with ema_decay", out), out
+                     r"SyncReplicasOptimizer created with ema_decay", records[1]["said"]), records
+    assert records[1]["collective"] is False and records[0]["error"] is None, records
+    assert {r["global_step"] for r in records.values()} == {3}
 
 
 def test_step_inside_averaged_is_a_clear_error(refusals):
@@ -295,10 +298,12 @@ def test_a_nonfinite_gradient_ends_the_job_naming_the_parameter_and_worker():
                                 r"\[1\]\); the step is not applied", EVERY_RANK)
 
 
-def test_step_after_close_is_a_clear_error():
-    out = failed("step_after_close")
-    assert "worker 1 (rank 1" in out
-    assert "ClosedError" in out and "step() called after close()" in out
+def test_step_after_close_is_a_clear_error(refusals):
+    records = records_of(refusals, "step_after_close")
+    assert re.search(r"worker 1 \(rank 1[^)]*\): ClosedError: .*step\(\) called after "
+                     r"close\(\)", records[1]["said"]), records
+    assert records[1]["collective"] is False and records[0]["error"] is None, records
+    assert {r["global_step"] for r in records.values()} == {3}
 
 
 @pytest.mark.openmpi

@@ -1,7 +1,7 @@
 """The Slurm batch template on a Slurm cluster of this machine: one node, then two.
 
 ``launch/slurm/local-cluster.sh start`` installs (apt) and starts munge, slurmctld and
-slurmd; each test submits ``launch/slurm/train.sbatch`` with ``sbatch --wait`` and checks
+slurmd; each test submits ``launch/slurm/train.sbatch``, waits for it, and checks
 the job's exit code, Slurm's record of it (``sacct -c``: the job completion log), and the
 example's output. The two-node tests come last, so that the cluster restarts once (with
 ``start --nodes 2``); a test asks for the size it needs, so any order works. Skipped,
@@ -62,33 +62,48 @@ def slurm_two_nodes(local_cluster):
 def submit(tmp_path: Path, *options: str, cancel_on: str | None = None,
            **env: str) -> tuple[int, str, str]:
     """Submit the template with sbatch ``options`` and wait: (exit code, output, Slurm's
-    State|ExitCode). A job whose output shows ``cancel_on`` is cancelled at once."""
+    State|ExitCode). A job whose output shows ``cancel_on`` is cancelled at once.
+
+    The wait reads Slurm's job completion log (``sacct -c``) every half second: ``sbatch
+    --wait`` polls at 2, 4, 8 and then 10 s, which leaves a job of a few seconds waited
+    on for up to twice its length."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "job-%j.out"
-    proc = subprocess.Popen(
-        ["sbatch", "--parsable", "--wait", "--time=00:05:00", f"--output={out}", *options,
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--time=00:05:00", f"--output={out}", *options,
          "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())]),
          str(TEMPLATE)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
         env=dict(os.environ, MPISYNC_VENV=str(Path(sys.executable).parents[1]),
                  MPISYNC_TIMEOUT="120"))
-    job = proc.stdout.readline().strip() or "?"      # printed when submitted
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
     deadline = time.monotonic() + 400
-    while proc.poll() is None:
-        if time.monotonic() > deadline:
-            proc.kill()
-            break
+    record = ""
+    while not record:
+        time.sleep(0.5)
+        record = completed(job)
+        if not record and time.monotonic() > deadline:
+            subprocess.run(["scancel", job], capture_output=True, timeout=60, check=False)
+            record = f"not finished after 400 s (job {job})"
         if cancel_on and any(cancel_on in p.read_text(errors="replace")
                              for p in tmp_path.glob("job-*.out")):
             subprocess.run(["scancel", job], capture_output=True, timeout=60, check=False)
             cancel_on = None
-        time.sleep(0.5)
-    _, stderr = proc.communicate(timeout=60)
     text = "".join(p.read_text() for p in tmp_path.glob("job-*.out"))
-    record = subprocess.run(["sacct", "-c", "-j", job, "-n", "-P", "-o", "State,ExitCode"],
-                            capture_output=True, text=True, timeout=60, check=False)
-    lines = record.stdout.strip().splitlines()
-    return proc.returncode, text + stderr, lines[-1] if lines else record.stderr
+    exit_code = re.fullmatch(r"\w+\|(\d+):(\d+)", record)
+    rc = (int(exit_code.group(1)) or int(exit_code.group(2))) if exit_code else -1
+    if exit_code and not rc and not record.startswith("COMPLETED|"):
+        rc = 1                                  # cancelled (or failed) without a code
+    return rc, text + submitted.stderr, record
+
+
+def completed(job: str) -> str:
+    """Slurm's State|ExitCode of ``job`` once it has ended, else ``""``."""
+    found = subprocess.run(["sacct", "-c", "-j", job, "-n", "-P", "-o", "State,ExitCode"],
+                           capture_output=True, text=True, timeout=60, check=False)
+    lines = found.stdout.strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 # Slurm 22.05's PMI-1 server (in its mpi/pmi2 plugin, which MPICH speaks PMI-1 to) takes

@@ -201,8 +201,6 @@ def worker(cluster) -> dict:
     if CASE == "shared_two_opts":               # the same parameters, a second optimizer
         mpisync.SyncReplicasOptimizer(make_optimizer("sgd", net.parameters()),
                                       named_parameters=net.named_parameters())
-    if CASE == "averages_without_ema" and w == 1:
-        opt.averages()
     if CASE == "step_in_averaged" and w == 0:
         with opt.averaged():
             opt.step()
@@ -223,8 +221,6 @@ def worker(cluster) -> dict:
     after_training(opt, net, cluster, w)
     if CASE != "exit_without_close":
         opt.close()
-    if CASE == "step_after_close" and w == 1:
-        opt.step()
     return {"role": "worker", "worker": w, "global_step": opt.global_step,
             "stopped": opt.stopped}
 

@@ -157,6 +157,26 @@ def case_step_in_averaged(w, cluster):
     return dict(record, global_step=opt.global_step)
 
 
+def case_averages_without_ema(w, cluster):
+    """Worker 1 alone asks for averages() of an optimizer made without ema_decay."""
+    net = model()
+    opt = sync_opt(net)
+    record = caught(cluster, opt.averages) if w == 1 else NOTHING
+    train(opt, net, 3, w)
+    opt.close()
+    return dict(record, global_step=opt.global_step)
+
+
+def case_step_after_close(w, cluster):
+    """Worker 1 steps once more after close()."""
+    net = model()
+    opt = sync_opt(net)
+    train(opt, net, 3, w)
+    opt.close()
+    record = caught(cluster, opt.step) if w == 1 else NOTHING
+    return dict(record, global_step=opt.global_step)
+
+
 def case_allreduce_convert(w, cluster):
     """dense='allreduce': the model converted to float64 between backward() and step()."""
     net = model()
@@ -215,6 +235,8 @@ WORKER_CASES = {
     "add_param_group": case_add_param_group,
     "attribute_changed": case_attribute_changed,
     "step_in_averaged": case_step_in_averaged,
+    "averages_without_ema": case_averages_without_ema,
+    "step_after_close": case_step_after_close,
     "allreduce_convert": case_allreduce_convert,
     "bad_state": case_bad_state,
 }
