@@ -30,8 +30,10 @@ from checkpoint_errors import BAD_KINDS, bad_files
 from resume import KILL_AT, STEPS, WORKERS, Net, batch
 
 import mpisync
-from mpisync import checkpoint, partition, reshard
-from mpisync.tables import TableSpec
+from mpisync import checkpoint
+from mpisync.protocol import partition
+from mpisync.tables import reshard
+from mpisync.tables.embedding import TableSpec
 
 assert rs.WORKERS == WORKERS                   # the reshard cases share the jobs' layouts
 

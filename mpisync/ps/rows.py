@@ -8,15 +8,17 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import kernels, pooled, timeline
 from ..accumulate import reduce_rows
 from ..errors import ProtocolError
-from ..progress import Poller
-from ..rowopt import RowScratch, apply_rows, handles_rows, merge_rows
-from ..rowwise import RowWiseAdagrad
-from ..spec import JobSpec
-from ..tables import TableSpec
-from ..wire import ROWS_HEAD, Tag, pack_rows, unpack_rows
+from ..native import kernels
+from ..observe import timeline
+from ..protocol import pooled
+from ..protocol.spec import JobSpec
+from ..protocol.wire import ROWS_HEAD, Tag, pack_rows, unpack_rows
+from ..runtime.progress import Poller
+from ..tables.embedding import TableSpec
+from ..tables.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
+from ..tables.rowwise import RowWiseAdagrad
 from .hashrows import HashRows
 
 __all__ = ["RowShards", "takes_sparse"]
@@ -296,7 +298,7 @@ class RowShards:
         self._send(reply, rank, self.tags[Tag.ROWS])
 
     def _answer_exchange(self, buf: np.ndarray, rank: int) -> None:
-        """A lookup of several tables, rows and bags pooled here (``mpisync.pooled``)."""
+        """A lookup of several tables, rows and bags pooled here (``mpisync.protocol.pooled``)."""
         try:
             reply = pooled.answer(buf, [u.param for u in self.units], self.groups)
         except ValueError as exc:

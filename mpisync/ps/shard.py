@@ -8,14 +8,13 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import kernels, shm, timeline
 from ..accumulate import ShardAccumulator
 from ..errors import NonFiniteError, ProtocolError
-from ..progress import Poller
-from ..spec import JobSpec
-from ..survival import Losses, improbe
-from ..updates import Updates
-from ..wire import (
+from ..native import kernels
+from ..observe import timeline
+from ..protocol.spec import JobSpec
+from ..protocol.updates import Updates
+from ..protocol.wire import (
     FLAG_ASSIGN,
     FLAG_RESEND,
     NOTICE_SKIPPED,
@@ -36,6 +35,9 @@ from ..wire import (
     wire_buckets,
     wire_dtypes,
 )
+from ..runtime import shm
+from ..runtime.progress import Poller
+from ..runtime.survival import Losses, improbe
 from .averages import MovingAverages
 from .fused import Applier, only_params
 from .rows import RowShards
