@@ -11,6 +11,7 @@ import torch
 from mpi4py import MPI
 
 from .errors import ClosedError, ConfigError, DeadlockError, NonFiniteError
+from .protocol.layouts import layouts_of
 from .protocol.rebuild import changed_settings, settings_of
 from .protocol.routes import ALLREDUCE, REPLICATED
 from .protocol.spec import (
@@ -28,7 +29,6 @@ from .protocol.spec import (
 from .protocol.state import check_state, merge_units, split_state, split_units
 from .protocol.updates import apply_fn, ps_pieces, register, targets_of
 from .protocol.wire import FLAG_SCHEDULED, Kind, Tag, is_still_question
-from .ps.shard import layouts_of
 from .ps.steplog import log_path
 from .runtime.progress import SETUP_TIMEOUT, Poller, spin_seconds
 from .worker.allreduce import AllreduceChannel, LocalAverages, backend_problem

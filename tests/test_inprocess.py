@@ -13,10 +13,10 @@ from mpi4py import MPI
 
 import mpisync
 from mpisync.errors import PeerError, StallError
+from mpisync.protocol.layouts import layouts_of
 from mpisync.protocol.spec import Model, Options, build_spec
 from mpisync.protocol.wire import Kind, Tag
 from mpisync.ps.loop import Job
-from mpisync.ps.shard import layouts_of
 from mpisync.ps_ranks import RankLayout
 from mpisync.runtime.progress import SPIN_DEDICATED, SPIN_SHARED, Poller, spin_seconds
 from mpisync.worker.channels import DenseChannel, ReplicatedChannel

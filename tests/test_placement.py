@@ -747,9 +747,9 @@ def test_shards_cover_the_rows_once_and_every_unit_has_one_owner(case):
     one ps, and the bytes of the plan and of each ps's fused buffer add up."""
     import torch
 
+    from mpisync.protocol.layouts import layouts_of
     from mpisync.protocol.spec import Model, Options, build_spec
     from mpisync.protocol.wire import ALIGN
-    from mpisync.ps.shard import layouts_of
 
     params, partitioner, num_ps, strategy = case
     if isinstance(partitioner, dict) and any(

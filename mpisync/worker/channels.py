@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 from ..errors import DeadlockError, ProtocolError
 from ..native.bulk import Grads, grads_of
+from ..protocol.layouts import buckets_of, conversions, wire_layouts_of
 from ..protocol.spec import JobSpec
 from ..protocol.wire import (
     FLAG_ASSIGN,
@@ -25,7 +26,6 @@ from ..protocol.wire import (
     is_still_question,
     region_views,
 )
-from ..ps.shard import buckets_of, conversions, wire_layouts_of
 from ..runtime import shm
 from ..runtime.progress import SETUP_TIMEOUT, Pace, Poller
 from .buckets import GradBuckets
