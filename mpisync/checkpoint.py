@@ -51,8 +51,8 @@ from torch.serialization import _open_zipfile_writer
 
 from .errors import ConfigError
 from .protocol.state import check_state
+from .protocol.tables import table_info
 from .tables import reshard
-from .tables.embedding import table_info
 from .tables.hashtables import check_saved_hash_table, place_hash_table
 
 __all__ = ["FORMAT", "VERSION", "Checkpointer", "latest", "load", "plain_state", "save"]

@@ -32,8 +32,8 @@ from resume import KILL_AT, STEPS, WORKERS, Net, batch
 import mpisync
 from mpisync import checkpoint
 from mpisync.protocol import partition
+from mpisync.protocol.tables import TableSpec
 from mpisync.tables import reshard
-from mpisync.tables.embedding import TableSpec
 
 assert rs.WORKERS == WORKERS                   # the reshard cases share the jobs' layouts
 

@@ -215,7 +215,7 @@ def test_an_optimizer_of_whole_tensors_refuses_shards(cls):
 
 
 def test_a_sparse_embedding_tied_to_a_linear_layer_is_still_found():
-    from mpisync.tables.embedding import sparse_modules
+    from mpisync.protocol.tables import sparse_modules
 
     emb = torch.nn.Embedding(10, 4, sparse=True)
     out = torch.nn.Linear(4, 10)

@@ -299,9 +299,14 @@ def gather(ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def shard_order(shard: torch.Tensor, parts: int) -> tuple[torch.Tensor, list[int]]:
-    """``(torch.argsort(shard, stable=True), torch.bincount(shard, minlength=parts))``
-    by counting (every ``shard[i]`` in ``[0, parts)``)."""
-    shard = shard.contiguous()
+    """The positions ordered by shard, stably, and each shard's count:
+    ``(torch.argsort(shard, stable=True), torch.bincount(shard, minlength=parts))``,
+    by counting where the kernels are available (every ``shard[i]`` in ``[0, parts)``),
+    else by those torch calls."""
+    if not available():
+        return (torch.argsort(shard, stable=True),
+                torch.bincount(shard, minlength=parts).tolist())
+    shard = shard.to(torch.int64).contiguous()
     order = torch.empty(len(shard), dtype=torch.int64)
     counts = torch.empty(parts, dtype=torch.int64)
     starts = torch.empty(parts, dtype=torch.int64)

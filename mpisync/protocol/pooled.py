@@ -16,19 +16,15 @@ import numpy as np
 import torch
 
 from ..native import kernels
-from .wire import ROWS_HEAD
+from .wire import ROWS_HEAD, pad8
 
 __all__ = ["EXCHANGE", "POOLED", "Part", "answer", "bag_grads", "block_order", "gather_rows",
-           "pack_parts", "pad8", "parts_nbytes", "reply_nbytes", "row_grads", "rows_of", "rows_section_nbytes",
-           "unpack_parts"]
+           "pack_parts", "parts_nbytes", "reply_nbytes", "row_grads", "rows_of",
+           "rows_section_nbytes", "unpack_parts"]
 
 EXCHANGE = -2   # words[0] of a lookup in this layout (a rows lookup, ``pack_rows``, has -1)
 POOLED = -3     # words[0] of a push's pooled section, after its rows message
 HEAD, PER_PART = 3, 3     # int64 words: [mark, 0, parts], then [count, num_bags, weighted]
-
-
-def pad8(n: int) -> int:
-    return (n + 7) // 8 * 8
 
 
 @dataclass

@@ -12,9 +12,6 @@ import torch
 from .. import placement as placement_mod
 from ..accumulate import REDUCTIONS, SPARSE_REDUCTIONS
 from ..errors import ConfigError, ModelMismatchError
-from ..tables.embedding import TableSpec, sparse_modules, table_info
-from ..tables.hashtables import HashTableInfo
-from ..worker.allreduce import BACKENDS, DEFAULT_BUCKET_BYTES
 from . import partition
 from .hyper import HyperCodec
 from .rebuild import OptimizerRecipe, recipe_of
@@ -29,10 +26,13 @@ from .routes import (
     Unit,
     plan_routes,
 )
+from .tables import HashTableInfo, TableSpec, sparse_modules, table_info
 from .wire import WIRE_VERSION
 
 __all__ = [
+    "BACKENDS",
     "BUFFER_MODES",
+    "DEFAULT_BUCKET_BYTES",
     "DENSE_MODES",
     "PS_BUCKET_BYTES",
     "SCHEDULE_MODES",
@@ -55,6 +55,10 @@ __all__ = [
 SPEC_VERSION = "mpisync.spec/5"
 #: Gradient bytes per bucket of a push to a ps rank (``bucket_bytes`` unset, dense="ps").
 PS_BUCKET_BYTES = 4 << 20
+#: Gradient bytes per bucket of an allreduce among the workers (``dense="allreduce"``).
+DEFAULT_BUCKET_BYTES = 4 << 20
+#: What sums the workers' gradients for ``dense="allreduce"`` (``allreduce_backend``).
+BACKENDS = ("mpi", "horovod", "nccl")
 WIRE_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
                "fp16": torch.float16, "half": torch.float16}
 BUFFER_MODES = ("broadcast", "mean", "local")

@@ -26,6 +26,7 @@ __all__ = [
     "entry_views",
     "is_still_question",
     "pack_rows",
+    "pad8",
     "region_views",
     "still_question",
     "tensor_view",
@@ -372,7 +373,8 @@ class Control:
 ROWS_HEAD = 3
 
 
-def _pad8(n: int) -> int:
+def pad8(n: int) -> int:
+    """``n`` rounded up to a multiple of 8: each section of a message starts 8-aligned."""
     return (n + 7) // 8 * 8
 
 
@@ -388,7 +390,7 @@ def pack_rows(step: int, seq: int, parts: list[tuple[torch.Tensor | None, torch.
               for ids, v in parts]
     head = 8 * (ROWS_HEAD + len(parts))
     size = head + sum(8 * c for (ids, _), c in zip(parts, counts) if ids is not None)
-    size += sum(_pad8(v.numel() * v.element_size()) for _, v in parts if v is not None)
+    size += sum(pad8(v.numel() * v.element_size()) for _, v in parts if v is not None)
     buf = np.empty(size, np.uint8)
     words = buf[:head].view(np.int64)
     words[0], words[1], words[2] = step, seq, len(parts)
@@ -404,7 +406,7 @@ def pack_rows(step: int, seq: int, parts: list[tuple[torch.Tensor | None, torch.
             n = v.numel() * v.element_size()
             if n:
                 out[at:at + n].view(v.dtype).view(v.shape).copy_(v)
-            at += _pad8(n)
+            at += pad8(n)
     return buf
 
 
@@ -437,7 +439,7 @@ def unpack_rows(buf: np.ndarray, rows: list[tuple[torch.dtype, tuple[int, ...]] 
         dtype, shape = r
         nbytes = c * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         parts.append((ids[i], t[at:at + nbytes].view(dtype).view(c, *shape)))
-        at += _pad8(nbytes)
+        at += pad8(nbytes)
     if at != buf.nbytes:
         raise ValueError(f"a rows message of {buf.nbytes} bytes, expected {at}")
     return step, seq, parts

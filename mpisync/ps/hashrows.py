@@ -14,7 +14,7 @@ import torch
 
 from ..errors import ProtocolError
 from ..protocol import hashing
-from ..tables.embedding import TableSpec
+from ..protocol.tables import TableSpec
 
 __all__ = ["HashRows", "fresh_state"]
 

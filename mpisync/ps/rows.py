@@ -14,9 +14,9 @@ from ..native import kernels
 from ..observe import timeline
 from ..protocol import pooled
 from ..protocol.spec import JobSpec
-from ..protocol.wire import ROWS_HEAD, Tag, pack_rows, unpack_rows
+from ..protocol.tables import TableSpec
+from ..protocol.wire import ROWS_HEAD, Tag, pack_rows, pad8, unpack_rows
 from ..runtime.progress import Poller
-from ..tables.embedding import TableSpec
 from ..tables.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
 from ..tables.rowwise import RowWiseAdagrad
 from .hashrows import HashRows
@@ -274,7 +274,7 @@ class RowShards:
         _, peek, parts = unpack_rows(buf, [None] * len(self.units), with_ids=True)
         counts = [len(local) for local, _ in parts]
         head = 8 * (ROWS_HEAD + len(parts))
-        sizes = [pooled.pad8(c * u.spec.row_bytes) for c, u in zip(counts, self.units)]
+        sizes = [pad8(c * u.spec.row_bytes) for c, u in zip(counts, self.units)]
         reply = np.empty(head + sum(sizes), np.uint8)
         words = reply[:head].view(np.int64)
         words[:ROWS_HEAD] = (0, 0, len(parts))

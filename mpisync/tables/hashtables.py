@@ -17,26 +17,10 @@ from torch.nn import functional as F
 
 from ..errors import CapacityError
 from ..protocol import hashing
-from .embedding import TableInfo, TableParameter, check_id_tensor, live_table
+from ..protocol.tables import HashTableInfo
+from .embedding import TableParameter, check_id_tensor, live_table
 
-__all__ = ["HashEmbedding", "HashEmbeddingBag", "HashTableInfo", "check_saved_hash_table",
-           "place_hash_table"]
-
-
-class HashTableInfo(TableInfo):
-    """What a hash table knows of itself before and after set-up."""
-
-    def __init__(self, dim: int, capacity: int, eviction: str, admit_after: int, seed: int,
-                 partitioner, dtype: torch.dtype):
-        super().__init__(0, dim, partitioner, "hash", None, seed, None, dtype)
-        self.hashed = hashing.HashSpec(capacity, eviction, admit_after)
-        self.spec = None          # the table's TableSpec, once the optimizer holds it
-
-    def describe(self) -> str:
-        h = self.hashed
-        return (f"hash table of {self.dim} {self.dtype} columns, {h.capacity} rows per "
-                f"shard, eviction {h.eviction!r}, admit_after {h.admit_after}, seed "
-                f"{self.seed}")
+__all__ = ["HashEmbedding", "HashEmbeddingBag", "check_saved_hash_table", "place_hash_table"]
 
 
 class _HashModule(torch.nn.Module):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .embedding import TableSpec
+from ..protocol.tables import TableSpec
 
 __all__ = ["check_table", "new_shard", "sources", "unread_counters"]
 

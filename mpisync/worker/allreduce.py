@@ -15,10 +15,7 @@ from mpi4py import MPI
 
 from .buckets import GradBuckets
 
-__all__ = ["BACKENDS", "DEFAULT_BUCKET_BYTES", "AllreduceChannel", "LocalAverages", "backend_problem"]
-
-BACKENDS = ("mpi", "horovod", "nccl")
-DEFAULT_BUCKET_BYTES = 4 << 20
+__all__ = ["AllreduceChannel", "LocalAverages", "backend_problem"]
 
 # 16-bit floats are summed in float32: MPI has no predefined type for them
 _REDUCE_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}

@@ -14,9 +14,9 @@ from mpi4py import MPI
 from ..native import kernels
 from ..protocol.bags import Bags
 from ..protocol.pooled import EXCHANGE, Part, block_order, pack_parts, parts_nbytes, reply_nbytes
-from ..protocol.wire import Tag
+from ..protocol.wire import Tag, pad8
 
-__all__ = ["Request", "exchange", "pooled_sections", "shard_order", "split"]
+__all__ = ["Request", "exchange", "pooled_sections", "split"]
 
 
 @dataclass
@@ -39,15 +39,6 @@ class Pooled:
     leaf: torch.Tensor
 
 
-def shard_order(shard: torch.Tensor, parts: int) -> tuple[torch.Tensor, list[int]]:
-    """The positions ordered by shard, stably, and each shard's count (compiled where
-    ``mpisync.native.kernels`` is available: a counting sort, not a sort)."""
-    if kernels.available():
-        return kernels.shard_order(shard.to(torch.int64), parts)
-    return (torch.argsort(shard, stable=True),
-            torch.bincount(shard, minlength=parts).tolist())
-
-
 def split(t, ids: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor]:
     """Ids of table ``t`` by shard: ``(order, counts, local rows)``: the positions ordered
     by shard (stably), each shard's count, the local rows in that order (in one compiled
@@ -57,7 +48,7 @@ def split(t, ids: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor]:
         if got is not None:
             return got
     shard, local = t.locate(ids)                # (ids outside the table: its error)
-    order, counts = shard_order(shard, t.num_shards)
+    order, counts = kernels.shard_order(shard, t.num_shards)
     return order, counts, local[order]
 
 
@@ -127,12 +118,12 @@ def exchange(channel, requests: list[Request]) -> list[torch.Tensor]:
             if not p.pooled:
                 nbytes = len(p.ids) * t.row_bytes
                 out[split[i][1][k]] = view[at:at + nbytes].view(t.dtype).view(-1, *t.row_shape)
-                at += (nbytes + 7) // 8 * 8
+                at += pad8(nbytes)
             elif i not in filled:
                 filled.add(i)
                 nbytes = p.num_bags * t.row_bytes
                 out += view[at:at + nbytes].view(t.dtype).view(-1, *t.row_shape)
-                at += (nbytes + 7) // 8 * 8
+                at += pad8(nbytes)
     if torch.is_grad_enabled():
         _keep(channel, requests, outs, split)
     return outs

@@ -8,9 +8,9 @@ from mpi4py import MPI
 from ..errors import ProtocolError
 from ..protocol.pooled import POOLED, pack_parts, parts_nbytes
 from ..protocol.spec import JobSpec
-from ..protocol.wire import Tag, pack_rows, unpack_rows
+from ..protocol.tables import TableSpec, table_info
+from ..protocol.wire import Tag, pack_rows, pad8, unpack_rows
 from ..runtime.progress import Poller
-from ..tables.embedding import TableSpec, table_info
 from .exchange import Request, exchange, pooled_sections, split
 from .tracking import TrackedParameter, rebound
 
@@ -118,7 +118,7 @@ class RowsChannel:
                      for i, k in shards]
             msg = pack_rows(-1, int(peek), parts)
             reply = np.empty(8 * (3 + len(shards))
-                             + sum(_pad8(counts[k] * t.row_bytes) for _, k in mine), np.uint8)
+                             + sum(pad8(counts[k] * t.row_bytes) for _, k in mine), np.uint8)
             rank = self.cluster.ps_rank(j)
             reqs.append(self.comm.Isend([msg, MPI.BYTE], dest=rank, tag=self.tags[Tag.LOOKUP]))
             reqs.append(self.comm.Irecv([reply, MPI.BYTE], source=rank, tag=self.tags[Tag.ROWS]))
@@ -335,7 +335,3 @@ class RowsChannel:
                 table.param.__class__ = table.cls
             table.pending = []
             table.pooled = []
-
-
-def _pad8(n: int) -> int:
-    return (n + 7) // 8 * 8
