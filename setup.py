@@ -8,9 +8,9 @@ setup(
     description="Synchronous parameter-server training for PyTorch on MPI",
     python_requires=">=3.10",
     packages=find_packages(include=["mpisync", "mpisync.*"]),
-    # compiled on first use: the ps's row kernels (mpisync/kernels.py), the worker's bulk
-    # reads (mpisync/bulk.py)
-    package_data={"mpisync": ["_rows.c", "_bulk.cpp"]},
+    # compiled on first use, beside their loaders: the ps's row kernels
+    # (mpisync/native/kernels.py), the worker's bulk reads (mpisync/native/bulk.py)
+    package_data={"mpisync.native": ["_rows.c", "_bulk.cpp"]},
     # The Makefile installs torch==2.13.0 (CPU) first, so this range is already met and
     # pip never pulls a CUDA build.
     install_requires=[

@@ -106,7 +106,7 @@ def role_mpisync(args) -> None:
 def role_ddp(args) -> None:
     from mpi4py import MPI
 
-    from mpisync.devices import nccl_group, worker_device
+    from mpisync.worker.devices import nccl_group, worker_device
     world = MPI.COMM_WORLD
     comm = world.Split(0 if world.Get_rank() < 2 else MPI.UNDEFINED, world.Get_rank())
     if comm == MPI.COMM_NULL:

@@ -115,7 +115,7 @@ def draw(rng: np.random.Generator, rows: int, batch: int) -> tuple[np.ndarray, n
 def rows_bytes(unique_ids: np.ndarray, num_ps: int, row_bytes: int = DIM * 4) -> dict:
     """The bytes of one step's rows messages between one worker and the ps ranks.
 
-    From the layout of ``mpisync.wire.pack_rows`` (a header of ``3 + parts`` int64 words,
+    From the layout of ``mpisync.protocol.wire.pack_rows`` (a header of ``3 + parts`` int64 words,
     int64 ids, values padded to 8 bytes), one table in ``num_ps`` ``"mod"`` shards, one per
     ps rank: to each ps holding some of the batch's ``u`` unique ids, a lookup request
     (``u`` ids) and its reply (``u`` rows); with the push, a rows message (``u`` ids and
@@ -242,7 +242,7 @@ def train_mpisync(cluster, args) -> dict:
     import torch
 
     import mpisync
-    from mpisync import rows as worker_rows
+    from mpisync.worker import rows as worker_rows
 
     timer = Timer()
     timer.wrap(worker_rows.RowsChannel, "lookup", "lookup_round_trip")

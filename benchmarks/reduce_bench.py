@@ -12,7 +12,7 @@ times, in turn and after a barrier, on a private communicator of the workers:
 - ``worker_comm_float``: ``cluster.worker_comm.allreduce(1.0)`` (pickled, the workers
   meet first: what a user writes by hand);
 - ``reduce_float``: ``cluster.reduce(1.0)``; ``metric_compute``: ``mpisync.Mean().compute()``;
-- ``self_float``: ``mpisync.collectives.reduce`` of 1.0 on ``MPI.COMM_SELF``: the helper's
+- ``self_float``: ``mpisync.runtime.collectives.reduce`` of 1.0 on ``MPI.COMM_SELF``: the helper's
   own work without the other workers (no meeting, a one-rank ``allgather``);
 - ``raw_mb`` and ``reduce_mb``: ``MPI_Allreduce`` and ``cluster.reduce`` of D MiB of
   float32.
@@ -32,7 +32,7 @@ import torch
 from mpi4py import MPI
 
 import mpisync
-from mpisync import collectives
+from mpisync.runtime import collectives
 
 
 def parse_args() -> argparse.Namespace:

@@ -6,7 +6,7 @@ for each of two) and two workers' pushes of 78,658 unique uniform ids each (a ba
 clock and in this process's CPU time (``time.process_time()``: on a machine shared with
 other jobs the steadier figure; the work is single-threaded with ``OMP_NUM_THREADS=1``):
 
-- ``torch``: what the ps did before ``mpisync.rowopt``: ``accumulate.reduce_rows`` (a COO
+- ``torch``: what the ps did before ``mpisync.tables.rowopt``: ``accumulate.reduce_rows`` (a COO
   coalesce, divided by 2) and ``torch.optim.Adagrad.step()`` on the sparse gradient;
 - ``rowopt``: ``rowopt.merge_rows`` and ``rowopt.apply_rows`` (Adagrad, bitwise the same);
 - ``rowwise``: ``merge_rows`` and ``apply_rows`` with ``mpisync.RowWiseAdagrad``.
@@ -26,7 +26,7 @@ import torch
 
 import mpisync
 from mpisync.accumulate import reduce_rows
-from mpisync.rowopt import RowScratch, apply_rows, merge_rows
+from mpisync.tables.rowopt import RowScratch, apply_rows, merge_rows
 
 DIM = 64
 

@@ -10,9 +10,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:     # what the first use of a public name imports (see _load)
-    from . import hashing, placement
+    from . import placement
     from .checkpoint import Checkpointer, latest, load, plain_state, save
-    from .collection import EmbeddingBagCollection
     from .data import WorkerSampler
     from .errors import (
         CapacityError,
@@ -27,34 +26,38 @@ if TYPE_CHECKING:     # what the first use of a public name imports (see _load)
         StallError,
         WorldTooSmallError,
     )
-    from .hashtables import HashEmbedding, HashEmbeddingBag
     from .metrics import Accuracy, Mean, Metric, Sum
+    from .observe.watch import Progress
     from .optimizer import SyncReplicasOptimizer
-    from .partition import axis_size, fixed_size, min_max
+    from .protocol import hashing
+    from .protocol.partition import axis_size, fixed_size, min_max
     from .ps_ranks import Cluster, RankLayout, init
-    from .rowwise import RowWiseAdagrad
-    from .tables import Embedding, EmbeddingBag
-    from .watch import Progress
+    from .tables.collection import EmbeddingBagCollection
+    from .tables.embedding import Embedding, EmbeddingBag
+    from .tables.hashtables import HashEmbedding, HashEmbeddingBag
+    from .tables.rowwise import RowWiseAdagrad
 
+# public submodule -> the module it is (relative to this package)
+_SUBMODULES = {"hashing": "protocol.hashing", "placement": "placement"}
 # public name -> the module that defines it (relative to this package)
 _HOMES = {
-    "hashing": None, "placement": None,
     "Checkpointer": "checkpoint", "latest": "checkpoint", "load": "checkpoint",
     "plain_state": "checkpoint", "save": "checkpoint",
-    "EmbeddingBagCollection": "collection",
+    "EmbeddingBagCollection": "tables.collection",
     "WorkerSampler": "data",
     "CapacityError": "errors", "ClosedError": "errors", "ConfigError": "errors",
     "DeadlockError": "errors", "MismatchError": "errors", "ModelMismatchError": "errors",
     "NonFiniteError": "errors", "PeerError": "errors", "ProtocolError": "errors",
     "StallError": "errors", "WorldTooSmallError": "errors",
-    "HashEmbedding": "hashtables", "HashEmbeddingBag": "hashtables",
+    "HashEmbedding": "tables.hashtables", "HashEmbeddingBag": "tables.hashtables",
     "Accuracy": "metrics", "Mean": "metrics", "Metric": "metrics", "Sum": "metrics",
     "SyncReplicasOptimizer": "optimizer",
-    "axis_size": "partition", "fixed_size": "partition", "min_max": "partition",
+    "axis_size": "protocol.partition", "fixed_size": "protocol.partition",
+    "min_max": "protocol.partition",
     "Cluster": "ps_ranks", "RankLayout": "ps_ranks", "init": "ps_ranks",
-    "RowWiseAdagrad": "rowwise",
-    "Embedding": "tables", "EmbeddingBag": "tables",
-    "Progress": "watch",
+    "RowWiseAdagrad": "tables.rowwise",
+    "Embedding": "tables.embedding", "EmbeddingBag": "tables.embedding",
+    "Progress": "observe.watch",
 }
 
 __all__ = [
@@ -106,15 +109,16 @@ def _load() -> None:
     modules (tables, write tracking) are then in place before a model is built after the
     first ``mpisync.init()``.
     """
+    for name, home in _SUBMODULES.items():
+        globals()[name] = importlib.import_module(f".{home}", __name__)
     for name, home in _HOMES.items():
-        module = importlib.import_module(f".{home or name}", __name__)
-        globals()[name] = module if home is None else getattr(module, name)
+        globals()[name] = getattr(importlib.import_module(f".{home}", __name__), name)
 
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:     # a submodule: itself (its own imports may be partial)
+        return importlib.import_module(f".{_SUBMODULES[name]}", __name__)
     if name in _HOMES:
-        if _HOMES[name] is None:       # a submodule: itself (its own imports may be partial)
-            return importlib.import_module(f".{name}", __name__)
         _load()
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .wire import Kind
+from .protocol.wire import Kind
 
 __all__ = ["REDUCTIONS", "SPARSE_REDUCTIONS", "Action", "ShardAccumulator", "StepCoordinator",
            "reduce_rows"]
@@ -99,7 +99,7 @@ class StepCoordinator:
     def __init__(self, num_workers: int, replicas_to_aggregate: int, num_tokens: int = 0,
                  global_step: int = 0, asynchronous: bool = False,
                  max_staleness: int | None = None):
-        # the arguments were validated once, in mpisync.spec
+        # the arguments were validated once, in mpisync.protocol.spec
         self.num_workers = num_workers
         self.replicas_to_aggregate = replicas_to_aggregate
         self.num_tokens = num_tokens

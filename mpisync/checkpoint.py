@@ -22,7 +22,7 @@ into the loading job's shards, with their optimizer state and counts.
 
 Tables reshard: a job with another number of ps ranks, partitioner or partition
 strategy loads them, each row moving to its new shard with its optimizer state
-(``mpisync.reshard`` says how per-row and per-shard state are told apart, and when
+(``mpisync.tables.reshard`` says how per-row and per-shard state are told apart, and when
 per-shard state that disagrees refuses the load). Sparse ``nn.Embedding`` weights are
 whole in ``"model"`` and their state in ``"optimizer"``, re-cut like any parameter's.
 
@@ -49,11 +49,11 @@ from collections.abc import Iterator
 import torch
 from torch.serialization import _open_zipfile_writer
 
-from . import reshard
 from .errors import ConfigError
-from .hashtables import check_saved_hash_table, place_hash_table
-from .state import check_state
-from .tables import table_info
+from .protocol.state import check_state
+from .protocol.tables import table_info
+from .tables import reshard
+from .tables.hashtables import check_saved_hash_table, place_hash_table
 
 __all__ = ["FORMAT", "VERSION", "Checkpointer", "latest", "load", "plain_state", "save"]
 
@@ -449,7 +449,7 @@ def _without_tables(state: dict) -> dict:
 def _place_tables(saved: dict, opt) -> None:
     """Each table shard of this job, built from the saved shards (any partitioning).
 
-    On the chief, one new shard at a time: see ``mpisync.reshard`` for how rows and
+    On the chief, one new shard at a time: see ``mpisync.tables.reshard`` for how rows and
     their optimizer state move and what is held meanwhile.
     """
     for t in opt._spec.tables:

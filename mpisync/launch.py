@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .environ import LOST_WORKERS_EXIT, SURVIVE_ENV
-from .nodes import HOSTMAP_ENV, encode_host_map, parse_hostfile, parse_hosts, rank_nodes
+from .runtime.nodes import HOSTMAP_ENV, encode_host_map, parse_hostfile, parse_hosts, rank_nodes
 
 __all__ = [
     "FLAVORS",

@@ -10,18 +10,11 @@ from collections.abc import Callable, Iterable
 import torch
 from mpi4py import MPI
 
-from .allreduce import AllreduceChannel, LocalAverages, backend_problem
-from .channels import DenseChannel, ReplicatedChannel
-from .devices import default_backend
 from .errors import ClosedError, ConfigError, DeadlockError, NonFiniteError
-from .progress import SETUP_TIMEOUT, Poller, spin_seconds
-from .ps.shard import layouts_of
-from .ps.steplog import log_path
-from .rebuild import changed_settings, settings_of
-from .routes import ALLREDUCE, REPLICATED
-from .rows import RowsChannel
-from .schedule import Schedules, install_hooks
-from .spec import (
+from .protocol.layouts import layouts_of
+from .protocol.rebuild import changed_settings, settings_of
+from .protocol.routes import ALLREDUCE, REPLICATED
+from .protocol.spec import (
     Model,
     Options,
     build_spec,
@@ -33,11 +26,18 @@ from .spec import (
     unit_parts,
     versions,
 )
-from .state import check_state, merge_units, split_state, split_units
-from .stepclock import for_worker
-from .tracking import WriteTracker, was_rebound
-from .updates import apply_fn, ps_pieces, register, targets_of
-from .wire import FLAG_SCHEDULED, Kind, Tag, is_still_question
+from .protocol.state import check_state, merge_units, split_state, split_units
+from .protocol.updates import apply_fn, ps_pieces, register, targets_of
+from .protocol.wire import FLAG_SCHEDULED, Kind, Tag, is_still_question
+from .ps.steplog import log_path
+from .runtime.progress import SETUP_TIMEOUT, Poller, spin_seconds
+from .worker.allreduce import AllreduceChannel, LocalAverages, backend_problem
+from .worker.channels import DenseChannel, ReplicatedChannel
+from .worker.devices import default_backend
+from .worker.rows import RowsChannel
+from .worker.schedule import Schedules, install_hooks
+from .worker.stepclock import for_worker
+from .worker.tracking import WriteTracker, was_rebound
 
 __all__ = ["SyncReplicasOptimizer"]
 
@@ -153,7 +153,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             to ``wire_dtype``. Results differ from float32 by that rounding (see README).
             Default None: exact.
         shared_memory: a worker and a ps rank on one machine exchange gradients and
-            parameters through shared memory instead of MPI messages (``mpisync.shm``;
+            parameters through shared memory instead of MPI messages (``mpisync.runtime.shm``;
             default True; ``MPISYNC_SHARED_MEMORY=0`` turns it off for every optimizer).
             Not with a ``wire_dtype`` or ``num_tokens``: those pairs use MPI messages.
         stats_log: where ps 0 writes the statistics log, one JSON line per global step
@@ -174,7 +174,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             TensorFlow's ``colocate_vars_with``: ``[["enc.weight", "enc.bias"], ...]``. Every placement
             strategy honours them (``print(opt.plan)`` marks each group); partitioned
             parameters and tables are colocated shard by shard (see
-            ``mpisync.routes.colocated_units``). A name that no ps holds, or that is in two
+            ``mpisync.protocol.routes.colocated_units``). A name that no ps holds, or that is in two
             groups, is an error on every worker.
         max_ps_bytes: the most bytes of parameters, buffers and table shards one ps rank
             may hold (``mpisync.placement.plan``): a colocated group larger than that, or a
@@ -822,7 +822,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         table's shards each get their own rows (a row-wise ``fn`` is exact, one over the
         whole tensor is not), and ``rows="touched"`` gives a table's ``fn`` only the rows
         a step changed (after one pass over all of them): exact for row-wise constraints
-        that leave a row satisfying them unchanged. See ``mpisync.updates``.
+        that leave a row satisfying them unchanged. See ``mpisync.protocol.updates``.
 
         ``fn`` must be importable where the ps ranks run: a function (or a
         ``functools.partial`` of one, or an instance of a class) defined at module
@@ -840,7 +840,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 (or a parameter the optimizer does not update), or ``rows`` is unknown.
             MismatchError: on every worker, when the workers registered differently.
         """
-        from .collectives import agree
+        from .runtime.collectives import agree
         self._check_open("update")
         targets = targets_of(self._spec, {n: (tuple(p.shape), p.dtype)
                                           for n, p in zip(self._names, self._params)})

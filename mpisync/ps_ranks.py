@@ -17,15 +17,16 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import bulk, heap
 from . import environ as env
-from .devices import resolve_cuda_aware, worker_device
 from .errors import ConfigError, MismatchError, StallError, WorldTooSmallError
-from .guard import GuardedComm
-from .nodes import HOSTMAP_ENV, check_host_map, cpu_affinity, host_load, machine_id, node_of
-from .progress import DEFAULT_TIMEOUT, Poller, spin_seconds
-from .survival import LOST_WORKERS_EXIT, SURVIVE_ENV, Losses, support
-from .wire import WIRE_VERSION, Tag
+from .native import bulk
+from .protocol.wire import WIRE_VERSION, Tag
+from .ps import heap
+from .runtime.guard import GuardedComm
+from .runtime.nodes import HOSTMAP_ENV, check_host_map, cpu_affinity, host_load, machine_id, node_of
+from .runtime.progress import DEFAULT_TIMEOUT, Poller, spin_seconds
+from .runtime.survival import LOST_WORKERS_EXIT, SURVIVE_ENV, Losses, support
+from .worker.devices import resolve_cuda_aware, worker_device
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -142,7 +143,7 @@ def comm_split(comm: MPI.Comm, layout: RankLayout) -> tuple[MPI.Comm, MPI.Comm]:
 class Placement:
     """Where the ranks of a communicator run, found out once by ``locate``.
 
-    ``nodes[r]`` is rank ``r``'s node (see ``mpisync.nodes.node_of``); ``local_ranks`` and
+    ``nodes[r]`` is rank ``r``'s node (see ``mpisync.runtime.nodes.node_of``); ``local_ranks`` and
     ``local_cores`` count this rank's machine (the running kernel, however many Slurm
     nodes or host names it has): its ranks, and the cores they may run on together.
     """
@@ -292,7 +293,7 @@ class Cluster:
         _check_calls([bytes(row).rstrip().decode(errors="replace") for row in calls],
                      self.label, "worker" if meet is self._meet_comm else "rank")
 
-    # -- helpers among the workers (mpisync/collectives.py, mpisync/data.py) -------------
+    # -- helpers among the workers (mpisync/runtime/collectives.py, mpisync/data.py) -------------
     def reduce(self, value, op: str = "sum"):
         """``value`` reduced over the workers, on every worker: ``"sum"``, ``"mean"``,
         ``"max"`` or ``"min"`` of a tensor, a number, or a dict/list/tuple of them.
@@ -301,21 +302,21 @@ class Cluster:
         and dtypes (a mismatch is a ``MismatchError`` on every worker). The workers meet
         first as before any collective on ``worker_comm``, so it is safe between steps in
         strict sync, and a ``DeadlockError`` instead of a hang otherwise. Result dtypes:
-        see ``mpisync.collectives``.
+        see ``mpisync.runtime.collectives``.
         """
-        from . import collectives
+        from .runtime import collectives
         return collectives.reduce(self._helper_comm("reduce"), value, op)
 
     def batch_reduce(self, values, op: str = "sum") -> list:
         """Each value of the list reduced as ``reduce`` does, all in one exchange (one
         ``Allreduce`` per kind of number: integers, floating point, complex). Collective."""
-        from . import collectives
+        from .runtime import collectives
         return collectives.batch_reduce(self._helper_comm("batch_reduce"), values, op)
 
     def broadcast(self, value, src: int = 0):
         """Worker ``src``'s value on every worker (the others' ``value`` is ignored).
-        Collective; see ``mpisync.collectives.broadcast``."""
-        from . import collectives
+        Collective; see ``mpisync.runtime.collectives.broadcast``."""
+        from .runtime import collectives
         return collectives.broadcast(self._helper_comm("broadcast"), value, src)
 
     def sampler(self, dataset, shuffle: bool = True, seed: int = 0, drop_last: bool = False):
@@ -503,7 +504,7 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
         cuda_aware: whether MPI may be handed CUDA device buffers: ``"auto"`` (default:
             where the MPI library says it takes them), ``True`` (required: refused on
             every rank when the library does not) or ``False``; ``cluster.cuda_aware``
-            holds the answer (``mpisync.devices``).
+            holds the answer (``mpisync.worker.devices``).
 
     Each worker gets a device, ``cluster.device``: ``cuda:k`` for the k-th worker of its
     node among the GPUs it sees (``CUDA_VISIBLE_DEVICES``; more workers than GPUs share

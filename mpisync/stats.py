@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from .timeline import merge
+from .observe.timeline import merge
 
 __all__ = ["plot", "read", "render", "summarize"]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mpisync.accumulate import REDUCTIONS, Action, ShardAccumulator, StepCoordinator
-from mpisync.wire import Kind
+from mpisync.protocol.wire import Kind
 
 
 def decide(step, workers, taken):
@@ -47,7 +47,7 @@ def started(num_workers, replicas_to_aggregate, num_tokens=0, global_step=0):
     return c
 
 
-# -- constructor (the arguments are validated in mpisync.spec: tests/test_spec.py) --------
+# -- constructor (the arguments are validated in mpisync.protocol.spec: tests/test_spec.py) --------
 @pytest.mark.parametrize("num_workers, replicas_to_aggregate, num_tokens", [
     (2, 4, 2), (2, 4, 5), (3, 3, 0), (5, 3, 0), (1, 1, 0), (1, 3, 2)])
 def test_enough_tokens_are_accepted(num_workers, replicas_to_aggregate, num_tokens):

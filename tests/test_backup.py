@@ -13,7 +13,7 @@ import pytest
 import torch
 from mpi_helpers import SCRIPTS, run_mpi
 
-from mpisync.spec import Model, Options, build_spec
+from mpisync.protocol.spec import Model, Options, build_spec
 
 sys.path.insert(0, str(SCRIPTS))
 from training_cases import case, ps_by_case

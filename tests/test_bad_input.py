@@ -19,8 +19,10 @@ from mpi4py import MPI
 from mpi_helpers import assert_every_rank_says, failing, labels, run_mpi
 
 import mpisync
-from mpisync import devices, environ, progress
-from mpisync.wire import WIRE_VERSION, Kind, Tag
+from mpisync import environ
+from mpisync.protocol.wire import WIRE_VERSION, Kind, Tag
+from mpisync.runtime import progress
+from mpisync.worker import devices
 
 WORKERS = (0, 1)
 
@@ -133,7 +135,7 @@ def test_a_cuda_aware_that_is_not_auto_true_or_false_is_refused(value):
 def test_a_parameter_moved_to_another_device_after_set_up_is_refused_naming_both():
     """The tracker's device check (a real move needs a GPU: tests/test_gpu.py): the
     parameter was on cuda:0 when the optimizer was built and is on the CPU now."""
-    from mpisync.tracking import WriteTracker
+    from mpisync.worker.tracking import WriteTracker
     p = torch.nn.Parameter(torch.ones(3))
     tracker = WriteTracker(["w"], [p], [p.detach()], "worker 0 (rank 0)")
     assert tracker.written() == []
@@ -165,9 +167,9 @@ def test_the_timeouts_are_read_as_numbers_of_seconds():
     ("MPISYNC_POLL_SPIN_US", "fast", lambda: progress.spin_seconds(True)),
     ("MPISYNC_TIMELINE_MAX_MB", "-1", lambda: environ.number(
         "MPISYNC_TIMELINE_MAX_MB", 0, inclusive=True, what="MiB (0: no limit)")),
-    ("MPISYNC_PROGRESS", "sometimes", lambda: mpisync.watch._env_setting(100, True)),
-    ("MPISYNC_ROW_KERNELS", "false", lambda: mpisync.kernels._build()),
-    ("MPISYNC_BULK", "yes", lambda: mpisync.bulk._build()),
+    ("MPISYNC_PROGRESS", "sometimes", lambda: mpisync.observe.watch._env_setting(100, True)),
+    ("MPISYNC_ROW_KERNELS", "false", lambda: mpisync.native.kernels._build()),
+    ("MPISYNC_BULK", "yes", lambda: mpisync.native.bulk._build()),
 ])
 def test_other_variables_refuse_what_they_cannot_read(monkeypatch, name, value, check):
     monkeypatch.setenv(name, value)
@@ -356,9 +358,9 @@ def test_a_message_too_large_for_a_ps_rank_ends_the_job_with_a_protocol_error():
 
 def _server():
     """A shard server for worker 0 on a private COMM_SELF: it receives what rank 0 sends."""
-    from mpisync.progress import Poller
+    from mpisync.protocol.spec import Model, Options, build_spec
     from mpisync.ps.shard import ShardServer
-    from mpisync.spec import Model, Options, build_spec
+    from mpisync.runtime.progress import Poller
 
     net = torch.nn.Linear(3, 2)
     spec, _ = build_spec(torch.optim.SGD(net.parameters(), lr=0.1),
@@ -409,8 +411,8 @@ def test_a_ps_rank_refuses_a_bucket_larger_than_the_bucket():
 
 
 def test_a_ps_rank_refuses_a_set_up_from_another_mpisync():
-    from mpisync.progress import Poller
     from mpisync.ps.loop import _setup
+    from mpisync.runtime.progress import Poller
 
     class Rank:
         label = "ps 0 (rank 1 on here)"

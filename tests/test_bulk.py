@@ -1,4 +1,4 @@
-"""One process: the bulk reads of version counters and gradients (mpisync/bulk.py) give
+"""One process: the bulk reads of version counters and gradients (mpisync/native/bulk.py) give
 what torch's own accessors give, compiled or in Python, whatever the user did to the
 tensors; and a machine without a C++ compiler falls back with a warning."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 from mpi_helpers import assert_init_refuses_switch
 
-from mpisync import bulk
-from mpisync.tracking import TrackedParameter, WriteTracker
+from mpisync.native import bulk
+from mpisync.worker.tracking import TrackedParameter, WriteTracker
 
 needs_compiled = pytest.mark.skipif(not bulk.available(),
                                     reason="no C++ compiler or torch headers here")
@@ -164,7 +164,7 @@ def test_write_tracker_names_the_written_parameters(way):
 
 
 BUILD_IN_A_FRESH_PROCESS = (
-    "import torch\nfrom mpisync import bulk\n"
+    "import torch\nfrom mpisync.native import bulk\n"
     "print(bulk.available())\n"
     "p = torch.nn.Parameter(torch.zeros(2)); v = torch.zeros(2); p.grad = v\n"
     "print(bulk.Grads([p], [v], True).in_place(), bulk.Versions([p.detach()]).read()[0].tolist())\n")

@@ -15,6 +15,7 @@ process, and the job proves that every worker refuses it and goes on.
 """
 from __future__ import annotations
 
+import pickletools
 import re
 import shutil
 import sys
@@ -30,8 +31,10 @@ from checkpoint_errors import BAD_KINDS, bad_files
 from resume import KILL_AT, STEPS, WORKERS, Net, batch
 
 import mpisync
-from mpisync import checkpoint, partition, reshard
-from mpisync.tables import TableSpec
+from mpisync import checkpoint
+from mpisync.protocol import partition
+from mpisync.protocol.tables import TableSpec
+from mpisync.tables import reshard
 
 assert rs.WORKERS == WORKERS                   # the reshard cases share the jobs' layouts
 
@@ -237,6 +240,51 @@ def test_an_interrupted_write_leaves_the_previous_checkpoint(at_one_ps):
     assert sorted(p.name for p in d.iterdir()) == ["ckpt-000000002.pt"]
     assert zipfile.is_zipfile(d / "ckpt-000000002.pt")
     assert mpisync.latest(d) == str(d / "ckpt-000000002.pt")
+
+
+def _globals_named(path) -> set[str]:
+    """The ``module.name`` of every class or function the file's pickle names."""
+    with zipfile.ZipFile(path) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+    named, strings = set(), []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "GLOBAL":
+            named.add(arg.replace(" ", "."))
+        elif op.name == "STACK_GLOBAL":
+            named.add(".".join(strings[-2:]))
+        elif isinstance(arg, str):
+            strings.append(arg)
+    return named
+
+
+def test_a_file_names_no_class_of_mpisync_so_moved_modules_change_no_file(tmp_path,
+                                                                          monkeypatch):
+    """A checkpoint holds torch's and Python's types only (the reader is
+    ``torch.load(weights_only=True)``, which refuses any other class): no file names an
+    mpisync module, so moving a module to another folder changes nothing a saved file
+    needs. A file that named one, here ``TableSpec`` under its module of before
+    (``mpisync.tables``), was refused then and is refused now, with the reason."""
+    good = tmp_path / "good.pt"
+    with open(good, "wb") as f:
+        checkpoint._Writer(f).finish({"format": checkpoint.FORMAT, "version": 1,
+                                      "weight": torch.ones(2, 3), "dtype": torch.float16})
+    assert not {g for g in _globals_named(good) if g.startswith("mpisync")}
+    assert torch.equal(torch.load(good, weights_only=True)["weight"], torch.ones(2, 3))
+
+    class TableSpec:                       # where the old layout defined it
+        pass
+
+    TableSpec.__module__, TableSpec.__qualname__ = "mpisync.tables", "TableSpec"
+    import mpisync.tables
+    monkeypatch.setattr(mpisync.tables, "TableSpec", TableSpec, raising=False)
+    old = tmp_path / "old.pt"
+    with open(old, "wb") as f:
+        checkpoint._Writer(f).finish({"format": checkpoint.FORMAT, "version": 1,
+                                      "spec": TableSpec})
+    monkeypatch.undo()
+    assert "mpisync.tables.TableSpec" in _globals_named(old)
+    with pytest.raises(ValueError, match=r"not a readable checkpoint \(UnpicklingError"):
+        checkpoint._read(str(old))
 
 
 def test_latest_passes_over_a_cut_file(tmp_path):

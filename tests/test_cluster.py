@@ -10,7 +10,8 @@ import pytest
 import torch
 from mpi_helpers import _launcher, run_mpi
 
-from mpisync.nodes import (
+from mpisync.ps_ranks import RankLayout
+from mpisync.runtime.nodes import (
     check_host_map,
     decode_host_map,
     encode_host_map,
@@ -20,8 +21,7 @@ from mpisync.nodes import (
     parse_hosts,
     rank_nodes,
 )
-from mpisync.progress import SPIN_DEDICATED, SPIN_SHARED
-from mpisync.ps_ranks import RankLayout
+from mpisync.runtime.progress import SPIN_DEDICATED, SPIN_SHARED
 
 # --- a rank's node -----------------------------------------------------------------------
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mpisync.progress import Poller
+from mpisync.protocol.spec import Model, Options, build_spec
+from mpisync.protocol.wire import FLAG_SCHEDULED, NOTICE_WORDS, Control, Kind, Tag
 from mpisync.ps.coordinator import Coordinator
-from mpisync.spec import Model, Options, build_spec
-from mpisync.wire import FLAG_SCHEDULED, NOTICE_WORDS, Control, Kind, Tag
+from mpisync.runtime.progress import Poller
 
 
 class _Request:

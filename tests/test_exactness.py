@@ -6,7 +6,7 @@ the hyper-parameters each ps applied at the last step (values and types) and the
 workers' param groups. The same job then runs every case again with ``dense="allreduce"``
 (dense parameters averaged among the workers and updated there, the partitioned ones
 still on the ps ranks), and last the cases that reach every part of the staging code
-(``mpisync.devices``: how a GPU worker's parameters travel) with the CPU parameters
+(``mpisync.worker.devices``: how a GPU worker's parameters travel) with the CPU parameters
 staged through host copies. A second job runs the partitioned cases on 3 ps ranks.
 """
 from __future__ import annotations

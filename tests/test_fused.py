@@ -182,8 +182,8 @@ def test_whole_tensor_and_unknown_optimizers_step_once_over_everything():
 def test_compiled_dense_reduce_is_torchs_reduce_bitwise(dtype):
     """The ps's one-pass reduce (``kernels.dense_mean``) gives the accumulator's mean or sum
     bit for bit, subnormals, overflow and NaN included, and says whether it is finite."""
-    from mpisync import kernels
     from mpisync.accumulate import ShardAccumulator
+    from mpisync.native import kernels
     if not kernels.available(torch.zeros(1, dtype=dtype)):
         pytest.skip("no C compiler: the ps reduces with torch")
     info = torch.finfo(dtype)
@@ -245,7 +245,7 @@ COMPILED_CASES = [
 
 def _exact(cls):
     """The ps's check of ``cls``'s compiled step against torch's."""
-    from mpisync import kernels
+    from mpisync.native import kernels
     return {SGD: kernels.sgd_exact, ADAGRAD: kernels.adagrad_exact,
             RMSPROP: kernels.rmsprop_exact}.get(cls, kernels.adam_exact)
 
@@ -271,7 +271,7 @@ def test_compiled_step_in_the_reduce_is_torchs_step_bitwise(dtype, cls, kw, fuse
     ``dense_rmsprop``): the parameters and the optimizer's state are torch's per-parameter
     step after the mean of two workers' gradients, bit for bit, with a scheduler, two
     groups and parameters that miss steps; the settings it does not fuse step as before."""
-    from mpisync import kernels
+    from mpisync.native import kernels
     if not kernels.available(torch.zeros(1, dtype=dtype)):
         pytest.skip("no C compiler: the ps reduces and steps with torch")
     applier, opt, params, _, ref, ref_opt = build(cls, kw, [dtype] * len(SIZES))
@@ -322,7 +322,7 @@ def test_compiled_step_leaves_to_torch_a_step_count_foreach_refuses(cls):
     count that is not a float32 or float64 tensor (an int one, from a state saved
     elsewhere): the ps keeps to torch's step, which raises as torch does; the single-tensor
     step takes any count."""
-    from mpisync import kernels
+    from mpisync.native import kernels
     for foreach in (True, None):
         applier, opt, params, grads, ref, ref_opt = build(
             cls, {"lr": 0.01, "foreach": foreach}, [torch.float32] * len(SIZES))
@@ -395,7 +395,7 @@ def test_compiled_sgd_keeps_the_means_only_where_one_is_not_finite():
     """SGD's compiled step does not write the bucket's means (nothing reads them after the
     step; its parameters are torch's step bitwise: the test above); where one is NaN or Inf
     it writes them all, for the error that names the parameters, and says so."""
-    from mpisync import kernels
+    from mpisync.native import kernels
     if not kernels.available(torch.zeros(1)):
         pytest.skip("no C compiler: the ps reduces and steps with torch")
     applier, _, params, *_ = build(torch.optim.SGD, {"lr": 0.1}, [torch.float32] * len(SIZES))
@@ -419,7 +419,7 @@ def test_compiled_sgd_is_torchs_step_where_torch_rounds_otherwise():
     """On torch's plain C++ kernels (``ATEN_CPU_CAPABILITY=default``, as on a processor
     without AVX2) ``add_(x, alpha=a)`` rounds twice: the ps's check must see that (its
     probe's products are the size of what they are added to) and the steps stay torch's."""
-    from mpisync import kernels
+    from mpisync.native import kernels
     if os.environ.get("ATEN_CPU_CAPABILITY") or not kernels.available(torch.zeros(1)):
         pytest.skip("already on one capability, or no C compiler")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -433,7 +433,7 @@ def test_compiled_sgd_is_torchs_step_where_torch_rounds_otherwise():
 def test_compiled_sgd_leaves_to_torch_what_torch_converts_otherwise():
     """Hyper-parameters torch refuses for float32 (beyond its range) or rounds once where
     ctypes would round twice (ints beyond 2**53): the ps keeps to torch's step."""
-    from mpisync import kernels
+    from mpisync.native import kernels
     group = {"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0,
              "nesterov": False, "maximize": False}
     assert kernels.sgd_settings(group, torch.float32) is not None
@@ -449,7 +449,7 @@ def test_compiled_rmsprop_leaves_to_torch_what_it_does_not_do():
     """RMSprop's settings: refused where the kernel does not do what the group asks, where
     a hyper-parameter is not a plain number, is an int beyond 2**53 or lies beyond
     float32's range; taken otherwise, ints and infinities included."""
-    from mpisync import kernels
+    from mpisync.native import kernels
     group = torch.optim.RMSprop([torch.zeros(1)], lr=0.01, momentum=0.9).param_groups[0]
     assert kernels.rmsprop_settings(group, torch.float32) is not None
     for key, value in (("maximize", True), ("capturable", True), ("differentiable", True),

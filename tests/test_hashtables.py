@@ -137,7 +137,7 @@ def test_a_lookup_over_capacity_is_refused_before_anything_is_sent():
     """The worker's check (CapacityError; the whole job's end: the last test here), with
     the table of the loading job: one shard per ps rank, 2 ps ranks, capacity 4."""
     # (imported here, after mpisync's other modules: see test_tables.py)
-    from mpisync import spec as specs
+    from mpisync.protocol import spec as specs
     model = torch.nn.ModuleDict({"emb": mpisync.HashEmbedding(3, capacity_per_shard=4)})
     spec, _ = specs.build_spec(torch.optim.SGD(model.parameters(), lr=0.1),
                                specs.Model(tuple(model.named_parameters())), specs.Options(),

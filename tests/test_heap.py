@@ -1,4 +1,4 @@
-"""The ps ranks' heap (mpisync.heap): large blocks served from the heap and kept there."""
+"""The ps ranks' heap (mpisync.ps.heap): large blocks served from the heap and kept there."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ from mpi_helpers import assert_init_refuses_switch
 # the heap's top, and arena, where they were).
 PROBE = r"""
 import ctypes, json, os, torch
-from mpisync import heap
+from mpisync.ps import heap
 
 def resident():
     with open("/proc/self/statm") as f:
@@ -73,7 +73,7 @@ def test_keep_heap_off_leaves_glibcs_defaults(glibc):
 
 
 def test_keep_heap_refuses_a_malformed_switch(glibc):
-    run = subprocess.run([sys.executable, "-c", "from mpisync import heap; heap.keep()"],
+    run = subprocess.run([sys.executable, "-c", "from mpisync.ps import heap; heap.keep()"],
                          capture_output=True, text=True, timeout=120, check=False,
                          env=dict(os.environ, MPISYNC_KEEP_HEAP="yes"))
     assert run.returncode != 0

@@ -21,9 +21,10 @@ import torch
 from mpi_helpers import SCRIPTS, assert_every_rank_says, failing, labels, run_mpi
 
 import mpisync
-from mpisync import collectives, updates
 from mpisync.data import WorkerSampler
 from mpisync.errors import ConfigError
+from mpisync.protocol import updates
+from mpisync.runtime import collectives
 
 sys.path.insert(0, str(SCRIPTS))
 import helpers as script
@@ -373,8 +374,8 @@ def test_a_stale_question_of_the_coordinator_is_not_taken_for_an_answer():
     it already reads the question later, while it waits for an answer: it skips it."""
     from types import SimpleNamespace
 
-    from mpisync.channels import DenseChannel
-    from mpisync.wire import Tag
+    from mpisync.protocol.wire import Tag
+    from mpisync.worker.channels import DenseChannel
 
     queue = [("still?", 3, 1), ("still?", 4, 2), {"global_step": 5}]
     poller = SimpleNamespace(wait_message=lambda source, tag, what: queue.pop(0))

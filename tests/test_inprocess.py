@@ -12,14 +12,14 @@ import torch
 from mpi4py import MPI
 
 import mpisync
-from mpisync.channels import DenseChannel, ReplicatedChannel
 from mpisync.errors import PeerError, StallError
-from mpisync.progress import SPIN_DEDICATED, SPIN_SHARED, Poller, spin_seconds
+from mpisync.protocol.layouts import layouts_of
+from mpisync.protocol.spec import Model, Options, build_spec
+from mpisync.protocol.wire import Kind, Tag
 from mpisync.ps.loop import Job
-from mpisync.ps.shard import layouts_of
 from mpisync.ps_ranks import RankLayout
-from mpisync.spec import Model, Options, build_spec
-from mpisync.wire import Kind, Tag
+from mpisync.runtime.progress import SPIN_DEDICATED, SPIN_SHARED, Poller, spin_seconds
+from mpisync.worker.channels import DenseChannel, ReplicatedChannel
 
 
 # -- init and the rank layout -------------------------------------------------------------
@@ -57,7 +57,7 @@ def test_one_ps_per_node_first():
 
 # -- the guarded communicator -------------------------------------------------------------
 def test_guarded_collectives_meet_first_and_so_do_communicators_made_from_them():
-    from mpisync.guard import GuardedComm
+    from mpisync.runtime.guard import GuardedComm
 
     asked = []
     meet = MPI.COMM_SELF.Dup()
@@ -220,8 +220,8 @@ class _Noted(torch.nn.Parameter):
 
 
 def test_gradients_are_read_past_torch_function_only_where_no_parameter_has_one():
-    from mpisync.channels import _plain
-    from mpisync.tracking import TrackedParameter
+    from mpisync.worker.channels import _plain
+    from mpisync.worker.tracking import TrackedParameter
     plain = [torch.nn.Parameter(torch.zeros(2)), torch.zeros(2),
              TrackedParameter(torch.zeros(2))]
     assert _plain(plain)

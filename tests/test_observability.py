@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from mpi_helpers import SCRIPTS, run_mpi
 
-from mpisync import timeline
+from mpisync.observe import timeline
+from mpisync.observe.watch import Progress
+from mpisync.protocol.wire import Kind
 from mpisync.ps.steplog import StepLog, log_path
 from mpisync.stats import read, render, summarize
-from mpisync.watch import Progress
-from mpisync.wire import Kind
 
 sys.path.insert(0, str(SCRIPTS))
 from training_cases import case

@@ -1,4 +1,5 @@
-"""One-process tests for mpisync.partition: TF's partitioners, shard layout, id maps, resolve.
+"""One-process tests for mpisync.protocol.partition: TF's partitioners, shard layout, id maps,
+resolve.
 
 Expected values are computed here from the documented formulas, written independently of
 the code under test: TF's partitioners in TF's own float arithmetic, the "div" map as a
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # lets a bare `pytest` find the package without installing it
     sys.path.insert(0, str(ROOT))
 
-partition = importlib.import_module("mpisync.partition")
+partition = importlib.import_module("mpisync.protocol.partition")
 fixed_size = partition.fixed_size
 min_max = partition.min_max
 axis_size = partition.axis_size

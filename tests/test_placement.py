@@ -452,7 +452,7 @@ def test_plan_is_the_same_across_processes_and_hash_seeds() -> None:
 def _partitioned_spec(num_ps: int, partitioner):
     import torch
 
-    from mpisync.spec import Model, Options, build_spec
+    from mpisync.protocol.spec import Model, Options, build_spec
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Linear(300, 7))
@@ -586,7 +586,7 @@ def _colocated_spec(colocate, **options):
     import torch
 
     import mpisync
-    from mpisync.spec import Model, Options, build_spec
+    from mpisync.protocol.spec import Model, Options, build_spec
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.BatchNorm1d(30),
@@ -678,7 +678,7 @@ def test_allreduce_parameters_have_no_ps_to_share():
 
 
 def test_the_set_up_agreement_compares_the_groups():
-    from mpisync.spec import setup_summary
+    from mpisync.protocol.spec import setup_summary
 
     a = setup_summary(*_colocated_spec([["0.bias", "1.bias"]]))
     b = setup_summary(*_colocated_spec([["1.bias", "0.bias"]]))
@@ -694,7 +694,7 @@ def test_a_scalar_stays_whole_under_a_partitioner_for_every_parameter():
     import torch
 
     import mpisync
-    from mpisync.spec import Model, Options, build_spec
+    from mpisync.protocol.spec import Model, Options, build_spec
 
     model = torch.nn.Module()
     model.weight = torch.nn.Parameter(torch.zeros(6, 2))
@@ -747,9 +747,9 @@ def test_shards_cover_the_rows_once_and_every_unit_has_one_owner(case):
     one ps, and the bytes of the plan and of each ps's fused buffer add up."""
     import torch
 
-    from mpisync.ps.shard import layouts_of
-    from mpisync.spec import Model, Options, build_spec
-    from mpisync.wire import ALIGN
+    from mpisync.protocol.layouts import layouts_of
+    from mpisync.protocol.spec import Model, Options, build_spec
+    from mpisync.protocol.wire import ALIGN
 
     params, partitioner, num_ps, strategy = case
     if isinstance(partitioner, dict) and any(

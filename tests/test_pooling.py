@@ -1,7 +1,7 @@
 """EmbeddingBag as torch takes it, bags pooled where the rows live, several tables at once.
 
-One-process tests check the bags (``mpisync.bags``) and the pooled messages
-(``mpisync.pooled``: what a ps answers and what it makes of a push) against
+One-process tests check the bags (``mpisync.protocol.bags``) and the pooled messages
+(``mpisync.protocol.pooled``: what a ps answers and what it makes of a push) against
 ``nn.EmbeddingBag(sparse=True)``, and every bad bag's message. One MPI job (2 workers, 2
 ps ranks) runs every case of tests/scripts/pooling.py: the rows path and the pooled path
 trained side by side, the collection beside separate tables, and the bytes of a step. A
@@ -19,9 +19,9 @@ import torch
 from mpi_helpers import SCRIPTS, Run, assert_every_rank_says, failing, labels, run_mpi
 
 import mpisync
-from mpisync import partition
-from mpisync.bags import bags_of, pooling_pays
-from mpisync.pooled import EXCHANGE, POOLED, Part, answer, pack_parts, row_grads
+from mpisync.protocol import partition
+from mpisync.protocol.bags import bags_of, pooling_pays
+from mpisync.protocol.pooled import EXCHANGE, POOLED, Part, answer, pack_parts, row_grads
 
 sys.path.insert(0, str(SCRIPTS))
 import pooling as script

@@ -1,4 +1,4 @@
-"""One-process tests for mpisync.rebuild: optimizer recipes, partial builds, refusals."""
+"""One-process tests for mpisync.protocol.rebuild: optimizer recipes, partial builds, refusals."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mpisync.errors import ConfigError
-from mpisync.rebuild import TORCH_BOOKKEEPING, OptimizerRecipe, recipe_of
+from mpisync.protocol.rebuild import TORCH_BOOKKEEPING, OptimizerRecipe, recipe_of
 
 STEPS = 4
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpisync.wire import pack_rows
+from mpisync.protocol.wire import pack_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -21,11 +21,7 @@ from mpi4py import MPI
 
 # the public names first: they import the modules in an order without cycles
 from mpisync import ClosedError, ConfigError, ModelMismatchError, SyncReplicasOptimizer
-from mpisync.allreduce import backend_problem
-from mpisync.progress import Poller
-from mpisync.ps.loop import _Serving, _setup
-from mpisync.ps_ranks import RankLayout
-from mpisync.spec import (
+from mpisync.protocol.spec import (
     Model,
     Options,
     build_spec,
@@ -36,6 +32,10 @@ from mpisync.spec import (
     setup_summary,
     versions,
 )
+from mpisync.ps.loop import _Serving, _setup
+from mpisync.ps_ranks import RankLayout
+from mpisync.runtime.progress import Poller
+from mpisync.worker.allreduce import backend_problem
 
 HOROVOD = importlib.util.find_spec("horovod") is not None
 WORKER = "worker 0 (rank 0 on here)"

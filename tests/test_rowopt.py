@@ -4,7 +4,7 @@
 coalesce it replaces); ``apply_rows`` against torch's own step on the coalesced sparse
 gradient (SGD, Adagrad, SparseAdam: several steps, a changing learning rate);
 ``RowWiseAdagrad`` against a loop written from its formula, dense against sparse, and
-its row path against its own step. The compiled kernels (``mpisync.kernels``) and the
+its row path against its own step. The compiled kernels (``mpisync.native.kernels``) and the
 torch code they stand in for are each checked where they differ (``kernels`` on and off).
 """
 from __future__ import annotations
@@ -20,9 +20,10 @@ import pytest
 import torch
 
 import mpisync
-from mpisync import kernels, pooled
 from mpisync.accumulate import reduce_rows
-from mpisync.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
+from mpisync.native import kernels
+from mpisync.protocol import pooled
+from mpisync.tables.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
 
 
 @pytest.fixture(params=["kernels", "torch"])
@@ -299,7 +300,7 @@ def test_rowwise_adagrad_state_dict_loads_into_a_new_one():
 
 def test_rowwise_adagrad_state_passes_the_state_check_of_a_restore():
     """A row-wise ``sum`` of shape (rows,) is the state of a 2-D parameter, not a mismatch."""
-    from mpisync.state import check_state
+    from mpisync.protocol.state import check_state
     w, b = torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(5))
     opt = mpisync.RowWiseAdagrad([w, b], lr=0.1)
     w.grad, b.grad = torch.randn(5, 3), torch.randn(5)
@@ -313,8 +314,8 @@ def test_rowwise_adagrad_state_passes_the_state_check_of_a_restore():
 
 # whether the kernels load, then a merge of two pieces, in a process of its own
 MERGE_IN_A_FRESH_PROCESS = (
-    "import torch\nfrom mpisync import kernels\n"
-    "from mpisync.rowopt import RowScratch, merge_rows\n"
+    "import torch\nfrom mpisync.native import kernels\n"
+    "from mpisync.tables.rowopt import RowScratch, merge_rows\n"
     "print(kernels.available(torch.zeros(1)))\n"
     "p = [(torch.tensor([0, 2]), torch.ones(2, 3)), (torch.tensor([2]), torch.ones(1, 3))]\n"
     "ids, rows = merge_rows(p, 4, 2, 'mean', RowScratch())\n"
@@ -554,7 +555,7 @@ def test_a_strided_rowwise_table_is_stepped_by_the_torch_code_bitwise_the_kernel
 # -- the workers' split of ids by shard ------------------------------------------------------
 @needs_kernels
 def test_ids_split_by_shard_as_map_ids_and_a_stable_sort_do():
-    from mpisync import partition
+    from mpisync.protocol import partition
     g = torch.Generator().manual_seed(8)
     for rows in (1, 2, 3, 7, 10, 100, 1001):
         for n in range(1, min(rows, 9) + 1):

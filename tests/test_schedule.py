@@ -1,4 +1,4 @@
-"""Tests for mpisync.schedule: torch's schedulers kept at the global step (one process)."""
+"""Tests for mpisync.worker.schedule: torch's schedulers kept at the global step (one process)."""
 from __future__ import annotations
 
 import copy
@@ -12,7 +12,7 @@ import torch
 from torch.optim import lr_scheduler as lrs
 from torch.optim.swa_utils import SWALR
 
-from mpisync.schedule import MODES, Schedules, install_hooks
+from mpisync.worker.schedule import MODES, Schedules, install_hooks
 
 install_hooks()
 

@@ -8,7 +8,7 @@ import torch
 
 from mpisync.accumulate import REDUCTIONS
 from mpisync.errors import ConfigError, ModelMismatchError
-from mpisync.spec import (
+from mpisync.protocol.spec import (
     SPEC_VERSION,
     Model,
     Options,
@@ -215,7 +215,7 @@ def test_an_optimizer_of_whole_tensors_refuses_shards(cls):
 
 
 def test_a_sparse_embedding_tied_to_a_linear_layer_is_still_found():
-    from mpisync.tables import sparse_modules
+    from mpisync.protocol.tables import sparse_modules
 
     emb = torch.nn.Embedding(10, 4, sparse=True)
     out = torch.nn.Linear(4, 10)
@@ -226,7 +226,7 @@ def test_a_sparse_embedding_tied_to_a_linear_layer_is_still_found():
 
 
 def test_workers_that_run_another_mpisync_are_named_at_set_up():
-    from mpisync.spec import versions
+    from mpisync.protocol.spec import versions
 
     spec, routes = spec_of()
     mine = setup_summary(spec, routes)

@@ -17,7 +17,7 @@ import pytest
 from mpi_helpers import SCRIPTS, mpi_flavor
 
 from mpisync.launch import run_job
-from mpisync.survival import LOST_WORKERS_EXIT
+from mpisync.runtime.survival import LOST_WORKERS_EXIT
 
 # also run under Open MPI (make test-openmpi)
 pytestmark = pytest.mark.openmpi

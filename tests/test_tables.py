@@ -172,8 +172,8 @@ def test_bad_ids_are_refused_before_anything_is_sent(case, error, message):
 def _agreed_set_up(models, partitioner=None):
     """What every worker raises when the workers' models are ``models``: each builds the
     spec, and the first failure of any is theirs (as SyncReplicasOptimizer's set-up)."""
-    # (imported here: mpisync.spec imported before the rest of mpisync is circular)
-    from mpisync import spec as specs
+    # (imported here: mpisync.protocol.spec imported before the rest of mpisync is circular)
+    from mpisync.protocol import spec as specs
     gathered = []
     for model in models:
         named = specs.Model(tuple(model.named_parameters()))

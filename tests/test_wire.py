@@ -7,16 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from mpisync.hyper import HyperCodec
-from mpisync.wire import (
-    ALIGN,
-    Control,
-    GradHeader,
-    Kind,
-    Tag,
-    build_layouts,
-    tensor_view,
-)
+from mpisync.protocol.hyper import HyperCodec
+from mpisync.protocol.wire import ALIGN, Control, GradHeader, Kind, Tag, build_layouts, tensor_view
 
 
 # -- layouts ------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..wire import ShardLayout, entry_views, region_views
+from ..protocol.wire import ShardLayout, entry_views, region_views
 
 __all__ = ["MovingAverages"]
 

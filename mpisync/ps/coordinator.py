@@ -8,14 +8,12 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from .. import timeline
 from ..accumulate import Action, StepCoordinator
 from ..errors import ConfigError, DeadlockError, ProtocolError
-from ..progress import Poller
-from ..spec import JobSpec
-from ..survival import Losses, improbe
-from ..updates import problem as update_problem
-from ..wire import (
+from ..observe import timeline
+from ..protocol.spec import JobSpec
+from ..protocol.updates import problem as update_problem
+from ..protocol.wire import (
     FLAG_SCHEDULED,
     NOTICE_SKIPPED,
     NOTICE_WORDS,
@@ -26,6 +24,8 @@ from ..wire import (
     Tag,
     still_question,
 )
+from ..runtime.progress import Poller
+from ..runtime.survival import Losses, improbe
 from .steplog import StepLog
 
 __all__ = ["Coordinator"]

@@ -43,7 +43,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from .. import kernels
+from ..native import kernels
 
 __all__ = ["ELEMENTWISE", "Applier", "only_params"]
 

@@ -12,9 +12,9 @@ import inspect
 import numpy as np
 import torch
 
-from .. import hashing
 from ..errors import ProtocolError
-from ..tables import TableSpec
+from ..protocol import hashing
+from ..protocol.tables import TableSpec
 
 __all__ = ["HashRows", "fresh_state"]
 

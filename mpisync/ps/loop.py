@@ -6,12 +6,13 @@ import time
 
 from mpi4py import MPI
 
-from .. import heap, timeline
 from ..errors import ConfigError, StallError
-from ..progress import SETUP_TIMEOUT, STALL_WARNING, Pace, Poller, spin_seconds
-from ..spec import decode, versions
-from ..survival import improbe
-from ..wire import Kind, Tag
+from ..observe import timeline
+from ..protocol.spec import decode, versions
+from ..protocol.wire import Kind, Tag
+from ..runtime.progress import SETUP_TIMEOUT, STALL_WARNING, Pace, Poller, spin_seconds
+from ..runtime.survival import improbe
+from . import heap
 from .coordinator import Coordinator
 from .shard import ShardServer
 from .steplog import StepLog

@@ -8,15 +8,17 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import kernels, pooled, timeline
 from ..accumulate import reduce_rows
 from ..errors import ProtocolError
-from ..progress import Poller
-from ..rowopt import RowScratch, apply_rows, handles_rows, merge_rows
-from ..rowwise import RowWiseAdagrad
-from ..spec import JobSpec
-from ..tables import TableSpec
-from ..wire import ROWS_HEAD, Tag, pack_rows, unpack_rows
+from ..native import kernels
+from ..observe import timeline
+from ..protocol import pooled
+from ..protocol.spec import JobSpec
+from ..protocol.tables import TableSpec
+from ..protocol.wire import ROWS_HEAD, Tag, pack_rows, pad8, unpack_rows
+from ..runtime.progress import Poller
+from ..tables.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
+from ..tables.rowwise import RowWiseAdagrad
 from .hashrows import HashRows
 
 __all__ = ["RowShards", "takes_sparse"]
@@ -272,7 +274,7 @@ class RowShards:
         _, peek, parts = unpack_rows(buf, [None] * len(self.units), with_ids=True)
         counts = [len(local) for local, _ in parts]
         head = 8 * (ROWS_HEAD + len(parts))
-        sizes = [pooled.pad8(c * u.spec.row_bytes) for c, u in zip(counts, self.units)]
+        sizes = [pad8(c * u.spec.row_bytes) for c, u in zip(counts, self.units)]
         reply = np.empty(head + sum(sizes), np.uint8)
         words = reply[:head].view(np.int64)
         words[:ROWS_HEAD] = (0, 0, len(parts))
@@ -296,7 +298,7 @@ class RowShards:
         self._send(reply, rank, self.tags[Tag.ROWS])
 
     def _answer_exchange(self, buf: np.ndarray, rank: int) -> None:
-        """A lookup of several tables, rows and bags pooled here (``mpisync.pooled``)."""
+        """A lookup of several tables, rows and bags pooled here (``mpisync.protocol.pooled``)."""
         try:
             reply = pooled.answer(buf, [u.param for u in self.units], self.groups)
         except ValueError as exc:

@@ -8,14 +8,14 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import kernels, shm, timeline
 from ..accumulate import ShardAccumulator
 from ..errors import NonFiniteError, ProtocolError
-from ..progress import Poller
-from ..spec import JobSpec
-from ..survival import Losses, improbe
-from ..updates import Updates
-from ..wire import (
+from ..native import kernels
+from ..observe import timeline
+from ..protocol.layouts import buckets_of, conversions, layouts_of, wire_layouts_of
+from ..protocol.spec import JobSpec
+from ..protocol.updates import Updates
+from ..protocol.wire import (
     FLAG_ASSIGN,
     FLAG_RESEND,
     NOTICE_SKIPPED,
@@ -27,66 +27,19 @@ from ..wire import (
     Kind,
     ShardLayout,
     Tag,
-    bucket_layout,
-    build_layouts,
     entry_views,
     region_views,
     tensor_view,
     timing_view,
-    wire_buckets,
-    wire_dtypes,
 )
+from ..runtime import shm
+from ..runtime.progress import Poller
+from ..runtime.survival import Losses, improbe
 from .averages import MovingAverages
 from .fused import Applier, only_params
 from .rows import RowShards
 
-__all__ = ["ShardServer", "buckets_of", "conversions", "layouts_of", "strict_sync",
-           "wire_layouts_of"]
-
-
-def layouts_of(spec: JobSpec) -> list[ShardLayout]:
-    """Every ps rank's layout for ``spec`` (the same on every rank)."""
-    return build_layouts(list(spec.names), list(spec.shapes), list(spec.dtypes), spec.owners,
-                         spec.num_ps, spec.buffers)
-
-
-def wire_layouts_of(spec: JobSpec) -> list[ShardLayout]:
-    """Every ps rank's layout on the wire: ``layouts_of`` unless ``spec.wire_dtype``."""
-    if spec.wire_dtype is None:
-        return layouts_of(spec)
-    return build_layouts(list(spec.names), list(spec.shapes),
-                         wire_dtypes(spec.dtypes, spec.wire_dtype), spec.owners, spec.num_ps,
-                         spec.buffers)
-
-
-def buckets_of(spec: JobSpec, layout: ShardLayout, wire: ShardLayout
-               ) -> tuple[tuple[Bucket, ...], tuple[Bucket, ...]]:
-    """One ps rank's buckets in memory and on the wire (the same on every rank)."""
-    buckets = bucket_layout(layout, spec.bucket_bytes)
-    return buckets, buckets if wire == layout else wire_buckets(buckets, wire)
-
-
-def conversions(buckets, wbuckets, mem: torch.Tensor, wire: torch.Tensor, layout: ShardLayout,
-                wire_layout: ShardLayout, to_wire: bool, push: bool = False
-                ) -> list[list[tuple]]:
-    """Per bucket, the (destination, source) views that carry it between the memory layout
-    (``mem``: the bytes of its data region) and the wire's (``wire``), in the direction
-    ``to_wire`` says; no pairs when the two are one buffer. (A worker writes the module
-    buffers straight into what it pushes: no pairs for them towards the wire there.)"""
-    if mem.data_ptr() == wire.data_ptr():
-        return [[] for _ in buckets]
-    out = []
-    for b, w in zip(buckets, wbuckets):
-        if b.buffers and to_wire and push:
-            pairs = []
-        elif b.buffers:
-            pairs = list(zip(region_views(wire, 0, wire_layout.buffer_regions),
-                             region_views(mem, 0, layout.buffer_regions)))
-        else:
-            pairs = [(tensor_view(wire, 0, w.dtype, w.offset, w.nbytes),
-                      tensor_view(mem, 0, b.dtype, b.offset, b.nbytes))]
-        out.append(pairs if to_wire else [(m, w) for w, m in pairs])
-    return out
+__all__ = ["ShardServer", "strict_sync"]
 
 
 def strict_sync(spec: JobSpec) -> bool:

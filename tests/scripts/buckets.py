@@ -23,7 +23,7 @@ from common import emit, run
 from training_cases import environment
 
 import mpisync
-from mpisync.wire import Kind
+from mpisync.protocol.wire import Kind
 
 BATCH, STEPS, BUCKET_BYTES = 8, 10, 64
 CASES = {

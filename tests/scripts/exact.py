@@ -15,7 +15,7 @@ from common import emit, run
 from training_cases import environment
 
 import mpisync
-from mpisync.wire import Kind
+from mpisync.protocol.wire import Kind
 
 
 def train(cluster, name: str, extra: dict) -> dict:

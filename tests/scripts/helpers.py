@@ -19,7 +19,7 @@ from common import emit
 from mpi4py import MPI
 
 import mpisync
-from mpisync.collectives import OPS
+from mpisync.runtime.collectives import OPS
 
 W, B, STEPS = 3, 4, 6
 DECAY = 0.5

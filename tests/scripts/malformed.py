@@ -9,7 +9,7 @@ from common import dataset, make_optimizer, model, run
 from mpi4py import MPI
 
 import mpisync
-from mpisync.wire import Tag
+from mpisync.protocol.wire import Tag
 
 
 def worker(cluster):

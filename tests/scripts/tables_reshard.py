@@ -22,7 +22,7 @@ import torch
 from common import emit, run
 
 import mpisync
-from mpisync import partition
+from mpisync.protocol import partition
 
 ROWS, DIM, FIELDS, FEATURES, CLASSES = 24, 4, 2, 3, 3
 WORKERS, BATCH, K, M = 2, 8, 3, 3

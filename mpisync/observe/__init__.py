@@ -1,0 +1,1 @@
+"""What a job shows of itself: the progress display and the timeline."""

@@ -1,0 +1,212 @@
+"""The job's timeline (``MPISYNC_TIMELINE=path.json``): a Chrome trace, one track per rank.
+
+Each rank that takes part (a worker once it creates an optimizer, a ps rank once it
+serves) appends its events to ``path.rank<r>``: a Chrome trace of its own in the JSON
+array format, flushed every second (or every 512 events), so memory stays bounded and a
+crash leaves a readable file (it only lacks the closing ``]``, which the format allows and
+``merge`` adds). At exit each rank closes its file; the last one to do so merges every
+rank's file into ``path`` (``{"traceEvents": [...]}``, plain JSON) and removes them. Open
+it in https://ui.perfetto.dev or chrome://tracing. After a crash, ``python -m
+mpisync.stats --timeline path.json`` merges whatever the ranks left.
+
+``MPISYNC_TIMELINE_MAX_MB`` caps each rank's file (default: no cap): a rank that reaches
+it records a last event, ``timeline full``, closes its file and stops recording.
+
+The hot path looks at the module attribute ``current`` (None when off) and nothing else.
+Times come from ``time.perf_counter()`` and are written as wall-clock microseconds, so
+ranks on several hosts line up as well as the hosts' clocks agree.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+
+from .. import environ
+
+__all__ = ["Timeline", "current", "merge", "rank_path", "start"]
+
+#: The recorder of this process, or None: what the hot path checks.
+current: Timeline | None = None
+
+FLUSH_EVENTS = 512
+FLUSH_SECONDS = 1.0
+MAX_BYTES = int(environ.number("MPISYNC_TIMELINE_MAX_MB", 0, inclusive=True,
+                               what="MiB (0: no limit)") * (1 << 20))
+
+_SPAN = (',{"name":"%s","ph":"X","pid":%d,"tid":%d,"ts":%.1f,"dur":%.1f,'
+         '"args":{"step":%d}}\n')
+_INSTANT = ',{"name":"%s","ph":"i","s":"t","pid":%d,"tid":%d,"ts":%.1f,"args":%s}\n'
+
+
+def rank_path(path: str, rank: int) -> str:
+    """Where rank ``rank`` writes its events while the job runs."""
+    return f"{path}.rank{rank}"
+
+
+class Timeline:
+    """One rank's events, appended to its own file.
+
+    Args:
+        path: the merged trace's path; this rank writes ``rank_path(path, rank)``.
+        rank: the track (Chrome's ``pid``); ``size``: how many ranks write one.
+        label: the track's name, e.g. ``worker 1 (rank 1 on n1)``.
+    """
+
+    def __init__(self, path: str, rank: int, size: int, label: str,
+                 thread: str = "steps"):
+        self.path, self.rank, self.size = path, rank, size
+        self.file_path = rank_path(path, rank)
+        self._file = open(self.file_path, "w", encoding="utf-8")  # noqa: SIM115 (until close())
+        self._lines: list[str] = []
+        self._offset = time.time() - time.perf_counter()     # perf_counter s -> epoch s
+        self._flushed_at = time.perf_counter()
+        self._bytes = 0
+        self.max_bytes = MAX_BYTES
+        self.closed = False
+        meta = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+                 "args": {"name": label}},
+                {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
+                 "args": {"sort_index": rank}}]
+        self._file.write("[\n" + json.dumps(meta[0]) + "\n,"
+                         + json.dumps(meta[1]) + "\n")
+        self.name_thread(0, thread)
+        self.flush()
+
+    def ts(self, t: float) -> float:
+        """Microseconds since the epoch of the ``time.perf_counter()`` reading ``t``."""
+        return (t + self._offset) * 1e6
+
+    def span(self, name: str, start: float, end: float, step: int, tid: int = 0) -> None:
+        """A complete event from ``start`` to ``end`` (``perf_counter`` seconds)."""
+        self._lines.append(_SPAN % (name, self.rank, tid, (start + self._offset) * 1e6,
+                                    (end - start) * 1e6, step))
+        if len(self._lines) >= FLUSH_EVENTS or end - self._flushed_at > FLUSH_SECONDS:
+            self.flush(end)
+
+    def instant(self, name: str, t: float, args: dict, tid: int = 0) -> None:
+        """An instant event at ``t`` with ``args`` (plain data)."""
+        self._lines.append(_INSTANT % (name, self.rank, tid, (t + self._offset) * 1e6,
+                                       json.dumps(args, separators=(",", ":"))))
+        if len(self._lines) >= FLUSH_EVENTS or t - self._flushed_at > FLUSH_SECONDS:
+            self.flush(t)
+
+    def name_thread(self, tid: int, name: str) -> None:
+        """Name the track ``tid`` of this rank (a metadata event)."""
+        self._lines.append("," + json.dumps({"name": "thread_name", "ph": "M", "pid": self.rank,
+                                             "tid": tid, "args": {"name": name}}) + "\n")
+
+    def flush(self, now: float | None = None) -> None:
+        """Write what is buffered to this rank's file (and stop at ``max_bytes``)."""
+        if self._file.closed:          # full: events of a step under way are let go
+            self._lines.clear()
+            return
+        if self._lines:
+            text = "".join(self._lines)
+            self._lines.clear()
+            self._file.write(text)
+            self._bytes += len(text)
+        self._file.flush()
+        self._flushed_at = time.perf_counter() if now is None else now
+        if self.max_bytes and self._bytes > self.max_bytes and not self.closed:
+            self._lines.append(_INSTANT % ("timeline full", self.rank, 0,
+                                           self.ts(self._flushed_at),
+                                           '{"MPISYNC_TIMELINE_MAX_MB":%g}'
+                                           % (self.max_bytes / (1 << 20))))
+            self.close()
+
+    def close(self) -> None:
+        """Close this rank's file; the last rank to close merges them all into ``path``."""
+        global current
+        if self.closed:
+            return
+        self.closed = True
+        if current is self:
+            current = None         # the hot path stops recording
+        self.flush()
+        self._file.write("]\n")
+        self._file.close()
+        if all(_complete(rank_path(self.path, r)) for r in range(self.size)):
+            try:
+                merge(self.path, self.size, remove=True)
+            except FileNotFoundError:
+                pass          # another rank finished at the same moment and merged them
+
+
+def _complete(path: str) -> bool:
+    """Whether a rank's file exists and was closed (it ends with ``]``)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() < 2:
+                return False
+            f.seek(-2, os.SEEK_END)
+            return f.read() == b"]\n"
+    except OSError:
+        return False
+
+
+def merge(path: str, size: int | None = None, remove: bool = False) -> int:
+    """Merge the ranks' files into ``path`` (Chrome's JSON object format); returns the ranks.
+
+    ``size``: the ranks to merge (default: every ``path.rank<r>`` found, from 0 up). A
+    file a crash cut short is taken up to its last complete event. With ``remove`` the
+    ranks' files are deleted once ``path`` is written.
+    """
+    if size is None:
+        size = 0
+        while os.path.exists(rank_path(path, size)):
+            size += 1
+    parts = [rank_path(path, r) for r in range(size)]
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            out.write('{"displayTimeUnit":"ms","traceEvents":[\n')
+            first = True
+            for part in parts:
+                with open(part, encoding="utf-8") as f:
+                    for line in f:
+                        event = _event_of(line)
+                        if event is None:
+                            continue
+                        out.write(event if first else "," + event)
+                        out.write("\n")
+                        first = False
+            out.write("]}\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    if remove:
+        for part in parts:
+            try:
+                os.remove(part)
+            except OSError:
+                pass
+    return size
+
+
+def _event_of(line: str) -> str | None:
+    """The event object on one line of a rank's file, or None (brackets, a cut-off line)."""
+    text = line.strip().lstrip(",")
+    if not text.startswith("{") or not text.endswith("}"):
+        return None
+    if not line.endswith("\n"):       # the last line of a file a crash cut short?
+        try:
+            json.loads(text)
+        except ValueError:
+            return None
+    return text
+
+
+def start(cluster, thread: str = "steps") -> Timeline | None:
+    """Start this rank's timeline if ``MPISYNC_TIMELINE`` is set (once per process)."""
+    global current
+    path = os.environ.get("MPISYNC_TIMELINE")
+    if current is not None or not path:
+        return current
+    current = Timeline(path, cluster.rank, cluster.size, cluster.label, thread)
+    atexit.register(current.close)
+    return current

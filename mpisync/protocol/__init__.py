@@ -1,0 +1,1 @@
+"""What both sides must agree on: the spec, the wire, layouts, routes, partitions, the rebuild."""

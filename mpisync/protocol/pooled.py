@@ -1,0 +1,314 @@
+"""Lookups of several tables in one message, and bags pooled where their rows live (no MPI).
+
+A worker's lookup to one ps rank has a part per shard held there (as a rows lookup):
+absent, a *rows* part (local ids; their rows come back) or a *pooled* part (local ids,
+the bag of each, their weights; the ps sums its rows per bag). The pooled parts of one
+table share one block in the reply: ``num_bags`` rows, the sum over that ps's shards. A
+push carries the same pooled parts after its rows message, and one block per table: the
+gradient of each bag's sum; the ps turns it into the gradient of each row on arrival.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..native import kernels
+from .wire import ROWS_HEAD, pad8
+
+__all__ = ["EXCHANGE", "POOLED", "Part", "answer", "bag_grads", "block_order", "gather_rows",
+           "pack_parts", "parts_nbytes", "reply_nbytes", "row_grads", "rows_of",
+           "rows_section_nbytes", "unpack_parts"]
+
+EXCHANGE = -2   # words[0] of a lookup in this layout (a rows lookup, ``pack_rows``, has -1)
+POOLED = -3     # words[0] of a push's pooled section, after its rows message
+HEAD, PER_PART = 3, 3     # int64 words: [mark, 0, parts], then [count, num_bags, weighted]
+
+
+@dataclass
+class Part:
+    """One shard's piece: local ids, and for a pooled part their bags and weights."""
+
+    ids: torch.Tensor
+    bag: torch.Tensor | None = None          # None: a rows part
+    weights: torch.Tensor | None = None      # None: every weight is 1
+    num_bags: int = -1
+
+    @property
+    def pooled(self) -> bool:
+        return self.bag is not None
+
+
+def parts_nbytes(parts: list[Part | None], blocks: list[torch.Tensor]) -> int:
+    """The bytes of ``pack_parts(mark, parts, blocks)``."""
+    size = 8 * (HEAD + PER_PART * len(parts))
+    for p in parts:
+        if p is not None:
+            size += 8 * len(p.ids) * (2 if p.pooled else 1)
+            if p.weights is not None:
+                size += pad8(p.weights.numel() * p.weights.element_size())
+    return size + sum(pad8(b.numel() * b.element_size()) for b in blocks)
+
+
+def pack_parts(mark: int, parts: list[Part | None], blocks: list[torch.Tensor],
+               into: np.ndarray | None = None, start: int = 0) -> np.ndarray:
+    """One message: ``[mark, 0, n]``, per part ``[count, num_bags (-1: rows), weighted]``,
+    then each part's ids, bags and weights (8-byte padded), then ``blocks`` (each padded).
+
+    ``into``: a byte buffer to write it into from ``start`` (``into[:start]`` is left as
+    it is; the result is ``into[:start + size]``); default a new one.
+    """
+    size = parts_nbytes(parts, blocks)
+    if into is None:
+        into, start = np.empty(size, np.uint8), 0
+    buf = into[start:start + size]
+    words = buf[:8 * (HEAD + PER_PART * len(parts))].view(np.int64)
+    words[:HEAD] = (mark, 0, len(parts))
+    out = torch.from_numpy(buf)
+    at = len(words) * 8
+
+    def put(t: torch.Tensor) -> None:
+        nonlocal at
+        nbytes = t.numel() * t.element_size()
+        out[at:at + nbytes].view(t.dtype).view(t.shape).copy_(t)
+        buf[at + nbytes:at + pad8(nbytes)] = 0
+        at += pad8(nbytes)
+
+    for n, p in enumerate(parts):
+        if p is None:
+            words[HEAD + PER_PART * n:HEAD + PER_PART * (n + 1)] = (0, -1, 0)
+            continue
+        words[HEAD + PER_PART * n:HEAD + PER_PART * (n + 1)] = (
+            len(p.ids), p.num_bags if p.pooled else -1, int(p.weights is not None))
+        for t in (p.ids, p.bag, p.weights):
+            if t is not None:
+                put(t.reshape(-1))
+    for b in blocks:
+        put(b)
+    return into[:start + size]
+
+
+def unpack_parts(buf: np.ndarray, dtypes: list[torch.dtype], start: int = 0
+                 ) -> tuple[int, list[Part | None], int]:
+    """The inverse of ``pack_parts`` up to the blocks: ``(mark, parts, blocks' offset)``.
+
+    ``dtypes`` gives each part's weight dtype (its table's). The parts are views into ``buf``.
+
+    Raises:
+        ValueError: the message does not have the parts or the bytes expected.
+    """
+    if buf.nbytes < start + 8 * HEAD:
+        raise ValueError(f"a lookup of {buf.nbytes - start} bytes, too short for its header")
+    head = buf[start:start + 8 * HEAD].view(np.int64)
+    mark, n = int(head[0]), int(head[2])
+    if n != len(dtypes):
+        raise ValueError(f"a lookup with {n} parts, expected {len(dtypes)}")
+    at = start + 8 * (HEAD + PER_PART * n)
+    if buf.nbytes < at:
+        raise ValueError(f"a lookup of {buf.nbytes - start} bytes, too short for {n} parts")
+    words = buf[start + 8 * HEAD:at].view(np.int64).reshape(n, PER_PART).tolist()
+    t = torch.from_numpy(buf)
+    parts: list[Part | None] = []
+    for (count, num_bags, weighted), dtype in zip(words, dtypes):
+        if count == 0:
+            parts.append(None)
+            continue
+        need = 8 * count * (2 if num_bags >= 0 else 1) + (
+            pad8(count * dtype.itemsize) if weighted else 0)
+        if count < 0 or at + need > buf.nbytes:
+            raise ValueError(f"a lookup of {buf.nbytes - start} bytes, too short for its parts")
+        ids = t[at:at + 8 * count].view(torch.int64)
+        at += 8 * count
+        bag = weights = None
+        if num_bags >= 0:
+            bag = t[at:at + 8 * count].view(torch.int64)
+            at += 8 * count
+        if weighted:
+            weights = t[at:at + count * dtype.itemsize].view(dtype)
+            at += pad8(count * dtype.itemsize)
+        parts.append(Part(ids, bag, weights, num_bags))
+    return mark, parts, at
+
+
+def block_order(parts: list[Part | None], groups: list[int]) -> list[int]:
+    """The tables (``groups[n]`` of part ``n``) with a pooled part, in their first part's order:
+    the order of their blocks."""
+    seen: list[int] = []
+    for p, g in zip(parts, groups):
+        if p is not None and p.pooled and g not in seen:
+            seen.append(g)
+    return seen
+
+
+def reply_nbytes(parts: list[Part | None], groups: list[int], row_bytes: list[int]) -> int:
+    """The bytes of the reply to a lookup of ``parts`` (``row_bytes`` per part's table)."""
+    size, blocked = 0, set()
+    for p, g, rb in zip(parts, groups, row_bytes):
+        if p is None:
+            continue
+        if not p.pooled:
+            size += pad8(len(p.ids) * rb)
+        elif g not in blocked:
+            blocked.add(g)
+            size += pad8(p.num_bags * rb)
+    return size
+
+
+def _check(p: Part, rows: int, what: str) -> None:
+    if int(p.ids.min()) < 0 or int(p.ids.max()) >= rows:
+        raise ValueError(f"{what} of rows outside its shard ({rows} rows)")
+    if p.pooled and (p.num_bags <= 0 or int(p.bag.min()) < 0
+                     or int(p.bag.max()) >= p.num_bags):
+        raise ValueError(f"{what} with bags outside [0, {p.num_bags})")
+
+
+def answer(buf: np.ndarray, params: list[torch.Tensor], groups: list[int]) -> np.ndarray:
+    """The ps's reply to a lookup: each rows part's rows, each table's pooled sums.
+
+    ``params[n]`` is the shard of part ``n`` (local rows), ``groups[n]`` its table. The
+    rows and sums are written straight into the reply: each part's rows gathered, each
+    table's block of sums added up row after row in the order of its parts and their ids
+    (``out[bag[i]] += weight[i] * row[ids[i]]``; compiled where ``mpisync.native.kernels`` is
+    available, the same additions in torch otherwise).
+
+    Raises:
+        ValueError: a malformed lookup.
+    """
+    _, parts, at = unpack_parts(buf, [p.dtype for p in params])
+    if at != buf.nbytes:
+        raise ValueError(f"a lookup of {buf.nbytes} bytes, expected {at}")
+    bags: dict[int, int] = {}
+    for p, param, g in zip(parts, params, groups):
+        if p is None:
+            continue
+        _check(p, param.shape[0], "a lookup")
+        if p.pooled and bags.setdefault(g, p.num_bags) != p.num_bags:
+            raise ValueError(f"a lookup whose parts of one table have {bags[g]} and "
+                             f"{p.num_bags} bags")
+    reply = np.empty(reply_nbytes(parts, groups, [_row_bytes(p) for p in params]), np.uint8)
+    out, at, blocks = torch.from_numpy(reply), 0, {}
+    for p, param, g in zip(parts, params, groups):
+        if p is None:
+            continue
+        rows = param.detach()
+        n = len(p.ids) if not p.pooled else p.num_bags
+        if p.pooled and g in blocks:
+            _add_bags(p, rows, blocks[g])
+            continue
+        nbytes = n * _row_bytes(param)
+        view = out[at:at + nbytes].view(param.dtype).view(n, *param.shape[1:])
+        at += pad8(nbytes)
+        if not p.pooled:
+            gather_rows(p.ids, rows, view)
+            continue
+        blocks[g] = view.zero_()
+        _add_bags(p, rows, view)
+    return reply
+
+
+def _row_bytes(param: torch.Tensor) -> int:
+    return math.prod(param.shape[1:]) * param.element_size()
+
+
+def gather_rows(ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = rows[ids[i]]`` (ids checked to lie in ``rows``)."""
+    if kernels.available(rows) and rows.is_contiguous():
+        kernels.gather(ids, rows, out)
+    else:
+        torch.index_select(rows, 0, ids, out=out)
+
+
+def _add_bags(p: Part, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[bag[i]] += weights[i] * rows[ids[i]]``, in order of ``i``."""
+    weights = None if p.weights is None else p.weights.to(rows.dtype)
+    if kernels.available(rows) and rows.is_contiguous():
+        kernels.bag_sums(p.ids, p.bag, weights, rows, out)
+        return
+    each = rows[p.ids]
+    if weights is not None:
+        each.mul_(weights.view(-1, *[1] * (each.dim() - 1)))
+    out.index_add_(0, p.bag, each)
+
+
+def rows_section_nbytes(buf: np.ndarray, kinds: list[tuple[torch.dtype, tuple[int, ...]]]
+                        ) -> int:
+    """Where a rows message (``wire.pack_rows``, ids and values) ends inside ``buf``."""
+    n = len(kinds)
+    counts = buf[8 * ROWS_HEAD:8 * (ROWS_HEAD + n)].view(np.int64).tolist()
+    size = 8 * (ROWS_HEAD + n) + 8 * sum(counts)
+    for c, (dtype, shape) in zip(counts, kinds):
+        size += pad8(c * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    return size
+
+
+def bag_grads(buf: np.ndarray, start: int, params: list[torch.Tensor], groups: list[int]
+              ) -> list[tuple[Part, torch.Tensor] | None]:
+    """A push's pooled section (from ``start``), checked: per part, the part and its
+    table's bag gradients (``num_bags`` rows), views into ``buf``; None for no pooled part.
+
+    Raises:
+        ValueError: a malformed section.
+    """
+    mark, parts, at = unpack_parts(buf, [p.dtype for p in params], start)
+    if mark != POOLED:
+        raise ValueError(f"a push's pooled section marked {mark}, expected {POOLED}")
+    grads: dict[int, torch.Tensor] = {}
+    t = torch.from_numpy(buf)
+    for g in block_order(parts, groups):
+        n = next(n for n, (p, h) in enumerate(zip(parts, groups)) if h == g and p is not None
+                 and p.pooled)
+        shape = (parts[n].num_bags, *params[n].shape[1:])
+        nbytes = int(np.prod(shape, dtype=np.int64)) * params[n].element_size()
+        if at + nbytes > buf.nbytes:
+            raise ValueError(f"a push of {buf.nbytes} bytes, too short for its pooled gradients")
+        grads[g] = t[at:at + nbytes].view(params[n].dtype).view(shape)
+        at += pad8(nbytes)
+    if at != buf.nbytes:
+        raise ValueError(f"a push of {buf.nbytes} bytes, expected {at}")
+    out: list[tuple[Part, torch.Tensor] | None] = []
+    for p, param, g in zip(parts, params, groups):
+        if p is None or not p.pooled:
+            out.append(None)
+            continue
+        _check(p, param.shape[0], "a push")
+        if grads[g].shape[0] != p.num_bags:
+            raise ValueError(f"a push whose parts of one table have {grads[g].shape[0]} and "
+                             f"{p.num_bags} bags")
+        out.append((p, grads[g]))
+    return out
+
+
+def rows_of(p: Part, grads: torch.Tensor, num_rows: int, scratch=None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pooled part's bag gradients as (sorted unique local ids, row gradients).
+
+    Each id's row gets its bag's gradient times its weight; an id met several times gets
+    the sum, added in the order the ids came (with ``scratch``, the ``rowopt.RowScratch``
+    of the shard of ``num_rows`` rows, in one compiled pass where ``mpisync.native.kernels`` is
+    available).
+    """
+    if scratch is not None and kernels.available(grads) and grads.is_contiguous() and (
+            p.weights is None or p.weights.dtype == grads.dtype):
+        return kernels.bag_rows(p.ids, p.bag, p.weights, grads, scratch.slots(num_rows))
+    each = grads[p.bag]
+    if p.weights is not None:
+        each.mul_(p.weights.view(-1, *[1] * (each.dim() - 1)))
+    ids, inverse = torch.unique(p.ids, sorted=True, return_inverse=True)
+    summed = torch.zeros(len(ids), *grads.shape[1:], dtype=grads.dtype)
+    return ids, summed.index_add_(0, inverse, each)
+
+
+def row_grads(buf: np.ndarray, start: int, params: list[torch.Tensor], groups: list[int],
+              scratches: list | None = None
+              ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """A push's pooled section (from ``start``): per part, (unique local ids, row gradients)
+    (``bag_grads`` then ``rows_of``; ``scratches``: each part's ``rowopt.RowScratch``).
+
+    Raises:
+        ValueError: a malformed section.
+    """
+    return [None if got is None else
+            rows_of(*got, params[n].shape[0], None if scratches is None else scratches[n])
+            for n, got in enumerate(bag_grads(buf, start, params, groups))]

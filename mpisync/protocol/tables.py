@@ -1,0 +1,177 @@
+"""What both sides know of a table: its spec, what a module says of it, the sparse modules.
+
+``TableSpec`` is a table as the spec carries it to the ps ranks; ``TableInfo`` and
+``HashTableInfo`` are what an ``mpisync.Embedding`` or ``mpisync.HashEmbedding`` knows of
+its table before and after set-up (``table_info`` finds it behind a stand-in parameter);
+``sparse_modules`` finds the ``nn.Embedding(sparse=True)`` modules whose weights travel as
+rows.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from . import hashing, partition
+
+__all__ = ["HashTableInfo", "TableInfo", "TableSpec", "sparse_modules", "table_info"]
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A tensor whose rows travel instead of the whole tensor; the same on every rank.
+
+    ``resident``: an ``mpisync.Embedding`` table, held by the ps ranks only; otherwise the
+    weight of an ``nn.Embedding(sparse=True)``, whole on every worker (rows pushed, the
+    rows that changed pulled). Shard ``k`` holds ``shard_rows[k]`` rows and lives on ps
+    ``owners[k]``; ids map to shards by ``strategy``, as TensorFlow's ``embedding_lookup``.
+    """
+
+    name: str
+    num_rows: int
+    row_shape: tuple[int, ...]
+    dtype: torch.dtype
+    strategy: str
+    shard_rows: tuple[int, ...]
+    owners: tuple[int, ...]
+    resident: bool
+    seed: int | None
+    padding_idx: int | None
+    hashed: hashing.HashSpec | None = None   # an mpisync.HashEmbedding: ids hashed to shards
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_rows)
+
+    @property
+    def row_numel(self) -> int:
+        n = 1
+        for d in self.row_shape:
+            n *= d
+        return n
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_numel * self.dtype.itemsize
+
+    def unit(self, k: int) -> str:
+        """The unit name of shard ``k``."""
+        return f"{self.name}/part_{k}"
+
+    def rows_of(self, k: int) -> str:
+        """What rows shard ``k`` holds, for the placement table."""
+        if self.hashed is not None:
+            return f"ids hashed to {k} of {self.num_shards} ({self.shard_rows[k]} slots)"
+        if self.strategy == "mod":
+            return f"ids = {k} mod {self.num_shards} ({self.shard_rows[k]} rows)"
+        start = sum(self.shard_rows[:k])
+        return f"{start}:{start + self.shard_rows[k]}"
+
+    def locate(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shard, local row) of each id (a hash table's local row is the id itself)."""
+        if self.hashed is not None:
+            return hashing.shard_of(ids, self.num_shards), ids
+        return partition.map_ids(ids, self.num_rows, self.num_shards, self.strategy)
+
+    def global_ids(self, k: int, local: torch.Tensor) -> torch.Tensor:
+        """The ids of shard ``k``'s local rows ``local``."""
+        if self.hashed is not None:
+            return local
+        return partition.unmap_ids(k, local, self.num_rows, self.num_shards, self.strategy)
+
+
+class TableInfo:
+    """What an ``mpisync.Embedding`` knows of its table before and after set-up."""
+
+    def __init__(self, num_rows: int, dim: int, partitioner, strategy: str,
+                 weight: torch.Tensor | None, seed: int, padding_idx: int | None,
+                 dtype: torch.dtype):
+        self.num_rows = num_rows
+        self.dim = dim
+        self.partitioner = partitioner
+        self.strategy = strategy
+        self.weight = weight            # the initial values, until the chief sent them
+        self.seed = seed
+        self.padding_idx = padding_idx
+        self.dtype = dtype
+        self.name: str | None = None    # set by the optimizer that holds the table
+        self.channel = None             # ... and its transport
+        self.label = "this worker"
+
+    def describe(self) -> str:
+        return (f"{self.num_rows} x {self.dim} {self.dtype}, partition_strategy "
+                f"{self.strategy!r}, initial values "
+                + ("from weight=" if self.weight is not None else f"from seed {self.seed}"))
+
+
+class HashTableInfo(TableInfo):
+    """What a hash table knows of itself before and after set-up."""
+
+    def __init__(self, dim: int, capacity: int, eviction: str, admit_after: int, seed: int,
+                 partitioner, dtype: torch.dtype):
+        super().__init__(0, dim, partitioner, "hash", None, seed, None, dtype)
+        self.hashed = hashing.HashSpec(capacity, eviction, admit_after)
+        self.spec = None          # the table's TableSpec, once the optimizer holds it
+
+    def describe(self) -> str:
+        h = self.hashed
+        return (f"hash table of {self.dim} {self.dtype} columns, {h.capacity} rows per "
+                f"shard, eviction {h.eviction!r}, admit_after {h.admit_after}, seed "
+                f"{self.seed}")
+
+
+def table_info(p: torch.Tensor) -> TableInfo | None:
+    """The table behind a stand-in parameter, or None for an ordinary one."""
+    return getattr(p, "_mpisync_table", None)
+
+
+_EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+# id(parameter) -> (a weak reference to it, to the embedding module holding it or None),
+# for every parameter registered on a module since import (tensors compare elementwise,
+# so they cannot be keys of a WeakKeyDictionary)
+_registered: dict[int, tuple[weakref.ref, weakref.ref | None]] = {}
+
+
+def _forget(key: int):
+    return lambda _ref: _registered.pop(key, None)
+
+
+def _on_registration(module: torch.nn.Module, name: str, param) -> None:
+    if param is None:
+        return
+    owner = weakref.ref(module) if isinstance(module, _EMBEDDINGS) and name == "weight" else None
+    seen = _registered.get(id(param))
+    if owner is None and seen is not None and seen[0]() is param:
+        owner = seen[1]              # a tied weight: the embedding it came from still owns it
+    _registered[id(param)] = (weakref.ref(param, _forget(id(param))), owner)
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_on_registration)
+
+
+def sparse_modules(params: list[torch.Tensor]) -> dict[int, torch.nn.Module]:
+    """``id(weight) -> module`` for the ``nn.Embedding``/``nn.EmbeddingBag(sparse=True)``
+    modules whose weight is one of ``params`` (their gradients are sparse).
+
+    Modules created after ``import mpisync`` are known from a registration hook; for
+    parameters made before it, the modules are searched for among all live objects.
+    """
+    found = {}
+    unknown = set()
+    for p in params:
+        if p.dim() != 2:
+            continue
+        seen = _registered.get(id(p))
+        if seen is None or seen[0]() is not p:
+            unknown.add(id(p))
+            continue
+        module = seen[1]() if seen[1] is not None else None
+        if module is not None and module.sparse and module.weight is p:
+            found[id(p)] = module
+    if unknown:
+        for obj in gc.get_objects():
+            if issubclass(type(obj), _EMBEDDINGS) and obj.sparse and id(obj.weight) in unknown:
+                found[id(obj.weight)] = obj
+    return found

@@ -1,0 +1,457 @@
+"""Wire format: tags, the one vocabulary of message kinds, headers and fused buffer layouts."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = [
+    "ALIGN",
+    "PARAM_HEADER_BYTES",
+    "TIMING_WORDS",
+    "TOKEN_STATS",
+    "TOKEN_WORDS",
+    "WIRE_VERSION",
+    "Bucket",
+    "Control",
+    "Entry",
+    "GradHeader",
+    "Kind",
+    "ShardLayout",
+    "Tag",
+    "bucket_layout",
+    "build_layouts",
+    "entry_views",
+    "is_still_question",
+    "pack_rows",
+    "pad8",
+    "region_views",
+    "still_question",
+    "tensor_view",
+    "timing_view",
+    "unpack_rows",
+]
+
+#: The version of the message layouts below: every rank of a job must use the same one
+#: (``mpisync.init`` checks). Change it with any change to a layout or a message's meaning.
+WIRE_VERSION = 3       # 2: Kind.UPDATE (opt.update()); 3: pushes in buckets, 16-bit wire
+ALIGN = 64
+PARAM_HEADER_BYTES = 64   # int64[8]: kind, global step, ...
+TOKEN_WORDS = 4           # int64[4]: kind, global step, argument, flags (TOKEN_*)
+NOTICE_WORDS = 8          # int64[8]: kind, step, sender, flags, then APPLIED's figures:
+                          # apply us, reduce us, bytes in, bytes out (0 unless timed)
+NOTICE_SKIPPED = 1        # APPLIED's flag: the step's gradient was not finite, not applied
+TIMING_WORDS = 4          # uint32[4] in int64 fields 5-6 of a gradient header or CLOSE:
+                          # compute, push, wait, pull us of the worker's previous step
+
+
+class Tag:
+    """MPI tags on mpisync's private communicator.
+
+    ``SETUP`` and ``ERROR`` are the job's; every other tag belongs to one optimizer:
+    ``Tag.of(Tag.GRAD, opt_id)``, so that several optimizers train side by side.
+    """
+
+    SETUP = 11      # pickled: chief -> ps (spec or error), then raw initial parameters
+    DONE = 12       # empty: a worker leaves the job (cluster.close() or its exit)
+    ERROR = 19      # pickled failure notice: any rank -> any rank
+    GRAD = 0        # fused gradients, or a bare header (CLOSE): worker -> ps
+    ASSIGN = 1      # parameters written on a worker between steps: worker -> ps
+    PARAMS = 2      # fused parameters: ps -> worker
+    TOKEN = 3       # int64[4]: coordinator -> worker
+    CTL = 4         # Control words: coordinator -> ps
+    CTL_OBJ = 5     # pickled payload following a Control message
+    NOTICE = 6      # int64[4]: ps -> coordinator ("step applied")
+    REQ = 7         # pickled request: worker -> coordinator
+    INFO = 8        # pickled reply: ps -> worker
+    HYPER = 9       # int64 words: worker -> coordinator, the hyper-parameters of a step
+    INIT = 10       # raw initial parameters: chief -> ps
+    SPARSE = 11     # rows message: a push's table rows and their gradients, worker -> ps
+    LOOKUP = 12     # rows message: ids whose rows a worker needs, worker -> ps
+    ROWS = 13       # rows message: the rows of a LOOKUP, ps -> worker
+    CHANGED = 14    # rows message: rows of sparse tables changed since last sent, ps -> worker
+    TABLE = 15      # pickled: a table shard read or written, worker <-> ps
+    DATA = 16       # one bucket of a push's gradients, in bucket order: worker -> ps
+    FULL = 17       # a push's whole gradient region again (FLAG_RESEND): worker -> ps
+    SHM = 18        # pickled, at set-up: a worker's machine, a ps's shared segment, the answer
+    _BASE, _STRIDE = 32, 32
+
+    @classmethod
+    def of(cls, tag: int, opt_id: int) -> int:
+        """The tag of ``tag`` for optimizer ``opt_id``."""
+        return cls._BASE + cls._STRIDE * opt_id + tag
+
+
+class Kind(enum.IntEnum):
+    """Every message kind, from the coordinator's decisions to the headers on the wire."""
+
+    GRAD = 1        # worker -> ps: gradients of a step
+    CLOSE = 2       # worker -> ps: this worker leaves
+    PARAMS = 3      # ps -> worker: parameters of a global step
+    GO = 4          # token: parameters of `step` are on the way; compute at `step`
+    GRANT = 5       # token: compute another gradient on the parameters you hold
+    STOP = 6        # token: training is over, no step can complete any more
+    DECIDE = 7      # ctl: apply `step` with the taken gradients, then send parameters
+    REPLY = 8       # ctl: send the current parameters to these workers now
+    SHUTDOWN = 9    # ctl: every worker has closed
+    STATE = 10      # ctl / request: send your optimizer state to worker `arg`
+    AVERAGES = 11   # ctl / request: send your moving averages to worker `arg`
+    LOAD = 12       # ctl / request: load the state that follows
+    STATS = 13      # request: the step statistics
+    APPLIED = 14    # notice: ps -> coordinator, `step` is applied
+    PUSHED = 15     # notice: the coordinator's shard got a gradient
+    CLOSED = 16     # notice: the coordinator's shard got a CLOSE
+    HYPER = 17      # token: send the hyper-parameters for step `step` / their reply
+    ASSIGN = 18     # worker -> ps: parameters written on the worker
+    FAIL = 19       # token: no step can complete (a reason follows on INFO)
+    PARK = 20       # request: this worker is in a collective among the workers
+    UNPARK = 21     # request: ... and left it
+    STILL = 22      # request: ... and is still in it (asked by the coordinator)
+    UPDATE = 23     # ctl / request: the functions opt.update() registered, for each ps
+
+
+#: Flags in a gradient header.
+FLAG_ASSIGN = 1       # an ASSIGN message with this push's written parameters was sent first
+FLAG_SCHEDULED = 2    # the hyper-parameters follow the global step (async: ask for them)
+FLAG_RESEND = 4       # a bucket changed after it was sent: the FULL message follows the buckets
+
+#: Flags in a token's last word.
+TOKEN_STATS = 1       # ps 0 keeps the statistics log: report step timings (TIMING_WORDS)
+
+
+def timing_view(fields: np.ndarray) -> np.ndarray:
+    """The TIMING_WORDS uint32 words inside the int64 header ``fields`` (fields 5 and 6)."""
+    return fields[5:7].view(np.uint32)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor inside a fused buffer's data region."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int        # bytes from the start of the data region
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The data region of one ps rank's fused buffer.
+
+    Parameters first, then buffers (BatchNorm statistics that travel with them); each
+    part has one contiguous, 64-byte aligned region per dtype.
+    """
+
+    ps: int
+    entries: tuple[Entry, ...]
+    regions: tuple[tuple[torch.dtype, int, int], ...]        # parameters: (dtype, offset, nbytes)
+    buffer_entries: tuple[Entry, ...]
+    buffer_regions: tuple[tuple[torch.dtype, int, int], ...]
+    nbytes: int
+
+
+def _pack(items: list[tuple[str, tuple[int, ...], torch.dtype]], offset: int):
+    """Entries and per-dtype regions for ``items`` from ``offset`` on; returns the end."""
+    entries, regions = [], []
+    for dname in sorted({str(d) for _, _, d in items}):
+        start = offset
+        dtype = None
+        for name, shape, d in items:
+            if str(d) != dname:
+                continue
+            dtype = d
+            nbytes = int(np.prod(shape, dtype=np.int64)) * d.itemsize if shape else d.itemsize
+            entries.append(Entry(name, tuple(shape), d, offset, nbytes))
+            offset += nbytes
+        regions.append((dtype, start, offset - start))
+        offset = _align(offset)
+    return tuple(entries), tuple(regions), offset
+
+
+def build_layouts(names: list[str], shapes: list[tuple[int, ...]], dtypes: list[torch.dtype],
+                  owners: tuple[int, ...], num_ps: int,
+                  buffers: tuple[tuple[str, tuple[int, ...], torch.dtype, int], ...] = (),
+                  ) -> list[ShardLayout]:
+    """Lay out each ps rank's tensors: one contiguous region per dtype, 64-byte aligned.
+
+    ``buffers`` are ``(name, shape, dtype, ps)``. Every rank calls this with the same
+    inputs and gets the same layouts.
+    """
+    layouts = []
+    for ps in range(num_ps):
+        mine = [(n, s, d) for n, s, d, o in zip(names, shapes, dtypes, owners) if o == ps]
+        entries, regions, offset = _pack(mine, 0)
+        theirs = [(n, s, d) for n, s, d, o in buffers if o == ps]
+        bentries, bregions, offset = _pack(theirs, offset)
+        layouts.append(ShardLayout(ps, entries, regions, bentries, bregions, offset))
+    return layouts
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Consecutive entries of one ps rank's data region that travel as one message.
+
+    ``first``/``stop`` index the layout's entries (parameters), ``offset``/``nbytes`` give
+    the bytes from the data region's start; ``buffers`` marks the last bucket, which holds
+    every module buffer (it has no gradient and travels at ``step()``).
+    """
+
+    index: int
+    first: int
+    stop: int
+    offset: int
+    nbytes: int
+    dtype: torch.dtype | None
+    buffers: bool = False
+
+
+def bucket_layout(layout: ShardLayout, bucket_bytes: int) -> tuple[Bucket, ...]:
+    """Cut one ps rank's data region into buckets, in the order backward fills them.
+
+    Each dtype region is walked from its last entry (the parameter backward reaches first)
+    to its first, a bucket closing before the entry that would take it past
+    ``bucket_bytes`` (an entry larger than that gets a bucket of its own). The module
+    buffers, if any, form one last bucket. Every rank computes the same buckets.
+    """
+    buckets: list[Bucket] = []
+    entries = layout.entries
+    at = 0
+    for dtype, offset, nbytes in layout.regions:
+        stop = at
+        while stop < len(entries) and entries[stop].dtype == dtype:   # (empty ones too)
+            stop += 1
+        first, end = stop, stop            # the bucket being filled: entries [first, end)
+        for k in range(stop - 1, at - 1, -1):
+            size = entries[end - 1].offset + entries[end - 1].nbytes - entries[k].offset
+            if end > first and size > bucket_bytes:
+                buckets.append(_bucket(len(buckets), entries, first, end, dtype))
+                end = first
+            first = k
+        if end > first:
+            buckets.append(_bucket(len(buckets), entries, first, end, dtype))
+        at = stop
+    if layout.buffer_entries:
+        buckets.append(_buffers_bucket(len(buckets), layout))
+    return tuple(buckets)
+
+
+def wire_buckets(buckets: tuple[Bucket, ...], wire: ShardLayout) -> tuple[Bucket, ...]:
+    """The same buckets (the same entries) over ``wire``, a layout of the same entries in
+    other dtypes (``wire_dtypes``): their bytes on the wire."""
+    out = []
+    for b in buckets:
+        if b.buffers:
+            out.append(_buffers_bucket(b.index, wire))
+        else:
+            out.append(_bucket(b.index, wire.entries, b.first, b.stop,
+                               wire.entries[b.first].dtype))
+    return tuple(out)
+
+
+#: The floating-point dtypes a compressed wire (``wire_dtype``) carries as 16 bits.
+COMPRESSIBLE = (torch.float32, torch.float64)
+
+
+def wire_dtypes(dtypes, wire_dtype: torch.dtype | None) -> list[torch.dtype]:
+    """Each parameter's dtype on the wire: ``wire_dtype`` for float32 and float64."""
+    if wire_dtype is None:
+        return list(dtypes)
+    return [wire_dtype if d in COMPRESSIBLE else d for d in dtypes]
+
+
+def _buffers_bucket(index: int, layout: ShardLayout) -> Bucket:
+    """The last bucket: every module buffer of ``layout``, after its parameters."""
+    start, last = layout.buffer_entries[0].offset, layout.buffer_entries[-1]
+    return Bucket(index, len(layout.entries), len(layout.entries), start,
+                  last.offset + last.nbytes - start, None, True)
+
+
+def _bucket(index: int, entries, first: int, stop: int, dtype) -> Bucket:
+    offset = entries[first].offset
+    return Bucket(index, first, stop, offset,
+                  entries[stop - 1].offset + entries[stop - 1].nbytes - offset, dtype)
+
+
+def tensor_view(buf: torch.Tensor, base: int, dtype: torch.dtype, offset: int, nbytes: int,
+                shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A typed view of ``nbytes`` bytes of the uint8 tensor ``buf`` at ``base + offset``."""
+    start = base + offset
+    t = buf[start:start + nbytes].view(dtype)
+    return t if shape is None else t.view(shape)
+
+
+def entry_views(buf: torch.Tensor, base: int, entries) -> list[torch.Tensor]:
+    """A view of every entry, shaped, in the uint8 tensor ``buf`` from ``base`` on."""
+    return [tensor_view(buf, base, e.dtype, e.offset, e.nbytes, e.shape) for e in entries]
+
+
+def region_views(buf: torch.Tensor, base: int, regions) -> list[torch.Tensor]:
+    """A flat view of every (dtype, offset, nbytes) region of ``buf`` from ``base`` on."""
+    return [tensor_view(buf, base, d, off, n) for d, off, n in regions]
+
+
+class GradHeader:
+    """Layout of the header that leads every gradient message to one ps rank.
+
+    int64[8] fields (kind, step, worker, seq, flags, then in fields 5-6 the worker's
+    timings of its previous step, ``timing_view``), then, on the message to the
+    coordinating ps only, the hyper-parameters (int64 words, then one uint8 type code
+    each), then one byte per parameter of the shard: 1 if its gradient is present.
+    """
+
+    FIELDS = 8
+
+    def __init__(self, hyper_width: int, num_entries: int):
+        self.hyper_offset = 8 * self.FIELDS
+        self.codes_offset = self.hyper_offset + 8 * hyper_width
+        self.mask_offset = self.codes_offset + hyper_width
+        self.nbytes = _align(self.mask_offset + num_entries)
+        self.hyper_width = hyper_width
+        self.num_entries = num_entries
+
+    def views(self, buf: np.ndarray):
+        """(int64 fields, int64 hyper words, uint8 codes, uint8 mask) views into ``buf``."""
+        fields = buf[:self.hyper_offset].view(np.int64)
+        words = buf[self.hyper_offset:self.codes_offset].view(np.int64)
+        codes = buf[self.codes_offset:self.mask_offset]
+        mask = buf[self.mask_offset:self.mask_offset + self.num_entries]
+        return fields, words, codes, mask
+
+
+class Control:
+    """Layout of a coordinator -> ps message: int64 words.
+
+    ``[kind, step, arg, has_obj, taken[W], workers[W], hyper words[H], codes (H bytes)]``:
+    ``taken`` counts each worker's gradients in a DECIDE, ``workers`` flags who gets
+    parameters, and the hyper-parameters are those the step applies.
+    """
+
+    def __init__(self, num_workers: int, hyper_width: int):
+        self.num_workers = num_workers
+        self.hyper_width = hyper_width
+        self.taken_at = 4
+        self.workers_at = 4 + num_workers
+        self.hyper_at = 4 + 2 * num_workers
+        self.codes_at = self.hyper_at + hyper_width
+        self.words = self.codes_at + (hyper_width + 7) // 8
+
+    def new(self, kind: int, step: int, arg: int = 0, taken=(), workers=(), hyper=None,
+            has_obj: bool = False) -> np.ndarray:
+        msg = np.zeros(self.words, np.int64)
+        msg[0], msg[1], msg[2], msg[3] = kind, step, arg, int(has_obj)
+        if len(taken):
+            msg[self.taken_at:self.workers_at] = taken
+        for w in workers:
+            msg[self.workers_at + w] = 1
+        if hyper is not None:
+            words, codes = hyper
+            msg[self.hyper_at:self.codes_at] = words
+            self.codes(msg)[:] = codes
+        return msg
+
+    def taken(self, msg: np.ndarray) -> tuple[int, ...]:
+        return tuple(int(x) for x in msg[self.taken_at:self.workers_at])
+
+    def workers(self, msg: np.ndarray) -> np.ndarray:
+        return np.flatnonzero(msg[self.workers_at:self.hyper_at])
+
+    def hyper(self, msg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return msg[self.hyper_at:self.codes_at], self.codes(msg)
+
+    def codes(self, msg: np.ndarray) -> np.ndarray:
+        return msg[self.codes_at:].view(np.uint8)[:self.hyper_width]
+
+
+#: int64 words before a rows message's counts: step, sequence number, number of parts.
+ROWS_HEAD = 3
+
+
+def pad8(n: int) -> int:
+    """``n`` rounded up to a multiple of 8: each section of a message starts 8-aligned."""
+    return (n + 7) // 8 * 8
+
+
+def pack_rows(step: int, seq: int, parts: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+              ) -> np.ndarray:
+    """One message of rows: per part, int64 local row ids and/or the rows' values.
+
+    Layout: int64 ``[step, seq, n, count_0 .. count_n-1]``, then each part's ids (int64),
+    then each part's values (padded to 8 bytes). A part is ``(ids, values)``; either may
+    be None when the receiver knows what it would be.
+    """
+    counts = [len(ids) if ids is not None else (len(v) if v is not None else 0)
+              for ids, v in parts]
+    head = 8 * (ROWS_HEAD + len(parts))
+    size = head + sum(8 * c for (ids, _), c in zip(parts, counts) if ids is not None)
+    size += sum(pad8(v.numel() * v.element_size()) for _, v in parts if v is not None)
+    buf = np.empty(size, np.uint8)
+    words = buf[:head].view(np.int64)
+    words[0], words[1], words[2] = step, seq, len(parts)
+    words[ROWS_HEAD:] = counts
+    out = torch.from_numpy(buf)
+    at = head
+    for ids, _ in parts:
+        if ids is not None and len(ids):
+            out[at:at + 8 * len(ids)].view(torch.int64).copy_(ids)
+            at += 8 * len(ids)
+    for _, v in parts:
+        if v is not None:
+            n = v.numel() * v.element_size()
+            if n:
+                out[at:at + n].view(v.dtype).view(v.shape).copy_(v)
+            at += pad8(n)
+    return buf
+
+
+def unpack_rows(buf: np.ndarray, rows: list[tuple[torch.dtype, tuple[int, ...]] | None],
+                with_ids: bool) -> tuple[int, int, list[tuple[torch.Tensor | None,
+                                                            torch.Tensor | None]]]:
+    """The inverse of ``pack_rows``: ``(step, seq, parts)``, views into ``buf``.
+
+    ``rows`` gives each part's value dtype and row shape, or None for parts without values.
+
+    Raises:
+        ValueError: the message does not have the parts or the bytes expected.
+    """
+    words = buf[:8 * ROWS_HEAD].view(np.int64)
+    step, seq, n = int(words[0]), int(words[1]), int(words[2])
+    if n != len(rows):
+        raise ValueError(f"a rows message with {n} parts, expected {len(rows)}")
+    counts = buf[8 * ROWS_HEAD:8 * (ROWS_HEAD + n)].view(np.int64).tolist()
+    t = torch.from_numpy(buf)
+    at = 8 * (ROWS_HEAD + n)
+    ids = []
+    for c in counts:
+        ids.append(t[at:at + 8 * c].view(torch.int64) if with_ids else None)
+        at += 8 * c if with_ids else 0
+    parts = []
+    for i, (c, r) in enumerate(zip(counts, rows)):
+        if r is None:
+            parts.append((ids[i], None))
+            continue
+        dtype, shape = r
+        nbytes = c * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        parts.append((ids[i], t[at:at + nbytes].view(dtype).view(c, *shape)))
+        at += pad8(nbytes)
+    if at != buf.nbytes:
+        raise ValueError(f"a rows message of {buf.nbytes} bytes, expected {at}")
+    return step, seq, parts
+
+
+def still_question(step: int, number: int) -> tuple:
+    """ps 0's question (pickled, ``Tag.INFO``) to a worker it suspects of a deadlock:
+    whether it is still in a collective among the workers. ``number`` names the question,
+    and the answer (``Kind.STILL``) carries it back."""
+    return ("still?", step, number)
+
+
+def is_still_question(answer) -> bool:
+    """Whether a message on ``Tag.INFO`` is ps 0's ``still_question`` (not an answer)."""
+    return isinstance(answer, tuple) and len(answer) == 3 and answer[0] == "still?"

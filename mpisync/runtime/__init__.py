@@ -1,0 +1,1 @@
+"""MPI plumbing both sides use: the poller, guarded communicators, collectives, shared memory."""

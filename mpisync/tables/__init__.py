@@ -1,0 +1,1 @@
+"""The embedding modules users hold, and their pure row math (row optimizers, resharding)."""

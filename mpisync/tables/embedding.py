@@ -1,0 +1,281 @@
+"""Embedding tables: modules whose rows live on the ps ranks, and tables whose rows travel."""
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from ..protocol import partition
+from ..protocol.bags import POOL_CHOICES, bags_of, pooling_pays
+from ..protocol.tables import TableInfo
+from ..worker.exchange import Request
+
+__all__ = ["Embedding", "EmbeddingBag", "TableParameter", "check_id_tensor", "live_table"]
+
+
+class TableParameter(torch.nn.Parameter):
+    """The stand-in parameter of an ``mpisync.Embedding``: empty; the table is on the ps ranks.
+
+    It sits in the model's parameters and the optimizer's param groups like any
+    parameter, so that the group's hyper-parameters and schedules apply to the table.
+    """
+
+    _mpisync_table: TableInfo
+
+    def __repr__(self) -> str:
+        t = self._mpisync_table
+        return f"TableParameter({t.num_rows} x {t.dim}, on the ps ranks)"
+
+
+def live_table(info: TableInfo, what: str) -> TableInfo:
+    """``info``, checked to be served by the ps ranks now (a RuntimeError naming why not)."""
+    if info.channel is None:
+        if info.name is not None:
+            raise RuntimeError(f"{info.label}: {what} {info.name!r} was called after its "
+                               f"SyncReplicasOptimizer was closed; its table is gone with "
+                               f"the ps ranks' service")
+        raise RuntimeError(f"{info.label}: {what} was called before a "
+                           f"SyncReplicasOptimizer holding its weight was created; its "
+                           f"table lives on the ps ranks from then on")
+    return info
+
+
+def check_id_tensor(ids, info: TableInfo, what: str) -> None:
+    """A TypeError unless ``ids`` is a tensor of int64 or int32 ids."""
+    if not torch.is_tensor(ids):
+        raise TypeError(f"{info.label}: {what} {info.name!r} got {type(ids).__name__}; "
+                        f"expected an integer tensor of ids")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{info.label}: {what} {info.name!r} got ids of dtype {ids.dtype}; "
+                        f"expected an integer dtype (torch.int64 or torch.int32)")
+
+
+def _check_ids(ids: torch.Tensor, info: TableInfo, what: str) -> None:
+    check_id_tensor(ids, info, what)
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= info.num_rows:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"{info.label}: {what} {info.name!r} got id {bad}, outside "
+                             f"[0, {info.num_rows}) (its num_embeddings)")
+
+
+class _TableModule(torch.nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, partitioner, partition_strategy,
+                 weight, seed, padding_idx, dtype, device=None):
+        super().__init__()
+        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim),
+                            ("seed", seed)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if partition_strategy not in partition.STRATEGIES:
+            raise ValueError(f"partition_strategy must be one of {partition.STRATEGIES}, got "
+                             f"{partition_strategy!r}")
+        if padding_idx is not None:
+            if padding_idx < 0:
+                padding_idx += num_embeddings
+            if not 0 <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx must be within num_embeddings, got {padding_idx}")
+        if weight is not None:
+            if not torch.is_tensor(weight) or weight.dim() != 2:
+                raise ValueError(f"weight must be a 2-dimensional tensor, got "
+                                 f"{getattr(weight, 'shape', type(weight).__name__)}")
+            dtype = weight.dtype
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = padding_idx
+        self.device = None if device is None else torch.device(device)
+        info = TableInfo(num_embeddings, embedding_dim, partitioner, partition_strategy,
+                         None if weight is None else weight.detach().clone(), seed, padding_idx,
+                         dtype)
+        stand_in = TableParameter(torch.empty(0, embedding_dim, dtype=dtype))
+        stand_in._mpisync_table = info
+        self.weight = stand_in
+
+    @property
+    def table(self) -> TableInfo:
+        return self.weight._mpisync_table
+
+    def _live(self, what: str) -> TableInfo:
+        """The table, checked to be served by the ps ranks now."""
+        return live_table(self.table, what)
+
+    def _rows(self, ids: torch.Tensor, what: str
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the unique ids' rows, the index of each id among them, the unique ids)."""
+        info = self._live(what)
+        _check_ids(ids, info, what)
+        device = ids.device if self.device is None else self.device
+        unique, inverse = torch.unique(ids.long(), sorted=True, return_inverse=True)
+        unique = unique.cpu()            # the batch's unique ids go to the host, ...
+        rows = info.channel.lookup(info, unique)
+        # ... and their rows come back to the device: never the table (the copy's backward
+        # brings the rows' gradients to the host, where the push takes them)
+        return rows.to(device), inverse.to(device), unique
+
+    def _on_host(self, *tensors):
+        """The tensors on the host (ids cross the bus there), and the device for the output."""
+        device = next((t.device for t in tensors if torch.is_tensor(t)), torch.device("cpu"))
+        device = device if self.device is None else self.device
+        return [t.cpu() if torch.is_tensor(t) else t for t in tensors], device
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The current rows of ``ids`` (a copy, without autograd): for evaluation or export."""
+        with torch.no_grad():
+            rows, inverse, _ = self._rows(ids, "rows() of")
+            return rows[inverse]
+
+    def extra_repr(self) -> str:
+        t = self.table
+        return (f"{self.num_embeddings}, {self.embedding_dim}, partition_strategy="
+                f"{t.strategy!r}, on the ps ranks")
+
+
+class Embedding(_TableModule):
+    """An embedding table that lives on the ps ranks only, partitioned across them.
+
+    ``forward(ids)`` sends the batch's unique ids to the ps ranks that own them (one
+    message per ps rank) and returns their rows, with autograd; ``step()`` of the
+    ``SyncReplicasOptimizer`` holding ``self.weight`` pushes the rows' gradients, and the
+    wrapped optimizer updates those rows where they live, its state beside them. A
+    worker's memory does not depend on the table's size.
+
+    Args:
+        num_embeddings, embedding_dim: the table's shape.
+        partitioner: how many shards (``mpisync.fixed_size(n)``, ``min_max``,
+            ``axis_size``); default: one shard per ps rank.
+        partition_strategy: ``"mod"`` (id ``i`` in shard ``i % n``) or ``"div"``
+            (contiguous ranges), as TensorFlow's ``embedding_lookup``.
+        weight: initial values, the same on every worker (the chief's are used);
+            default: ``N(0, 1)`` drawn on the ps ranks, shard by shard, from ``seed``.
+        padding_idx: that row gets no gradient, and starts at zero.
+        device: where ``forward`` returns the rows; default: the device of the ids. On a
+            GPU worker only the batch's unique ids and their rows cross the bus, and the
+            rows' gradients on the way back; the table stays on the ps ranks.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, partitioner=None,
+                 partition_strategy: str = "mod", weight: torch.Tensor | None = None,
+                 seed: int = 0, padding_idx: int | None = None,
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__(num_embeddings, embedding_dim, partitioner, partition_strategy,
+                         weight, seed, padding_idx, dtype, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows, inverse, _ = self._rows(ids, "mpisync.Embedding")
+        return F.embedding(inverse, rows)
+
+
+class EmbeddingBag(_TableModule):
+    """``nn.EmbeddingBag`` over a table on the ps ranks: sums, means or maxima of rows per bag.
+
+    ``forward(input, offsets=None, per_sample_weights=None)`` as ``nn.EmbeddingBag``: a
+    2-D input is one bag per row; a 1-D input needs ``offsets`` (where each bag starts;
+    with ``include_last_offset=True`` one more, the end of the last bag); empty bags give
+    zeros; ``padding_idx`` is left out of its bag (and of its mean);
+    ``per_sample_weights`` (the input's shape) only with ``mode="sum"``. Bad arguments
+    raise before anything is sent, naming the table and the rank.
+
+    ``pool_on_ps``: ``False`` looks up the batch's unique rows and pools them here (as
+    ``Embedding``); ``True`` sends each ps rank the ids it owns with their bags (and
+    weights) and gets back one sum per bag from each, instead of rows; the push then sends
+    each bag's gradient with the ids again, and the ps turns it into row gradients (the
+    step is the same, within float rounding). ``"auto"`` picks, per forward, the way that
+    moves fewer bytes (``mpisync.protocol.bags.pooling_pays``): pooling pays when bags hold more
+    ids than a bag's pooled row costs, e.g. bags of 20 rarely repeated ids; not when ids
+    repeat across the batch. ``mode="max"`` needs the rows, and per_sample_weights that
+    require a gradient too: ``"auto"`` looks the rows up for them, ``True`` is refused.
+    Otherwise as ``Embedding``: the output is on ``device``, default the input's device
+    (the ids and offsets go to the host, the pooled rows come back).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, mode: str = "mean",
+                 partitioner=None, partition_strategy: str = "mod",
+                 weight: torch.Tensor | None = None, seed: int = 0,
+                 padding_idx: int | None = None, include_last_offset: bool = False,
+                 pool_on_ps: bool | str = False, dtype: torch.dtype = torch.float32,
+                 device=None):
+        if mode not in ("sum", "mean", "max"):
+            raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        if not any(pool_on_ps is c or (isinstance(c, str) and pool_on_ps == c)
+                   for c in POOL_CHOICES):
+            raise ValueError(f"pool_on_ps must be False, True or 'auto', got {pool_on_ps!r}")
+        if pool_on_ps is True and mode == "max":
+            raise ValueError("pool_on_ps=True cannot pool mode='max' where the rows live (a "
+                             "maximum needs every row on the worker); use pool_on_ps=False "
+                             "or 'auto' (which looks the rows up for 'max')")
+        super().__init__(num_embeddings, embedding_dim, partitioner, partition_strategy,
+                         weight, seed, padding_idx, dtype, device)
+        self.mode = mode
+        self.include_last_offset = bool(include_last_offset)
+        self.pool_on_ps = pool_on_ps
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        (input, offsets, per_sample_weights), device = self._on_host(input, offsets,
+                                                                    per_sample_weights)
+        request, finish = self.plan(input, offsets, per_sample_weights)
+        channel = self.table.channel
+        if request.bags is None:             # rows: the lookup of Embedding
+            return finish(channel.lookup(self.table, request.unique)).to(device)
+        return finish(channel.exchange([request])[0]).to(device)
+
+    def plan(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+             per_sample_weights: torch.Tensor | None = None):
+        """What a forward sends (an ``exchange.Request``) and how it ends: all checked, nothing
+        sent. ``EmbeddingBagCollection`` sends the plans of several tables at once."""
+        what = "mpisync.EmbeddingBag"
+        info = self._live(what)
+        _check_ids(input, info, what)
+        kw = {"mode": self.mode, "include_last_offset": self.include_last_offset,
+              "padding_idx": self.padding_idx, "dtype": info.dtype, "label": info.label,
+              "name": info.name}
+        channel = info.channel
+        index = channel.index_of(info)
+        needs_rows = self.mode == "max" or (
+            per_sample_weights is not None and per_sample_weights.requires_grad
+            and torch.is_grad_enabled())
+        if self.pool_on_ps is True and needs_rows:
+            bags_of(input, offsets, per_sample_weights, flatten=False, **kw)
+            raise ValueError(f"{info.label}: {what} {info.name!r} got per_sample_weights that "
+                             f"require a gradient; pool_on_ps=True cannot give them one (their "
+                             f"gradient needs the rows): use pool_on_ps=False or 'auto'")
+        unique = inverse = None
+        pool = self.pool_on_ps is True
+        if self.pool_on_ps == "auto" and not needs_rows:
+            bags = bags_of(input, offsets, per_sample_weights, **kw)
+            unique, inverse = torch.unique(input.long(), sorted=True, return_inverse=True)
+            spec = channel.tables[index].spec
+            pool = pooling_pays(len(bags.ids), len(unique), bags.num_bags, spec.row_bytes,
+                                0 if bags.weights is None else spec.dtype.itemsize,
+                                len(set(spec.owners)))
+        if pool:
+            bags = bags_of(input, offsets, per_sample_weights, **kw)
+            return _pooled_request(index, bags, self.mode)
+        bags_of(input, offsets, per_sample_weights, flatten=False, **kw)
+        if unique is None:
+            unique, inverse = torch.unique(input.long(), sorted=True, return_inverse=True)
+        pad = None
+        if self.padding_idx is not None:     # as torch: left out of its bag (and its mean)
+            at = int(torch.searchsorted(unique, self.padding_idx))
+            if at < len(unique) and int(unique[at]) == self.padding_idx:
+                pad = at
+
+        def finish(rows: torch.Tensor) -> torch.Tensor:
+            return F.embedding_bag(inverse.view(input.shape), rows, offsets, mode=self.mode,
+                                   per_sample_weights=per_sample_weights, padding_idx=pad,
+                                   include_last_offset=self.include_last_offset)
+
+        return Request(index, unique=unique), finish
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", mode={self.mode!r}"
+                + (f", pool_on_ps={self.pool_on_ps!r}" if self.pool_on_ps is not False else ""))
+
+
+def _pooled_request(index: int, bags, mode: str):
+    """The request of bags pooled at the owners, and the sum or mean it ends with."""
+    def finish(sums: torch.Tensor) -> torch.Tensor:
+        if mode == "mean":                  # as torch: padding left out of the count
+            return sums / bags.counts.clamp(min=1).to(sums.dtype).unsqueeze(1)
+        return sums.clone()     # a copy: the sums are the leaf whose gradient the push sends
+
+    return Request(index, bags=bags), finish
