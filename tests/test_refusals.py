@@ -564,3 +564,24 @@ def test_a_model_changed_under_the_optimizer_is_refused_at_step(one_rank, spoil,
     repairs[0]()
     train(opt, net, 1)
     assert opt.global_step == 2
+
+
+def test_a_model_built_before_mpisyncs_first_use_is_still_watched(one_rank):
+    """``import mpisync`` installs nothing; the hook that notes which module holds each
+    parameter comes with the first public name. A model built before that (its holders
+    unknown to the hook, as here) is found among the live modules: ``model.to("meta")``
+    after wrapping is refused as for any other model."""
+    from mpisync.worker import tracking
+    net = model()
+    for p in net.parameters():
+        tracking._holders.pop(id(p), None)
+    opt = one_rank.wrap(net)
+    train(opt, net, 1)
+    net.to("meta")
+    x, y = torch.randn(16, 10, device="meta"), torch.randint(0, 3, (16,), device="meta")
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    exc = refused(opt.step, ConfigError)
+    assert "the model no longer holds parameters ['0.weight', '0.bias', '2.weight', " \
+           "'2.bias'] of this SyncReplicasOptimizer: they were replaced" in str(exc), str(exc)
+    assert opt.global_step == 1
