@@ -57,19 +57,26 @@ PYTEST_FLAGS ?=
 # tests and the ranks' waits), into $(HOROVOD_LOG); the Open MPI core then starts once both
 # are done. A build that fails fails `make test` and shows the end of its log.
 HOROVOD_LOG ?= $(OMPI_VENV).build.log
+# Through a variable of its own, so that `make -n test` prints this line, not runs it (make
+# runs a line that names $(MAKE) even with -n). The suite and the build each run in a
+# process group of their own, and Ctrl-C, SIGTERM or a closed terminal ends both at once.
+BACKGROUND_MAKE = $(MAKE)
 test: venv
-	@setsid nice -n 19 $(MAKE) --no-print-directory horovod > $(HOROVOD_LOG) 2>&1 & build=$$!; \
-	trap 'kill -- -$$build 2>/dev/null' INT TERM; \
-	rc=0; $(PYTEST) -q $(PYTEST_FLAGS) || rc=$$?; \
+	@built=$$([ -f $(HOROVOD_STAMP) ] && echo yes); \
+	setsid nice -n 19 $(BACKGROUND_MAKE) --no-print-directory horovod > $(HOROVOD_LOG) 2>&1 & \
+	build=$$!; setsid $(PYTEST) -q $(PYTEST_FLAGS) & suite=$$!; \
+	trap 'kill -- -$$suite -$$build 2>/dev/null; echo "make test: stopped" >&2; exit 130' \
+	  INT TERM HUP; \
+	rc=0; wait $$suite || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; \
 	start=$$(date +%s); \
-	if wait $$build; then \
-	  echo "make test: Open MPI's virtualenv and Horovod were built beside the suite" \
-	       "($$(( $$(date +%s) - start )) s waited for them after it; log: $(HOROVOD_LOG))"; \
-	else \
+	if ! wait $$build; then \
 	  tail -n 40 $(HOROVOD_LOG); \
 	  echo "make test: building Open MPI's virtualenv and Horovod failed (log: $(HOROVOD_LOG))" >&2; \
 	  rc=$$(( rc ? rc : 1 )); \
+	elif [ -z "$$built" ]; then \
+	  echo "make test: Open MPI's virtualenv and Horovod were built beside the suite" \
+	       "($$(( $$(date +%s) - start )) s waited for them after it; log: $(HOROVOD_LOG))"; \
 	fi; \
 	exit $$rc
 	$(MAKE) test-openmpi
