@@ -8,28 +8,71 @@ saying so, so the edit loop never waits for ranks to start.
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 
 import pytest
 
 IN_PROCESS_ONLY = os.environ.get("MPISYNC_TESTS_IN_PROCESS") == "1"
-# commands that start ranks (the first word, or any word for the module launcher)
-LAUNCHERS = {"mpiexec", "mpirun", "mpiexec.hydra", "horovodrun", "srun", "sbatch",
+# programs that start ranks (by their name: any path to them)
+LAUNCHERS = {"mpiexec", "mpirun", "mpiexec.hydra", "mpiexec.mpich", "mpiexec.openmpi",
+             "mpirun.mpich", "mpirun.openmpi", "prterun", "horovodrun", "srun", "sbatch",
              "local-cluster.sh"}
+# what a launcher is asked that starts nothing (the MPI flavour is read from --version)
+ASKS_ONLY = {"--version", "-V", "--help", "-h", "-info"}
+SHELLS = {"sh", "bash", "dash"}
+SEPARATORS = {";", "&&", "||", "|", "&", "(", ")"}
 
 
-def starts_ranks(args) -> bool:
-    """Whether a command line launches an MPI job or a Slurm cluster."""
-    words = [str(args)] if isinstance(args, (str, bytes, os.PathLike)) else [str(a) for a in args]
-    names = {os.path.basename(w) for w in words}
-    return bool(names & LAUNCHERS) or "mpisync.launch" in words
+def _commands(words: list[str]) -> list[list[str]]:
+    """The commands of a command line: itself, and those of a shell's ``-c`` string."""
+    if len(words) >= 3 and os.path.basename(words[0]) in SHELLS and words[1] == "-c":
+        return _commands_of_shell(words[2])
+    return [words]
+
+
+def _commands_of_shell(line: str) -> list[list[str]]:
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands: list[list[str]] = [[]]
+    for token in lexer:
+        if token in SEPARATORS or "\n" in token:
+            commands.append([])
+        else:
+            commands[-1].append(token)
+    return [c for c in commands if c]
+
+
+def _launches(words: list[str]) -> bool:
+    program = os.path.basename(words[0])
+    if program in LAUNCHERS:
+        return not (len(words) > 1 and set(words[1:]) <= ASKS_ONLY)
+    if program.startswith("python"):
+        rest = words[1:]
+        module = any(w in ("-mmpisync.launch",) or (w == "mpisync.launch" and i and
+                     rest[i - 1] == "-m") for i, w in enumerate(rest))
+        script = bool(rest) and rest[0].replace(os.sep, "/").endswith("mpisync/launch.py")
+        return (module or script) and not set(rest[2 if module else 1:]) <= ASKS_ONLY - {"-h"}
+    return False
+
+
+def starts_ranks(args, shell: bool = False) -> bool:
+    """Whether a command line (``Popen``'s args; a string: a shell's) launches an MPI job
+    or a Slurm cluster. Asking a launcher its version or help starts none."""
+    if isinstance(args, (str, bytes, os.PathLike)):
+        line = os.fsdecode(args)
+        commands = _commands_of_shell(line) if shell or " " in line else [[line]]
+    else:
+        commands = _commands([os.fsdecode(a) if isinstance(a, (bytes, os.PathLike)) else str(a)
+                              for a in args])
+    return any(_launches(c) for c in commands)
 
 
 if IN_PROCESS_ONLY:
     _popen_init = subprocess.Popen.__init__
 
     def _in_process_only(self, args, *rest, **kwargs):
-        if starts_ranks(args):
+        if starts_ranks(args, kwargs.get("shell", False)):
             pytest.skip("starts MPI ranks: `make test` runs it")
         _popen_init(self, args, *rest, **kwargs)
 
