@@ -27,7 +27,7 @@ EXTRAS := $(subst $(space),$(comma),$(strip $(MPI_EXTRA) test examples))
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-ctr check test test-openmpi coverage horovod demo-horovod lint bench clean distclean
+.PHONY: venv demo demo-ctr check test test-openmpi coverage horovod demo-horovod lint docs bench clean distclean
 
 venv: $(STAMP)
 
@@ -119,7 +119,7 @@ test-openmpi: horovod
 	exit $$rc
 
 # horovod 0.28.1 (its last release) in the Open MPI virtualenv, compiled against that
-# virtualenv's torch and Open MPI, for `horovodrun` (launch/README.md). Its build hard-codes
+# virtualenv's torch and Open MPI, for `horovodrun` (docs/guides/launching.md). Its build hard-codes
 # -std=c++14, torch's headers need C++17: launch/horovod/cxx17 is the compiler that swaps
 # the flag. The venv's bin goes first on PATH so CMake finds the wheel's mpicxx. The stamp
 # lives in the venv, so a second `make horovod` does nothing and `rm -rf` of the venv
@@ -148,7 +148,7 @@ $(HOROVOD_STAMP): launch/horovod/cxx17
 	touch $@
 
 # digits under horovodrun: 2 workers + 1 ps (MPISYNC_NUM_PS) on 3 ranks, with the flags
-# Open MPI 5 needs (launch/README.md, "horovodrun").
+# Open MPI 5 needs (docs/guides/launching.md, "horovodrun").
 demo-horovod: horovod
 	PATH="$(OMPI_BIN):$$PATH" MPISYNC_NUM_PS=1 horovodrun -np 3 --disable-cache \
 	--binding-args="--bind-to none" --mpi-args="--mca mpi_yield_when_idle 1" \
@@ -156,6 +156,18 @@ demo-horovod: horovod
 
 lint: venv
 	$(VENV)/bin/ruff check .
+
+# The documentation site (mkdocs.yml, docs/) into site/: MkDocs Material and mkdocstrings
+# (setup.py's `docs` extra) go into the virtualenv once. --strict turns every warning into
+# a failure: a broken link or anchor, a page left out of the nav, an API name that does
+# not resolve.
+DOCS_STAMP := $(VENV)/.docs
+docs: venv $(DOCS_STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
+$(DOCS_STAMP): setup.py | $(STAMP)
+	$(VPY) -m pip install -e ".[docs]"
+	touch $@
 
 # The benchmarks (benchmarks/README.md): `make bench`, the dense step against MPI_Allreduce,
 # gloo, DDP and Horovod (where `make horovod` built it) on the same workers, and a training
@@ -206,7 +218,7 @@ bench-recsys: venv
 	$(VPY) benchmarks/recsys_bench.py --all --pool-on-ps --optimizer rowwise
 
 clean:
-	rm -rf build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf build dist site *.egg-info .pytest_cache .ruff_cache
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
 
 # Also removes the virtualenv.

@@ -27,5 +27,7 @@ setup(
         "watch": ["tqdm", "matplotlib"],
         "examples": ["scikit-learn"],
         "horovod": ["horovod"],
+        # make docs: the site under docs/ (mkdocs.yml)
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings-python>=1.10"],
     },
 )

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch an mpisync job on WORKERS + PS MPI ranks (see launch/README.md).
+# Launch an mpisync job on WORKERS + PS MPI ranks (see docs/guides/launching.md).
 #
 # Usage:
 #   launch/mpirun.sh --workers 4 --ps 2 [--hosts a:3,b:3] [--timeout 600] -- python train.py

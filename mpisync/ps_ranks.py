@@ -84,7 +84,7 @@ class RankLayout:
         Without it: ``per_node`` when ``hosts`` name more than one node, else ``last``.
         """
         default = "per_node" if len(set(hosts)) > 1 else "last"
-        how = environ.get("MPISYNC_PS_LAYOUT") or default
+        how = env.text("MPISYNC_PS_LAYOUT", environ) or default
         if how not in LAYOUTS:
             raise ValueError(f"MPISYNC_PS_LAYOUT={how!r}; expected one of {LAYOUTS}")
         if how == "per_node":
@@ -529,7 +529,7 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
                            f"rank; call it once per job and pass the cluster it returned "
                            f"(or cluster.close() first)")
     if num_ps is None:
-        num_ps = env.count("MPISYNC_NUM_PS", 1, minimum=1, expected="a number of ps ranks >= 1")
+        num_ps = env.count("MPISYNC_NUM_PS", minimum=1, expected="a number of ps ranks >= 1")
     heap.wanted()         # read on every rank: a malformed value stops them all alike
     bulk.wanted()
     if isinstance(num_ps, bool) or not isinstance(num_ps, int):
@@ -565,7 +565,7 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
 def _survive(asked: bool | None, rank: int) -> bool:
     """Whether this job survives lost workers: asked for, and the MPI can."""
     if asked is None:
-        asked = env.switch(SURVIVE_ENV, False)
+        asked = env.switch(SURVIVE_ENV)
     if not asked:
         return False
     why_not = support()

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.openmpi, pytest.mark.skipif(
 
 
 def horovodrun_command(argv: list[str], num_ranks: int) -> list[str]:
-    """What launch/README.md tells users to type, with the virtualenv's horovodrun.
+    """What docs/guides/launching.md tells users to type, with the virtualenv's horovodrun.
 
     Open MPI 5 misreads horovod's own single-dash binding options, hence
     ``--binding-args``; with more ranks than cores, waiting ranks must yield the CPU.

@@ -10,6 +10,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import environ
+
 __all__ = ["load"]
 
 
@@ -73,7 +75,7 @@ def load(name: str, source: Path, compiler: list[str], libraries: list[str],
     command = [*compiler, "-o", None, str(source), *libraries]
     digest = hashlib.sha256(source.read_bytes() + " ".join(
         [*compiler, *libraries, key, cpu()]).encode())
-    cache = Path(os.environ.get("MPISYNC_CACHE") or Path.home() / ".cache" / "mpisync")
+    cache = Path(environ.text("MPISYNC_CACHE")).expanduser()
     target = cache / f"{name}-{digest.hexdigest()[:16]}.so"
     why = None
     if target.exists() or (why := _compile(command, target)) is None:

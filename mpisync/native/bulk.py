@@ -64,7 +64,7 @@ def wanted() -> bool:
     Raises:
         ConfigError: any value but 1 or 0, naming it and this rank.
     """
-    return environ.switch("MPISYNC_BULK", True)
+    return environ.switch("MPISYNC_BULK")
 
 
 def _build() -> ctypes.CDLL | None:

@@ -74,7 +74,7 @@ _I = ctypes.c_int64
 
 def _build() -> ctypes.CDLL | None:
     """The library (``build.load``); None without a compiler."""
-    if not environ.switch("MPISYNC_ROW_KERNELS", True):
+    if not environ.switch("MPISYNC_ROW_KERNELS"):
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:

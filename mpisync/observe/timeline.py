@@ -32,7 +32,7 @@ current: Timeline | None = None
 
 FLUSH_EVENTS = 512
 FLUSH_SECONDS = 1.0
-MAX_BYTES = int(environ.number("MPISYNC_TIMELINE_MAX_MB", 0, inclusive=True,
+MAX_BYTES = int(environ.number("MPISYNC_TIMELINE_MAX_MB", inclusive=True,
                                what="MiB (0: no limit)") * (1 << 20))
 
 _SPAN = (',{"name":"%s","ph":"X","pid":%d,"tid":%d,"ts":%.1f,"dur":%.1f,'
@@ -204,7 +204,7 @@ def _event_of(line: str) -> str | None:
 def start(cluster, thread: str = "steps") -> Timeline | None:
     """Start this rank's timeline if ``MPISYNC_TIMELINE`` is set (once per process)."""
     global current
-    path = os.environ.get("MPISYNC_TIMELINE")
+    path = environ.text("MPISYNC_TIMELINE")
     if current is not None or not path:
         return current
     current = Timeline(path, cluster.rank, cluster.size, cluster.label, thread)

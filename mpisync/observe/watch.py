@@ -24,7 +24,7 @@ def _env_setting(every: int | None, enabled: bool) -> tuple[int | None, bool]:
     value = env.strip().lower()
     if value in ("", "0", "off", "false", "no"):
         return every, False
-    return environ.count("MPISYNC_PROGRESS", 0, minimum=1,
+    return environ.count("MPISYNC_PROGRESS", minimum=1,
                          expected="0 (off) or the number of steps between lines"), enabled
 
 

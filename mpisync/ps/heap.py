@@ -50,7 +50,7 @@ def wanted() -> bool:
             reads it on every rank, so that every rank raises it alike, not the ps ranks
             alone once they serve while the workers wait for them.
     """
-    return env.switch("MPISYNC_KEEP_HEAP", True)
+    return env.switch("MPISYNC_KEEP_HEAP")
 
 
 def keep() -> bool:

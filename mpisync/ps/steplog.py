@@ -36,6 +36,8 @@ import os
 import time
 from collections import deque
 
+from .. import environ
+
 __all__ = ["StepLog", "log_path"]
 
 MAX_HELD = 1000        # lines held for timings at most; older ones are written without
@@ -54,7 +56,7 @@ def log_path(stats_log, opt_id: int) -> str | None:
     if stats_log is False:
         return None
     if stats_log is None:
-        path = os.environ.get("MPISYNC_STATS")
+        path = environ.text("MPISYNC_STATS")
         if not path:
             return None
         if opt_id:

@@ -50,7 +50,7 @@ def wants() -> bool:
     """Whether this rank pairs through shared memory: its own ``MPISYNC_SHARED_MEMORY``
     and system. A pair joins only when both ranks want it, so ranks whose settings differ
     exchange MPI messages instead."""
-    return bool(env.switch("MPISYNC_SHARED_MEMORY",
+    return bool(env.switch("MPISYNC_SHARED_MEMORY",       # unset: on x86-64 only
                            platform.machine().lower() in ("x86_64", "amd64"))
                 and hasattr(os, "memfd_create") and os.path.isdir(_FDS))
 

@@ -143,7 +143,7 @@ def resolve_cuda_aware(value, comm: MPI.Comm, label: str) -> bool:
 def staged(t: torch.Tensor, environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``t`` travels through host buffers instead of living in them: every tensor
     off the CPU, and CPU ones too with ``MPISYNC_STAGE_CPU=1``."""
-    return t.device.type != "cpu" or env.switch(STAGE_CPU_ENV, False, environ)
+    return t.device.type != "cpu" or env.switch(STAGE_CPU_ENV, environ=environ)
 
 
 def default_backend(backend: str, params) -> str:
