@@ -52,10 +52,6 @@ def _cast_state(p: torch.Tensor, key: str, value):
 
 
 class SyncReplicasOptimizer(torch.optim.Optimizer):
-    # torch.amp.GradScaler then calls step() itself (found_inf set) instead of skipping it
-    # on this worker alone; step() refuses it (see _refuse_grad_scaler)
-    _step_supports_amp_scaling = True
-
     """Synchronous data-parallel training with the model held on parameter-server ranks.
 
     Each ``step()`` sends, to every ps rank, one fused buffer holding the gradients that
@@ -179,7 +175,29 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         max_ps_bytes: the most bytes of parameters, buffers and table shards one ps rank
             may hold (``mpisync.placement.plan``): a colocated group larger than that, or a
             placement that puts more on a ps, is an error on every worker at set-up.
+
+    Example::
+
+        cluster = mpisync.init(num_ps=2)              # every rank
+        if cluster.is_ps:
+            cluster.serve()                           # until the workers leave
+        else:
+            model = Net()
+            opt = mpisync.SyncReplicasOptimizer(
+                torch.optim.Adam(model.parameters(), lr=1e-3),
+                named_parameters=model.named_parameters(),
+                replicas_to_aggregate=4, total_num_replicas=5,   # one backup worker
+                cluster=cluster)
+            for x, y in loader:
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()                            # push, wait for the token, pull
+            opt.close()                               # every worker
     """
+
+    # torch.amp.GradScaler then calls step() itself (found_inf set) instead of skipping it
+    # on this worker alone; step() refuses it (see _refuse_grad_scaler)
+    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]],

@@ -104,14 +104,17 @@ class RankLayout:
 
     @property
     def num_workers(self) -> int:
+        """The number of worker ranks."""
         return len(self.worker_ranks)
 
     @property
     def num_ps(self) -> int:
+        """The number of ps ranks."""
         return len(self.ps_ranks)
 
     @property
     def chief_rank(self) -> int:
+        """The world rank of worker 0, the chief (it logs, evaluates, writes checkpoints)."""
         return self.worker_ranks[0]
 
     @property
@@ -192,6 +195,26 @@ class Cluster:
     mpisync's own traffic. ``close()`` (or leaving a ``with`` block) frees the
     communicators it created. With ``survive`` (fault-tolerant MPI only) mpisync's
     communicators return errors, and ``losses`` records the ranks found dead.
+
+    Made by ``mpisync.init()``, on every rank, rather than built by hand.
+
+    Args:
+        comm: the communicator split into roles (``MPI.COMM_WORLD`` by default in
+            ``init``); the constructor is collective over it.
+        layout: which ranks of ``comm`` are workers and which are ps ranks.
+        timeout: seconds any wait may last before the job is declared stalled.
+        placement: every rank's node (``locate(comm)`` when None: collective).
+        survive: go on when workers die (fault-tolerant MPI only).
+
+    Example::
+
+        cluster = mpisync.init(num_ps=1)
+        if cluster.is_ps:
+            cluster.serve()
+        else:
+            print(cluster.worker_index, "of", cluster.num_workers, "on", cluster.device)
+            total = cluster.reduce(torch.tensor(1.0))     # every worker: num_workers
+        cluster.close()                                   # every rank
     """
 
     def __init__(self, comm: MPI.Comm, layout: RankLayout, timeout: float,
@@ -378,6 +401,8 @@ class Cluster:
 
     @property
     def coordinator_rank(self) -> int:
+        """The world rank of ps 0, the coordinator: it runs the token barrier (collects
+        each step's completion from every ps rank and broadcasts the new global step)."""
         return self.layout.coordinator_rank
 
     @property
