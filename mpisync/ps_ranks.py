@@ -506,8 +506,10 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
 
     Args:
         num_ps: number of parameter-server ranks; default: the ``MPISYNC_NUM_PS``
-            environment variable, else 1. On one node they are the last ranks; on
-            several, one per node first (``RankLayout.per_node``);
+            environment variable (set by ``python -m mpisync.launch --ps``), else 1;
+            given beside an ``MPISYNC_NUM_PS`` of another value, it is refused on every
+            rank. On one node they are the last ranks; on several, one per node first
+            (``RankLayout.per_node``);
             ``MPISYNC_PS_LAYOUT=last`` or ``per_node`` chooses. A rank's node is
             ``MPISYNC_NODE``, else the Slurm node it runs on, else the host the launcher
             put it on (``python -m mpisync.launch --hosts``), else its host name.
@@ -541,8 +543,9 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
             ranks and at least one worker.
         ConfigError: on every rank, when the ranks run different versions of mpisync
             or of its wire format, ``MPISYNC_NUM_PS`` is not a number of ranks or
-            ``MPISYNC_KEEP_HEAP`` or ``MPISYNC_BULK`` not 1 or 0; for a bad ``cuda_aware``
-            or ``True`` with an MPI library that takes no CUDA buffers.
+            differs from ``num_ps``, or ``MPISYNC_KEEP_HEAP`` or ``MPISYNC_BULK`` is not 1
+            or 0; for a bad ``cuda_aware`` or ``True`` with an MPI library that takes no
+            CUDA buffers.
         RuntimeError: ``init()`` was called already on this rank (and not closed).
     """
     global _current
@@ -553,13 +556,10 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
         raise RuntimeError(f"{_current.label}: mpisync.init() was called already on this "
                            f"rank; call it once per job and pass the cluster it returned "
                            f"(or cluster.close() first)")
-    if num_ps is None:
-        num_ps = env.count("MPISYNC_NUM_PS", 1, minimum=1, expected="a number of ps ranks >= 1")
+    # every rank: the same argument and environment, the same number or the same error
+    num_ps = env.num_ps(num_ps, os.environ, comm.Get_rank())
     heap.wanted()         # read on every rank: a malformed value stops them all alike
     bulk.wanted()
-    if isinstance(num_ps, bool) or not isinstance(num_ps, int):
-        raise TypeError(f"rank {comm.Get_rank()}: num_ps must be an int, "
-                        f"got {type(num_ps).__name__} {num_ps!r}")
     size = comm.Get_size()
     if num_ps < 1 or num_ps >= size:
         need = max(num_ps, 1) + 1
