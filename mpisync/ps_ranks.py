@@ -9,9 +9,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -235,24 +235,27 @@ class Cluster:
         self.nodes = placement.nodes         # the node of each rank
         self.host = self.nodes[self.rank]
         self.p2p_comm = comm.Dup()
+        # MPI.COMM_NULL on the other role's ranks: typed as what they are where they exist
+        self._worker_comm: Any
+        self.ps_comm: Any
         self._worker_comm, self.ps_comm = comm_split(comm, layout)
-        self._meet_comm = (MPI.COMM_NULL if self._worker_comm == MPI.COMM_NULL
+        self._meet_comm: Any = (MPI.COMM_NULL if self._worker_comm == MPI.COMM_NULL
                            else self._worker_comm.Dup())
-        self.losses = None
+        self.losses: Losses | None = None
         if survive:           # a dead rank must be an error to handle, not the job's end
             for c in (self.p2p_comm, self._worker_comm, self._meet_comm, self.ps_comm):
                 if c != MPI.COMM_NULL:
                     c.Set_errhandler(MPI.ERRORS_RETURN)
             self.losses = Losses(self.p2p_comm)
-        self._meet_poller = None
-        self._helpers_comm = None       # the workers' helpers (reduce, ...): made at first use
+        self._meet_poller: Poller | None = None
+        self._helpers_comm: MPI.Intracomm | None = None       # the workers' helpers (reduce, ...): made at first use
         self._abandoned: list = []      # meetings left by an error: their requests and buffers
         self.local_ranks, self.local_cores = placement.local_ranks, placement.local_cores
         self.stats: dict | list | None = None
         self.optimizers: list = []       # this worker's optimizers, in creation order
         self.closed = False
         self.left = False
-        self._guarded = None
+        self._guarded: GuardedComm | None = None
         self.device = torch.device("cpu")    # a worker's accelerator (init() picks it)
         self.cuda_aware = False              # MPI takes CUDA buffers (init() asks it)
 
@@ -346,7 +349,7 @@ class Cluster:
         """This worker's ``mpisync.data.WorkerSampler`` (a ``DistributedSampler`` over the
         workers only): every example once per epoch, or ``n // W`` each with
         ``drop_last``; call ``set_epoch(epoch)`` before each epoch."""
-        if self.is_ps:
+        if self.worker_index is None:
             raise RuntimeError(f"{self.label}: sampler() is for workers")
         from .data import WorkerSampler
         return WorkerSampler(dataset, self.num_workers, self.worker_index, shuffle, seed,
@@ -378,7 +381,8 @@ class Cluster:
 
     def describe_lost(self, ranks: Sequence[int] | None = None) -> str:
         """``worker 2 (rank 2 on n1)``, for the ranks lost (default: every one noticed)."""
-        ranks = self.losses.lost if ranks is None else ranks
+        if ranks is None:
+            ranks = self.losses.lost if self.losses is not None else []
         return ", ".join(f"{role} {index} (rank {r} on {self.nodes[r]})"
                          for r in ranks for role, index in [self.layout.role(r)])
 
@@ -622,6 +626,7 @@ def finalize_within(grace: float, code: int) -> None:
     which lets go of the GIL while it waits: mpi4py's ``MPI.Finalize`` keeps it, so the
     timer that ends the wait could never run."""
     threading.Timer(grace, os._exit, (code,)).start()
+    finalize: Callable[[], object]
     try:
         finalize = ctypes.CDLL(MPI.__file__).MPI_Finalize
     except (OSError, AttributeError):
@@ -688,8 +693,8 @@ def _install_excepthook() -> None:
         # good after ranks had died: this rank then ends itself, and the job with it
         abort_within(FINALIZE_GRACE, 1)
 
-    hook._mpisync = True
-    hook._previous = previous
+    hook._mpisync = True          # type: ignore[attr-defined]  # marks mpisync's own hook
+    hook._previous = previous     # type: ignore[attr-defined]
     sys.excepthook = hook
 
 

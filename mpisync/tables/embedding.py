@@ -1,6 +1,8 @@
 """Embedding tables: modules whose rows live on the ps ranks, and tables whose rows travel."""
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 from torch.nn import functional as F
 
@@ -12,6 +14,8 @@ from ..worker.exchange import Request
 __all__ = ["Embedding", "EmbeddingBag", "TableParameter", "check_id_tensor", "live_table"]
 
 
+_Info = TypeVar("_Info", bound=TableInfo)
+
 class TableParameter(torch.nn.Parameter):
     """The stand-in parameter of an ``mpisync.Embedding``: empty; the table is on the ps ranks.
 
@@ -21,12 +25,12 @@ class TableParameter(torch.nn.Parameter):
 
     _mpisync_table: TableInfo
 
-    def __repr__(self) -> str:
+    def __repr__(self, *, tensor_contents: object = None) -> str:
         t = self._mpisync_table
         return f"TableParameter({t.num_rows} x {t.dim}, on the ps ranks)"
 
 
-def live_table(info: TableInfo, what: str) -> TableInfo:
+def live_table(info: _Info, what: str) -> _Info:
     """``info``, checked to be served by the ps ranks now (a RuntimeError naming why not)."""
     if info.channel is None:
         if info.name is not None:

@@ -12,6 +12,8 @@ plus an id -> slot map, so the wrapped torch optimizer updates it as it updates 
 """
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch.nn import functional as F
 
@@ -49,7 +51,7 @@ class _HashModule(torch.nn.Module):
     def table(self) -> HashTableInfo:
         """What the optimizer learns of this table: row size, capacity, eviction, seed,
         partitioner and, once an optimizer serves it, the channel to its ps ranks."""
-        return self.weight._mpisync_table
+        return cast(HashTableInfo, self.weight._mpisync_table)
 
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows ``ids`` get when admitted: ``mpisync.hashing.initial_rows`` of this seed."""
