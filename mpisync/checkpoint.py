@@ -506,6 +506,29 @@ class Checkpointer:
     ``every_seconds``; with ``every_seconds`` each call is a small collective over the
     workers, so that they agree. ``resume()`` loads the newest complete checkpoint, if
     there is one, and returns its ``extra`` (None otherwise).
+
+    Args:
+        directory: where the checkpoints are written (by the chief) and looked for.
+        model: the model whose parameters and buffers are saved and loaded.
+        opt: the ``SyncReplicasOptimizer`` training ``model``.
+        keep: how many of the newest checkpoints to keep (default: all).
+        every_steps: save when the global step passes a multiple of it.
+        every_seconds: save when this many seconds passed on the chief since the last save.
+
+    Raises:
+        ValueError: ``keep`` or ``every_steps`` not a positive int, ``every_seconds`` not
+            above 0 (on the worker that passed it).
+
+    Example::
+
+        ckpt = mpisync.Checkpointer("ckpt", model, opt, keep=3, every_steps=500)
+        start_epoch = ckpt.resume() or 0        # every worker
+        for epoch in range(start_epoch, epochs):
+            for x, y in loader:
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+                ckpt.maybe_save(extra=epoch)    # every worker, after each step
     """
 
     def __init__(self, directory: str | os.PathLike, model: torch.nn.Module, opt, *,
@@ -524,9 +547,19 @@ class Checkpointer:
         self.last_time = time.monotonic()
 
     def path(self, step: int) -> str:
+        """The file of the checkpoint at global step ``step``: ``<directory>/ckpt-<step>.pt``
+        (the step written with nine digits, so that the names sort by step). Local."""
         return os.path.join(self.directory, f"ckpt-{step:09d}.pt")
 
     def due(self) -> bool:
+        """Whether a checkpoint is due now: ``every_steps`` global steps passed since the
+        last save (or load), or the chief's clock says ``every_seconds`` did.
+
+        With ``every_seconds`` it is a collective over the workers (the chief's answer is
+        broadcast, so every worker saves or none does): call it on every worker, as
+        ``maybe_save()`` does. Without it every worker computes the same answer from the
+        global step alone.
+        """
         step = self.opt.global_step
         due = self.every_steps is not None and step // self.every_steps > \
             self.last_step // self.every_steps

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["LOST_WORKERS_EXIT", "SURVIVE_ENV", "VARIABLES", "Variable", "count", "default",
-           "number", "switch", "text"]
+__all__ = ["LOST_WORKERS_EXIT", "NUM_PS_ENV", "SURVIVE_ENV", "VARIABLES", "Variable", "count",
+           "default", "num_ps", "number", "switch", "text"]
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,8 @@ class Variable:
 #: from here, and the docs' table of variables is generated from this list.
 VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("MPISYNC_NUM_PS", "count", 1,
-             "Number of ps ranks when `mpisync.init()` is not given `num_ps` (the launcher "
-             "sets it)."),
+             "Number of ps ranks the job was launched for (the launcher sets it); "
+             "`mpisync.init(num_ps=k)` must give the same number, or leave it out."),
     Variable("MPISYNC_PS_LAYOUT", "choice", None,
              "Which ranks serve: `last` (the last ranks) or `per_node` (one per node first).",
              unset="`per_node` on several nodes, else `last`"),
@@ -107,6 +107,10 @@ def text(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     """The text in ``name``, or its default when unset or empty."""
     environ = os.environ if environ is None else environ
     return environ.get(name) or default(name)
+
+#: The number of ps ranks the job was started for: set by ``python -m mpisync.launch --ps``
+#: (and the Slurm template) on every rank, by hand under ``horovodrun``.
+NUM_PS_ENV = "MPISYNC_NUM_PS"
 
 #: Set (``1``) by ``python -m mpisync.launch --survive-worker-loss`` on every rank.
 SURVIVE_ENV = "MPISYNC_SURVIVE_WORKER_LOSS"
@@ -194,3 +198,37 @@ def switch(name: str, fallback: bool | None = None,
     if text not in ("0", "1"):
         raise _refuse(name, text, "1 (on) or 0 (off)")
     return text == "1"
+
+
+def num_ps(asked: int | None, environ: Mapping[str, str] | None = None,
+           rank: int | str = "?") -> int:
+    """The number of ps ranks: ``init(num_ps=)`` and ``MPISYNC_NUM_PS``, which must agree.
+
+    The argument where the variable is unset (or empty), the variable where the argument
+    is None, 1 where neither is given; both given must be equal. A pure function of its
+    inputs: every rank of a job reads the same environment and gets the same argument, so
+    every rank returns the same number or raises the same error, before any message.
+
+    Args:
+        asked: what the program passed to ``init(num_ps=)`` (None: nothing).
+        environ: the environment (default ``os.environ``).
+        rank: this rank, for messages.
+
+    Raises:
+        TypeError: ``asked`` is not an int.
+        ConfigError: ``MPISYNC_NUM_PS`` is not a number of ranks >= 1, or it differs from
+            ``asked``; naming both values and this rank.
+    """
+    if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int)):
+        raise TypeError(f"rank {rank}: num_ps must be an int, "
+                        f"got {type(asked).__name__} {asked!r}")
+    environ = os.environ if environ is None else environ
+    launched = count(NUM_PS_ENV, 0, environ, minimum=1, expected="a number of ps ranks >= 1")
+    if asked is None:
+        return launched or 1
+    if launched and launched != asked:
+        raise ConfigError(
+            f"rank {rank}: init(num_ps={asked}) but {NUM_PS_ENV}={launched}: the job was "
+            f"launched for {launched} ps ranks; pass num_ps={launched} or leave it out (the "
+            f"launcher's count is used), or launch with --ps {asked}", collective=True)
+    return asked

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .environ import LOST_WORKERS_EXIT, SURVIVE_ENV
+from .environ import LOST_WORKERS_EXIT, NUM_PS_ENV, SURVIVE_ENV
 from .runtime.nodes import HOSTMAP_ENV, encode_host_map, parse_hostfile, parse_hosts, rank_nodes
 
 __all__ = [
@@ -32,9 +32,6 @@ __all__ = [
 
 #: MPI implementations whose ``mpiexec`` options this module knows.
 FLAVORS = ("openmpi", "mpich", "intel")
-
-#: Environment variable through which ``mpisync.init()`` learns the number of ps ranks.
-NUM_PS_ENV = "MPISYNC_NUM_PS"
 
 #: Exit status when ``--timeout`` expires (the same as coreutils ``timeout``).
 TIMEOUT_EXIT_CODE = 124

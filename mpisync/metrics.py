@@ -119,6 +119,17 @@ class Accuracy(Metric):
         self.threshold = threshold
 
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:  # type: ignore[override]
+        """Record whether each prediction is right (local: no communication).
+
+        Args:
+            preds: class scores ``(N, C, ...)``, one score per example (``(N, 1, ...)`` or
+                ``target``'s shape, floating: compared with ``threshold``), or labels of
+                ``target``'s shape.
+            target: the true labels.
+
+        Raises:
+            ValueError: predictions of a shape that fits none of these, naming both shapes.
+        """
         preds, target = torch.as_tensor(preds).detach(), torch.as_tensor(target).detach()
         if preds.dim() == target.dim() + 1:      # (N, 1, ...): one binary score each
             preds = preds.argmax(dim=1) if preds.shape[1] > 1 else preds.squeeze(1)

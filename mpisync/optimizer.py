@@ -52,10 +52,6 @@ def _cast_state(p: torch.Tensor, key: str, value):
 
 
 class SyncReplicasOptimizer(torch.optim.Optimizer):
-    # torch.amp.GradScaler then calls step() itself (found_inf set) instead of skipping it
-    # on this worker alone; step() refuses it (see _refuse_grad_scaler)
-    _step_supports_amp_scaling = True
-
     """Synchronous data-parallel training with the model held on parameter-server ranks.
 
     Each ``step()`` sends, to every ps rank, one fused buffer holding the gradients that
@@ -179,7 +175,29 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         max_ps_bytes: the most bytes of parameters, buffers and table shards one ps rank
             may hold (``mpisync.placement.plan``): a colocated group larger than that, or a
             placement that puts more on a ps, is an error on every worker at set-up.
+
+    Example::
+
+        cluster = mpisync.init(num_ps=2)              # every rank
+        if cluster.is_ps:
+            cluster.serve()                           # until the workers leave
+        else:
+            model = Net()
+            opt = mpisync.SyncReplicasOptimizer(
+                torch.optim.Adam(model.parameters(), lr=1e-3),
+                named_parameters=model.named_parameters(),
+                replicas_to_aggregate=4, total_num_replicas=5,   # one backup worker
+                cluster=cluster)
+            for x, y in loader:
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()                            # push, wait for the token, pull
+            opt.close()                               # every worker
     """
+
+    # torch.amp.GradScaler then calls step() itself (found_inf set) instead of skipping it
+    # on this worker alone; step() refuses it (see _refuse_grad_scaler)
+    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
@@ -250,8 +268,11 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         ReplicatedChannel(cluster._worker_comm,
                           [by_name[n] for n in routes.names(REPLICATED) + routes.names(ALLREDUCE)]
                           ).setup()
-        self._local = self._local_averages = None
-        self._updates, self._local_updates, self._ps_updates = [], [], False   # opt.update()
+        self._local: AllreduceChannel | None = None
+        self._local_averages: LocalAverages | None = None
+        self._updates: list = []                  # opt.update()'s, on the ps ranks
+        self._local_updates: list = []            # ... and where the workers update
+        self._ps_updates = False
         if spec.allreduce:
             self._setup_allreduce([by_name[n] for n in spec.allreduce])
         self._tracker = WriteTracker(self._dense.names, self._dense.params, self._dense.pviews,
@@ -262,8 +283,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self.stopped = False
         self.global_step = -1
         self._seq = 0
-        self._final_stats = None
-        self._hash_stats = None      # hash tables' counts when this worker closed
+        self._final_stats: dict | None = None
+        self._hash_stats: dict | None = None      # hash tables' counts when this worker closed
         self._wait_s = 0.0
         self._steps = 0
         cluster.optimizers.append(self)
@@ -316,7 +337,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             (error, model_summary(model), setup_summary(spec, routes)))
         failure = first_failure(gathered, cluster.layout.worker_ranks)
         if cluster.is_chief:
-            message = ("error", failure) if failure else (
+            message = ("error", failure) if failure or spec is None else (
                 "spec", encode(spec), self._initial_pieces(optimizer, spec, routes),
                 {"stats_log": self._stats_log, "mpisync": versions()})
             for j in range(cluster.num_ps):
@@ -488,8 +509,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
     def _local_step(self) -> None:
         """The wrapped optimizer's step over the parameters the workers update, alone,
         with the chief's hyper-parameters (as a ps rank applies a step)."""
+        local, averages = self._local, self._local_averages
+        assert local is not None and averages is not None     # dense="allreduce" set them
         own = self._dense.hyper_out            # this worker's, encoded for the push
-        chief = self._local.chief_hyper(*own)
+        chief = local.chief_hyper(*own)
         held = [(p, p.grad) for p in self._ps_held if p.grad is not None]
         for p, _ in held:
             p.grad = None              # torch skips them: the ps ranks update those
@@ -504,12 +527,13 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 p.grad = g
         for fn, name, p in self._local_updates:      # opt.update()'s, where these live
             apply_fn(fn, p.detach(), name)
-        self._local_averages.update(self.global_step + 1)
+        averages.update(self.global_step + 1)
 
     def _check_local_finite(self) -> None:
         """``nonfinite="raise"`` for the gradients the workers averaged (``dense="allreduce"``):
         the same on every worker, so every worker raises, before the step changes anything."""
         local = self._local
+        assert local is not None                                # dense="allreduce" set it
         if all(p.grad is None or torch.isfinite(p.grad.sum()) for p in local.params):
             return
         name = next(local.name_of[id(p)] for p in local.params
@@ -745,7 +769,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             averages = {n: v for n, v in extra.get("averages", {}).items() if n not in local}
             payload = (split_state(split_units(held, parts), split_units(averages, parts),
                                    groups, step, self.plan.owner, self.cluster.num_ps), step)
-        if self._local is not None:
+        if self._local is not None and self._local_averages is not None:
             self._load_local_state({n: st for n, st in by_name.items() if n in local})
             self._local_averages.load(extra.get("averages", {}))
         written = self._tracker.written()    # model.load_state_dict() just before: kept

@@ -9,9 +9,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -104,14 +104,17 @@ class RankLayout:
 
     @property
     def num_workers(self) -> int:
+        """The number of worker ranks."""
         return len(self.worker_ranks)
 
     @property
     def num_ps(self) -> int:
+        """The number of ps ranks."""
         return len(self.ps_ranks)
 
     @property
     def chief_rank(self) -> int:
+        """The world rank of worker 0, the chief (it logs, evaluates, writes checkpoints)."""
         return self.worker_ranks[0]
 
     @property
@@ -192,6 +195,26 @@ class Cluster:
     mpisync's own traffic. ``close()`` (or leaving a ``with`` block) frees the
     communicators it created. With ``survive`` (fault-tolerant MPI only) mpisync's
     communicators return errors, and ``losses`` records the ranks found dead.
+
+    Made by ``mpisync.init()``, on every rank, rather than built by hand.
+
+    Args:
+        comm: the communicator split into roles (``MPI.COMM_WORLD`` by default in
+            ``init``); the constructor is collective over it.
+        layout: which ranks of ``comm`` are workers and which are ps ranks.
+        timeout: seconds any wait may last before the job is declared stalled.
+        placement: every rank's node (``locate(comm)`` when None: collective).
+        survive: go on when workers die (fault-tolerant MPI only).
+
+    Example::
+
+        cluster = mpisync.init(num_ps=1)
+        if cluster.is_ps:
+            cluster.serve()
+        else:
+            print(cluster.worker_index, "of", cluster.num_workers, "on", cluster.device)
+            total = cluster.reduce(torch.tensor(1.0))     # every worker: num_workers
+        cluster.close()                                   # every rank
     """
 
     def __init__(self, comm: MPI.Comm, layout: RankLayout, timeout: float,
@@ -212,24 +235,27 @@ class Cluster:
         self.nodes = placement.nodes         # the node of each rank
         self.host = self.nodes[self.rank]
         self.p2p_comm = comm.Dup()
+        # MPI.COMM_NULL on the other role's ranks: typed as what they are where they exist
+        self._worker_comm: Any
+        self.ps_comm: Any
         self._worker_comm, self.ps_comm = comm_split(comm, layout)
-        self._meet_comm = (MPI.COMM_NULL if self._worker_comm == MPI.COMM_NULL
+        self._meet_comm: Any = (MPI.COMM_NULL if self._worker_comm == MPI.COMM_NULL
                            else self._worker_comm.Dup())
-        self.losses = None
+        self.losses: Losses | None = None
         if survive:           # a dead rank must be an error to handle, not the job's end
             for c in (self.p2p_comm, self._worker_comm, self._meet_comm, self.ps_comm):
                 if c != MPI.COMM_NULL:
                     c.Set_errhandler(MPI.ERRORS_RETURN)
             self.losses = Losses(self.p2p_comm)
-        self._meet_poller = None
-        self._helpers_comm = None       # the workers' helpers (reduce, ...): made at first use
+        self._meet_poller: Poller | None = None
+        self._helpers_comm: MPI.Intracomm | None = None       # the workers' helpers (reduce, ...): made at first use
         self._abandoned: list = []      # meetings left by an error: their requests and buffers
         self.local_ranks, self.local_cores = placement.local_ranks, placement.local_cores
         self.stats: dict | list | None = None
         self.optimizers: list = []       # this worker's optimizers, in creation order
         self.closed = False
         self.left = False
-        self._guarded = None
+        self._guarded: GuardedComm | None = None
         self.device = torch.device("cpu")    # a worker's accelerator (init() picks it)
         self.cuda_aware = False              # MPI takes CUDA buffers (init() asks it)
 
@@ -323,7 +349,7 @@ class Cluster:
         """This worker's ``mpisync.data.WorkerSampler`` (a ``DistributedSampler`` over the
         workers only): every example once per epoch, or ``n // W`` each with
         ``drop_last``; call ``set_epoch(epoch)`` before each epoch."""
-        if self.is_ps:
+        if self.worker_index is None:
             raise RuntimeError(f"{self.label}: sampler() is for workers")
         from .data import WorkerSampler
         return WorkerSampler(dataset, self.num_workers, self.worker_index, shuffle, seed,
@@ -355,7 +381,8 @@ class Cluster:
 
     def describe_lost(self, ranks: Sequence[int] | None = None) -> str:
         """``worker 2 (rank 2 on n1)``, for the ranks lost (default: every one noticed)."""
-        ranks = self.losses.lost if ranks is None else ranks
+        if ranks is None:
+            ranks = self.losses.lost if self.losses is not None else []
         return ", ".join(f"{role} {index} (rank {r} on {self.nodes[r]})"
                          for r in ranks for role, index in [self.layout.role(r)])
 
@@ -378,6 +405,8 @@ class Cluster:
 
     @property
     def coordinator_rank(self) -> int:
+        """The world rank of ps 0, the coordinator: it runs the token barrier (collects
+        each step's completion from every ps rank and broadcasts the new global step)."""
         return self.layout.coordinator_rank
 
     @property
@@ -481,8 +510,10 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
 
     Args:
         num_ps: number of parameter-server ranks; default: the ``MPISYNC_NUM_PS``
-            environment variable, else 1. On one node they are the last ranks; on
-            several, one per node first (``RankLayout.per_node``);
+            environment variable (set by ``python -m mpisync.launch --ps``), else 1;
+            given beside an ``MPISYNC_NUM_PS`` of another value, it is refused on every
+            rank. On one node they are the last ranks; on several, one per node first
+            (``RankLayout.per_node``);
             ``MPISYNC_PS_LAYOUT=last`` or ``per_node`` chooses. A rank's node is
             ``MPISYNC_NODE``, else the Slurm node it runs on, else the host the launcher
             put it on (``python -m mpisync.launch --hosts``), else its host name.
@@ -516,8 +547,9 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
             ranks and at least one worker.
         ConfigError: on every rank, when the ranks run different versions of mpisync
             or of its wire format, ``MPISYNC_NUM_PS`` is not a number of ranks or
-            ``MPISYNC_KEEP_HEAP`` or ``MPISYNC_BULK`` not 1 or 0; for a bad ``cuda_aware``
-            or ``True`` with an MPI library that takes no CUDA buffers.
+            differs from ``num_ps``, or ``MPISYNC_KEEP_HEAP`` or ``MPISYNC_BULK`` is not 1
+            or 0; for a bad ``cuda_aware`` or ``True`` with an MPI library that takes no
+            CUDA buffers.
         RuntimeError: ``init()`` was called already on this rank (and not closed).
     """
     global _current
@@ -528,13 +560,10 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
         raise RuntimeError(f"{_current.label}: mpisync.init() was called already on this "
                            f"rank; call it once per job and pass the cluster it returned "
                            f"(or cluster.close() first)")
-    if num_ps is None:
-        num_ps = env.count("MPISYNC_NUM_PS", minimum=1, expected="a number of ps ranks >= 1")
+    # every rank: the same argument and environment, the same number or the same error
+    num_ps = env.num_ps(num_ps, os.environ, comm.Get_rank())
     heap.wanted()         # read on every rank: a malformed value stops them all alike
     bulk.wanted()
-    if isinstance(num_ps, bool) or not isinstance(num_ps, int):
-        raise TypeError(f"rank {comm.Get_rank()}: num_ps must be an int, "
-                        f"got {type(num_ps).__name__} {num_ps!r}")
     size = comm.Get_size()
     if num_ps < 1 or num_ps >= size:
         need = max(num_ps, 1) + 1
@@ -597,6 +626,7 @@ def finalize_within(grace: float, code: int) -> None:
     which lets go of the GIL while it waits: mpi4py's ``MPI.Finalize`` keeps it, so the
     timer that ends the wait could never run."""
     threading.Timer(grace, os._exit, (code,)).start()
+    finalize: Callable[[], object]
     try:
         finalize = ctypes.CDLL(MPI.__file__).MPI_Finalize
     except (OSError, AttributeError):
@@ -663,8 +693,8 @@ def _install_excepthook() -> None:
         # good after ranks had died: this rank then ends itself, and the job with it
         abort_within(FINALIZE_GRACE, 1)
 
-    hook._mpisync = True
-    hook._previous = previous
+    hook._mpisync = True          # type: ignore[attr-defined]  # marks mpisync's own hook
+    hook._previous = previous     # type: ignore[attr-defined]
     sys.excepthook = hook
 
 

@@ -114,6 +114,44 @@ def test_an_unparsable_mpisync_num_ps_is_refused_naming_it(monkeypatch, value):
         mpisync.init(comm=MPI.COMM_SELF, abort_on_error=False)
 
 
+@pytest.mark.parametrize("asked, launched, expected", [
+    (None, None, 1),          # neither: one ps rank
+    (3, None, 3),             # no launcher's count: the argument
+    (None, "2", 2),           # no argument: the launcher's count
+    (2, "2", 2),              # both, equal
+    (2, " ", 2),              # empty: as if unset
+])
+def test_num_ps_comes_from_the_argument_or_the_launcher(asked, launched, expected):
+    env = {} if launched is None else {"MPISYNC_NUM_PS": launched}
+    assert environ.num_ps(asked, env, 0) == expected
+
+
+@pytest.mark.parametrize("asked, launched", [(1, "2"), (3, "1")])
+def test_num_ps_beside_a_launcher_count_that_differs_is_refused_naming_both(asked, launched):
+    # a pure function of the argument and the environment: every rank of a job gets the
+    # same ones, so every rank raises alike (collective) before any message
+    with pytest.raises(mpisync.ConfigError) as caught:
+        environ.num_ps(asked, {"MPISYNC_NUM_PS": launched}, 3)
+    assert str(caught.value) == (
+        f"rank 3: init(num_ps={asked}) but MPISYNC_NUM_PS={launched}: the job was launched "
+        f"for {launched} ps ranks; pass num_ps={launched} or leave it out (the launcher's "
+        f"count is used), or launch with --ps {asked}")
+    assert caught.value.collective
+
+
+def test_init_refuses_num_ps_beside_a_launcher_count_that_differs(monkeypatch):
+    monkeypatch.setenv("MPISYNC_NUM_PS", "2")
+    with pytest.raises(mpisync.ConfigError, match=r"rank 0: init\(num_ps=1\) but "
+                                                  r"MPISYNC_NUM_PS=2"):
+        mpisync.init(num_ps=1, comm=MPI.COMM_SELF, abort_on_error=False)
+
+
+def test_a_malformed_launcher_count_is_refused_even_beside_an_argument(monkeypatch):
+    monkeypatch.setenv("MPISYNC_NUM_PS", "two")
+    with pytest.raises(mpisync.ConfigError, match=r"MPISYNC_NUM_PS='two' is not a number"):
+        environ.num_ps(1, None, 0)
+
+
 def test_cuda_aware_required_of_an_mpi_without_cuda_is_refused_on_every_rank(job):
     supported, how = devices.cuda_support(MPI.COMM_SELF)
     if supported:

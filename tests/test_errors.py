@@ -80,6 +80,17 @@ def test_num_ps_out_of_range_fails_on_every_rank(refusals):
     assert "found 2 MPI ranks" in out
 
 
+def test_num_ps_beside_a_launcher_count_that_differs_fails_on_every_rank(refusals):
+    # the decision is tested in one process (test_bad_input.py); here init(num_ps=1) on
+    # every rank of a job launched for 2 ps ranks (MPISYNC_NUM_PS=2)
+    records = records_of(refusals, "world", [0, 1, 2, 3])
+    for rank, r in records.items():
+        assert r["num_ps_differs"] is not None and r["num_ps_differs"].startswith(
+            f"ConfigError: rank {rank}: init(num_ps=1) but MPISYNC_NUM_PS=2: the job was "
+            f"launched for 2 ps ranks"), (rank, r)
+        assert r["num_ps_differs_collective"] is True, (rank, r)
+
+
 def test_replicas_to_aggregate_below_one_fails_on_every_rank(refusals):
     assert_refused(refusals, "replicas0",
                    r"ConfigError.*replicas_to_aggregate must be >= 1, got 0", EVERY_RANK)

@@ -164,6 +164,7 @@ class SlotMap:
 
     @property
     def num_live(self) -> int:
+        """The number of rows the shard holds now."""
         return len(self.keys)
 
     def peek(self, ids: np.ndarray) -> np.ndarray:
@@ -290,4 +291,6 @@ class SlotMap:
         return slots
 
     def stats(self) -> dict[str, int]:
+        """The counters: rows ``admitted`` and ``evicted`` since creation (or load), and
+        ``live`` rows held now."""
         return {"admitted": self.admitted, "evicted": self.evicted, "live": self.num_live}

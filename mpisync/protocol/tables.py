@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -97,7 +98,8 @@ class TableInfo:
         self.padding_idx = padding_idx
         self.dtype = dtype
         self.name: str | None = None    # set by the optimizer that holds the table
-        self.channel = None             # ... and its transport
+        # ... and its transport (a worker's RowsChannel: worker/ is not imported here)
+        self.channel: Any = None
         self.label = "this worker"
 
     def describe(self) -> str:
@@ -113,7 +115,7 @@ class HashTableInfo(TableInfo):
                  partitioner, dtype: torch.dtype):
         super().__init__(0, dim, partitioner, "hash", None, seed, None, dtype)
         self.hashed = hashing.HashSpec(capacity, eviction, admit_after)
-        self.spec = None          # the table's TableSpec, once the optimizer holds it
+        self.spec: TableSpec | None = None   # the table's, once the optimizer holds it
 
     def describe(self) -> str:
         h = self.hashed

@@ -44,6 +44,18 @@ class EmbeddingBagCollection(torch.nn.Module):
 
     Args:
         tables: ``{feature: mpisync.EmbeddingBag}``; all held by one SyncReplicasOptimizer.
+
+    Raises:
+        TypeError: a table that is not an ``mpisync.EmbeddingBag``.
+        ValueError: one table under two features.
+
+    Example::
+
+        ebc = mpisync.EmbeddingBagCollection({
+            "user": mpisync.EmbeddingBag(1_000_000, 16, mode="sum"),
+            "item": mpisync.EmbeddingBag(500_000, 16, mode="sum")})
+        pooled = ebc({"user": (user_ids, user_offsets), "item": item_ids_2d})
+        x = torch.cat([pooled["user"], pooled["item"]], dim=1)
     """
 
     def __init__(self, tables: Mapping[str, EmbeddingBag]):
@@ -58,6 +70,24 @@ class EmbeddingBagCollection(torch.nn.Module):
         self.tables = torch.nn.ModuleDict(tables)
 
     def forward(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
+        """Every feature's bags pooled by its table, in one exchange with the ps ranks.
+
+        Local to this worker: one message to each ps rank holding shards of any table.
+
+        Args:
+            features: ``{feature: input}`` for every feature of the collection; an input is
+                a 2-D tensor of ids, ``(ids, offsets[, per_sample_weights])`` or a dict
+                with those keys.
+
+        Returns:
+            ``{feature: (number of bags, embedding_dim)}``, in the collection's order.
+
+        Raises:
+            KeyError: a feature without a table, or a table without an input.
+            TypeError: an input of another form.
+            ValueError: tables held by different optimizers, or any refusal of
+                ``EmbeddingBag.forward``; all before anything is sent.
+        """
         label = next(iter(self.tables.values())).table.label if len(self.tables) else \
             "this worker"
         unknown = [name for name in features if name not in self.tables]

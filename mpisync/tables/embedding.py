@@ -1,6 +1,8 @@
 """Embedding tables: modules whose rows live on the ps ranks, and tables whose rows travel."""
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 from torch.nn import functional as F
 
@@ -12,6 +14,8 @@ from ..worker.exchange import Request
 __all__ = ["Embedding", "EmbeddingBag", "TableParameter", "check_id_tensor", "live_table"]
 
 
+_Info = TypeVar("_Info", bound=TableInfo)
+
 class TableParameter(torch.nn.Parameter):
     """The stand-in parameter of an ``mpisync.Embedding``: empty; the table is on the ps ranks.
 
@@ -21,12 +25,12 @@ class TableParameter(torch.nn.Parameter):
 
     _mpisync_table: TableInfo
 
-    def __repr__(self) -> str:
+    def __repr__(self, *, tensor_contents: object = None) -> str:
         t = self._mpisync_table
         return f"TableParameter({t.num_rows} x {t.dim}, on the ps ranks)"
 
 
-def live_table(info: TableInfo, what: str) -> TableInfo:
+def live_table(info: _Info, what: str) -> _Info:
     """``info``, checked to be served by the ps ranks now (a RuntimeError naming why not)."""
     if info.channel is None:
         if info.name is not None:
@@ -92,6 +96,8 @@ class _TableModule(torch.nn.Module):
 
     @property
     def table(self) -> TableInfo:
+        """What the optimizer learns of this table: its shape, partitioner, strategy,
+        initial values and, once an optimizer serves it, the channel to its ps ranks."""
         return self.weight._mpisync_table
 
     def _live(self, what: str) -> TableInfo:
@@ -124,6 +130,7 @@ class _TableModule(torch.nn.Module):
             return rows[inverse]
 
     def extra_repr(self) -> str:
+        """The table's shape and partition strategy, for ``repr(model)``."""
         t = self.table
         return (f"{self.num_embeddings}, {self.embedding_dim}, partition_strategy="
                 f"{t.strategy!r}, on the ps ranks")
@@ -150,6 +157,19 @@ class Embedding(_TableModule):
         device: where ``forward`` returns the rows; default: the device of the ids. On a
             GPU worker only the batch's unique ids and their rows cross the bus, and the
             rows' gradients on the way back; the table stays on the ps ranks.
+
+    Raises:
+        ValueError: a negative size or seed, an unknown ``partition_strategy``, a
+            ``padding_idx`` outside the table, or a ``weight`` that is not 2-dimensional.
+
+    Example::
+
+        emb = mpisync.Embedding(10_000_000, 64, partitioner=mpisync.fixed_size(8))
+        model = torch.nn.Sequential(emb, torch.nn.Flatten(), torch.nn.Linear(64 * 3, 1))
+        opt = mpisync.SyncReplicasOptimizer(          # on every worker, after the tables
+            torch.optim.Adagrad(model.parameters(), lr=0.05),
+            named_parameters=model.named_parameters())
+        out = model(torch.tensor([[1, 2, 9_999_999]]))   # rows come from the ps ranks
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, partitioner=None,
@@ -160,6 +180,24 @@ class Embedding(_TableModule):
                          weight, seed, padding_idx, dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids``, with autograd: the output has ``ids``' shape plus
+        ``embedding_dim``.
+
+        Sends one lookup to each ps rank owning some of the batch's unique ids and waits
+        for its rows; local to this worker (the others need not look anything up).
+
+        Args:
+            ids: int64 or int32 ids in ``[0, num_embeddings)``, any shape.
+
+        Returns:
+            The rows on ``device`` (default: the device of ``ids``).
+
+        Raises:
+            TypeError: ``ids`` is not a tensor of int64 or int32.
+            IndexError: an id outside the table, naming it, the table and this rank.
+            RuntimeError: called before a ``SyncReplicasOptimizer`` over this table was
+                created, or after it was closed.
+        """
         rows, inverse, _ = self._rows(ids, "mpisync.Embedding")
         return F.embedding(inverse, rows)
 
@@ -185,6 +223,25 @@ class EmbeddingBag(_TableModule):
     require a gradient too: ``"auto"`` looks the rows up for them, ``True`` is refused.
     Otherwise as ``Embedding``: the output is on ``device``, default the input's device
     (the ids and offsets go to the host, the pooled rows come back).
+
+    Args:
+        num_embeddings, embedding_dim, partitioner, partition_strategy, weight, seed,
+            padding_idx, dtype, device: as ``Embedding``.
+        mode: ``"sum"``, ``"mean"`` (default) or ``"max"`` over each bag's rows.
+        include_last_offset: as ``nn.EmbeddingBag``: ``offsets`` ends with the end of the
+            last bag.
+        pool_on_ps: ``False`` (default), ``True`` or ``"auto"``, see above.
+
+    Raises:
+        ValueError: an unknown ``mode`` or ``pool_on_ps``, ``pool_on_ps=True`` with
+            ``mode="max"``, or any refusal of ``Embedding``.
+
+    Example::
+
+        bag = mpisync.EmbeddingBag(1_000_000, 32, mode="sum", pool_on_ps="auto")
+        ids = torch.tensor([3, 7, 7, 42, 5])
+        offsets = torch.tensor([0, 3])           # two bags: [3, 7, 7] and [42, 5]
+        pooled = bag(ids, offsets)               # shape (2, 32), once an optimizer holds it
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, mode: str = "mean",
@@ -210,6 +267,25 @@ class EmbeddingBag(_TableModule):
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Each bag's rows pooled by ``mode``, with autograd, as ``nn.EmbeddingBag``.
+
+        Sends one message to each ps rank owning some of the batch's ids (their rows, or
+        their bags' sums with ``pool_on_ps``); local to this worker.
+
+        Args:
+            input: int64 or int32 ids: 2-D (one bag per row) or 1-D with ``offsets``.
+            offsets: where each bag of a 1-D ``input`` starts.
+            per_sample_weights: a weight per id, ``input``'s shape (``mode="sum"`` only).
+
+        Returns:
+            ``(number of bags, embedding_dim)`` on ``device`` (default: ``input``'s).
+
+        Raises:
+            TypeError, IndexError, RuntimeError: as ``Embedding.forward``.
+            ValueError: bad ``offsets`` or ``per_sample_weights``, or weights that need a
+                gradient with ``pool_on_ps=True``; naming the table and this rank, before
+                anything is sent.
+        """
         (input, offsets, per_sample_weights), device = self._on_host(input, offsets,
                                                                     per_sample_weights)
         request, finish = self.plan(input, offsets, per_sample_weights)
@@ -267,6 +343,7 @@ class EmbeddingBag(_TableModule):
         return Request(index, unique=unique), finish
 
     def extra_repr(self) -> str:
+        """The table's shape, strategy, ``mode`` and ``pool_on_ps``, for ``repr(model)``."""
         return (super().extra_repr() + f", mode={self.mode!r}"
                 + (f", pool_on_ps={self.pool_on_ps!r}" if self.pool_on_ps is not False else ""))
 

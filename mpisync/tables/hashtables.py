@@ -12,6 +12,8 @@ plus an id -> slot map, so the wrapped torch optimizer updates it as it updates 
 """
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch.nn import functional as F
 
@@ -47,7 +49,9 @@ class _HashModule(torch.nn.Module):
 
     @property
     def table(self) -> HashTableInfo:
-        return self.weight._mpisync_table
+        """What the optimizer learns of this table: row size, capacity, eviction, seed,
+        partitioner and, once an optimizer serves it, the channel to its ps ranks."""
+        return cast(HashTableInfo, self.weight._mpisync_table)
 
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows ``ids`` get when admitted: ``mpisync.hashing.initial_rows`` of this seed."""
@@ -90,6 +94,7 @@ class _HashModule(torch.nn.Module):
             return rows[inverse]
 
     def extra_repr(self) -> str:
+        """The row size, capacity, eviction and admission, for ``repr(model)``."""
         return (f"{self.embedding_dim}, capacity_per_shard={self.capacity_per_shard}, "
                 f"eviction={self.eviction!r}, admit_after={self.admit_after}, on the ps ranks")
 
@@ -138,6 +143,19 @@ class HashEmbedding(_HashModule):
                          partitioner, dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids`` (any int64 values), with autograd: ``ids``' shape plus
+        ``embedding_dim``.
+
+        In training mode each lookup is a sighting (ids may be admitted, others evicted);
+        in ``eval()`` mode it only reads, and ids without a row read as zeros. Local to
+        this worker.
+
+        Raises:
+            TypeError: ``ids`` is not a tensor of int64 or int32.
+            CapacityError: the batch needs more rows on one shard than
+                ``capacity_per_shard`` (in training mode, before anything is sent).
+            RuntimeError: called before an optimizer over this table, or after it closed.
+        """
         rows, inverse, _ = self._rows(ids, "mpisync.HashEmbedding", peek=not self.training)
         return F.embedding(inverse, rows)
 
@@ -161,6 +179,17 @@ class HashEmbeddingBag(_HashModule):
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Each bag's rows pooled by ``mode``, with autograd, as ``nn.EmbeddingBag``:
+        ``(number of bags, embedding_dim)``. Lookups as ``HashEmbedding.forward``.
+
+        Args:
+            input: int64 or int32 ids: 2-D (one bag per row) or 1-D with ``offsets``.
+            offsets: where each bag of a 1-D ``input`` starts.
+            per_sample_weights: a weight per id, ``input``'s shape (``mode="sum"`` only).
+
+        Raises:
+            TypeError, CapacityError, RuntimeError: as ``HashEmbedding.forward``.
+        """
         rows, inverse, _ = self._rows(input, "mpisync.HashEmbeddingBag",
                                       peek=not self.training)
         return F.embedding_bag(inverse.view(input.shape), rows, offsets, mode=self.mode,

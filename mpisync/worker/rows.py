@@ -1,6 +1,8 @@
 """The worker's transport for tables: lookups, row gradients, changed rows, shard reads."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -44,7 +46,7 @@ class RowsChannel:
 
     def __init__(self, spec: JobSpec, cluster, params: dict[str, torch.Tensor], poller: Poller):
         self.spec = spec
-        self.on_grad = None       # dense="allreduce": a table's gradient joins the round
+        self.on_grad: Callable[[torch.Tensor | None], None] | None = None       # dense="allreduce": a table's gradient joins the round
         self.cluster = cluster
         self.comm = cluster.p2p_comm
         self.poller = poller

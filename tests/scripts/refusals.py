@@ -257,6 +257,19 @@ def world_too_small(rank: int) -> dict:
     return {"error": error}
 
 
+def num_ps_differs() -> dict:
+    """Before the job's cluster, on every rank: num_ps=1 where the launcher set
+    MPISYNC_NUM_PS=2 (this job's count); refused on every rank before any message."""
+    try:
+        mpisync.init(num_ps=1, abort_on_error=False)
+    except Exception as exc:  # noqa: BLE001 (the test reads what was raised)
+        error = f"{type(exc).__name__}: {exc}"
+        print(f"[caught] {error}", flush=True)
+        return {"num_ps_differs": error, "num_ps_differs_collective":
+                bool(getattr(exc, "collective", False))}
+    return {"num_ps_differs": None, "num_ps_differs_collective": None}
+
+
 def exit_without_close(w: int, rank: int) -> None:
     """The last case: train, then leave the job without close() (the record first)."""
     net = model()
@@ -272,6 +285,7 @@ def main() -> None:
     args = p.parse_args()
     rank = MPI.COMM_WORLD.Get_rank()
     world = world_too_small(rank)
+    world.update(num_ps_differs())
     cluster = mpisync.init(num_ps=2)
     role = {"role": "ps", "ps": cluster.ps_index} if cluster.is_ps else {
         "role": "worker", "worker": cluster.worker_index}
