@@ -72,6 +72,14 @@ def test_keep_heap_off_leaves_glibcs_defaults(glibc):
     assert got["mapped"][0] == 1, got                     # glibc maps a first 40 MB block
 
 
+@pytest.mark.parametrize("users", [{"MALLOC_MMAP_THRESHOLD_": "65536"},
+                                   {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}],
+                         ids=["MALLOC_", "GLIBC_TUNABLES"])
+def test_the_users_own_malloc_settings_win(glibc, users):
+    got = _probe(MPISYNC_KEEP_HEAP="", **users)
+    assert not got["kept"] and not got["again"], got
+
+
 def test_keep_heap_refuses_a_malformed_switch(glibc):
     run = subprocess.run([sys.executable, "-c", "from mpisync.ps import heap; heap.keep()"],
                          capture_output=True, text=True, timeout=120, check=False,

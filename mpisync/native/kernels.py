@@ -49,7 +49,6 @@ __all__ = [
     "dense_sgd",
     "gather",
     "merge_pieces",
-    "reuse_freed_memory",
     "rmsprop_exact",
     "rmsprop_keys",
     "rmsprop_settings",
@@ -191,30 +190,6 @@ def table_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     except OSError:               # not allowed here: small pages, still zeros
         pass
     return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)   # keeps it alive
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3      # glibc's mallopt parameters
-REUSE_BELOW = 32 << 20        # glibc's largest mmap threshold on 64-bit
-KEEP_FREED = 256 << 20
-
-
-def reuse_freed_memory() -> bool:
-    """On a ps rank with table shards (glibc): messages below 32 MiB come from the heap
-    and up to 256 MiB freed stays there, so that the buffers of each step (a lookup, a
-    push, a reply: 1-3 MB each) reuse pages instead of mapping and faulting in fresh ones
-    (2W+1P pooled, row-wise Adagrad: about 2,000 page faults and 3-5 ms of the ps's CPU a
-    step). Not where ``MALLOC_*_`` or ``GLIBC_TUNABLES`` set malloc's own; True if set."""
-    if not sys.platform.startswith("linux") or any(
-            k.startswith("MALLOC_") for k in os.environ) or \
-            "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):        # not glibc
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, REUSE_BELOW)) and \
-        bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREED))
 
 
 def table_copy(value):

@@ -11,8 +11,11 @@ gradient) then pays a page fault per 4 KiB page of it, every step: on a 2-core m
 runs nothing but mpisync's loop while it serves, so there mpisync tells glibc to serve
 every block from the heap and to keep what was freed (jemalloc and tcmalloc behave so by
 default); when ``serve()`` returns, the freed memory goes back to the kernel
-(``malloc_trim``). ``MPISYNC_KEEP_HEAP=0`` leaves glibc's defaults alone. Other C
-libraries are left as they are.
+(``malloc_trim``). The same setting serves the table shards' messages (a lookup, a push,
+a reply: 1-3 MB each, every step). ``MPISYNC_KEEP_HEAP=0`` leaves glibc's defaults alone,
+and so do malloc settings of the user's own (``MALLOC_*_`` variables, ``GLIBC_TUNABLES``
+naming malloc). Other C libraries are left as they are. This module is the one place
+that sets glibc's malloc options.
 """
 from __future__ import annotations
 
@@ -53,12 +56,19 @@ def wanted() -> bool:
     return env.switch("MPISYNC_KEEP_HEAP")
 
 
+def _users_own() -> bool:
+    """Whether the environment sets malloc's options itself (they win over ours)."""
+    return any(k.startswith("MALLOC_") for k in os.environ) or \
+        "malloc" in os.environ.get("GLIBC_TUNABLES", "")
+
+
 def keep() -> bool:
     """Serve every block from the heap and keep freed memory there (glibc, unless
-    ``MPISYNC_KEEP_HEAP=0``); whether the setting is in force now."""
+    ``MPISYNC_KEEP_HEAP=0`` or the user's own malloc settings); whether the setting is in
+    force now."""
     if _state["kept"]:
         return True
-    if not wanted():
+    if not wanted() or _users_own():
         return False
     libc = _glibc()
     if libc is None:

@@ -19,6 +19,7 @@ from ..protocol.wire import ROWS_HEAD, Tag, pack_rows, pad8, unpack_rows
 from ..runtime.progress import Poller
 from ..tables.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
 from ..tables.rowwise import RowWiseAdagrad
+from . import heap
 from .hashrows import HashRows
 
 __all__ = ["RowShards", "takes_sparse"]
@@ -149,7 +150,7 @@ class RowShards:
         self.scratch = RowScratch()             # the update's temporaries
         if self.units:
             torch.sparse.check_sparse_tensor_invariants.disable()   # built here, coalesced
-            kernels.reuse_freed_memory()        # each step's messages: no fresh pages
+            heap.keep()             # each step's messages too: no fresh pages
 
     @property
     def active(self) -> bool:
