@@ -81,9 +81,9 @@ test: venv
 	exit $$rc
 	$(MAKE) test-openmpi
 
-# The edit loop: lint, then every test that starts no MPI job (tests/conftest.py skips a
+# The edit loop: lint, the docs (strict), then every test that starts no MPI job (tests/conftest.py skips a
 # test at the moment it would start mpiexec, horovodrun, Slurm or the launcher).
-check: lint
+check: lint docs
 	@rc=0; MPISYNC_TESTS_IN_PROCESS=1 $(PYTEST) -q $(PYTEST_FLAGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make check: pytest collected no tests" >&2; fi; \
 	exit $$rc

@@ -224,9 +224,11 @@ class EmbeddingBag(_TableModule):
     Otherwise as ``Embedding``: the output is on ``device``, default the input's device
     (the ids and offsets go to the host, the pooled rows come back).
 
+    The arguments ``num_embeddings``, ``embedding_dim``, ``partitioner``,
+    ``partition_strategy``, ``weight``, ``seed``, ``padding_idx``, ``dtype`` and ``device``
+    are as ``Embedding``'s.
+
     Args:
-        num_embeddings, embedding_dim, partitioner, partition_strategy, weight, seed,
-            padding_idx, dtype, device: as ``Embedding``.
         mode: ``"sum"``, ``"mean"`` (default) or ``"max"`` over each bag's rows.
         include_last_offset: as ``nn.EmbeddingBag``: ``offsets`` ends with the end of the
             last bag.
