@@ -146,7 +146,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             ranks in that dtype, half the bytes or less (Horovod's compression does the
             same for gradients). The ps ranks reduce and apply in the parameters' own
             dtype and keep the master copy; workers compute with the parameters rounded
-            to ``wire_dtype``. Results differ from float32 by that rounding (see README).
+            to ``wire_dtype``. Results differ from float32 by that rounding (docs/design.md).
             Default None: exact.
         shared_memory: a worker and a ps rank on one machine exchange gradients and
             parameters through shared memory instead of MPI messages (``mpisync.runtime.shm``;

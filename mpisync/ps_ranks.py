@@ -526,8 +526,8 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
             with this rank's name, tells the other ranks, and aborts the whole job, so
             that one failing rank never leaves the others waiting.
         survive_worker_loss: go on when workers die, as long as the others can complete
-            every step (at least ``replicas_to_aggregate`` left; see the README, "Losing
-            a worker"); default: ``MPISYNC_SURVIVE_WORKER_LOSS`` (set by
+            every step (at least ``replicas_to_aggregate`` left; see
+            docs/guides/lost-workers.md); default: ``MPISYNC_SURVIVE_WORKER_LOSS`` (set by
             ``python -m mpisync.launch --survive-worker-loss``), else off. Needs Open MPI
             started with ``mpirun --with-ft ulfm``; with another MPI rank 0 says why not
             and the job ends when a rank dies, as without it. The ranks of a job that lost

@@ -135,7 +135,7 @@ def resolve_cuda_aware(value, comm: MPI.Comm, label: str) -> bool:
             f"{label}: cuda_aware=True but the MPI library {mpi_library()!r} is not "
             f"CUDA-aware on {'this rank' if not supported else 'another rank'} ({how}); the "
             f"MPI wheels from PyPI never are. Build mpi4py against a CUDA-aware site MPI "
-            f"(README, 'GPU workers'), or pass cuda_aware='auto' to stage through host memory",
+            f"(docs/guides/gpu.md), or pass cuda_aware='auto' to stage through host memory",
             collective=True)
     return bool(everywhere)
 
