@@ -32,6 +32,7 @@ def reduce_rows(pieces: list[tuple[torch.Tensor, torch.Tensor]], shape: tuple[in
     grad = torch.sparse_coo_tensor(ids[None], values, shape, check_invariants=False).coalesce()
     if how == "sum" or count == 1:
         return grad
+    divisor: torch.Tensor | int
     if how == "per_row":
         ones = torch.ones(len(ids), dtype=values.dtype)
         per_row = torch.sparse_coo_tensor(ids[None], ones, shape[:1],

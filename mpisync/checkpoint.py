@@ -45,6 +45,7 @@ import time
 import warnings
 import zipfile
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.serialization import _open_zipfile_writer
@@ -54,6 +55,9 @@ from .protocol.state import check_state
 from .protocol.tables import table_info
 from .tables import reshard
 from .tables.hashtables import check_saved_hash_table, place_hash_table
+
+if TYPE_CHECKING:
+    from .optimizer import SyncReplicasOptimizer
 
 __all__ = ["FORMAT", "VERSION", "Checkpointer", "latest", "load", "plain_state", "save"]
 
@@ -208,13 +212,14 @@ def _model_state(model: torch.nn.Module, opt, values: dict) -> dict:
         if id(v) in names:
             key_of[names[id(v)]] = key
     for name, value in values.items():
-        key = key_of.get(name)
-        if key is not None and tuple(state[key].shape) == tuple(value.shape):
-            state[key] = value
+        found = key_of.get(name)
+        if found is not None and tuple(state[found].shape) == tuple(value.shape):
+            state[found] = value
     return state
 
 
-def save(path: str | os.PathLike, model: torch.nn.Module, opt, extra=None) -> str:
+def save(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptimizer,
+         extra: Any = None) -> str:
     """Write a checkpoint of ``model`` and ``opt`` at the current global step.
 
     Call on every worker, between steps (a collective over the workers); the chief
@@ -409,7 +414,7 @@ def _verdict(path: str, model, opt) -> tuple[tuple, dict | None]:
     return (None, ck["model"], _without_tables(ck["optimizer"]), ck.get("extra")), ck
 
 
-def load(path: str | os.PathLike, model: torch.nn.Module, opt):
+def load(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptimizer) -> Any:
     """Load a checkpoint written by ``save`` into ``model`` and ``opt``; returns ``extra``.
 
     Call on every worker, before training or between steps. The chief reads the file
@@ -434,6 +439,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, opt):
     _, model_state, opt_state, extra = payload
     model.load_state_dict(model_state)
     if cluster.is_chief:
+        assert ck is not None            # the chief's verdict was to load it
         _place_tables(ck["tables"], opt)
     opt.load_state_dict(opt_state)
     return extra
@@ -531,9 +537,10 @@ class Checkpointer:
                 ckpt.maybe_save(extra=epoch)    # every worker, after each step
     """
 
-    def __init__(self, directory: str | os.PathLike, model: torch.nn.Module, opt, *,
+    def __init__(self, directory: str | os.PathLike, model: torch.nn.Module,
+                 opt: SyncReplicasOptimizer, *,
                  keep: int | None = None, every_steps: int | None = None,
-                 every_seconds: float | None = None):
+                 every_seconds: float | None = None) -> None:
         for name, value in (("keep", keep), ("every_steps", every_steps)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
@@ -568,13 +575,13 @@ class Checkpointer:
             due = self.opt.cluster.worker_comm.bcast(due or late, root=0)
         return due
 
-    def maybe_save(self, extra=None) -> str | None:
+    def maybe_save(self, extra: Any = None) -> str | None:
         """Save if one is due (call on every worker after each step); the path or None."""
         if not self.due():
             return None
         return self.save(extra)
 
-    def save(self, extra=None) -> str:
+    def save(self, extra: Any = None) -> str:
         """Save now (every worker), then remove all but the newest ``keep``."""
         path = save(self.path(self.opt.global_step), self.model, self.opt, extra)
         self.last_step, self.last_time = self.opt.global_step, time.monotonic()
@@ -584,7 +591,7 @@ class Checkpointer:
                     os.unlink(old)
         return path
 
-    def resume(self):
+    def resume(self) -> Any:
         """Load the newest complete checkpoint, if any (every worker); its ``extra``."""
         found = latest(self.directory) if self.opt.cluster.is_chief else None
         found = self.opt.cluster.worker_comm.bcast(found, root=0)

@@ -31,7 +31,7 @@ class WorkerSampler(DistributedSampler):
     """
 
     def __init__(self, dataset: Sized, num_workers: int, worker_index: int,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
         if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized):
             kind = "an IterableDataset" if isinstance(dataset, IterableDataset) else \
                 f"a {type(dataset).__name__} without len()"
@@ -39,15 +39,18 @@ class WorkerSampler(DistributedSampler):
                             f"[i]), got {kind}; an iterable dataset shards itself: in its "
                             f"__iter__, keep the examples i with i % cluster.num_workers == "
                             f"cluster.worker_index")
-        super().__init__(dataset, num_replicas=num_workers, rank=worker_index, shuffle=shuffle,
-                         seed=seed, drop_last=drop_last)
+        # torch's annotation says Dataset, but its sampler reads only len(dataset)
+        super().__init__(dataset, num_replicas=num_workers,  # type: ignore[arg-type]
+                         rank=worker_index, shuffle=shuffle, seed=seed, drop_last=drop_last)
         n = len(dataset)
         self.total_size = n // num_workers * num_workers if drop_last else n
         # no padding: without drop_last the first n % W workers take one more
         self.num_samples = len(range(worker_index, self.total_size, num_workers))
 
     def __iter__(self) -> Iterator[int]:
-        n = len(self.dataset)
+        dataset = self.dataset
+        assert isinstance(dataset, Sized)       # checked in __init__
+        n = len(dataset)
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)

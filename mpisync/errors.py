@@ -25,7 +25,7 @@ class _Collective:
 
     collective = True
 
-    def __init__(self, *args, collective: bool | None = None):
+    def __init__(self, *args: object, collective: bool | None = None) -> None:
         super().__init__(*args)
         if collective is not None:
             self.collective = collective

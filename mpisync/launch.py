@@ -177,6 +177,7 @@ def host_map(size: int, flavor: str, hosts: str | None = None,
     Raises:
         ValueError: a host list or hostfile that ``flavor``'s ``mpiexec`` would not read.
     """
+    entries: Sequence[tuple[str, int | None]]
     if hosts:
         entries = parse_hosts(hosts)
     elif hostfile_text is not None:

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .ps_ranks import Cluster
 
 __all__ = ["AGGREGATIONS", "Accuracy", "Mean", "Metric", "Sum"]
 
@@ -29,7 +33,7 @@ class Metric:
         cluster: what ``mpisync.init()`` returned (default: the last one).
     """
 
-    def __init__(self, aggregation: str = "mean", cluster=None):
+    def __init__(self, aggregation: str = "mean", cluster: Cluster | None = None) -> None:
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
         self.aggregation = aggregation
@@ -41,7 +45,8 @@ class Metric:
         self._total = torch.zeros((), dtype=torch.float64)
         self._count = torch.zeros((), dtype=torch.float64)
 
-    def update(self, value, weight=1.0) -> None:
+    def update(self, value: torch.Tensor | float,
+               weight: torch.Tensor | float = 1.0) -> None:
         """Record ``value`` (a number or a tensor, each element a record) with ``weight``
         (broadcast to ``value``'s shape: a number, or a tensor of a shape that broadcasts
         to it). Local: no communication."""
@@ -75,7 +80,7 @@ class Metric:
             return total
         return total / count if count else math.nan
 
-    def _get_cluster(self):
+    def _get_cluster(self) -> Cluster:
         if self._cluster is None:
             from .ps_ranks import _current
             if _current is None:
@@ -94,14 +99,14 @@ class Mean(Metric):
     ``loss.update(batch_loss, weight=len(batch))`` gives the mean per example.
     """
 
-    def __init__(self, cluster=None):
+    def __init__(self, cluster: Cluster | None = None) -> None:
         super().__init__("mean", cluster)
 
 
 class Sum(Metric):
     """The sum of the values recorded on every worker (``Metric("sum")``)."""
 
-    def __init__(self, cluster=None):
+    def __init__(self, cluster: Cluster | None = None) -> None:
         super().__init__("sum", cluster)
 
 
@@ -114,7 +119,7 @@ class Accuracy(Metric):
     classifier gives), probabilities compared with ``threshold``.
     """
 
-    def __init__(self, threshold: float = 0.5, cluster=None):
+    def __init__(self, threshold: float = 0.5, cluster: Cluster | None = None) -> None:
         super().__init__("mean", cluster)
         self.threshold = threshold
 
@@ -144,7 +149,7 @@ class Accuracy(Metric):
                                         device=correct.device))
 
 
-def _float64(x, what: str, device: torch.device | None = None) -> torch.Tensor:
+def _float64(x: torch.Tensor | float, what: str, device: torch.device | None = None) -> torch.Tensor:
     if torch.is_tensor(x):
         if x.is_complex():
             raise TypeError(f"a metric's {what} must be real, got a {x.dtype} tensor")

@@ -5,7 +5,8 @@ import atexit
 import contextlib
 import operator
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from mpi4py import MPI
@@ -38,6 +39,10 @@ from .worker.rows import RowsChannel
 from .worker.schedule import Schedules, install_hooks
 from .worker.stepclock import for_worker
 from .worker.tracking import WriteTracker, was_rebound
+
+if TYPE_CHECKING:
+    from .protocol.partition import PartitionerSpec
+    from .ps_ranks import Cluster
 
 __all__ = ["SyncReplicasOptimizer"]
 
@@ -205,16 +210,18 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                  total_num_replicas: int | None = None,
                  num_tokens: int | None = None,
                  placement: str | Callable = "greedy_sorted",
-                 cluster=None, reduction: str = "mean", deterministic: bool = False,
+                 cluster: Cluster | None = None, reduction: str = "mean", deterministic: bool = False,
                  ema_decay: float | None = None, ema_num_updates: bool = False,
                  asynchronous: bool = False, max_staleness: int | None = None,
                  named_buffers: Iterable[tuple[str, torch.Tensor]] | None = None,
-                 buffers: str = "broadcast", schedule: str = "auto", partitioner=None,
+                 buffers: str = "broadcast", schedule: str = "auto",
+                 partitioner: PartitionerSpec = None,
                  sparse_reduction: str = "mean", dense: str = "ps",
                  allreduce_backend: str = "auto", bucket_bytes: int | None = None,
-                 wire_dtype=None, shared_memory: bool = True,
+                 wire_dtype: torch.dtype | str | None = None, shared_memory: bool = True,
                  stats_log: str | bool | None = None, nonfinite: str = "raise",
-                 colocate=None, max_ps_bytes: int | None = None):
+                 colocate: Iterable[Sequence[str]] | None = None,
+                 max_ps_bytes: int | None = None) -> None:
         from .ps_ranks import _current
         cluster = _current if cluster is None else cluster
         if cluster is None:
@@ -437,7 +444,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if self._rows.active:
             self._rows.zero_grad(set_to_none)
 
-    def step(self, closure: Callable | None = None, **kwargs):
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Push this worker's gradients, wait for the token, pull the new parameters.
 
         Parameters written since the last step travel first and replace the ps ranks'
@@ -492,7 +499,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._spec.hyper.encode(self.param_groups, *dense.hyper_out)
         flags = FLAG_SCHEDULED if self._mpisync_schedules.follows_global_step else 0
         self._seq += 1
-        dense.push(self.global_step, self.cluster.worker_index, self._seq, flags, written)
+        worker = self.cluster.worker_index
+        assert worker is not None            # __init__ refused a ps rank
+        dense.push(self.global_step, worker, self._seq, flags, written)
         if self._rows.active:
             self._rows.push(self.global_step, self._seq)
 
@@ -688,7 +697,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         return [self._answer(self.cluster.ps_rank(j), f"{describe} from ps {j}")
                 for j in range(self.cluster.num_ps)]
 
-    def table_shards(self, name: str, with_state: bool = True):
+    def table_shards(self, name: str, with_state: bool = True) -> Iterator[dict[str, Any]]:
         """Yield the shards of the ``mpisync.Embedding`` table ``name``, one at a time.
 
         Each is a dict: ``ids`` (the table rows it holds), ``weight`` (their values) and,
@@ -911,7 +920,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         return {n: got[n] for n in self._names if n in got}
 
     @contextlib.contextmanager
-    def averaged(self):
+    def averaged(self) -> Iterator[dict[str, torch.Tensor]]:
         """Within the block the model's parameters hold their moving averages.
 
         For evaluation: ``with opt.averaged(): accuracy = evaluate(model)``. The parameters
@@ -954,7 +963,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                           RuntimeWarning, stacklevel=2)
         if any(t.hashed is not None for t in self._spec.tables):
             self._hash_stats = self._rows.hash_stats()
-        self._dense.close(self.global_step, self.cluster.worker_index)
+        worker = self.cluster.worker_index
+        assert worker is not None            # __init__ refused a ps rank
+        self._dense.close(self.global_step, worker)
         self._rows.close()
         if self._local is not None:
             self._local.close()

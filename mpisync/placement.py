@@ -9,6 +9,7 @@ import json
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import SupportsIndex
 
 __all__ = ["STRATEGIES", "Plan", "check_groups", "greedy", "greedy_sorted", "plan", "round_robin"]
 
@@ -359,7 +360,8 @@ def check_groups(colocate: Iterable[Sequence[str]]) -> tuple[tuple[str, ...], ..
     if isinstance(colocate, (str, bytes)) or not isinstance(colocate, Iterable):
         raise TypeError(f"colocate must be a list of groups of names, e.g. "
                         f"[['enc.weight', 'enc.bias']], got {colocate!r}")
-    groups, seen = [], {}
+    groups: list[tuple[str, ...]] = []
+    seen: dict[str, int] = {}
     for g, group in enumerate(colocate):
         if isinstance(group, (str, bytes)) or not isinstance(group, Iterable):
             raise TypeError(f"colocate group {g} must be a list of names, got {group!r}; "
@@ -450,7 +452,7 @@ def _call_strategy(
 
 def _check_owner(value: object, name: str, num_ps: int, source: str) -> int:
     ps = None
-    if not isinstance(value, bool):
+    if not isinstance(value, bool) and isinstance(value, SupportsIndex):
         try:
             ps = operator.index(value)  # accepts numpy integers such as np.argmin's result
         except TypeError:

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,8 @@ from .worker.devices import resolve_cuda_aware, worker_device
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+    from .data import WorkerSampler
 
 __all__ = ["LAYOUTS", "Cluster", "Placement", "RankLayout", "comm_split", "init", "locate"]
 
@@ -320,7 +322,7 @@ class Cluster:
                      self.label, "worker" if meet is self._meet_comm else "rank")
 
     # -- helpers among the workers (mpisync/runtime/collectives.py, mpisync/data.py) -------------
-    def reduce(self, value, op: str = "sum"):
+    def reduce(self, value: Any, op: str = "sum") -> Any:
         """``value`` reduced over the workers, on every worker: ``"sum"``, ``"mean"``,
         ``"max"`` or ``"min"`` of a tensor, a number, or a dict/list/tuple of them.
 
@@ -333,19 +335,20 @@ class Cluster:
         from .runtime import collectives
         return collectives.reduce(self._helper_comm("reduce"), value, op)
 
-    def batch_reduce(self, values, op: str = "sum") -> list:
+    def batch_reduce(self, values: Sequence[Any], op: str = "sum") -> list[Any]:
         """Each value of the list reduced as ``reduce`` does, all in one exchange (one
         ``Allreduce`` per kind of number: integers, floating point, complex). Collective."""
         from .runtime import collectives
         return collectives.batch_reduce(self._helper_comm("batch_reduce"), values, op)
 
-    def broadcast(self, value, src: int = 0):
+    def broadcast(self, value: Any, src: int = 0) -> Any:
         """Worker ``src``'s value on every worker (the others' ``value`` is ignored).
         Collective; see ``mpisync.runtime.collectives.broadcast``."""
         from .runtime import collectives
         return collectives.broadcast(self._helper_comm("broadcast"), value, src)
 
-    def sampler(self, dataset, shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+    def sampler(self, dataset: Sized, shuffle: bool = True, seed: int = 0,
+                drop_last: bool = False) -> WorkerSampler:
         """This worker's ``mpisync.data.WorkerSampler`` (a ``DistributedSampler`` over the
         workers only): every example once per epoch, or ``n // W`` each with
         ``drop_last``; call ``set_epoch(epoch)`` before each epoch."""

@@ -63,7 +63,8 @@ def summarize(job: dict, lines: list[dict]) -> dict:
     num_ps = job.get("num_ps") or max((len(line["apply_ms"]) for line in lines), default=0)
     applied = [line for line in lines if line["applied"]]
     taken, dropped = [0] * num_workers, [0] * num_workers
-    phases = [{k: [] for k in PHASES} for _ in range(num_workers)]
+    phases: list[dict[str, list[float | None]]] = [{k: [] for k in PHASES}
+                                                   for _ in range(num_workers)]
     for line in lines:
         for p in line["pushes"]:
             counts = taken if p["taken"] and line["applied"] else dropped

@@ -4,12 +4,15 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from .. import environ
 
 if TYPE_CHECKING:
+    import torch
     from typing_extensions import Self
+
+    from ..optimizer import SyncReplicasOptimizer
 
 __all__ = ["Progress"]
 
@@ -58,9 +61,10 @@ class Progress:
         desc: the bar's label.
     """
 
-    def __init__(self, opt, total: int | None = None, batch_size: int | None = None, *,
-                 every: int | None = None, enabled: bool = True, file=None,
-                 desc: str = "train"):
+    def __init__(self, opt: SyncReplicasOptimizer, total: int | None = None,
+                 batch_size: int | None = None, *, every: int | None = None,
+                 enabled: bool = True, file: TextIO | None = None,
+                 desc: str = "train") -> None:
         every, enabled = _env_setting(every, enabled)
         self.every = every or DEFAULT_EVERY
         self.opt = opt
@@ -76,7 +80,8 @@ class Progress:
         self.file = sys.stderr if file is None else file
         spec = opt._spec
         self._per_step = 1 if spec.asynchronous else spec.replicas_to_aggregate
-        self._loss_sum = None          # a tensor stays on its device until shown
+        # a tensor stays on its device until shown
+        self._loss_sum: torch.Tensor | float | None = None
         self._loss_count = 0
         self._examples = 0
         self._examples_steps = 0
@@ -95,7 +100,8 @@ class Progress:
         self._hook = opt.register_step_post_hook(self._on_step)
 
     # -- what the training loop calls -----------------------------------------------------
-    def report(self, loss=None, examples: int | None = None) -> None:
+    def report(self, loss: torch.Tensor | float | None = None,
+               examples: int | None = None) -> None:
         """This step's loss (a number or a tensor, read only when shown) and examples."""
         if not self.active:
             return
@@ -125,11 +131,11 @@ class Progress:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- display --------------------------------------------------------------------------
-    def _on_step(self, opt, args, kwargs) -> None:
+    def _on_step(self, opt: object, args: object, kwargs: object) -> None:
         if self._due:                  # no report() since the last step: show it now
             self._show()
         self.steps += 1
@@ -162,6 +168,7 @@ class Progress:
         if not self._loss_count:
             return None
         total = self._loss_sum
+        assert total is not None       # report() added _loss_count losses to it
         value = float(total.item() if hasattr(total, "item") else total) / self._loss_count
         self._loss_sum, self._loss_count = None, 0
         return value
@@ -198,7 +205,7 @@ class Progress:
         print(text, file=self.file, flush=True)
 
 
-def _is_terminal(file) -> bool:
+def _is_terminal(file: TextIO) -> bool:
     try:
         return file.isatty()
     except (AttributeError, ValueError):

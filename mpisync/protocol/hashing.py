@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 __all__ = ["EVICTIONS", "HashSpec", "SlotMap", "initial_rows", "shard_of", "splitmix64"]
@@ -61,19 +62,19 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-def _as_u64(ids) -> np.ndarray:
+def _as_u64(ids: torch.Tensor | npt.ArrayLike) -> np.ndarray:
     if torch.is_tensor(ids):
         ids = ids.detach().cpu().to(torch.int64).numpy()
     return np.ascontiguousarray(ids, dtype=np.int64).view(np.uint64)
 
 
-def shard_of(ids, num_shards: int) -> torch.Tensor:
+def shard_of(ids: torch.Tensor | npt.ArrayLike, num_shards: int) -> torch.Tensor:
     """The shard of each id: ``splitmix64(id) % num_shards`` (an int64 tensor)."""
     h = splitmix64(_as_u64(ids)) % np.uint64(num_shards)
     return torch.from_numpy(h.astype(np.int64))
 
 
-def initial_rows(ids, dim: int, seed: int = 0, dtype: torch.dtype = torch.float32
+def initial_rows(ids: torch.Tensor | npt.ArrayLike, dim: int, seed: int = 0, dtype: torch.dtype = torch.float32
                  ) -> torch.Tensor:
     """The initial rows of ``ids`` (``[len(ids), dim]``, ``N(0, 1)``), a pure function.
 
@@ -146,10 +147,15 @@ class SlotMap:
         ValueError: ``see`` got more distinct ids than the capacity.
     """
 
-    def __init__(self, capacity: int, eviction: str = "lru", admit_after: int = 1):
+    def __init__(self, capacity: int, eviction: str = "lru", admit_after: int = 1) -> None:
         if eviction not in EVICTIONS:
             raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
         self.capacity, self.eviction, self.admit_after = capacity, eviction, admit_after
+        self._reset()
+
+    def _reset(self) -> None:
+        """Empty: no rows held, no candidates, the clock and the counters at zero."""
+        capacity = self.capacity
         self.keys = np.empty(0, np.int64)         # the ids held, sorted
         self.key_slot = np.empty(0, np.int64)     # ... and their slots
         self.slot_id = np.zeros(capacity, np.int64)
@@ -281,7 +287,7 @@ class SlotMap:
         if len(ids) > 1 and not (np.diff(ids[order]) > 0).all():
             raise ValueError("the ids given for a hash shard repeat")
         n = len(ids)
-        self.__init__(self.capacity, self.eviction, self.admit_after)
+        self._reset()
         slots = np.arange(n, dtype=np.int64)
         self.slot_id[:n], self.live[:n] = ids, True
         self.count[:n], self.last[:n] = count, last

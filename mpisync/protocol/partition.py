@@ -20,7 +20,7 @@ import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, SupportsIndex, Union
 
 import torch
 
@@ -384,7 +384,7 @@ def resolve(partitioner_or_dict: PartitionerSpec, name: str) -> Partitioner | No
 def _check_int(value: object, what: str, minimum: int) -> int:
     """Return ``value`` as a plain int >= ``minimum`` (numpy integers accepted, bools not)."""
     number = None
-    if not isinstance(value, bool):
+    if not isinstance(value, bool) and isinstance(value, SupportsIndex):
         try:
             number = operator.index(value)
         except TypeError:

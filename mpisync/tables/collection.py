@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 
@@ -10,7 +11,7 @@ from .embedding import EmbeddingBag
 __all__ = ["EmbeddingBagCollection"]
 
 
-def _arguments(name: str, value) -> tuple:
+def _arguments(name: str, value: object) -> tuple[Any, Any, Any]:
     """``(input, offsets, per_sample_weights)`` of one feature."""
     if torch.is_tensor(value):
         return value, None, None
@@ -58,7 +59,7 @@ class EmbeddingBagCollection(torch.nn.Module):
         x = torch.cat([pooled["user"], pooled["item"]], dim=1)
     """
 
-    def __init__(self, tables: Mapping[str, EmbeddingBag]):
+    def __init__(self, tables: Mapping[str, EmbeddingBag]) -> None:
         super().__init__()
         for name, table in tables.items():
             if not isinstance(table, EmbeddingBag):
@@ -68,6 +69,11 @@ class EmbeddingBagCollection(torch.nn.Module):
             raise ValueError("a table appears under two features; give each feature its own "
                              "mpisync.EmbeddingBag")
         self.tables = torch.nn.ModuleDict(tables)
+
+    def _table(self, name: str) -> EmbeddingBag:
+        """The table of feature ``name`` (a ModuleDict's items are typed as any Module;
+        ``__init__`` checked that each is an EmbeddingBag)."""
+        return cast(EmbeddingBag, self.tables[name])
 
     def forward(self, features: Mapping[str, object]) -> dict[str, torch.Tensor]:
         """Every feature's bags pooled by its table, in one exchange with the ps ranks.
@@ -88,7 +94,7 @@ class EmbeddingBagCollection(torch.nn.Module):
             ValueError: tables held by different optimizers, or any refusal of
                 ``EmbeddingBag.forward``; all before anything is sent.
         """
-        label = next(iter(self.tables.values())).table.label if len(self.tables) else \
+        label = self._table(next(iter(self.tables))).table.label if len(self.tables) else \
             "this worker"
         unknown = [name for name in features if name not in self.tables]
         if unknown:
@@ -103,16 +109,16 @@ class EmbeddingBagCollection(torch.nn.Module):
                            f"zeros")
         plans = []
         for name in self.tables:
-            plans.append((name, self.tables[name].plan(*_arguments(name, features[name]))))
+            plans.append((name, self._table(name).plan(*_arguments(name, features[name]))))
         if not plans:
             return {}
-        channels = {id(self.tables[name].table.channel): name for name, _ in plans}
+        channels = {id(self._table(name).table.channel): name for name, _ in plans}
         if len(channels) > 1:
             names = list(channels.values())
-            info = self.tables[names[0]].table
+            info = self._table(names[0]).table
             raise ValueError(f"{info.label}: the tables of features {names} belong to "
                              f"different SyncReplicasOptimizers; one collection looks up the "
                              f"tables of one optimizer")
-        channel = self.tables[plans[0][0]].table.channel
+        channel = self._table(plans[0][0]).table.channel
         outs = channel.exchange([request for _, (request, _) in plans])
         return {name: finish(out) for (name, (_, finish)), out in zip(plans, outs)}

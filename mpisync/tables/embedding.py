@@ -1,7 +1,8 @@
 """Embedding tables: modules whose rows live on the ps ranks, and tables whose rows travel."""
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.nn import functional as F
@@ -10,6 +11,12 @@ from ..protocol import partition
 from ..protocol.bags import POOL_CHOICES, bags_of, pooling_pays
 from ..protocol.tables import TableInfo
 from ..worker.exchange import Request
+
+if TYPE_CHECKING:
+    from torch.types import Device
+
+    from ..protocol.bags import Bags
+    from ..protocol.partition import Partitioner
 
 __all__ = ["Embedding", "EmbeddingBag", "TableParameter", "check_id_tensor", "live_table"]
 
@@ -25,7 +32,9 @@ class TableParameter(torch.nn.Parameter):
 
     _mpisync_table: TableInfo
 
-    def __repr__(self, *, tensor_contents: object = None) -> str:
+    # torch's Tensor.__repr__ is unannotated, and mypy rejects any override of its
+    # keyword-only tensor_contents, even one with the same signature
+    def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
         t = self._mpisync_table
         return f"TableParameter({t.num_rows} x {t.dim}, on the ps ranks)"
 
@@ -43,7 +52,7 @@ def live_table(info: _Info, what: str) -> _Info:
     return info
 
 
-def check_id_tensor(ids, info: TableInfo, what: str) -> None:
+def check_id_tensor(ids: object, info: TableInfo, what: str) -> None:
     """A TypeError unless ``ids`` is a tensor of int64 or int32 ids."""
     if not torch.is_tensor(ids):
         raise TypeError(f"{info.label}: {what} {info.name!r} got {type(ids).__name__}; "
@@ -64,8 +73,10 @@ def _check_ids(ids: torch.Tensor, info: TableInfo, what: str) -> None:
 
 
 class _TableModule(torch.nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, partitioner, partition_strategy,
-                 weight, seed, padding_idx, dtype, device=None):
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 partitioner: Partitioner | None, partition_strategy: str,
+                 weight: torch.Tensor | None, seed: int, padding_idx: int | None,
+                 dtype: torch.dtype, device: Device = None) -> None:
         super().__init__()
         for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim),
                             ("seed", seed)):
@@ -117,8 +128,9 @@ class _TableModule(torch.nn.Module):
         # brings the rows' gradients to the host, where the push takes them)
         return rows.to(device), inverse.to(device), unique
 
-    def _on_host(self, *tensors):
-        """The tensors on the host (ids cross the bus there), and the device for the output."""
+    def _on_host(self, *tensors: Any) -> tuple[list[Any], torch.device]:
+        """The tensors on the host (ids cross the bus there), and the device for the output;
+        what is not a tensor is passed as it is, for the checks to name."""
         device = next((t.device for t in tensors if torch.is_tensor(t)), torch.device("cpu"))
         device = device if self.device is None else self.device
         return [t.cpu() if torch.is_tensor(t) else t for t in tensors], device
@@ -172,10 +184,11 @@ class Embedding(_TableModule):
         out = model(torch.tensor([[1, 2, 9_999_999]]))   # rows come from the ps ranks
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, partitioner=None,
-                 partition_strategy: str = "mod", weight: torch.Tensor | None = None,
-                 seed: int = 0, padding_idx: int | None = None,
-                 dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 partitioner: Partitioner | None = None, partition_strategy: str = "mod",
+                 weight: torch.Tensor | None = None, seed: int = 0,
+                 padding_idx: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: Device = None) -> None:
         super().__init__(num_embeddings, embedding_dim, partitioner, partition_strategy,
                          weight, seed, padding_idx, dtype, device)
 
@@ -247,11 +260,11 @@ class EmbeddingBag(_TableModule):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, mode: str = "mean",
-                 partitioner=None, partition_strategy: str = "mod",
+                 partitioner: Partitioner | None = None, partition_strategy: str = "mod",
                  weight: torch.Tensor | None = None, seed: int = 0,
                  padding_idx: int | None = None, include_last_offset: bool = False,
                  pool_on_ps: bool | str = False, dtype: torch.dtype = torch.float32,
-                 device=None):
+                 device: Device = None) -> None:
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         if not any(pool_on_ps is c or (isinstance(c, str) and pool_on_ps == c)
@@ -297,13 +310,14 @@ class EmbeddingBag(_TableModule):
         return finish(channel.exchange([request])[0]).to(device)
 
     def plan(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
-             per_sample_weights: torch.Tensor | None = None):
+             per_sample_weights: torch.Tensor | None = None
+             ) -> tuple[Request, Callable[[torch.Tensor], torch.Tensor]]:
         """What a forward sends (an ``exchange.Request``) and how it ends: all checked, nothing
         sent. ``EmbeddingBagCollection`` sends the plans of several tables at once."""
         what = "mpisync.EmbeddingBag"
         info = self._live(what)
         _check_ids(input, info, what)
-        kw = {"mode": self.mode, "include_last_offset": self.include_last_offset,
+        kw: dict[str, Any] = {"mode": self.mode, "include_last_offset": self.include_last_offset,
               "padding_idx": self.padding_idx, "dtype": info.dtype, "label": info.label,
               "name": info.name}
         channel = info.channel
@@ -320,6 +334,7 @@ class EmbeddingBag(_TableModule):
         pool = self.pool_on_ps is True
         if self.pool_on_ps == "auto" and not needs_rows:
             bags = bags_of(input, offsets, per_sample_weights, **kw)
+            assert bags is not None          # flatten=True gives the bags
             unique, inverse = torch.unique(input.long(), sorted=True, return_inverse=True)
             spec = channel.tables[index].spec
             pool = pooling_pays(len(bags.ids), len(unique), bags.num_bags, spec.row_bytes,
@@ -327,10 +342,12 @@ class EmbeddingBag(_TableModule):
                                 len(set(spec.owners)))
         if pool:
             bags = bags_of(input, offsets, per_sample_weights, **kw)
+            assert bags is not None
             return _pooled_request(index, bags, self.mode)
         bags_of(input, offsets, per_sample_weights, flatten=False, **kw)
         if unique is None:
             unique, inverse = torch.unique(input.long(), sorted=True, return_inverse=True)
+        assert inverse is not None           # computed with unique
         pad = None
         if self.padding_idx is not None:     # as torch: left out of its bag (and its mean)
             at = int(torch.searchsorted(unique, self.padding_idx))
@@ -350,7 +367,8 @@ class EmbeddingBag(_TableModule):
                 + (f", pool_on_ps={self.pool_on_ps!r}" if self.pool_on_ps is not False else ""))
 
 
-def _pooled_request(index: int, bags, mode: str):
+def _pooled_request(index: int, bags: Bags, mode: str
+                    ) -> tuple[Request, Callable[[torch.Tensor], torch.Tensor]]:
     """The request of bags pooled at the owners, and the sum or mean it ends with."""
     def finish(sums: torch.Tensor) -> torch.Tensor:
         if mode == "mean":                  # as torch: padding left out of the count

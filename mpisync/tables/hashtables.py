@@ -12,7 +12,7 @@ plus an id -> slot map, so the wrapped torch optimizer updates it as it updates 
 """
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.nn import functional as F
@@ -22,12 +22,18 @@ from ..protocol import hashing
 from ..protocol.tables import HashTableInfo
 from .embedding import TableParameter, check_id_tensor, live_table
 
+if TYPE_CHECKING:
+    from ..protocol.partition import Partitioner
+    from ..protocol.tables import TableSpec
+    from ..worker.rows import RowsChannel
+
 __all__ = ["HashEmbedding", "HashEmbeddingBag", "check_saved_hash_table", "place_hash_table"]
 
 
 class _HashModule(torch.nn.Module):
     def __init__(self, embedding_dim: int, capacity_per_shard: int, eviction: str,
-                 admit_after: int, seed: int, partitioner, dtype: torch.dtype):
+                 admit_after: int, seed: int, partitioner: Partitioner | None,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         for name, value, low in (("embedding_dim", embedding_dim, 1),
                                  ("capacity_per_shard", capacity_per_shard, 1),
@@ -73,15 +79,17 @@ class _HashModule(torch.nn.Module):
         if info.spec is None:
             info.spec = next(tb.spec for tb in info.channel.tables if tb.info is info)
         t = info.spec
-        if len(unique) <= t.hashed.capacity:
+        hashed = t.hashed
+        assert hashed is not None            # the spec of a hash table
+        if len(unique) <= hashed.capacity:
             return
         counts = torch.bincount(t.locate(unique)[0], minlength=t.num_shards)
         k = int(counts.argmax())
-        if int(counts[k]) > t.hashed.capacity:
+        if int(counts[k]) > hashed.capacity:
             raise CapacityError(
                 f"{info.label}: {what} {info.name!r} needs {int(counts[k])} rows on shard {k} "
                 f"(on ps {t.owners[k]}) for one lookup, more than its capacity_per_shard="
-                f"{t.hashed.capacity}; raise capacity_per_shard, use more shards "
+                f"{hashed.capacity}; raise capacity_per_shard, use more shards "
                 f"(partitioner=) or look up fewer distinct ids at once")
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -137,8 +145,8 @@ class HashEmbedding(_HashModule):
     """
 
     def __init__(self, embedding_dim: int, *, capacity_per_shard: int, eviction: str = "lru",
-                 admit_after: int = 1, seed: int = 0, partitioner=None,
-                 dtype: torch.dtype = torch.float32):
+                 admit_after: int = 1, seed: int = 0, partitioner: Partitioner | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__(embedding_dim, capacity_per_shard, eviction, admit_after, seed,
                          partitioner, dtype)
 
@@ -169,8 +177,9 @@ class HashEmbeddingBag(_HashModule):
     """
 
     def __init__(self, embedding_dim: int, *, capacity_per_shard: int, mode: str = "mean",
-                 eviction: str = "lru", admit_after: int = 1, seed: int = 0, partitioner=None,
-                 dtype: torch.dtype = torch.float32):
+                 eviction: str = "lru", admit_after: int = 1, seed: int = 0,
+                 partitioner: Partitioner | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         super().__init__(embedding_dim, capacity_per_shard, eviction, admit_after, seed,
@@ -197,7 +206,7 @@ class HashEmbeddingBag(_HashModule):
 
 
 # -- checkpoints ---------------------------------------------------------------------------
-def check_saved_hash_table(saved: dict, t) -> str | None:
+def check_saved_hash_table(saved: dict[str, Any], t: TableSpec) -> str | None:
     """What keeps a checkpoint's hash table from loading into ``t`` (its TableSpec), or None."""
     if list(saved["row_shape"]) != list(t.row_shape):
         return (f"hash table {t.name!r} was saved with rows of {list(saved['row_shape'])}, "
@@ -207,21 +216,28 @@ def check_saved_hash_table(saved: dict, t) -> str | None:
         for k, c in enumerate(torch.bincount(t.locate(sh["ids"])[0],
                                              minlength=t.num_shards).tolist()):
             counts[k] += c
-    if max(counts) > t.hashed.capacity:
+    hashed = t.hashed
+    assert hashed is not None                # the spec of a hash table
+    if max(counts) > hashed.capacity:
         return (f"hash table {t.name!r}: the checkpoint has {max(counts)} rows for shard "
                 f"{counts.index(max(counts))} of {t.num_shards}, more than its "
-                f"capacity_per_shard={t.hashed.capacity}")
+                f"capacity_per_shard={hashed.capacity}")
     return None
 
 
-def place_hash_table(shards: list[dict], t, rows) -> None:
+def place_hash_table(shards: list[dict[str, Any]], t: TableSpec, rows: RowsChannel) -> None:
     """Send each shard of hash table ``t`` the saved rows whose ids hash to it (with their
     optimizer state and counts), through the worker's ``RowsChannel`` ``rows``."""
     located = [t.locate(sh["ids"])[0] for sh in shards]
     clock = max([int((sh.get("counters") or {}).get("clock", 0)) for sh in shards] + [0])
     for k in range(t.num_shards):
         picked = [(sh, (part == k).nonzero().flatten()) for sh, part in zip(shards, located)]
-        ids, weight, count, last, per_row, scalars = [], [], [], [], {}, {}
+        ids: list[torch.Tensor] = []
+        weight: list[torch.Tensor] = []
+        count: list[torch.Tensor] = []
+        last: list[torch.Tensor] = []
+        per_row: dict[str, list[torch.Tensor]] = {}
+        scalars: dict[str, Any] = {}
         for sh, mine in picked:
             counters = sh.get("counters") or {}
             size = len(sh["ids"])
@@ -236,7 +252,7 @@ def place_hash_table(shards: list[dict], t, rows) -> None:
                     per_row.setdefault(key, []).append(value[mine])
                 else:
                     scalars.setdefault(key, value)
-        state = {key: torch.cat(values) for key, values in per_row.items()}
+        state: dict[str, Any] = {key: torch.cat(values) for key, values in per_row.items()}
         state.update(scalars)
         rows.write_shard(t.name, k, None, {
             "ids": torch.cat(ids), "weight": torch.cat(weight),

@@ -1,9 +1,12 @@
 """Row-wise Adagrad: one accumulator per row of a table (FBGEMM's EXACT_ROWWISE_ADAGRAD)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import overload
+
 import numpy as np
 import torch
-from torch.optim.optimizer import _get_scalar_dtype, _to_scalar
+from torch.optim.optimizer import ParamsT, _get_scalar_dtype, _to_scalar
 
 from ..native import kernels
 
@@ -46,9 +49,9 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         maximize: maximize the objective instead.
     """
 
-    def __init__(self, params, lr: float | torch.Tensor = 0.01, eps: float = 1e-10,
+    def __init__(self, params: ParamsT, lr: float | torch.Tensor = 0.01, eps: float = 1e-10,
                  initial_accumulator_value: float = 0.0, weight_decay: float = 0.0,
-                 maximize: bool = False):
+                 maximize: bool = False) -> None:
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError(f"a tensor lr must have one element, got {lr.numel()}")
         for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
@@ -77,8 +80,14 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                 return group
         raise ValueError("the parameter is not in this optimizer's param groups")
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One update of every parameter with a gradient (dense or sparse)."""
         loss = None
         if closure is not None:
