@@ -9,7 +9,14 @@ import numpy as np
 import torch
 
 from mpisync.protocol.spec import Model, Options, build_spec
-from mpisync.protocol.wire import FLAG_SCHEDULED, NOTICE_WORDS, Control, Kind, Tag
+from mpisync.protocol.wire import (
+    FLAG_SCHEDULED,
+    NOTICE_WORDS,
+    Control,
+    Kind,
+    NoticeField,
+    Tag,
+)
 from mpisync.ps.coordinator import Coordinator
 from mpisync.runtime.progress import Poller
 
@@ -74,7 +81,8 @@ def hyper(value: float, width: int):
 def applied(step: int, ps: int = 0) -> tuple:
     """A ps rank's APPLIED notice for ``step``."""
     notice = np.zeros(NOTICE_WORDS, np.int64)
-    notice[0], notice[1], notice[2] = Kind.APPLIED, step, ps
+    notice[NoticeField.KIND], notice[NoticeField.STEP] = Kind.APPLIED, step
+    notice[NoticeField.SENDER] = ps
     return Kind.APPLIED, notice
 
 

@@ -219,3 +219,102 @@ def test_every_public_name_resolves():
         assert getattr(mpisync, name) is not None, name
     assert mpisync.hashing.__name__ == "mpisync.protocol.hashing"
     assert mpisync.placement.__name__ == "mpisync.placement"
+
+
+# -- header fields by name -----------------------------------------------------------------
+#: Where header layouts are defined: the one module that may index a header by number.
+WIRE = "mpisync/protocol/wire.py"
+#: Names that hold a header (or a message read like one) in mpisync: the variables and
+#: attributes, and the functions that return views of one.
+HEADER_NAMES = frozenset({"fields", "pfields", "param_fields", "notice", "ctl", "token", "tok",
+                          "msg", "bye", "head", "header", "words", "timing", "views",
+                          "timing_view", "hyper_views"})
+HEADER_SUFFIXES = ("buf", "_fields", "_header", "_notice", "_token", "_words")
+
+
+def _header_name(node: ast.expr) -> str | None:
+    """The identifier an indexed expression goes by: ``x`` -> x, ``a.b.x`` -> x, ``f(..)``
+    and ``a.f(..)`` -> f; None for anything else."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Call):
+        return _header_name(node.func)
+    return None
+
+
+def _is_int_literal(node: ast.expr | None) -> bool:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        node = node.operand
+    return isinstance(node, ast.Constant) and type(node.value) is int
+
+
+def _literal_index(index: ast.expr) -> bool:
+    """An int literal, a slice with an int literal bound or step, or a tuple holding one."""
+    if isinstance(index, ast.Slice):
+        return any(_is_int_literal(x) for x in (index.lower, index.upper, index.step))
+    if isinstance(index, ast.Tuple):
+        return any(_literal_index(e) for e in index.elts)
+    return _is_int_literal(index)
+
+
+def header_indexing(source: str, path: str = "<source>") -> list[str]:
+    """``path:line: expression`` for every subscript of a header by an integer literal.
+
+    Caught: a subscript (read, write or ``del``) whose index is an int literal (``-1``
+    included), a slice with an int literal bound or step (``x[5:7]``, ``x[:3]``) or a
+    tuple holding one, of an expression that goes by a header's name (``_header_name``):
+    one of ``HEADER_NAMES`` or ending in one of ``HEADER_SUFFIXES``. Not caught: indices
+    computed from literals (``x[1 + n]``), names bound to ints, or headers under other
+    names; those are left to review.
+    """
+    found = []
+    for node in ast.walk(ast.parse(source, filename=path)):
+        if not isinstance(node, ast.Subscript) or not _literal_index(node.slice):
+            continue
+        name = _header_name(node.value)
+        if name is not None and (name in HEADER_NAMES or name.endswith(HEADER_SUFFIXES)):
+            found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_header_is_indexed_by_number_outside_wire():
+    found = []
+    for path in package_files():
+        if path != WIRE:
+            found += header_indexing((ROOT / path).read_text(encoding="utf-8"), path)
+    assert not found, ("header fields are read and written by name (protocol/wire.py's "
+                       "*Field classes): " + "; ".join(found))
+
+
+@pytest.mark.parametrize("line", [
+    "kind = int(slot.fields[0])",
+    "fields[4] = flags",
+    "f(ctl[3])",
+    "self.token_buf[3] = 1",
+    "x = notice[-1]",
+    "bye[5:7] = other",
+    "words[:3] = (0, 0, n)",
+    "mask = self.header.views(buf)[3]",
+    "t = timing_view(fields)[0]",
+    "mark = int(buf[:8].view(np.int64)[0])",
+    "a, b = msg[0], msg[1]",
+    "del self.send_buf[0]",
+])
+def test_header_indexing_catches_numbers(line):
+    found = header_indexing(line, "synthetic.py")
+    assert len(found) >= 1 and found[0].startswith("synthetic.py:1: ")
+
+
+@pytest.mark.parametrize("line", [
+    "kind = int(slot.fields[GradField.KIND])",
+    "fields[GradField.TIMING:GradField.TIMING_STOP] = other",
+    "codes[pos], words[pos] = leaf",
+    "msg[HyperField.WORDS + width:] = 0",
+    "first = shapes[0]",
+    "rest = ps_ranks[1:]",
+    "x = fields[i]",
+])
+def test_header_indexing_passes_names(line):
+    assert header_indexing(line) == []

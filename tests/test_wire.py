@@ -7,8 +7,40 @@ import numpy as np
 import pytest
 import torch
 
+from mpisync.protocol import pooled
 from mpisync.protocol.hyper import HyperCodec
-from mpisync.protocol.wire import ALIGN, Control, GradHeader, Kind, Tag, build_layouts, tensor_view
+from mpisync.protocol.wire import (
+    ALIGN,
+    FLAG_ASSIGN,
+    FLAG_RESEND,
+    NOTICE_SKIPPED,
+    NOTICE_WORDS,
+    PARAM_HEADER_BYTES,
+    ROWS_HEAD,
+    TIMING_WORDS,
+    TOKEN_STATS,
+    TOKEN_WORDS,
+    Control,
+    ControlField,
+    GradField,
+    GradHeader,
+    HyperField,
+    Kind,
+    NoticeField,
+    ParamField,
+    RowsField,
+    Tag,
+    TimingWord,
+    TokenField,
+    build_layouts,
+    hyper_views,
+    hyper_words,
+    pack_rows,
+    rows_mark,
+    tensor_view,
+    timing_view,
+    unpack_rows,
+)
 
 
 # -- layouts ------------------------------------------------------------------------------
@@ -79,12 +111,128 @@ def test_control_messages_round_trip():
     codes = np.array([1, 2, 17], np.uint8)
     msg = control.new(Kind.DECIDE, 12, arg=2, taken=(1, 0, 2, 1), workers=(0, 3),
                       hyper=(words, codes), has_obj=True)
-    assert (int(msg[0]), int(msg[1]), int(msg[2]), int(msg[3])) == (Kind.DECIDE, 12, 2, 1)
+    assert (int(msg[ControlField.KIND]), int(msg[ControlField.STEP]),
+            int(msg[ControlField.ARG]), int(msg[ControlField.HAS_OBJ])) == (Kind.DECIDE, 12, 2, 1)
     assert control.taken(msg) == (1, 0, 2, 1)
     assert list(control.workers(msg)) == [0, 3]
     got_words, got_codes = control.hyper(msg)
     assert list(got_words) == list(words) and list(got_codes) == list(codes)
     assert msg.nbytes == 8 * control.words
+
+
+# -- header fields by name: the bytes on the wire (WIRE_VERSION 3) ---------------------------
+def _positions(cls) -> dict[str, int]:
+    return {k: v for k, v in vars(cls).items() if k.isupper()}
+
+
+@pytest.mark.parametrize("cls, count", [(GradField, 8), (ParamField, 8), (TokenField, 4),
+                                        (NoticeField, 8), (ControlField, 4), (RowsField, 3),
+                                        (TimingWord, 4)])
+def test_each_field_has_its_own_position_inside_the_header(cls, count):
+    fields = _positions(cls)
+    assert fields.pop("COUNT") == count
+    if cls is RowsField:
+        assert fields.pop("MARK") == RowsField.STEP       # the same word, two readings
+    if cls is GradField:
+        assert fields.pop("TIMING_STOP") == GradField.TIMING + 4 * TIMING_WORDS // 8   # uint32s
+    positions = sorted(fields.values())
+    assert positions == sorted(set(positions)) and 0 <= positions[0]
+    assert positions[-1] < count
+    assert all(type(v) is int for v in fields.values())    # plain ints: cheap to index with
+
+
+def test_sizes_follow_the_fields():
+    assert PARAM_HEADER_BYTES == 64 and TOKEN_WORDS == 4 and NOTICE_WORDS == 8
+    assert ROWS_HEAD == 3 and TIMING_WORDS == 4 and GradHeader.FIELDS == 8
+
+
+def test_grad_header_by_name_is_the_bytes_of_version_3():
+    header = GradHeader(hyper_width=2, num_entries=3)
+    buf = np.zeros(header.nbytes, np.uint8)
+    fields, _, _, _ = header.views(buf)
+    fields[GradField.KIND], fields[GradField.STEP] = Kind.GRAD, 41
+    fields[GradField.WORKER], fields[GradField.SEQ] = 3, 40
+    fields[GradField.FLAGS] = FLAG_ASSIGN | FLAG_RESEND
+    timing = timing_view(fields)
+    timing[TimingWord.COMPUTE], timing[TimingWord.PUSH] = 1000, 20
+    timing[TimingWord.WAIT], timing[TimingWord.PULL] = 300, 0xFFFFFFFF
+    expected = np.array([Kind.GRAD, 41, 3, 40, 5, 1000 | 20 << 32, 300 | 0xFFFFFFFF << 32, 0],
+                        np.uint64).view(np.int64)
+    assert buf[:64].tobytes() == expected.tobytes()
+    got = header.views(buf)[0]
+    assert [int(got[GradField.KIND]), int(got[GradField.STEP]), int(got[GradField.WORKER]),
+            int(got[GradField.SEQ]), int(got[GradField.FLAGS])] == [Kind.GRAD, 41, 3, 40, 5]
+    assert timing_view(got).tolist() == [1000, 20, 300, 0xFFFFFFFF]
+
+
+def test_close_carries_the_timings_where_a_gradient_does():
+    bye = np.zeros(GradField.COUNT, np.int64)
+    bye[GradField.KIND], bye[GradField.STEP], bye[GradField.WORKER] = Kind.CLOSE, 9, 1
+    timing_view(bye)[:] = (4, 3, 2, 1)
+    assert bye.tobytes() == np.array([Kind.CLOSE, 9, 1, 0, 0, 4 | 3 << 32, 2 | 1 << 32, 0],
+                                     np.int64).tobytes()
+
+
+def test_param_header_by_name_is_the_bytes_of_version_3():
+    buf = np.zeros(PARAM_HEADER_BYTES + 16, np.uint8)
+    fields = buf[:PARAM_HEADER_BYTES].view(np.int64)
+    fields[ParamField.KIND], fields[ParamField.STEP] = Kind.PARAMS, 7
+    assert buf[:PARAM_HEADER_BYTES].tobytes() == np.array(
+        [Kind.PARAMS, 7, 0, 0, 0, 0, 0, 0], np.int64).tobytes()
+    assert int(fields[ParamField.STEP]) == 7
+
+
+def test_token_by_name_is_the_bytes_of_version_3():
+    token = np.zeros(TOKEN_WORDS, np.int64)
+    token[TokenField.KIND], token[TokenField.STEP], token[TokenField.ARG] = Kind.GO, 12, 1
+    token[TokenField.FLAGS] = TOKEN_STATS
+    assert token.tobytes() == np.array([Kind.GO, 12, 1, TOKEN_STATS], np.int64).tobytes()
+    assert (int(token[TokenField.KIND]), int(token[TokenField.STEP]),
+            bool(token[TokenField.ARG])) == (Kind.GO, 12, True)
+
+
+def test_notice_by_name_is_the_bytes_of_version_3():
+    notice = np.zeros(NOTICE_WORDS, np.int64)
+    notice[NoticeField.KIND], notice[NoticeField.STEP] = Kind.APPLIED, 5
+    notice[NoticeField.SENDER], notice[NoticeField.FLAGS] = 2, NOTICE_SKIPPED
+    notice[NoticeField.APPLY_US], notice[NoticeField.REDUCE_US] = 1500, 500
+    notice[NoticeField.BYTES_IN], notice[NoticeField.BYTES_OUT] = 4096, 2048
+    assert notice.tobytes() == np.array([Kind.APPLIED, 5, 2, NOTICE_SKIPPED, 1500, 500, 4096,
+                                         2048], np.int64).tobytes()
+
+
+def test_control_by_name_is_the_bytes_of_version_3():
+    control = Control(num_workers=2, hyper_width=1)
+    msg = control.new(Kind.STATE, 3, arg=1, has_obj=True)
+    assert msg.tobytes() == np.array([Kind.STATE, 3, 1, 1, 0, 0, 0, 0, 0, 0],
+                                     np.int64).tobytes()
+
+
+def test_hyper_message_by_name_is_the_bytes_of_version_3():
+    width = 3
+    msg = np.zeros(hyper_words(width), np.int64)
+    msg[HyperField.STEP] = 8
+    words, codes = hyper_views(msg, width)
+    words[:], codes[:] = (10, -20, 30), (1, 2, 3)
+    assert len(msg) == 1 + width + 1
+    assert msg.tobytes() == np.array([8, 10, -20, 30, 1 | 2 << 8 | 3 << 16], np.int64).tobytes()
+    got_words, got_codes = hyper_views(msg, width)
+    assert got_words.tolist() == [10, -20, 30] and got_codes.tolist() == [1, 2, 3]
+
+
+def test_rows_head_by_name_is_the_bytes_of_version_3():
+    ids = torch.tensor([4, 5], dtype=torch.int64)
+    buf = pack_rows(6, 2, [(ids, None), (None, None)])
+    assert buf.tobytes() == np.array([6, 2, 2, 2, 0, 4, 5], np.int64).tobytes()
+    assert unpack_rows(buf, [None, None], with_ids=True)[:2] == (6, 2)
+    assert rows_mark(buf) == 6 and rows_mark(buf[:7]) is None
+
+
+def test_pooled_head_by_name_is_the_bytes_of_version_3():
+    buf = pooled.pack_parts(pooled.EXCHANGE, [None], [])
+    assert buf.tobytes() == np.array([pooled.EXCHANGE, 0, 1, 0, -1, 0], np.int64).tobytes()
+    assert rows_mark(buf) == pooled.EXCHANGE
+    assert pooled.unpack_parts(buf, [torch.float32])[:2] == (pooled.EXCHANGE, [None])
 
 
 def test_tags_of_optimizers_never_collide():

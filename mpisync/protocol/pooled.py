@@ -16,15 +16,16 @@ import numpy as np
 import torch
 
 from ..native import kernels
-from .wire import ROWS_HEAD, pad8
+from .wire import ROWS_HEAD, RowsField, pad8
 
 __all__ = ["EXCHANGE", "POOLED", "Part", "answer", "bag_grads", "block_order", "gather_rows",
            "pack_parts", "parts_nbytes", "reply_nbytes", "row_grads", "rows_of",
            "rows_section_nbytes", "unpack_parts"]
 
-EXCHANGE = -2   # words[0] of a lookup in this layout (a rows lookup, ``pack_rows``, has -1)
-POOLED = -3     # words[0] of a push's pooled section, after its rows message
-HEAD, PER_PART = 3, 3     # int64 words: [mark, 0, parts], then [count, num_bags, weighted]
+EXCHANGE = -2   # RowsField.MARK of a lookup in this layout (a rows lookup, ``pack_rows``, -1)
+POOLED = -3     # RowsField.MARK of a push's pooled section, after its rows message
+HEAD = RowsField.COUNT    # int64 words: [mark, 0, parts] (RowsField), then per part:
+PER_PART = 3              # [count, num_bags, weighted]
 
 
 @dataclass
@@ -65,7 +66,8 @@ def pack_parts(mark: int, parts: list[Part | None], blocks: list[torch.Tensor],
         into, start = np.empty(size, np.uint8), 0
     buf = into[start:start + size]
     words = buf[:8 * (HEAD + PER_PART * len(parts))].view(np.int64)
-    words[:HEAD] = (mark, 0, len(parts))
+    words[RowsField.MARK], words[RowsField.SEQ] = mark, 0
+    words[RowsField.PARTS] = len(parts)
     out = torch.from_numpy(buf)
     at = len(words) * 8
 
@@ -102,7 +104,7 @@ def unpack_parts(buf: np.ndarray, dtypes: list[torch.dtype], start: int = 0
     if buf.nbytes < start + 8 * HEAD:
         raise ValueError(f"a lookup of {buf.nbytes - start} bytes, too short for its header")
     head = buf[start:start + 8 * HEAD].view(np.int64)
-    mark, n = int(head[0]), int(head[2])
+    mark, n = int(head[RowsField.MARK]), int(head[RowsField.PARTS])
     if n != len(dtypes):
         raise ValueError(f"a lookup with {n} parts, expected {len(dtypes)}")
     at = start + 8 * (HEAD + PER_PART * n)

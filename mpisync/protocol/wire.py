@@ -9,25 +9,39 @@ import torch
 
 __all__ = [
     "ALIGN",
+    "NOTICE_SKIPPED",
+    "NOTICE_WORDS",
     "PARAM_HEADER_BYTES",
+    "ROWS_HEAD",
     "TIMING_WORDS",
     "TOKEN_STATS",
     "TOKEN_WORDS",
     "WIRE_VERSION",
     "Bucket",
     "Control",
+    "ControlField",
     "Entry",
+    "GradField",
     "GradHeader",
+    "HyperField",
     "Kind",
+    "NoticeField",
+    "ParamField",
+    "RowsField",
     "ShardLayout",
     "Tag",
+    "TimingWord",
+    "TokenField",
     "bucket_layout",
     "build_layouts",
     "entry_views",
+    "hyper_views",
+    "hyper_words",
     "is_still_question",
     "pack_rows",
     "pad8",
     "region_views",
+    "rows_mark",
     "still_question",
     "tensor_view",
     "timing_view",
@@ -38,14 +52,103 @@ __all__ = [
 #: (``mpisync.init`` checks). Change it with any change to a layout or a message's meaning.
 WIRE_VERSION = 3       # 2: Kind.UPDATE (opt.update()); 3: pushes in buckets, 16-bit wire
 ALIGN = 64
-PARAM_HEADER_BYTES = 64   # int64[8]: kind, global step, ...
-TOKEN_WORDS = 4           # int64[4]: kind, global step, argument, flags (TOKEN_*)
-NOTICE_WORDS = 8          # int64[8]: kind, step, sender, flags, then APPLIED's figures:
-                          # apply us, reduce us, bytes in, bytes out (0 unless timed)
-NOTICE_SKIPPED = 1        # APPLIED's flag: the step's gradient was not finite, not applied
-TIMING_WORDS = 4          # uint32[4] in int64 fields 5-6 of a gradient header or CLOSE:
-                          # compute, push, wait, pull us of the worker's previous step
 
+
+# -- headers: the position of each field, by name -------------------------------------------
+# Every reader and writer of a header names its fields through these classes (plain ints,
+# like ``Tag``: indexing a numpy array with one costs what indexing it with a literal does,
+# which an ``IntEnum`` member's lookup does not). Nothing outside this module indexes a
+# header by number (tests/test_layout.py checks).
+
+class GradField:
+    """int64 fields of the header that leads a gradient message (``GradHeader``), and of
+    the bare header of an ASSIGN or CLOSE."""
+
+    KIND = 0        # Kind.GRAD, Kind.ASSIGN or Kind.CLOSE
+    STEP = 1        # the global step the gradient was computed at (CLOSE: the worker's last)
+    WORKER = 2      # the sender's worker index
+    SEQ = 3         # the sender's push count
+    FLAGS = 4       # FLAG_* (GRAD only)
+    TIMING = 5      # fields 5-6: TIMING_WORDS uint32 words (``timing_view``)
+    TIMING_STOP = 7
+    COUNT = 8       # field 7 is unused (0)
+
+
+class ParamField:
+    """int64 fields of the header that leads a ps rank's parameters (ps -> worker)."""
+
+    KIND = 0        # Kind.PARAMS
+    STEP = 1        # the global step the parameters are of
+    COUNT = 8       # fields 2-7 are unused (0)
+
+
+class TokenField:
+    """int64 words of a token (coordinator -> worker)."""
+
+    KIND = 0        # Kind.GO, GRANT, STOP, FAIL or HYPER
+    STEP = 1        # the global step to compute at (HYPER: whose hyper-parameters to send)
+    ARG = 2         # GO, GRANT: 1 if the step took this worker's gradient
+    FLAGS = 3       # TOKEN_*
+    COUNT = 4
+
+
+class NoticeField:
+    """int64 words of a notice (ps -> coordinator); the figures are APPLIED's, 0 unless timed."""
+
+    KIND = 0        # Kind.APPLIED
+    STEP = 1        # the step applied
+    SENDER = 2      # the sender's ps index
+    FLAGS = 3       # NOTICE_SKIPPED
+    APPLY_US = 4    # time spent applying the step, microseconds
+    REDUCE_US = 5   # time spent reducing its gradients, microseconds
+    BYTES_IN = 6    # bytes received since the last notice
+    BYTES_OUT = 7   # bytes sent since the last notice
+    COUNT = 8
+
+
+class ControlField:
+    """int64 words before a control message's arrays (coordinator -> ps, ``Control``)."""
+
+    KIND = 0        # Kind.DECIDE, REPLY, SHUTDOWN, STATE, AVERAGES, LOAD or UPDATE
+    STEP = 1        # DECIDE: the step to apply
+    ARG = 2         # STATE, AVERAGES: the worker to send to
+    HAS_OBJ = 3     # a pickled payload follows on Tag.CTL_OBJ
+    COUNT = 4
+
+
+class HyperField:
+    """int64 words of a worker's hyper-parameters message (worker -> coordinator, async)."""
+
+    STEP = 0        # the step they are for
+    WORDS = 1       # then the hyper-parameter words, then one uint8 code each (``hyper_views``)
+
+
+class RowsField:
+    """int64 words before a rows message's counts (``pack_rows``; ``pooled.pack_parts``)."""
+
+    STEP = 0        # the step (a rows lookup: -1)
+    MARK = 0        # ... or, in ``pooled``'s messages, their negative mark in the same word
+    SEQ = 1         # the sender's sequence number (``pooled``: 0)
+    PARTS = 2       # the number of parts, whose counts follow
+    COUNT = 3
+
+
+class TimingWord:
+    """uint32 words of a worker's timings of its previous step, microseconds (``timing_view``)."""
+
+    COMPUTE = 0     # from the end of the previous step() to the start of this one
+    PUSH = 1        # step() until every send was started
+    WAIT = 2        # ... until the token arrived
+    PULL = 3        # ... until the parameters were in the model
+    COUNT = 4
+
+
+PARAM_HEADER_BYTES = 8 * ParamField.COUNT
+TOKEN_WORDS = TokenField.COUNT
+NOTICE_WORDS = NoticeField.COUNT
+NOTICE_SKIPPED = 1        # APPLIED's flag: the step's gradient was not finite, not applied
+TIMING_WORDS = TimingWord.COUNT
+ROWS_HEAD = RowsField.COUNT
 
 class Tag:
     """MPI tags on mpisync's private communicator.
@@ -60,13 +163,13 @@ class Tag:
     GRAD = 0        # fused gradients, or a bare header (CLOSE): worker -> ps
     ASSIGN = 1      # parameters written on a worker between steps: worker -> ps
     PARAMS = 2      # fused parameters: ps -> worker
-    TOKEN = 3       # int64[4]: coordinator -> worker
-    CTL = 4         # Control words: coordinator -> ps
+    TOKEN = 3       # TokenField words: coordinator -> worker
+    CTL = 4         # Control words (ControlField first): coordinator -> ps
     CTL_OBJ = 5     # pickled payload following a Control message
-    NOTICE = 6      # int64[4]: ps -> coordinator ("step applied")
+    NOTICE = 6      # NoticeField words: ps -> coordinator ("step applied")
     REQ = 7         # pickled request: worker -> coordinator
     INFO = 8        # pickled reply: ps -> worker
-    HYPER = 9       # int64 words: worker -> coordinator, the hyper-parameters of a step
+    HYPER = 9       # HyperField words: worker -> coordinator, the hyper-parameters of a step
     INIT = 10       # raw initial parameters: chief -> ps
     SPARSE = 11     # rows message: a push's table rows and their gradients, worker -> ps
     LOOKUP = 12     # rows message: ids whose rows a worker needs, worker -> ps
@@ -122,8 +225,29 @@ TOKEN_STATS = 1       # ps 0 keeps the statistics log: report step timings (TIMI
 
 
 def timing_view(fields: np.ndarray) -> np.ndarray:
-    """The TIMING_WORDS uint32 words inside the int64 header ``fields`` (fields 5 and 6)."""
-    return fields[5:7].view(np.uint32)
+    """The TIMING_WORDS uint32 words (``TimingWord``) inside the int64 gradient header
+    ``fields`` (``GradField.TIMING``)."""
+    return fields[GradField.TIMING:GradField.TIMING_STOP].view(np.uint32)
+
+
+def hyper_words(width: int) -> int:
+    """The int64 words of a hyper-parameters message (``HyperField``) of ``width`` words."""
+    return HyperField.WORDS + width + (width + 7) // 8
+
+
+def hyper_views(msg: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 hyper words, uint8 codes) views into the hyper-parameters message ``msg``."""
+    codes_at = HyperField.WORDS + width
+    return msg[HyperField.WORDS:codes_at], msg[codes_at:].view(np.uint8)[:width]
+
+
+def rows_mark(buf: np.ndarray) -> int | None:
+    """The first word of a rows message or a ``pooled`` one (``RowsField.MARK``), None if
+    ``buf`` is too short to hold it."""
+    end = 8 * (RowsField.MARK + 1)
+    if buf.nbytes < end:
+        return None
+    return int(buf[:end].view(np.int64)[RowsField.MARK])
 
 
 def _align(n: int) -> int:
@@ -300,13 +424,13 @@ def region_views(buf: torch.Tensor, base: int, regions) -> list[torch.Tensor]:
 class GradHeader:
     """Layout of the header that leads every gradient message to one ps rank.
 
-    int64[8] fields (kind, step, worker, seq, flags, then in fields 5-6 the worker's
+    int64 fields (``GradField``: kind, step, worker, seq, flags, then the worker's
     timings of its previous step, ``timing_view``), then, on the message to the
     coordinating ps only, the hyper-parameters (int64 words, then one uint8 type code
     each), then one byte per parameter of the shard: 1 if its gradient is present.
     """
 
-    FIELDS = 8
+    FIELDS = GradField.COUNT
 
     def __init__(self, hyper_width: int, num_entries: int):
         self.hyper_offset = 8 * self.FIELDS
@@ -328,7 +452,8 @@ class GradHeader:
 class Control:
     """Layout of a coordinator -> ps message: int64 words.
 
-    ``[kind, step, arg, has_obj, taken[W], workers[W], hyper words[H], codes (H bytes)]``:
+    ``[kind, step, arg, has_obj (ControlField), taken[W], workers[W], hyper words[H],
+    codes (H bytes)]``:
     ``taken`` counts each worker's gradients in a DECIDE, ``workers`` flags who gets
     parameters, and the hyper-parameters are those the step applies.
     """
@@ -336,16 +461,17 @@ class Control:
     def __init__(self, num_workers: int, hyper_width: int):
         self.num_workers = num_workers
         self.hyper_width = hyper_width
-        self.taken_at = 4
-        self.workers_at = 4 + num_workers
-        self.hyper_at = 4 + 2 * num_workers
+        self.taken_at = ControlField.COUNT
+        self.workers_at = self.taken_at + num_workers
+        self.hyper_at = self.taken_at + 2 * num_workers
         self.codes_at = self.hyper_at + hyper_width
         self.words = self.codes_at + (hyper_width + 7) // 8
 
     def new(self, kind: int, step: int, arg: int = 0, taken=(), workers=(), hyper=None,
             has_obj: bool = False) -> np.ndarray:
         msg = np.zeros(self.words, np.int64)
-        msg[0], msg[1], msg[2], msg[3] = kind, step, arg, int(has_obj)
+        msg[ControlField.KIND], msg[ControlField.STEP] = kind, step
+        msg[ControlField.ARG], msg[ControlField.HAS_OBJ] = arg, int(has_obj)
         if len(taken):
             msg[self.taken_at:self.workers_at] = taken
         for w in workers:
@@ -369,10 +495,6 @@ class Control:
         return msg[self.codes_at:].view(np.uint8)[:self.hyper_width]
 
 
-#: int64 words before a rows message's counts: step, sequence number, number of parts.
-ROWS_HEAD = 3
-
-
 def pad8(n: int) -> int:
     """``n`` rounded up to a multiple of 8: each section of a message starts 8-aligned."""
     return (n + 7) // 8 * 8
@@ -393,8 +515,8 @@ def pack_rows(step: int, seq: int, parts: list[tuple[torch.Tensor | None, torch.
     size += sum(pad8(v.numel() * v.element_size()) for _, v in parts if v is not None)
     buf = np.empty(size, np.uint8)
     words = buf[:head].view(np.int64)
-    words[0], words[1], words[2] = step, seq, len(parts)
-    words[ROWS_HEAD:] = counts
+    words[RowsField.STEP], words[RowsField.SEQ], words[RowsField.PARTS] = step, seq, len(parts)
+    words[RowsField.COUNT:] = counts
     out = torch.from_numpy(buf)
     at = head
     for ids, _ in parts:
@@ -421,7 +543,8 @@ def unpack_rows(buf: np.ndarray, rows: list[tuple[torch.dtype, tuple[int, ...]] 
         ValueError: the message does not have the parts or the bytes expected.
     """
     words = buf[:8 * ROWS_HEAD].view(np.int64)
-    step, seq, n = int(words[0]), int(words[1]), int(words[2])
+    step, seq = int(words[RowsField.STEP]), int(words[RowsField.SEQ])
+    n = int(words[RowsField.PARTS])
     if n != len(rows):
         raise ValueError(f"a rows message with {n} parts, expected {len(rows)}")
     counts = buf[8 * ROWS_HEAD:8 * (ROWS_HEAD + n)].view(np.int64).tolist()

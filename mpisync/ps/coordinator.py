@@ -20,8 +20,13 @@ from ..protocol.wire import (
     TOKEN_STATS,
     TOKEN_WORDS,
     Control,
+    HyperField,
     Kind,
+    NoticeField,
     Tag,
+    TokenField,
+    hyper_views,
+    hyper_words,
     still_question,
 )
 from ..runtime.progress import Poller
@@ -78,7 +83,7 @@ class Coordinator:
         self.log = log
         self.observed = log is not None or timeline.current is not None
         if log is not None:
-            self.token_buf[3] = TOKEN_STATS      # workers: send your step timings
+            self.token_buf[TokenField.FLAGS] = TOKEN_STATS      # workers: send your step timings
         if timeline.current is not None:
             timeline.current.name_thread(1, "coordinator")
         width = spec.hyper.width
@@ -87,7 +92,7 @@ class Coordinator:
         self.pushed_at = [0] * self.W       # the step each worker's last gradient was computed at
         self.pushes = [0] * self.W          # gradients each worker pushed so far
         self.scheduled = [False] * self.W   # its schedule follows the global step
-        self.hyper_buf = np.zeros(1 + width + (width + 7) // 8, np.int64)
+        self.hyper_buf = np.zeros(hyper_words(width), np.int64)
         self.hyper_req = None               # async: waiting for a worker's hyper-parameters
         self.parked: Action | None = None   # ... for this DECIDE
         self.acks: dict[int, int] = {}      # step -> ps ranks that applied it
@@ -110,28 +115,38 @@ class Coordinator:
     def start(self) -> None:
         self._emit(self.steps.start())
 
-    def on_notice(self, notice) -> None:
-        """A notice from a shard server: PUSHED / CLOSED (own rank), APPLIED (any ps)."""
-        kind = notice[0]
+    def on_notice(self, notice: tuple) -> None:
+        """A notice from a shard server: ``(PUSHED, worker, step, flags, hyper words, codes
+        [, timing])`` or ``(CLOSED, worker, step[, timing])`` from the own rank, ``(APPLIED,
+        NoticeField words)`` from any ps."""
+        kind, *args = notice
         if kind == Kind.PUSHED:
-            _, w, step, flags, words, codes, *timing = notice
-            self.hyper[w][0][:] = words
-            self.hyper[w][1][:] = codes
-            self.pushed_at[w] = step
-            self.pushes[w] += 1
-            self.scheduled[w] = bool(flags & FLAG_SCHEDULED)
-            if self.observed:
-                self._observe_push(w, step, timing[0] if timing else None)
-            else:
-                self._emit(self.steps.push(w, step))
+            self._on_pushed(*args)
         elif kind == Kind.CLOSED:
-            if self.log is not None:
-                self.log.closed(notice[1], notice[3] if len(notice) > 3 else None)
-            self._emit(self.steps.close(notice[1]))
+            self._on_closed(*args)
         elif kind == Kind.APPLIED:
-            self._on_applied(notice[1])
+            self._on_applied(*args)
         else:
             raise ProtocolError(f"{self.label}: unknown notice {kind}")
+
+    def _on_pushed(self, w: int, step: int, flags: int, words, codes, timing=None) -> None:
+        """Worker ``w`` pushed a gradient computed at ``step``, with its hyper-parameters."""
+        held_words, held_codes = self.hyper[w]
+        held_words[:] = words
+        held_codes[:] = codes
+        self.pushed_at[w] = step
+        self.pushes[w] += 1
+        self.scheduled[w] = bool(flags & FLAG_SCHEDULED)
+        if self.observed:
+            self._observe_push(w, step, timing)
+        else:
+            self._emit(self.steps.push(w, step))
+
+    def _on_closed(self, w: int, step: int, timing=None) -> None:
+        """Worker ``w`` closed at ``step``."""
+        if self.log is not None:
+            self.log.closed(w, timing)
+        self._emit(self.steps.close(w))
 
     def poll(self, rare: bool = False) -> bool:
         """APPLIED notices from the other ps ranks, awaited hyper-parameters, and with
@@ -139,7 +154,7 @@ class Coordinator:
         progressed = False
         for buf, req in zip(self.notice_bufs, self.notice_reqs):
             if req.Test():
-                notice = (int(buf[0]), buf.copy())
+                notice = (int(buf[NoticeField.KIND]), buf.copy())
                 req.Start()
                 self.on_notice(notice)
                 progressed = True
@@ -169,11 +184,11 @@ class Coordinator:
 
     def _on_applied(self, words) -> None:
         """A ps rank applied a step: in strict sync possibly before it was decided here."""
-        if words[3] & NOTICE_SKIPPED and int(words[2]) == 0:
-            self.skipped.append(int(words[1]))
+        step = int(words[NoticeField.STEP])
+        if words[NoticeField.FLAGS] & NOTICE_SKIPPED and int(words[NoticeField.SENDER]) == 0:
+            self.skipped.append(step)
         if self.log is not None:
             self.log.applied(words)
-        step = int(words[1])
         self.acks[step] = self.acks.get(step, 0) + 1
         self._check_applied()
 
@@ -211,7 +226,7 @@ class Coordinator:
 
     def _token(self, kind: int, step: int, workers, arg: int = 0) -> None:
         tok = self.token_buf
-        tok[0], tok[1], tok[2] = kind, step, arg
+        tok[TokenField.KIND], tok[TokenField.STEP], tok[TokenField.ARG] = kind, step, arg
         for w in workers:
             if w in self.lost:
                 continue
@@ -270,11 +285,11 @@ class Coordinator:
     def _on_hyper(self) -> None:
         a, self.parked = self.parked, None
         width = self.spec.hyper.width
-        if int(self.hyper_buf[0]) != a.step:
+        step = int(self.hyper_buf[HyperField.STEP])
+        if step != a.step:
             raise ProtocolError(f"{self.label}: hyper-parameters for step "
-                                f"{int(self.hyper_buf[0])}, asked for step {a.step}")
-        words = self.hyper_buf[1:1 + width]
-        codes = self.hyper_buf[1 + width:].view(np.uint8)[:width]
+                                f"{step}, asked for step {a.step}")
+        words, codes = hyper_views(self.hyper_buf, width)
         self._to_shards(self.control.new(Kind.DECIDE, a.step, taken=a.taken, workers=a.workers,
                                          hyper=(words, codes)))
         self.decided_step = a.step

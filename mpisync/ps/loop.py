@@ -9,7 +9,7 @@ from mpi4py import MPI
 from ..errors import ConfigError, StallError
 from ..observe import timeline
 from ..protocol.spec import decode, versions
-from ..protocol.wire import Kind, Tag
+from ..protocol.wire import ControlField, Kind, Tag
 from ..runtime.progress import SETUP_TIMEOUT, STALL_WARNING, Pace, Poller, spin_seconds
 from ..runtime.survival import improbe
 from . import heap
@@ -93,7 +93,8 @@ class Job:
         if self.coord is not None:
             return self.coord.describe_wait()
         if self.shard.queue:
-            return f"waiting for gradients to apply step {int(self.shard.queue[0][0][1])}"
+            ctl, _ = self.shard.queue[0]
+            return f"waiting for gradients to apply step {int(ctl[ControlField.STEP])}"
         return "waiting for the coordinator (ps 0)"
 
 

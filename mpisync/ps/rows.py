@@ -15,7 +15,7 @@ from ..observe import timeline
 from ..protocol import pooled
 from ..protocol.spec import JobSpec
 from ..protocol.tables import TableSpec
-from ..protocol.wire import ROWS_HEAD, Tag, pack_rows, pad8, unpack_rows
+from ..protocol.wire import ROWS_HEAD, RowsField, Tag, pack_rows, pad8, rows_mark, unpack_rows
 from ..runtime.progress import Poller
 from ..tables.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
 from ..tables.rowwise import RowWiseAdagrad
@@ -215,7 +215,7 @@ class RowShards:
                 break
             self.settle()
             buf = self._recv(msg, status)
-            if buf.nbytes >= 8 and int(buf[:8].view(np.int64)[0]) == pooled.EXCHANGE:
+            if rows_mark(buf) == pooled.EXCHANGE:
                 self._answer_exchange(buf, status.Get_source())
             else:
                 self._answer_lookup(buf, status.Get_source())
@@ -278,7 +278,8 @@ class RowShards:
         sizes = [pad8(c * u.spec.row_bytes) for c, u in zip(counts, self.units)]
         reply = np.empty(head + sum(sizes), np.uint8)
         words = reply[:head].view(np.int64)
-        words[:ROWS_HEAD] = (0, 0, len(parts))
+        words[RowsField.STEP] = words[RowsField.SEQ] = 0
+        words[RowsField.PARTS] = len(parts)
         words[ROWS_HEAD:] = counts
         out, at = torch.from_numpy(reply), head
         for n, (u, (local, _), c, size) in enumerate(zip(self.units, parts, counts, sizes)):

@@ -23,8 +23,12 @@ from ..protocol.wire import (
     PARAM_HEADER_BYTES,
     Bucket,
     Control,
+    ControlField,
+    GradField,
     GradHeader,
     Kind,
+    NoticeField,
+    ParamField,
     ShardLayout,
     Tag,
     entry_views,
@@ -390,7 +394,7 @@ class ShardServer:
             ctl = self.ctl_buf.copy()        # tiny; frees the buffer for the next one
             self.ctl_req.Start()
             obj = None
-            if ctl[3]:
+            if ctl[ControlField.HAS_OBJ]:
                 obj = self.poller.wait_message(self.coordinator_rank, self.tags[Tag.CTL_OBJ],
                                                lambda: "a control payload from ps 0")
             self.queue.append((ctl, obj))
@@ -415,11 +419,12 @@ class ShardServer:
                 from None
 
     def _on_message(self, slot: _Slot, nbytes: int, notices: list) -> None:
-        kind, step, w = int(slot.fields[0]), int(slot.fields[1]), slot.worker
+        fields = slot.fields
+        kind, step, w = int(fields[GradField.KIND]), int(fields[GradField.STEP]), slot.worker
         if kind == Kind.CLOSE:
             self.closed[w] = True
             self._release([slot])
-            notices.append((Kind.CLOSED, w, step, timing_view(slot.fields)))
+            notices.append((Kind.CLOSED, w, step, timing_view(fields)))
             return
         if kind != Kind.GRAD or nbytes != self.header.nbytes:
             raise ProtocolError(f"{self.label}: worker {w} sent kind {kind} with {nbytes} "
@@ -431,7 +436,7 @@ class ShardServer:
                 self.first_arrival = time.perf_counter()
         if self.rows.active:
             self.rows.attach(slot)
-        flags = int(slot.fields[4])
+        flags = int(fields[GradField.FLAGS])
         slot.resend = bool(flags & FLAG_RESEND)
         if flags & FLAG_ASSIGN:
             if self.assigns[w]:
@@ -507,9 +512,10 @@ class ShardServer:
             if not self.queue:
                 return applied
             ctl, obj = self.queue[0]
-            handler = self.handlers.get(int(ctl[0]))
+            handler = self.handlers.get(int(ctl[ControlField.KIND]))
             if handler is None:
-                raise ProtocolError(f"{self.label}: unknown control message {int(ctl[0])}")
+                raise ProtocolError(f"{self.label}: unknown control message "
+                                    f"{int(ctl[ControlField.KIND])}")
             if not handler(ctl, obj):
                 return applied
             self.queue.popleft()
@@ -524,7 +530,7 @@ class ShardServer:
         self._begin(step, chosen, range(self.W), (chosen[0].words, chosen[0].codes), taken)
 
     def _on_decide(self, ctl, obj) -> bool:
-        step, taken = int(ctl[1]), self.control.taken(ctl)
+        step, taken = int(ctl[ControlField.STEP]), self.control.taken(ctl)
         if step < self.global_step:
             return True                      # applied already, as soon as it could be
         if not self.acc.ready(step, taken):
@@ -553,11 +559,13 @@ class ShardServer:
             {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         values = {self.name_of[id(p)]: p.detach().clone() for p in self.params}
         self.comm.send((self._state(), self.averages.values(), groups, values, self.global_step),
-                       dest=self.worker_ranks[int(ctl[2])], tag=self.tags[Tag.INFO])
+                       dest=self.worker_ranks[int(ctl[ControlField.ARG])],
+                       tag=self.tags[Tag.INFO])
         return True
 
     def _on_averages(self, ctl, obj) -> bool:
-        self.comm.send(self.averages.values(), dest=self.worker_ranks[int(ctl[2])],
+        self.comm.send(self.averages.values(),
+                       dest=self.worker_ranks[int(ctl[ControlField.ARG])],
                        tag=self.tags[Tag.INFO])
         return True
 
@@ -589,7 +597,7 @@ class ShardServer:
             self.spec.hyper.decode(*hyper, self.optimizer.param_groups)
             self.applier.begin(np.bitwise_or.reduce([s.mask for s in chosen]))
         self._wait_sends(self.head_sends)
-        self.param_fields[1] = step + 1          # the version the parameters will have
+        self.param_fields[ParamField.STEP] = step + 1          # the version the parameters will have
         if self.timed:
             tl = timeline.current
             if tl is not None and self.first_arrival:
@@ -686,8 +694,9 @@ class ShardServer:
         if self.timed:
             cur.apply_s += applied_at - t0
         notice = np.zeros(NOTICE_WORDS, np.int64)
-        notice[0], notice[1], notice[2] = Kind.APPLIED, step, self.ps_index
-        notice[3] = 0 if finite else NOTICE_SKIPPED
+        notice[NoticeField.KIND], notice[NoticeField.STEP] = Kind.APPLIED, step
+        notice[NoticeField.SENDER] = self.ps_index
+        notice[NoticeField.FLAGS] = 0 if finite else NOTICE_SKIPPED
         if self.timed:
             self._report(cur, applied_at, notice)
         self.current = None
@@ -703,10 +712,10 @@ class ShardServer:
         and ``send`` until every parameter send has been started.
         """
         sent_at = time.perf_counter()
-        notice[4] = int(cur.apply_s * 1e6)
-        notice[5] = int(cur.reduce_s * 1e6)
-        notice[6] = self.bytes_in + self.rows.bytes_in
-        notice[7] = self.bytes_out + self.rows.bytes_out
+        notice[NoticeField.APPLY_US] = int(cur.apply_s * 1e6)
+        notice[NoticeField.REDUCE_US] = int(cur.reduce_s * 1e6)
+        notice[NoticeField.BYTES_IN] = self.bytes_in + self.rows.bytes_in
+        notice[NoticeField.BYTES_OUT] = self.bytes_out + self.rows.bytes_out
         self.bytes_in = self.bytes_out = self.rows.bytes_in = self.rows.bytes_out = 0
         tl = timeline.current
         if tl is not None:
@@ -809,7 +818,7 @@ class ShardServer:
         for slot in chosen:                 # worker order, then arrival
             if slot.assign is None:
                 continue
-            mask = self.header.views(slot.assign)[3]
+            _, _, _, mask = self.header.views(slot.assign)
             written = entry_views(torch.from_numpy(slot.assign), self.header.nbytes,
                                   self.layout.entries)
             for i in np.flatnonzero(mask):
@@ -828,8 +837,8 @@ class ShardServer:
                 out.copy_(chosen[0].buffers[r])
 
     def _set_version(self) -> None:
-        self.param_fields[0] = Kind.PARAMS
-        self.param_fields[1] = self.global_step
+        self.param_fields[ParamField.KIND] = Kind.PARAMS
+        self.param_fields[ParamField.STEP] = self.global_step
 
     # -- optimizer state ------------------------------------------------------------------
     def _state(self) -> dict:

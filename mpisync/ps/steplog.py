@@ -37,6 +37,7 @@ import time
 from collections import deque
 
 from .. import environ
+from ..protocol.wire import NoticeField
 
 __all__ = ["StepLog", "log_path"]
 
@@ -148,11 +149,12 @@ class StepLog:
         line.decide_ms = round((now - first) * 1e3, 3)
 
     def applied(self, words) -> None:
-        """One ps's APPLIED notice: ``[kind, step, ps, flags, apply us, reduce us, in, out]``."""
-        line, j = self.current, int(words[2])
-        line.apply_ms[j] = round(int(words[4]) / 1e3, 3)
-        line.reduce_ms[j] = round(int(words[5]) / 1e3, 3)
-        line.bytes_in[j], line.bytes_out[j] = int(words[6]), int(words[7])
+        """One ps's APPLIED notice (``NoticeField`` words)."""
+        line, j = self.current, int(words[NoticeField.SENDER])
+        line.apply_ms[j] = round(int(words[NoticeField.APPLY_US]) / 1e3, 3)
+        line.reduce_ms[j] = round(int(words[NoticeField.REDUCE_US]) / 1e3, 3)
+        line.bytes_in[j] = int(words[NoticeField.BYTES_IN])
+        line.bytes_out[j] = int(words[NoticeField.BYTES_OUT])
 
     def step_applied(self, now: float) -> None:
         """Every ps applied the decided step: its line is done, the next one opens."""

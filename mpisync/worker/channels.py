@@ -18,13 +18,20 @@ from ..protocol.wire import (
     FLAG_RESEND,
     PARAM_HEADER_BYTES,
     TOKEN_WORDS,
+    GradField,
     GradHeader,
+    HyperField,
     Kind,
+    ParamField,
     ShardLayout,
     Tag,
+    TokenField,
     entry_views,
+    hyper_views,
+    hyper_words,
     is_still_question,
     region_views,
+    timing_view,
 )
 from ..runtime import shm
 from ..runtime.progress import SETUP_TIMEOUT, Pace, Poller
@@ -590,10 +597,11 @@ class DenseChannel:
         for j, shard in enumerate(self.shards):
             if j:
                 shard.words[:], shard.codes[:] = words, codes   # every ps may apply the step
-            f = shard.fields
-            f[0], f[1], f[2], f[3] = Kind.GRAD, step, worker, seq
-            f[4] = (flags | (FLAG_ASSIGN if j in assigned else 0)
-                    | (FLAG_RESEND if j in resend else 0))
+            fields = shard.fields
+            fields[GradField.KIND], fields[GradField.STEP] = Kind.GRAD, step
+            fields[GradField.WORKER], fields[GradField.SEQ] = worker, seq
+            fields[GradField.FLAGS] = (flags | (FLAG_ASSIGN if j in assigned else 0)
+                                       | (FLAG_RESEND if j in resend else 0))
             np.take(self.has_grad, shard.idx, out=shard.mask)
             for out, current in shard.buffer_pairs:
                 out.copy_(current)     # deliberate: the buffers' values travel with the step
@@ -641,7 +649,8 @@ class DenseChannel:
             if shard.abuf is None:         # the header, then every value as the model has it
                 shard.abuf = np.zeros(shard.header.nbytes + shard.gmem.nbytes, np.uint8)
             fields, _, _, mask = shard.header.views(shard.abuf)
-            fields[0], fields[1], fields[2], fields[3] = Kind.ASSIGN, step, worker, seq
+            fields[GradField.KIND], fields[GradField.STEP] = Kind.ASSIGN, step
+            fields[GradField.WORKER], fields[GradField.SEQ] = worker, seq
             mask[:] = 0
             mask[entries] = 1
             shard.abuf[shard.header.nbytes:] = shard.pmem[PARAM_HEADER_BYTES:]
@@ -666,7 +675,8 @@ class DenseChannel:
         while True:
             poller.wait_all([self.token_req], lambda: "the token", self.pace,
                             self._copy_published if self.shared else None)
-            kind, step = int(self.token[0]), int(self.token[1])
+            token = self.token
+            kind, step = int(token[TokenField.KIND]), int(token[TokenField.STEP])
             if kind != Kind.HYPER:
                 break
             self._send_hyper(step, on_hyper(step))
@@ -691,7 +701,7 @@ class DenseChannel:
         for shard in self.shards:
             shard.sent = 0
         self.pending = []
-        return kind, step, bool(self.token[2]), time.perf_counter() - start
+        return kind, step, bool(self.token[TokenField.ARG]), time.perf_counter() - start
 
     def _copy_published(self) -> bool:
         done = True
@@ -708,9 +718,10 @@ class DenseChannel:
         for j, shard in enumerate(self.shards):
             if shard.segment is not None:
                 continue          # copied bucket by bucket, each as the ps published it
-            if shard.pfields[1] != step:
+            sent = shard.pfields[ParamField.STEP]
+            if sent != step:
                 raise ProtocolError(f"{self.label}: ps {j} sent parameters of step "
-                                    f"{int(shard.pfields[1])} with token {step}")
+                                    f"{int(sent)} with token {step}")
             for pairs in shard.from_wire:
                 for dst, src in pairs:
                     dst.copy_(src)
@@ -722,10 +733,11 @@ class DenseChannel:
     def _send_hyper(self, step: int, hyper: tuple[np.ndarray, np.ndarray]) -> None:
         words, codes = hyper
         width = len(words)
-        msg = np.zeros(1 + width + (width + 7) // 8, np.int64)
-        msg[0] = step
-        msg[1:1 + width] = words
-        msg[1 + width:].view(np.uint8)[:width] = codes
+        msg = np.zeros(hyper_words(width), np.int64)
+        msg[HyperField.STEP] = step
+        msg_words, msg_codes = hyper_views(msg, width)
+        msg_words[:] = words
+        msg_codes[:] = codes
         self.comm.Send([msg, MPI.BYTE], dest=self.cluster.coordinator_rank,
                        tag=self.tags[Tag.HYPER])
 
@@ -736,9 +748,10 @@ class DenseChannel:
 
     def close(self, global_step: int, worker: int) -> None:
         """Leave: tell every ps (the last worker out stops them)."""
-        bye = np.zeros(8, np.int64)
-        bye[0], bye[1], bye[2] = Kind.CLOSE, global_step, worker
-        bye[5:7] = self.shards[0].fields[5:7]      # the last step's timings, if measured
+        bye = np.zeros(GradField.COUNT, np.int64)
+        bye[GradField.KIND], bye[GradField.STEP] = Kind.CLOSE, global_step
+        bye[GradField.WORKER] = worker
+        timing_view(bye)[:] = timing_view(self.shards[0].fields)  # the last step's, if measured
         for j in range(len(self.shards)):
             self.comm.Send([bye, MPI.BYTE], dest=self.cluster.ps_rank(j), tag=self.tags[Tag.GRAD])
         self.hooks.remove()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 from ..observe import timeline
-from ..protocol.wire import TOKEN_STATS, timing_view
+from ..protocol.wire import TOKEN_STATS, TimingWord, TokenField, timing_view
 
 __all__ = ["StepClock", "for_worker"]
 
@@ -53,8 +53,10 @@ class StepClock:
             self.dense.token_at
         words = self.words
         if words is not None:      # sent with the next push
-            words[0], words[1] = _us(begin - last), _us(pushed - begin)
-            words[2], words[3] = _us(token - pushed), _us(end - token)
+            words[TimingWord.COMPUTE] = _us(begin - last)
+            words[TimingWord.PUSH] = _us(pushed - begin)
+            words[TimingWord.WAIT] = _us(token - pushed)
+            words[TimingWord.PULL] = _us(end - token)
         tl = timeline.current
         if tl is not None:
             step = self.step
@@ -70,7 +72,7 @@ def for_worker(dense, cluster) -> StepClock | None:
 
     Call after the first token arrived (it says whether ps 0 keeps the statistics log).
     """
-    report = bool(int(dense.token[3]) & TOKEN_STATS)
+    report = bool(int(dense.token[TokenField.FLAGS]) & TOKEN_STATS)
     if timeline.start(cluster) is None and not report:
         return None
     return StepClock(dense, report)
