@@ -14,7 +14,6 @@ from .protocol.layouts import layouts_of
 from .protocol.rebuild import settings_of
 from .protocol.routes import ALLREDUCE, REPLICATED
 from .protocol.spec import Options, model_of
-from .protocol.updates import ps_pieces, register, targets_of
 from .protocol.wire import FLAG_SCHEDULED, Kind
 from .ps.steplog import log_path
 from .runtime.progress import SETUP_TIMEOUT, Poller, spin_seconds
@@ -31,6 +30,7 @@ from .worker.state_io import StateTransfer
 from .worker.stepclock import for_worker
 from .worker.tables_io import TableShards
 from .worker.tracking import WriteTracker
+from .worker.update_fns import UpdateFunctions
 
 __all__ = ["SyncReplicasOptimizer"]
 
@@ -253,12 +253,12 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         # dense="allreduce": the workers average these parameters and apply their step
         self._local_update = LocalUpdate(spec, cluster, optimizer, self.param_groups,
                                          list(model.params), self._rows) if spec.allreduce else None
-        self._updates: list = []                  # opt.update()'s, on the ps ranks
-        self._ps_updates = False
         self._tracker = WriteTracker(self._dense.names, self._dense.params, self._dense.pviews,
                                      cluster.label, self._dense.gviews, self._dense.staging)
         self._link = PsLink(cluster, self._dense, opt_id)
         self._tables = TableShards(spec, cluster, self._rows)
+        self._update_fns = UpdateFunctions(spec, cluster, self._link, list(model.params),
+                                           self._local_update)
         self._state_io = StateTransfer(spec, self.plan, cluster, self._link, self._tables,
                                        optimizer, list(model.params), self._local_update,
                                        self._dense, self._rows, self._tracker)
@@ -540,31 +540,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 (or a parameter the optimizer does not update), or ``rows`` is unknown.
             MismatchError: on every worker, when the workers registered differently.
         """
-        from .runtime.collectives import agree
         self._check_open("update")
-        targets = targets_of(self._spec, {n: (tuple(p.shape), p.dtype)
-                                          for n, p in zip(self._names, self._params)})
-        frozen = [n for n in self._names if n not in targets]
-        error, regs = None, self._updates
-        try:
-            regs = register(self._updates, name_or_glob, fn, rows, targets, frozen)
-        except ConfigError as exc:
-            error = str(exc)
-        agree(self.cluster._helper_comm("update"), f"{self.cluster.label}: update()", error,
-              {"the number of registrations": str(len(regs)),
-               **{f"registration {i}": r.describe() for i, r in enumerate(regs)}})
-        pieces = ps_pieces(regs, self.cluster.num_ps)
-        if any(pieces) or self._ps_updates:          # the ps ranks' functions change
-            self._link.request(Kind.UPDATE, pieces)
-            self._link.load_answer("update()")       # an error: every worker hears it
-            self._receive(count=False)               # a grant: go on with these parameters
-            self._ps_updates = any(pieces)
-        by_name = dict(zip(self._names, self._params))
-        self._updates = regs
-        local_updates = [(r.fn, t.tensor, by_name[t.tensor])
-                         for r in regs for t in r.targets if t.ps is None]
-        if self._local_update is not None:          # where the workers update
-            self._local_update.updates = local_updates
+        self._update_fns.change(name_or_glob, fn, rows, lambda: self._receive(count=False))
 
     def averages(self) -> dict[str, torch.Tensor]:
         """The moving averages of the floating-point parameters, ``{name: tensor}``.
