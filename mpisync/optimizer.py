@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import operator
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -11,49 +10,34 @@ from typing import TYPE_CHECKING, Any
 import torch
 from mpi4py import MPI
 
-from .errors import ClosedError, ConfigError, DeadlockError, NonFiniteError
+from .errors import ClosedError, ConfigError
 from .protocol.layouts import layouts_of
-from .protocol.rebuild import changed_settings, settings_of
+from .protocol.rebuild import settings_of
 from .protocol.routes import ALLREDUCE, REPLICATED
-from .protocol.spec import (
-    Model,
-    Options,
-    build_spec,
-    encode,
-    first_failure,
-    model_of,
-    model_summary,
-    setup_summary,
-    unit_parts,
-    versions,
-)
-from .protocol.state import check_state, merge_units, split_state, split_units
-from .protocol.updates import apply_fn, ps_pieces, register, targets_of
-from .protocol.wire import FLAG_SCHEDULED, Kind, Tag, is_still_question
+from .protocol.spec import Options, model_of
+from .protocol.wire import FLAG_SCHEDULED, Kind
 from .ps.steplog import log_path
 from .runtime.progress import SETUP_TIMEOUT, Poller, spin_seconds
-from .worker.allreduce import AllreduceChannel, LocalAverages, backend_problem
+from .worker.allreduce import AllreduceChannel
 from .worker.channels import DenseChannel, ReplicatedChannel
 from .worker.devices import default_backend
+from .worker.local import LocalUpdate
+from .worker.ps_link import PsLink
+from .worker.refusals import check_groups, check_held, check_settings, refuse_grad_scaler
 from .worker.rows import RowsChannel
 from .worker.schedule import Schedules, install_hooks
+from .worker.setup import agree_spec, setup_problem
+from .worker.state_io import StateTransfer
 from .worker.stepclock import for_worker
-from .worker.tracking import WriteTracker, was_rebound
+from .worker.tables_io import TableShards
+from .worker.tracking import WriteTracker
+from .worker.update_fns import UpdateFunctions
 
 if TYPE_CHECKING:
     from .protocol.partition import PartitionerSpec
     from .ps_ranks import Cluster
 
 __all__ = ["SyncReplicasOptimizer"]
-
-
-def _cast_state(p: torch.Tensor, key: str, value):
-    """A loaded state value as torch's load_state_dict casts it (CPU), in a tensor of its own."""
-    if not torch.is_tensor(value):
-        return value
-    if key != "step" and p.is_floating_point():
-        return value.to(dtype=p.dtype, copy=True)
-    return value.clone()
 
 
 class SyncReplicasOptimizer(torch.optim.Optimizer):
@@ -251,11 +235,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                           shared_memory=shared_memory if cluster.losses is None else False)
         opt_id = len(cluster.optimizers)
         self._stats_log = log_path(stats_log, opt_id)
-        spec, routes = self._agree(optimizer, model, options, opt_id,
-                                   problem or self._setup_problem(optimizer, options))
+        spec, routes = agree_spec(optimizer, model, options, opt_id, cluster, self._stats_log,
+                                  problem or setup_problem(optimizer, options, cluster,
+                                                           self._names, self._params))
         self._spec, self.plan = spec, routes.plan
-        self._info_tag = Tag.of(Tag.INFO, opt_id)
-        self._req_tag = Tag.of(Tag.REQ, opt_id)
         if deterministic:
             torch.use_deterministic_algorithms(True)
 
@@ -271,19 +254,21 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             if cluster.is_chief:
                 self._dense.send_initial()
                 self._rows.send_initial()
-        self._parts = unit_parts(spec)
         ReplicatedChannel(cluster._worker_comm,
                           [by_name[n] for n in routes.names(REPLICATED) + routes.names(ALLREDUCE)]
                           ).setup()
-        self._local: AllreduceChannel | None = None
-        self._local_averages: LocalAverages | None = None
-        self._updates: list = []                  # opt.update()'s, on the ps ranks
-        self._local_updates: list = []            # ... and where the workers update
-        self._ps_updates = False
-        if spec.allreduce:
-            self._setup_allreduce([by_name[n] for n in spec.allreduce])
+        # dense="allreduce": the workers average these parameters and apply their step
+        self._local_update = LocalUpdate(spec, cluster, optimizer, self.param_groups,
+                                         list(model.params), self._rows) if spec.allreduce else None
         self._tracker = WriteTracker(self._dense.names, self._dense.params, self._dense.pviews,
                                      cluster.label, self._dense.gviews, self._dense.staging)
+        self._link = PsLink(cluster, self._dense, opt_id)
+        self._tables = TableShards(spec, cluster, self._rows)
+        self._update_fns = UpdateFunctions(spec, cluster, self._link, list(model.params),
+                                           self._local_update)
+        self._state_io = StateTransfer(spec, self.plan, cluster, self._link, self._tables,
+                                       optimizer, list(model.params), self._local_update,
+                                       self._dense, self._rows, self._tracker)
         self._settings = settings_of(optimizer)
         install_hooks()
         self._mpisync_schedules = Schedules(schedule, 0)
@@ -302,111 +287,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._ready = True
         atexit.register(self._atexit)
 
-    # -- set-up -------------------------------------------------------------------------
-    def _setup_problem(self, optimizer, options: Options) -> str | None:
-        """What the spec cannot see: another open optimizer's parameters, the backend."""
-        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        names = dict(zip(map(id, self._params), self._names))
-        for k, other in enumerate(self.cluster.optimizers):
-            if other._closed or (options.dense != "ps" and other._spec.dense != "ps"):
-                continue
-            shared = [names.get(id(p), "?") for g in other.param_groups for p in g["params"]
-                      if id(p) in mine]
-            if shared:
-                return (f"parameter {shared[0]!r} is held by SyncReplicasOptimizer #{k} too, "
-                        f"which is open: the ps ranks would update it for each of them on its "
-                        f"own; give each parameter to one optimizer (or close the other first)")
-        if options.dense == "allreduce" and self.cluster.losses is not None:
-            return ("dense='allreduce' averages gradients in collectives among the workers, "
-                    "which cannot complete once a worker is lost: a job that survives lost "
-                    "workers keeps its dense parameters on the ps ranks (dense='ps')")
-        if options.dense == "allreduce":
-            return backend_problem(options.allreduce_backend, self.cluster._worker_comm,
-                                   self.cluster.num_workers)
-        return None
-
-    def _agree(self, optimizer, model: Model, options: Options, opt_id: int,
-               problem: str | None = None):
-        """Build the spec on every worker, agree on it, and send it to the ps ranks.
-
-        Every worker raises the same error when any of them found a problem, or when they
-        disagree on the model, the optimizer, the placement or an option.
-        """
-        cluster = self.cluster
-        spec = routes = None
-        error = problem
-        try:
-            spec, routes = build_spec(optimizer, model, options, opt_id=opt_id,
-                                      num_workers=cluster.num_workers, num_ps=cluster.num_ps)
-        except (ValueError, TypeError, NotImplementedError) as exc:
-            error = error or str(exc)
-        gathered = cluster._worker_comm.allgather(
-            (error, model_summary(model), setup_summary(spec, routes)))
-        failure = first_failure(gathered, cluster.layout.worker_ranks)
-        if cluster.is_chief:
-            message = ("error", failure) if failure or spec is None else (
-                "spec", encode(spec), self._initial_pieces(optimizer, spec, routes),
-                {"stats_log": self._stats_log, "mpisync": versions()})
-            for j in range(cluster.num_ps):
-                cluster.p2p_comm.send(message, dest=cluster.ps_rank(j), tag=Tag.SETUP)
-        if failure is not None:
-            exc_type, text = failure
-            raise exc_type(f"{cluster.label}: {text}", collective=True)
-        return spec, routes
-
-    def _setup_allreduce(self, local: list[torch.Tensor]) -> None:
-        """The parameters averaged among the workers: hooks, the chief's state, averages."""
-        spec, cluster = self._spec, self.cluster
-        self._local = AllreduceChannel(
-            local, list(spec.allreduce), cluster._worker_comm, num_workers=spec.num_workers,
-            reduction=spec.reduction, bucket_bytes=spec.bucket_bytes,
-            backend=spec.allreduce_backend, opt_id=spec.opt_id, label=cluster.label,
-            cuda_aware=cluster.cuda_aware)
-        ids = {id(p) for p in local}
-        self._ps_held = [p for g in self.param_groups for p in g["params"] if id(p) not in ids]
-        self._local_averages = LocalAverages(spec.ema_decay, spec.ema_num_updates,
-                                             list(zip(spec.allreduce, local)))
-        # a backward that gives only table rows a gradient still takes part in the round
-        self._rows.on_grad = self._local.touch
-        by_name = dict(zip(self._names, self._params))
-        self._local.hooks += [by_name[t.name].register_post_accumulate_grad_hook(
-            self._local.touch) for t in spec.tables if not t.resident]
-        # the chief's optimizer state for them, if it had one, as for the ps-held ones
-        state = cluster._worker_comm.bcast(self._local_state() if cluster.is_chief else None,
-                                           root=0)
-        self._load_local_state(state)
-
-    def _local_state(self) -> dict[str, dict]:
-        """The wrapped optimizer's state of the parameters the workers update, by name."""
-        if self._local is None:
-            return {}
-        name_of = {id(p): n for n, p in zip(self._names, self._params)}
-        local = set(self._spec.allreduce)
-        return {name_of[id(p)]: {k: v.clone() if torch.is_tensor(v) else v
-                                 for k, v in st.items()}
-                for p, st in self._opt.state.items() if name_of.get(id(p)) in local}
-
-    def _load_local_state(self, by_name: dict[str, dict]) -> None:
-        """Replace the state of the parameters the workers update (torch's dtype rules)."""
-        by = dict(zip(self._names, self._params))
-        for n in self._spec.allreduce:
-            p = by[n]
-            self._opt.state.pop(p, None)
-            if n in by_name:
-                self._opt.state[p] = {k: _cast_state(p, k, v) for k, v in by_name[n].items()}
-
-    def _initial_pieces(self, optimizer, spec, routes) -> list:
-        """The wrapped optimizer's state, if it already had one, for each ps rank."""
-        if not optimizer.state:
-            return [None] * spec.num_ps
-        name_of = {id(p): n for n, p in zip(self._names, self._params)}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        resident = {t.name for t in spec.tables if t.resident}
-        by_name = {name_of[id(p)]: st for p, st in optimizer.state.items()
-                   if name_of[id(p)] not in resident     # a table's stand-in: nothing held
-                   and name_of[id(p)] not in spec.allreduce}     # the workers keep these
-        by_unit = split_units(by_name, unit_parts(spec))
-        return split_state(by_unit, {}, groups, 0, routes.owner, spec.num_ps)
+    @property
+    def _local(self) -> AllreduceChannel | None:
+        """The all-reduce among the workers (``dense="allreduce"``), or None."""
+        return None if self._local_update is None else self._local_update.channel
 
     def add_param_group(self, param_group: dict) -> None:
         """Refused once wrapped: the ps ranks hold a fixed set of parameters.
@@ -439,8 +323,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         """
         self._check_open("zero_grad")
         self._dense.zero_grad(set_to_none)
-        if self._local is not None:
-            self._local.zero_grad(set_to_none)
+        if self._local_update is not None:
+            self._local_update.channel.zero_grad(set_to_none)
         if self._rows.active:
             self._rows.zero_grad(set_to_none)
 
@@ -455,7 +339,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._check_open("step")
         self._check_groups()
         if kwargs or getattr(self, "found_inf", None) is not None:
-            self._refuse_grad_scaler(kwargs)
+            refuse_grad_scaler(kwargs, self.cluster.label)
         if self._averaged:
             raise RuntimeError(f"{self.cluster.label}: step() inside averaged(): the model "
                                f"holds the moving averages there, not the parameters")
@@ -465,20 +349,20 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self.stopped:
             return loss
-        clock = self._clock
+        clock, local = self._clock, self._local_update
         if clock is not None:
             clock.begin(self.global_step)
         if self._settings:
-            self._check_settings()
-        if self._local is not None:
-            self._local.before_step()      # collective: every worker's gradients averaged
-            self._check_local_finite()
+            check_settings(self._settings, self._opt, self.cluster.label)
+        if local is not None:
+            local.channel.before_step()    # collective: every worker's gradients averaged
+            local.check_finite(self.global_step)
         written = self._tracker.written()   # first: a parameter given a new tensor is checked
         self._push(written)
         if clock is not None:
             clock.pushed()
-        if self._local is not None:
-            self._local_step()             # while the ps ranks apply theirs
+        if local is not None:              # while the ps ranks apply theirs
+            local.step(self._dense.hyper_out, self.param_groups, self.global_step)
         taken = self._receive()
         if clock is not None:
             clock.end()
@@ -495,7 +379,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         dense = self._dense
         dense.gather()
         if not dense.has_grad.any():
-            self._check_held()
+            check_held(self._tracker, self.cluster.label)
         self._spec.hyper.encode(self.param_groups, *dense.hyper_out)
         flags = FLAG_SCHEDULED if self._mpisync_schedules.follows_global_step else 0
         self._seq += 1
@@ -505,94 +389,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if self._rows.active:
             self._rows.push(self.global_step, self._seq)
 
-    def _check_held(self) -> None:
-        """No gradient at all: the model may hold other parameters than this optimizer."""
-        gone = self._tracker.replaced()
-        if gone:
-            raise ConfigError(
-                f"{self.cluster.label}: the model no longer holds parameters {gone} of this "
-                f"SyncReplicasOptimizer: they were replaced by new ones (model.to('meta'), "
-                f"to_empty(), or a new parameter assigned), which it does not know. Move or "
-                f"convert the model before creating the optimizer")
-
-    def _local_step(self) -> None:
-        """The wrapped optimizer's step over the parameters the workers update, alone,
-        with the chief's hyper-parameters (as a ps rank applies a step)."""
-        local, averages = self._local, self._local_averages
-        assert local is not None and averages is not None     # dense="allreduce" set them
-        own = self._dense.hyper_out            # this worker's, encoded for the push
-        chief = local.chief_hyper(*own)
-        held = [(p, p.grad) for p in self._ps_held if p.grad is not None]
-        for p, _ in held:
-            p.grad = None              # torch skips them: the ps ranks update those
-        try:
-            if chief is not None:
-                self._spec.hyper.decode(*chief, self.param_groups)
-            self._opt.step()
-        finally:
-            if chief is not None:
-                self._spec.hyper.decode(*own, self.param_groups)
-            for p, g in held:
-                p.grad = g
-        for fn, name, p in self._local_updates:      # opt.update()'s, where these live
-            apply_fn(fn, p.detach(), name)
-        averages.update(self.global_step + 1)
-
-    def _check_local_finite(self) -> None:
-        """``nonfinite="raise"`` for the gradients the workers averaged (``dense="allreduce"``):
-        the same on every worker, so every worker raises, before the step changes anything."""
-        local = self._local
-        assert local is not None                                # dense="allreduce" set it
-        if all(p.grad is None or torch.isfinite(p.grad.sum()) for p in local.params):
-            return
-        name = next(local.name_of[id(p)] for p in local.params
-                    if p.grad is not None and not torch.isfinite(p.grad).all())
-        raise NonFiniteError(
-            f"{self.cluster.label}: the gradient of parameter {name!r} for global step "
-            f"{self.global_step}, averaged over the workers (dense='allreduce'), holds NaN or "
-            f"Inf; the step is not applied (nonfinite='raise')")
-
-    def _refuse_grad_scaler(self, kwargs: dict) -> None:
-        if set(kwargs) - {"grad_scaler"}:
-            raise TypeError(f"{self.cluster.label}: step() got unexpected arguments "
-                            f"{sorted(kwargs)}")
-        raise ConfigError(
-            f"{self.cluster.label}: torch.amp.GradScaler is not supported yet: each worker "
-            f"would skip the steps its own gradients overflow in, and the workers would "
-            f"drift apart. Train in float32, or with bfloat16 autocast (no scaler needed)",
-            collective=True)
-
     def _check_groups(self) -> None:
         """The param groups hold the parameters they held at set-up (the ps ranks' set)."""
-        groups, held = self.param_groups, self._group_params
-        if len(groups) == len(held) and all(
-                len(g["params"]) == len(h) and all(map(operator.is_, g["params"], h))
-                for g, h in zip(groups, held)):
-            return
-        name_of = dict(zip(map(id, self._params), self._names))
-        before = [name_of.get(id(p), "?") for h in held for p in h]
-        now = [name_of.get(id(p), "a parameter not in named_parameters")
-               for g in groups for p in g["params"]]
-        change = ([f"{n!r} added" for n in now if n not in before]
-                  + [f"{n!r} removed" for n in before if n not in now]) or ["their order"]
-        raise ConfigError(
-            f"{self.cluster.label}: the param groups changed after the SyncReplicasOptimizer "
-            f"was created ({', '.join(change)}); the ps ranks hold the parameters of the "
-            f"groups given at set-up: create the optimizer with every param group and "
-            f"parameter (one with requires_grad=False, or without a gradient, is skipped), "
-            f"and do not change param_groups[i]['params']")
-
-    def _check_settings(self) -> None:
-        """The wrapped optimizer's attributes are the ps ranks' since set-up: unchanged."""
-        changed = changed_settings(self._settings, self._opt)
-        if changed:
-            name = changed[0]
-            raise ConfigError(
-                f"{self.cluster.label}: the wrapped {type(self._opt).__name__}'s attribute "
-                f"{name!r} changed from {self._settings[name]!r} to "
-                f"{getattr(self._opt, name, '<deleted>')!r} after the SyncReplicasOptimizer was "
-                f"created; the ps ranks rebuilt the optimizer with the old value. Keep values "
-                f"that change during training in param_groups: they travel with every step")
+        check_groups(self.param_groups, self._group_params, self._names, self._params,
+                     self.cluster.label)
 
     def _receive(self, count: bool = True) -> bool:
         """Wait for the token; with it come the parameters of the new global step.
@@ -626,32 +426,15 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
 
     def _park(self, parked: bool) -> None:
         """This worker is (no longer) in a collective among the workers: it pushes nothing."""
-        self._request(Kind.PARK if parked else Kind.UNPARK, self._seq)   # pushes so far
+        self._link.park(parked, self._seq)   # pushes so far
 
     def _raise_if_failed(self, call: str) -> None:
-        """While in a collective (``call``: ``"worker_comm.allreduce()"``, ...): answer ps
-        0's question, or raise what it found."""
-        msg = self.cluster.p2p_comm.improbe(source=self.cluster.coordinator_rank,
-                                            tag=self._info_tag)
-        if msg is None:
-            return
-        answer = msg.recv()
-        if is_still_question(answer):        # yes, still here
-            self._request(Kind.STILL, answer[2])
-            return
-        raise DeadlockError(f"{answer} (this worker is in {call})")
+        """While in a collective: answer ps 0's question, or raise what it found."""
+        self._link.raise_if_failed(call)
 
-    def _request(self, *req) -> None:
-        self.cluster.p2p_comm.send(req, dest=self.cluster.coordinator_rank, tag=self._req_tag)
-
-    def _answer(self, source: int, what: str):
-        return self._dense.answer(source, what)
-
-    def _load_answer(self, what: str) -> None:
-        """Wait for ps 0's answer to a load or an update: None, or raise the error it sent."""
-        err = self._answer(self.cluster.coordinator_rank, f"ps 0's answer to {what}")
-        if err is not None:
-            raise err
+    def _from_every_ps(self, kind: Kind, describe: str) -> list:
+        """Ask ps 0 for ``kind``; every ps answers with its piece, at one global step."""
+        return self._link.from_every_ps(kind, describe)
 
     @property
     def stats(self) -> dict:
@@ -679,8 +462,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if self._closed:
             stats = dict(self._final())
         else:
-            self._request(Kind.STATS)
-            stats = self._answer(self.cluster.coordinator_rank, "statistics from ps 0")
+            self._link.request(Kind.STATS)
+            stats = self._link.answer(self.cluster.coordinator_rank, "statistics from ps 0")
         stats.update(local_steps=self._steps, token_wait_s=self._wait_s,
                      bytes_per_ps=[a + b for a, b in zip(self._dense.bytes_per_ps,
                                                          self._rows.bytes_per_ps)])
@@ -691,12 +474,6 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             stats["hash_tables"] = hashed
         return stats
 
-    def _from_every_ps(self, kind: Kind, describe: str) -> list:
-        """Ask ps 0 for ``kind``; every ps answers with its piece, at one global step."""
-        self._request(kind)
-        return [self._answer(self.cluster.ps_rank(j), f"{describe} from ps {j}")
-                for j in range(self.cluster.num_ps)]
-
     def table_shards(self, name: str, with_state: bool = True) -> Iterator[dict[str, Any]]:
         """Yield the shards of the ``mpisync.Embedding`` table ``name``, one at a time.
 
@@ -706,12 +483,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         a time; any worker may call it, for example the chief to export the table.
         """
         self._check_open("table_shards")
-        tables = {t.name: t for t in self._spec.tables if t.resident}
-        if name not in tables:
-            raise KeyError(f"{self.cluster.label}: no mpisync.Embedding table {name!r} in this "
-                           f"optimizer; it has {sorted(tables)}")
-        for k in range(tables[name].num_shards):
-            yield self._rows.read_shard(name, k, with_state)
+        yield from self._tables.read(name, with_state)
 
     def state_dict(self, tables: bool = True) -> dict:
         """The optimizer state of the whole model, as a plain torch optimizer would hold it.
@@ -730,29 +502,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
 
     def _state_dict(self, tables: bool) -> tuple[dict, dict[str, torch.Tensor]]:
         """``state_dict()``, and the values of the parameters the ps ranks hold, read at
-        the same global step as their state (the chief's own may be a step behind them
-        when a step went on without it)."""
-        by_name, averages, values, step = {}, {}, {}, self.global_step
-        for state, avg, _, held, step in self._from_every_ps(Kind.STATE, "optimizer state"):
-            by_name.update(state)
-            averages.update(avg)
-            values.update(held)
-        by_name, averages = merge_units(by_name, self._parts), merge_units(averages, self._parts)
-        by_name.update(self._local_state())
-        if self._local_averages is not None:
-            averages.update(self._local_averages.values())
-        local = torch.optim.Optimizer.state_dict(self._opt)
-        order = self._group_order()
-        local["state"] = {i: by_name[n] for i, n in enumerate(order) if n in by_name}
-        local["mpisync"] = {"global_step": step, "plan": self.plan.digest()}
-        if tables:
-            local["mpisync"]["tables"] = {
-                t.name: {"num_rows": t.num_rows, "strategy": t.strategy,
-                         "shards": list(self.table_shards(t.name))}
-                for t in self._spec.tables if t.resident}
-        if self._spec.ema_decay is not None:
-            local["mpisync"]["averages"] = {n: averages[n] for n in self._names if n in averages}
-        return local, merge_units(values, self._parts)
+        the same global step as their state."""
+        return self._state_io.read(self._group_order(), self.global_step, tables)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a consolidated state (from ``state_dict()`` or a plain torch optimizer).
@@ -763,84 +514,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         """
         self._check_open("load_state_dict")
         self._check_groups()
-        self._check_state(state_dict)
-        groups = state_dict["param_groups"]
-        for group, saved in zip(self.param_groups, groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        extra = state_dict.get("mpisync", {})
-        step = extra.get("global_step", self.global_step)
-        payload = None
-        by_name = {self._group_order()[int(i)]: st for i, st in state_dict["state"].items()}
-        local = set(self._spec.allreduce)
-        if self.cluster.is_chief:
-            parts = self._parts
-            held = {n: st for n, st in by_name.items() if n not in local}
-            averages = {n: v for n, v in extra.get("averages", {}).items() if n not in local}
-            payload = (split_state(split_units(held, parts), split_units(averages, parts),
-                                   groups, step, self.plan.owner, self.cluster.num_ps), step)
-        if self._local is not None and self._local_averages is not None:
-            self._load_local_state({n: st for n, st in by_name.items() if n in local})
-            self._local_averages.load(extra.get("averages", {}))
-        written = self._tracker.written()    # model.load_state_dict() just before: kept
-        kept = [self._dense.params[i].detach().clone() for i in written]
-        kept_rows = [(t.param, t.param.detach().clone()) for t in self._rows.tables
-                     if t.info is None and (t.param._version != t.version or was_rebound(t.param))]
-        self._request(Kind.LOAD, payload)
-        self._load_answer("load_state_dict()")   # every worker is in this call now
-        self._write_tables(extra.get("tables", {}))
-        self._receive(count=False)
-        with torch.no_grad():
-            for i, value in zip(written, kept):
-                self._dense.params[i].copy_(value)
-            for p, value in kept_rows:       # a write again: sent whole with the next step
-                p.copy_(value)
-        self._tracker.mark(written)          # they travel with the next step
+        self._state_io.load(state_dict, self.param_groups, self._group_order(),
+                            self.global_step, lambda: self._receive(count=False))
         self._mpisync_schedules.rebase(self.global_step)
-
-    def _write_tables(self, tables: dict) -> None:
-        """The chief writes the saved shards of the tables that live on the ps ranks; the
-        other workers wait until it has. Only once every worker is in ``load_state_dict()``
-        (ps 0 answered): a worker still reading rows between steps, before it reaches the
-        call, reads the rows as they were, and none goes on to a step before the loaded
-        rows are in place."""
-        if not tables:
-            return
-        chief, *others = self.cluster.layout.worker_ranks
-        tag = self._rows.tags[Tag.TABLE]
-        if not self.cluster.is_chief:
-            error = self._rows.poller.wait_message(
-                chief, tag, lambda: "worker 0 writing the tables' saved shards")
-            if error is not None:
-                raise ConfigError(f"{self.cluster.label}: load_state_dict(): worker 0 could not "
-                                  f"write the tables' saved shards: {error}", collective=True)
-            return
-        hashed = {t.name for t in self._spec.tables if t.hashed is not None}
-        error = None
-        try:
-            for name, saved in tables.items():
-                for k, shard in enumerate(saved["shards"]):
-                    if name in hashed:        # rows by id, with their counts
-                        self._rows.write_shard(name, k, None, shard)
-                    else:
-                        self._rows.write_shard(name, k, shard["weight"], shard.get("state"))
-        except (ValueError, RuntimeError, TypeError) as exc:
-            error = exc
-        for rank in others:
-            self._rows.comm.send(None if error is None else str(error), dest=rank, tag=tag)
-        if error is not None:
-            raise error
-
-    def _check_state(self, state_dict: dict) -> None:
-        """Refuse a state that does not fit this model, before anything is changed or sent.
-
-        Every worker checks the same state, so every worker raises the same ConfigError.
-        """
-        problem = check_state(state_dict, self.param_groups, self._group_order(),
-                              {n: tuple(p.shape) for n, p in zip(self._names, self._params)},
-                              {t.name: t for t in self._spec.tables if t.resident})
-        if problem:
-            raise ConfigError(f"{self.cluster.label}: load_state_dict(): {problem}",
-                              collective=True)
 
     def update(self, name_or_glob: str, fn: Callable | None, rows: str = "all") -> None:
         """Run ``fn`` where the parameters ``name_or_glob`` names live, after every step.
@@ -873,29 +549,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 (or a parameter the optimizer does not update), or ``rows`` is unknown.
             MismatchError: on every worker, when the workers registered differently.
         """
-        from .runtime.collectives import agree
         self._check_open("update")
-        targets = targets_of(self._spec, {n: (tuple(p.shape), p.dtype)
-                                          for n, p in zip(self._names, self._params)})
-        frozen = [n for n in self._names if n not in targets]
-        error, regs = None, self._updates
-        try:
-            regs = register(self._updates, name_or_glob, fn, rows, targets, frozen)
-        except ConfigError as exc:
-            error = str(exc)
-        agree(self.cluster._helper_comm("update"), f"{self.cluster.label}: update()", error,
-              {"the number of registrations": str(len(regs)),
-               **{f"registration {i}": r.describe() for i, r in enumerate(regs)}})
-        pieces = ps_pieces(regs, self.cluster.num_ps)
-        if any(pieces) or self._ps_updates:          # the ps ranks' functions change
-            self._request(Kind.UPDATE, pieces)
-            self._load_answer("update()")            # an error: every worker hears it
-            self._receive(count=False)               # a grant: go on with these parameters
-            self._ps_updates = any(pieces)
-        by_name = dict(zip(self._names, self._params))
-        self._updates = regs
-        self._local_updates = [(r.fn, t.tensor, by_name[t.tensor])
-                               for r in regs for t in r.targets if t.ps is None]
+        self._update_fns.change(name_or_glob, fn, rows, lambda: self._receive(count=False))
 
     def averages(self) -> dict[str, torch.Tensor]:
         """The moving averages of the floating-point parameters, ``{name: tensor}``.
@@ -911,13 +566,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if self._spec.ema_decay is None:
             raise ConfigError(f"{self.cluster.label}: averages() needs a "
                               f"SyncReplicasOptimizer created with ema_decay")
-        got = {}
-        for part in self._from_every_ps(Kind.AVERAGES, "parameter averages"):
-            got.update(part)
-        got = merge_units(got, self._parts)
-        if self._local_averages is not None:
-            got.update(self._local_averages.values())
-        return {n: got[n] for n in self._names if n in got}
+        return self._state_io.averages()
 
     @contextlib.contextmanager
     def averaged(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -967,8 +616,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         assert worker is not None            # __init__ refused a ps rank
         self._dense.close(self.global_step, worker)
         self._rows.close()
-        if self._local is not None:
-            self._local.close()
+        if self._local_update is not None:
+            self._local_update.channel.close()
         self._tracker.release()
         self._closed = True
 

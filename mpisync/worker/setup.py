@@ -1,0 +1,92 @@
+"""A worker's set-up: the spec built on every worker, agreed among them, sent to the ps ranks."""
+from __future__ import annotations
+
+import torch
+
+from ..protocol.spec import (
+    Model,
+    Options,
+    build_spec,
+    encode,
+    first_failure,
+    model_summary,
+    setup_summary,
+    unit_parts,
+    versions,
+)
+from ..protocol.state import split_state, split_units
+from ..protocol.wire import Tag
+from .allreduce import backend_problem
+
+__all__ = ["agree_spec", "initial_pieces", "setup_problem"]
+
+
+def setup_problem(optimizer: torch.optim.Optimizer, options: Options, cluster,
+                  names: list[str], params: list[torch.Tensor]) -> str | None:
+    """What the spec cannot see: another open optimizer's parameters, the backend."""
+    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    name_of = dict(zip(map(id, params), names))
+    for k, other in enumerate(cluster.optimizers):
+        if other._closed or (options.dense != "ps" and other._spec.dense != "ps"):
+            continue
+        shared = [name_of.get(id(p), "?") for g in other.param_groups for p in g["params"]
+                  if id(p) in mine]
+        if shared:
+            return (f"parameter {shared[0]!r} is held by SyncReplicasOptimizer #{k} too, "
+                    f"which is open: the ps ranks would update it for each of them on its "
+                    f"own; give each parameter to one optimizer (or close the other first)")
+    if options.dense == "allreduce" and cluster.losses is not None:
+        return ("dense='allreduce' averages gradients in collectives among the workers, "
+                "which cannot complete once a worker is lost: a job that survives lost "
+                "workers keeps its dense parameters on the ps ranks (dense='ps')")
+    if options.dense == "allreduce":
+        return backend_problem(options.allreduce_backend, cluster._worker_comm,
+                               cluster.num_workers)
+    return None
+
+
+def agree_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options, opt_id: int,
+               cluster, stats_log, problem: str | None = None):
+    """Build the spec on every worker, agree on it, and send it to the ps ranks.
+
+    Call on every worker. Every worker raises the same error when any of them found a
+    problem, or when they disagree on the model, the optimizer, the placement or an
+    option.
+
+    Returns:
+        ``(spec, routes)``.
+    """
+    spec = routes = None
+    error = problem
+    try:
+        spec, routes = build_spec(optimizer, model, options, opt_id=opt_id,
+                                  num_workers=cluster.num_workers, num_ps=cluster.num_ps)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        error = error or str(exc)
+    gathered = cluster._worker_comm.allgather(
+        (error, model_summary(model), setup_summary(spec, routes)))
+    failure = first_failure(gathered, cluster.layout.worker_ranks)
+    if cluster.is_chief:
+        message = ("error", failure) if failure or spec is None else (
+            "spec", encode(spec), initial_pieces(optimizer, spec, routes, model),
+            {"stats_log": stats_log, "mpisync": versions()})
+        for j in range(cluster.num_ps):
+            cluster.p2p_comm.send(message, dest=cluster.ps_rank(j), tag=Tag.SETUP)
+    if failure is not None:
+        exc_type, text = failure
+        raise exc_type(f"{cluster.label}: {text}", collective=True)
+    return spec, routes
+
+
+def initial_pieces(optimizer: torch.optim.Optimizer, spec, routes, model: Model) -> list:
+    """The wrapped optimizer's state, if it already had one, for each ps rank."""
+    if not optimizer.state:
+        return [None] * spec.num_ps
+    name_of = {id(p): n for n, p in model.params}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    resident = {t.name for t in spec.tables if t.resident}
+    by_name = {name_of[id(p)]: st for p, st in optimizer.state.items()
+               if name_of[id(p)] not in resident     # a table's stand-in: nothing held
+               and name_of[id(p)] not in spec.allreduce}     # the workers keep these
+    by_unit = split_units(by_name, unit_parts(spec))
+    return split_state(by_unit, {}, groups, 0, routes.owner, spec.num_ps)
