@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from .. import environ
 
@@ -12,11 +12,20 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Self
 
-    from ..optimizer import SyncReplicasOptimizer
-
 __all__ = ["Progress"]
 
 DEFAULT_EVERY = 100
+
+
+class Watched(Protocol):
+    """What the display reads of a ``SyncReplicasOptimizer`` (its step hook, its global
+    step, the cluster, the set-up it agreed), so that this module needs no import of it."""
+
+    cluster: Any
+    global_step: int
+    _spec: Any
+
+    def register_step_post_hook(self, hook: Any) -> Any: ...
 
 
 def _env_setting(every: int | None, enabled: bool) -> tuple[int | None, bool]:
@@ -61,7 +70,7 @@ class Progress:
         desc: the bar's label.
     """
 
-    def __init__(self, opt: SyncReplicasOptimizer, total: int | None = None,
+    def __init__(self, opt: Watched, total: int | None = None,
                  batch_size: int | None = None, *, every: int | None = None,
                  enabled: bool = True, file: TextIO | None = None,
                  desc: str = "train") -> None:
