@@ -49,10 +49,10 @@ def _launches(words: list[str]) -> bool:
         return not (len(words) > 1 and set(words[1:]) <= ASKS_ONLY)
     if program.startswith("python"):
         rest = words[1:]
-        module = any(w in ("-mmpisync.launch",) or (w == "mpisync.launch" and i and
-                     rest[i - 1] == "-m") for i, w in enumerate(rest))
-        script = bool(rest) and rest[0].replace(os.sep, "/").endswith("mpisync/launch.py")
-        return (module or script) and not set(rest[2 if module else 1:]) <= ASKS_ONLY - {"-h"}
+        for i, w in enumerate(rest):           # python [options] -m mpisync.launch | file
+            if w == "-mmpisync.launch" or (w == "mpisync.launch" and i and rest[i - 1] == "-m") \
+                    or w.replace(os.sep, "/").endswith("mpisync/launch.py"):
+                return not set(rest[i + 1:]) <= ASKS_ONLY
     return False
 
 

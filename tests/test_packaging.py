@@ -33,7 +33,7 @@ def test_the_version_has_one_source():
     # setup.py reads mpisync/__init__.py; no other file of the package states it
     assert "version" in setup_keywords() and setup_keywords()["version"] is None
     out = subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout.split()
+                         capture_output=True, text=True, timeout=120).stdout.split()
     assert out[-1] == mpisync.__version__
     stated = [p.relative_to(ROOT).as_posix() for p in (ROOT / "mpisync").rglob("*.py")
               if f'"{mpisync.__version__}"' in p.read_text()]
