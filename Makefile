@@ -52,6 +52,11 @@ demo-ctr: venv
 # (make coverage runs the same targets under coverage.py).
 PYTEST ?= $(VPY) -m pytest
 PYTEST_FLAGS ?=
+# Two pytest processes (pytest-xdist), each file whole on one of them: one runs its
+# single-process tests or waits on a job's stall timeout while the other's ranks work.
+# TEST_JOBS=0 runs everything in one process.
+TEST_JOBS ?= 2
+XDIST = $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
 # While the MPICH suite runs, Open MPI's virtualenv and Horovod are built beside it at the
 # lowest CPU priority (nice 19: they take what the suite leaves idle, its single-process
 # tests and the ranks' waits), into $(HOROVOD_LOG); the Open MPI core then starts once both
@@ -64,7 +69,7 @@ BACKGROUND_MAKE = $(MAKE)
 test: venv
 	@built=$$([ -f $(HOROVOD_STAMP) ] && echo yes); \
 	setsid nice -n 19 $(BACKGROUND_MAKE) --no-print-directory horovod > $(HOROVOD_LOG) 2>&1 & \
-	build=$$!; setsid $(PYTEST) -q $(PYTEST_FLAGS) & suite=$$!; \
+	build=$$!; setsid $(PYTEST) -q $(XDIST) $(PYTEST_FLAGS) & suite=$$!; \
 	trap 'kill -- -$$suite -$$build 2>/dev/null; echo "make test: stopped" >&2; exit 130' \
 	  INT TERM HUP; \
 	rc=0; wait $$suite || rc=$$?; \
@@ -84,7 +89,7 @@ test: venv
 # The edit loop: lint, the docs (strict), then every test that starts no MPI job (tests/conftest.py skips a
 # test at the moment it would start mpiexec, horovodrun, Slurm or the launcher).
 check: lint docs
-	@rc=0; MPISYNC_TESTS_IN_PROCESS=1 $(PYTEST) -q $(PYTEST_FLAGS) || rc=$$?; \
+	@rc=0; MPISYNC_TESTS_IN_PROCESS=1 $(PYTEST) -q $(XDIST) $(PYTEST_FLAGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make check: pytest collected no tests" >&2; fi; \
 	exit $$rc
 
@@ -113,7 +118,7 @@ OMPI_TESTS ?= tests/test_equivalence.py tests/test_backup.py tests/test_errors.p
 # test_survive.py: here only, as only Open MPI (with ULFM) survives a lost worker
 OMPI_PYTEST ?= $(OMPI_VENV)/bin/python -m pytest
 test-openmpi: horovod
-	@rc=0; ALLREDUCE_BACKENDS=horovod $(OMPI_PYTEST) -q -m openmpi $(PYTEST_FLAGS) \
+	@rc=0; ALLREDUCE_BACKENDS=horovod $(OMPI_PYTEST) -q -m openmpi $(XDIST) $(PYTEST_FLAGS) \
 	$(OMPI_TESTS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-openmpi: pytest collected no tests" >&2; fi; \
 	exit $$rc

