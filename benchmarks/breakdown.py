@@ -5,7 +5,7 @@ the ps optimizer only) with ``MPISYNC_TIMELINE`` and prints, per rank and phase,
 duration over the timed steps, and the median of each phase's start relative to the
 first push of its step: a worker's ``compute`` (filling its gradients), ``push``,
 ``token wait`` and ``pull``; a ps rank's ``receive`` (from the first push to the step's
-start), ``reduce``, ``apply`` and ``send`` (``mpisync/ps/shard.py``)::
+start), ``reduce``, ``apply`` and ``send`` (``mpisync/ps/timings.py``)::
 
     .venv/bin/python benchmarks/breakdown.py --workers 2 --ps 1 --mb 4
 

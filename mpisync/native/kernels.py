@@ -10,9 +10,9 @@ both). It is compiled once per machine with the C compiler (``cc``, or ``$CC``) 
 is no compiler, or ``MPISYNC_ROW_KERNELS=0``, ``available()`` is False and the callers
 use torch. Every function here expects ids already checked to lie in the shard.
 
-``dense_mean`` is the dense step's reduce on the ps (``ps/shard.py``): the taken gradients'
-sum and, for a power-of-two count, mean in one pass, which also tells whether they are
-finite (the ``nonfinite="raise"`` check), bitwise torch's add and multiply.
+``dense_mean`` is the dense step's reduce on the ps (``ps/parameters.py``): the taken
+gradients' sum and, for a power-of-two count, mean in one pass, which also tells whether
+they are finite (the ``nonfinite="raise"`` check), bitwise torch's add and multiply.
 """
 from __future__ import annotations
 

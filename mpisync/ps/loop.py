@@ -34,7 +34,7 @@ class Job:
                                  layout.coordinator_rank, self.comm, poller, cluster.label,
                                  with_hyper=on_coordinator, losses=cluster.losses)
         self.shard.receive_initial(layout.chief_rank, piece)
-        self.shard.timed = stats_log is not None or timeline.current is not None
+        self.shard.timings.enabled = stats_log is not None or timeline.current is not None
         self.applied = False                # the last turn applied a step
         self.coord = None
         if on_coordinator:

@@ -8,7 +8,8 @@ from mpi4py import MPI
 
 from ..environ import LOST_WORKERS_EXIT, SURVIVE_ENV
 
-__all__ = ["LOST_WORKERS_EXIT", "SURVIVE_ENV", "Losses", "improbe", "is_failure", "support"]
+__all__ = ["LOST_WORKERS_EXIT", "SURVIVE_ENV", "Losses", "improbe", "is_failure", "settle",
+           "support"]
 
 _FAILURE_CLASSES = {getattr(MPI, name) for name in
                     ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
@@ -96,3 +97,16 @@ def improbe(comm: MPI.Comm, losses: Losses | None, source: int, tag: int,
     if losses is None:
         return comm.improbe(source=source, tag=tag, status=status)
     return losses.improbe(source, tag, status)
+
+
+def settle(reqs, losses: Losses | None) -> None:
+    """Cancel (where pending) and complete requests; a dead rank's failure is noted in
+    ``losses`` (without it, or for any other error, it is raised)."""
+    for req in reqs:
+        try:
+            if not req.Test():
+                req.Cancel()
+                req.Wait()
+        except MPI.Exception as exc:
+            if losses is None or not losses.note(exc):
+                raise
