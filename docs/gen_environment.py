@@ -18,9 +18,10 @@ def _registry():
 
 
 def table() -> str:
-    rows = ["| variable | kind | default | meaning |", "|---|---|---|---|"]
+    rows = ["| variable | kind | accepts | default | meaning |", "|---|---|---|---|---|"]
     for var in sorted(_registry().values(), key=lambda v: v.name):
-        rows.append(f"| `{var.name}` | {var.kind} | {var.shown_default()} | {var.meaning} |")
+        rows.append(f"| `{var.name}` | {var.kind} | {var.accepts()} | {var.shown_default()} "
+                    f"| {var.meaning} |")
     return "\n".join(rows)
 
 

@@ -31,7 +31,8 @@ if TYPE_CHECKING:     # what the first use of a public name imports (see _load)
     from .optimizer import SyncReplicasOptimizer
     from .protocol import hashing
     from .protocol.partition import axis_size, fixed_size, min_max
-    from .ps_ranks import Cluster, RankLayout, init
+    from .ps_ranks import Cluster, init
+    from .runtime.roles import RankLayout
     from .tables.collection import EmbeddingBagCollection
     from .tables.embedding import Embedding, EmbeddingBag
     from .tables.hashtables import HashEmbedding, HashEmbeddingBag
@@ -54,7 +55,7 @@ _HOMES = {
     "SyncReplicasOptimizer": "optimizer",
     "axis_size": "protocol.partition", "fixed_size": "protocol.partition",
     "min_max": "protocol.partition",
-    "Cluster": "ps_ranks", "RankLayout": "ps_ranks", "init": "ps_ranks",
+    "Cluster": "ps_ranks", "RankLayout": "runtime.roles", "init": "ps_ranks",
     "RowWiseAdagrad": "tables.rowwise",
     "Embedding": "tables.embedding", "EmbeddingBag": "tables.embedding",
     "Progress": "observe.watch",

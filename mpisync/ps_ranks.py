@@ -1,16 +1,16 @@
-"""Roles: the rank layout, the communicators, failure handling, and the ps serve loop."""
+"""``mpisync.init()`` and ``Cluster``: the checks every rank agrees on before the job
+starts, one rank's role and communicators, and the collectives among the workers.
+
+The rank layout and node discovery live in ``mpisync.runtime.roles``, how a rank ends in
+``mpisync.runtime.exits``; their public names are importable from here as well.
+"""
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
-import socket
 import sys
-import threading
 import time
-import traceback
-from collections.abc import Callable, Mapping, Sequence, Sized
-from dataclasses import dataclass
+from collections.abc import Sequence, Sized
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,13 +19,20 @@ from mpi4py import MPI
 
 from . import environ as env
 from .errors import ConfigError, MismatchError, StallError, WorldTooSmallError
-from .native import bulk
 from .protocol.wire import WIRE_VERSION, Tag
-from .ps import heap
+from .runtime.collectives import agree
+from .runtime.exits import (
+    FINALIZE_GRACE,
+    abort_within,
+    exit_status,
+    finalize_within,
+    install_excepthook,
+)
 from .runtime.guard import GuardedComm
-from .runtime.nodes import HOSTMAP_ENV, check_host_map, cpu_affinity, host_load, machine_id, node_of
+from .runtime.nodes import HOSTMAP_ENV, decode_host_map
 from .runtime.progress import DEFAULT_TIMEOUT, Poller, spin_seconds
-from .runtime.survival import LOST_WORKERS_EXIT, SURVIVE_ENV, Losses, support
+from .runtime.roles import LAYOUTS, Placement, RankLayout, comm_split, locate
+from .runtime.survival import SURVIVE_ENV, Losses, support
 from .worker.devices import resolve_cuda_aware, worker_device
 
 if TYPE_CHECKING:
@@ -33,161 +40,8 @@ if TYPE_CHECKING:
 
     from .data import WorkerSampler
 
-__all__ = ["LAYOUTS", "Cluster", "Placement", "RankLayout", "comm_split", "init", "locate"]
-
-#: Ways to pick the ps ranks (``MPISYNC_PS_LAYOUT``). Without it: ``per_node`` when the
-#: ranks span several nodes, else ``last`` (on one node the two are the same).
-LAYOUTS = ("last", "per_node")
-
-
-@dataclass(frozen=True)
-class RankLayout:
-    """Which world ranks are workers and which are ps ranks, built once.
-
-    Workers are numbered by rank (worker 0, the chief, is the lowest worker rank); ps
-    ranks likewise, and ps 0 is the coordinator, which runs the token barrier.
-    """
-
-    worker_ranks: tuple[int, ...]
-    ps_ranks: tuple[int, ...]
-
-    @staticmethod
-    def last(size: int, num_ps: int) -> RankLayout:
-        """The last ``num_ps`` ranks serve; the others are workers (rank 0 the chief)."""
-        return RankLayout(tuple(range(size - num_ps)), tuple(range(size - num_ps, size)))
-
-    @staticmethod
-    def per_node(hosts: Sequence[str], num_ps: int) -> RankLayout:
-        """One ps per node first: each node's highest rank in turn, the last node first.
-
-        ``hosts[r]`` names the node of rank ``r``; nodes are ordered by their lowest rank
-        and taken from the last one back. With more ps ranks than nodes the choice goes
-        round again (each node's next-highest rank). Rank 0 is never taken: it stays
-        worker 0, the chief. On one node this is ``last``.
-        """
-        if not 1 <= num_ps < len(hosts):
-            raise ValueError(f"num_ps={num_ps} needs 1 <= num_ps < {len(hosts)} ranks")
-        nodes: dict[str, list[int]] = {}
-        for rank, host in enumerate(hosts):
-            nodes.setdefault(host, []).append(rank)
-        stacks = [[r for r in ranks if r] for ranks in reversed(nodes.values())]
-        chosen: list[int] = []
-        while len(chosen) < num_ps:
-            for stack in stacks:
-                if stack and len(chosen) < num_ps:
-                    chosen.append(stack.pop())
-        ps = tuple(sorted(chosen))
-        return RankLayout(tuple(r for r in range(len(hosts)) if r not in ps), ps)
-
-    @staticmethod
-    def choose(hosts: Sequence[str], num_ps: int, environ: Mapping[str, str]) -> RankLayout:
-        """The layout ``MPISYNC_PS_LAYOUT`` asks for (``last`` or ``per_node``).
-
-        Without it: ``per_node`` when ``hosts`` name more than one node, else ``last``.
-        """
-        default = "per_node" if len(set(hosts)) > 1 else "last"
-        how = env.text("MPISYNC_PS_LAYOUT", environ) or default
-        if how not in LAYOUTS:
-            raise ValueError(f"MPISYNC_PS_LAYOUT={how!r}; expected one of {LAYOUTS}")
-        if how == "per_node":
-            return RankLayout.per_node(hosts, num_ps)
-        return RankLayout.last(len(hosts), num_ps)
-
-    def describe(self, hosts: Sequence[str]) -> str:
-        """The roles on each node, one line a node (``hosts[r]``: the node of rank ``r``).
-
-        ``n2: worker 1 (rank 2), ps 1 (rank 3)``; nodes in the order of their lowest rank.
-        """
-        nodes: dict[str, list[str]] = {}
-        for rank, host in enumerate(hosts):
-            role, index = self.role(rank)
-            nodes.setdefault(host, []).append(f"{role} {index} (rank {rank})")
-        return "\n".join(f"{host}: {', '.join(roles)}" for host, roles in nodes.items())
-
-    @property
-    def num_workers(self) -> int:
-        """The number of worker ranks."""
-        return len(self.worker_ranks)
-
-    @property
-    def num_ps(self) -> int:
-        """The number of ps ranks."""
-        return len(self.ps_ranks)
-
-    @property
-    def chief_rank(self) -> int:
-        """The world rank of worker 0, the chief (it logs, evaluates, writes checkpoints)."""
-        return self.worker_ranks[0]
-
-    @property
-    def coordinator_rank(self) -> int:
-        """The rank that runs the token barrier: ps 0, always in its serve loop."""
-        return self.ps_ranks[0]
-
-    def role(self, rank: int) -> tuple[str, int]:
-        """``("worker", index)`` or ``("ps", index)`` of world rank ``rank``."""
-        if rank in self.ps_ranks:
-            return "ps", self.ps_ranks.index(rank)
-        return "worker", self.worker_ranks.index(rank)
-
-
-def comm_split(comm: MPI.Comm, layout: RankLayout) -> tuple[MPI.Comm, MPI.Comm]:
-    """Split ``comm`` into (worker_comm, ps_comm) by role, each ordered by index.
-
-    Call on every rank of ``comm``. On a worker the ps communicator is ``MPI.COMM_NULL``
-    and on a ps rank the worker communicator is; the caller frees what it gets.
-    """
-    role, index = layout.role(comm.Get_rank())
-    part = comm.Split(1 if role == "ps" else 0, index)
-    if role == "ps":
-        return MPI.COMM_NULL, part
-    return part, MPI.COMM_NULL
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where the ranks of a communicator run, found out once by ``locate``.
-
-    ``nodes[r]`` is rank ``r``'s node (see ``mpisync.runtime.nodes.node_of``); ``local_ranks`` and
-    ``local_cores`` count this rank's machine (the running kernel, however many Slurm
-    nodes or host names it has): its ranks, and the cores they may run on together.
-    """
-
-    nodes: tuple[str, ...]
-    local_ranks: int
-    local_cores: int
-    note: str = ""
-
-
-def locate(comm: MPI.Comm, environ: Mapping[str, str] | None = None) -> Placement:
-    """Name every rank's node and count this machine's load. Call on every rank of ``comm``.
-
-    A node named by the launcher's map (``MPISYNC_HOSTMAP``) is checked against MPI's own
-    idea of the node (its shared-memory domain): if MPI contradicts the map, every rank
-    uses its host name instead, and ``note`` says why.
-    """
-    environ = os.environ if environ is None else environ
-    hostname = socket.gethostname()
-    node, source = node_of(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), environ,
-                           hostname)
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        group = local.bcast(comm.Get_rank(), root=0)    # the domain's lowest rank names it
-    finally:
-        local.Free()
-    ranks = comm.allgather((node, source, hostname, group, machine_id(), cpu_affinity()))
-    nodes, sources, hostnames, groups, machines, affinities = zip(*ranks)
-    note = ""
-    contradicted = check_host_map(nodes, sources, groups)
-    if contradicted is not None:
-        a, b = contradicted
-        note = (f"{HOSTMAP_ENV} puts ranks {a} and {b} on {nodes[a]} and {nodes[b]}, but MPI "
-                f"runs them on one node: mpiexec placed the ranks otherwise; using host "
-                f"names")
-        nodes = tuple(h if s == HOSTMAP_ENV else n
-                      for n, s, h in zip(nodes, sources, hostnames))
-    local_ranks, local_cores = host_load(comm.Get_rank(), machines, affinities)
-    return Placement(tuple(nodes), local_ranks, local_cores, note)
+__all__ = ["FINALIZE_GRACE", "LAYOUTS", "Cluster", "Placement", "RankLayout", "abort_within",
+           "check_environment", "comm_split", "finalize_within", "init", "locate"]
 
 
 class Cluster:
@@ -548,25 +402,25 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
     Raises:
         WorldTooSmallError: on every rank, when the world cannot hold ``num_ps`` ps
             ranks and at least one worker.
-        ConfigError: on every rank, when the ranks run different versions of mpisync
-            or of its wire format, ``MPISYNC_NUM_PS`` is not a number of ranks or
-            differs from ``num_ps``, or ``MPISYNC_KEEP_HEAP`` or ``MPISYNC_BULK`` is not 1
-            or 0; for a bad ``cuda_aware`` or ``True`` with an MPI library that takes no
-            CUDA buffers.
+        ConfigError: on every rank, when any rank's environment holds a malformed
+            ``MPISYNC_*`` variable (``check_environment``: a ``MPISYNC_BULK`` that is not 1
+            or 0, an ``MPISYNC_NUM_PS`` that is not a number of ranks, ...), the ranks run
+            different versions of mpisync or of its wire format, or ``MPISYNC_NUM_PS``
+            differs from ``num_ps``; for a bad ``cuda_aware`` or ``True`` with an MPI
+            library that takes no CUDA buffers.
         RuntimeError: ``init()`` was called already on this rank (and not closed).
     """
     global _current
     comm = MPI.COMM_WORLD if comm is None else comm
     if abort_on_error:
-        _install_excepthook()
+        install_excepthook(lambda: _current)
     if _current is not None and not _current.closed and not MPI.Is_finalized():
         raise RuntimeError(f"{_current.label}: mpisync.init() was called already on this "
                            f"rank; call it once per job and pass the cluster it returned "
                            f"(or cluster.close() first)")
+    check_environment(comm)          # first: before any rank may wait on another
     # every rank: the same argument and environment, the same number or the same error
     num_ps = env.num_ps(num_ps, os.environ, comm.Get_rank())
-    heap.wanted()         # read on every rank: a malformed value stops them all alike
-    bulk.wanted()
     size = comm.Get_size()
     if num_ps < 1 or num_ps >= size:
         need = max(num_ps, 1) + 1
@@ -589,9 +443,26 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
         cluster.device = worker_device(cluster._worker_comm)
     _current = cluster
     if survive:           # runs after the worker left the job, before MPI finalizes
-        atexit.register(_exit_status, _current)
+        atexit.register(exit_status, _current)
     atexit.register(_current._leave)      # a worker that ends leaves the job
     return _current
+
+
+def check_environment(comm: MPI.Comm) -> None:
+    """Every rank's ``MPISYNC_*`` variables are well formed, or every rank raises.
+
+    Collective over ``comm``: what ``init()`` runs first, before any rank waits on another.
+    Each rank reads every variable set in its environment as the registry says
+    (``mpisync.environ.problem``) and the ranks agree on what they found
+    (``mpisync.runtime.collectives.agree``), so that a malformed value on one rank is the
+    same error on all of them, not an error on that rank while the others wait for it.
+
+    Raises:
+        ConfigError: on every rank, naming the first rank with a malformed value, the
+            variable, the value and what it accepts.
+    """
+    found = env.problem(os.environ, {HOSTMAP_ENV: decode_host_map})
+    agree(comm, "", found, {}, member=None)
 
 
 def _survive(asked: bool | None, rank: int) -> bool:
@@ -604,57 +475,6 @@ def _survive(asked: bool | None, rank: int) -> bool:
     if why_not is not None and rank == 0:
         print(f"[mpisync] survive_worker_loss: {why_not}", file=sys.stderr, flush=True)
     return why_not is None
-
-
-#: Seconds ``MPI_Finalize`` may take on a rank that saw workers lost before it exits anyway.
-FINALIZE_GRACE = 10.0
-
-
-def _exit_status(cluster: Cluster) -> None:
-    """A rank that saw workers lost ends with ``LOST_WORKERS_EXIT`` once MPI finalized.
-
-    Open MPI's ``MPI_Finalize`` sometimes waits forever for a rank that died (the runtime's
-    last fence): after ``FINALIZE_GRACE`` seconds the rank exits without it.
-    """
-    if cluster.losses is None or not cluster.losses.lost or MPI.Is_finalized():
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    finalize_within(FINALIZE_GRACE, LOST_WORKERS_EXIT)
-
-
-def finalize_within(grace: float, code: int) -> None:
-    """``MPI_Finalize``, then ``os._exit(code)``; after ``grace`` seconds the process exits
-    with ``code`` whether or not it returned. ``MPI_Finalize`` is called through ctypes,
-    which lets go of the GIL while it waits: mpi4py's ``MPI.Finalize`` keeps it, so the
-    timer that ends the wait could never run."""
-    threading.Timer(grace, os._exit, (code,)).start()
-    finalize: Callable[[], object]
-    try:
-        finalize = ctypes.CDLL(MPI.__file__).MPI_Finalize
-    except (OSError, AttributeError):
-        finalize = MPI.Finalize
-    finalize()
-    os._exit(code)
-
-
-def abort_within(grace: float, code: int) -> None:
-    """``MPI_Abort`` on ``COMM_WORLD``; after ``grace`` seconds the process exits with
-    ``code`` whether or not the abort returned. Called through ctypes for the reason
-    ``finalize_within`` gives: mpi4py's ``Comm.Abort`` keeps the GIL while it waits, and an
-    abort can wait for good once ranks have died (Open MPI with ULFM)."""
-    threading.Timer(grace, os._exit, (code,)).start()
-    comm = MPI.COMM_WORLD
-    try:
-        abort = ctypes.CDLL(MPI.__file__).MPI_Abort
-        handle = ctypes.c_void_p if MPI._sizeof(MPI.Comm) == ctypes.sizeof(ctypes.c_void_p) \
-            else ctypes.c_int
-        abort.argtypes = [handle, ctypes.c_int]
-        abort.restype = ctypes.c_int
-        abort(MPI._handleof(comm), code)
-    except (OSError, AttributeError, TypeError):
-        comm.Abort(code)
-    os._exit(code)
 
 
 def _check_versions(comm: MPI.Comm) -> None:
@@ -670,44 +490,3 @@ def _check_versions(comm: MPI.Comm) -> None:
             f"mpisync {first} (wire format {wire0})"
             + (f"; ranks {differing} differ from rank 0" if len(differing) > 1 else ""),
             collective=True)
-
-
-def _install_excepthook() -> None:
-    if getattr(sys.excepthook, "_mpisync", False):
-        return
-    previous = sys.excepthook
-
-    def hook(exc_type, exc, tb):
-        cluster = _current
-        rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else "?"
-        label = cluster.label if cluster is not None else f"rank {rank}"
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        if cluster is not None and cluster.losses is not None and cluster.losses.note(exc):
-            exc = f"{cluster.describe_lost() or 'a rank'} lost ({exc})"
-        sys.stderr.write(f"[mpisync] {label}: {exc_type.__name__}: {exc}\n{text}")
-        sys.stderr.flush()
-        if getattr(exc, "collective", False) or not MPI.Is_initialized() or MPI.Is_finalized():
-            return  # raised on every rank alike: let each exit on its own
-        from .errors import PeerError
-        if cluster is not None and not cluster.closed and not isinstance(exc, PeerError):
-            _notify_peers(cluster, f"{label} failed: {exc_type.__name__}: {exc}")
-        time.sleep(1.5)  # let every rank print why it stops before the abort ends them all
-        # a job that survives lost ranks (Open MPI with ULFM) has seen an abort wait on for
-        # good after ranks had died: this rank then ends itself, and the job with it
-        abort_within(FINALIZE_GRACE, 1)
-
-    hook._mpisync = True          # type: ignore[attr-defined]  # marks mpisync's own hook
-    hook._previous = previous     # type: ignore[attr-defined]
-    sys.excepthook = hook
-
-
-def _notify_peers(cluster: Cluster, notice: str) -> None:
-    """Tell every other rank why this one fails (best effort, never blocks)."""
-    reqs = []
-    for r in range(cluster.size):
-        if r != cluster.rank:
-            try:
-                reqs.append(cluster.p2p_comm.isend(notice, dest=r, tag=Tag.ERROR))
-            except MPI.Exception:
-                pass
-    del reqs

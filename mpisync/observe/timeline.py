@@ -32,8 +32,9 @@ current: Timeline | None = None
 
 FLUSH_EVENTS = 512
 FLUSH_SECONDS = 1.0
-MAX_BYTES = int(environ.number("MPISYNC_TIMELINE_MAX_MB", inclusive=True,
-                               what="MiB (0: no limit)") * (1 << 20))
+MAX_BYTES = int(environ.read_at_import(
+    lambda: environ.number("MPISYNC_TIMELINE_MAX_MB"),
+    lambda: environ.number("MPISYNC_TIMELINE_MAX_MB", environ={})) * (1 << 20))
 
 _SPAN = (',{"name":"%s","ph":"X","pid":%d,"tid":%d,"ts":%.1f,"dur":%.1f,'
          '"args":{"step":%d}}\n')

@@ -34,10 +34,9 @@ def _env_setting(every: int | None, enabled: bool) -> tuple[int | None, bool]:
     if env is None:
         return every, enabled
     value = env.strip().lower()
-    if value in ("", "0", "off", "false", "no"):
+    if value in ("", *environ.OFF_WORDS):
         return every, False
-    return environ.count("MPISYNC_PROGRESS", minimum=1,
-                         expected="0 (off) or the number of steps between lines"), enabled
+    return environ.count("MPISYNC_PROGRESS"), enabled
 
 
 class Progress:

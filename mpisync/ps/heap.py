@@ -50,8 +50,8 @@ def wanted() -> bool:
 
     Raises:
         ConfigError: any other value, naming the variable and this rank. ``mpisync.init()``
-            reads it on every rank, so that every rank raises it alike, not the ps ranks
-            alone once they serve while the workers wait for them.
+            reads it (as every variable) on every rank, so that every rank raises it
+            alike, not the ps ranks alone once they serve while the workers wait for them.
     """
     return env.switch("MPISYNC_KEEP_HEAP")
 

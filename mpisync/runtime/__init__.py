@@ -1,1 +1,2 @@
-"""MPI plumbing both sides use: the poller, guarded communicators, collectives, shared memory."""
+"""MPI plumbing both sides use: the poller, guarded communicators, collectives, shared memory,
+survival, node discovery and roles, and how a rank ends."""

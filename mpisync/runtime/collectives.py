@@ -185,18 +185,21 @@ def _container(node: _Node, parts):
         return parts
 
 
-def agree(comm: MPI.Intracomm, what: str, error: str | None, fields: dict[str, str],
-          payload=None) -> list:
+def agree(comm: MPI.Comm, what: str, error: str | None, fields: dict[str, str],
+          payload=None, member: str | None = "worker") -> list:
     """Gather every rank's problem and ``fields``; raise the same error on every rank.
 
     Collective. A problem any rank found is a ``ConfigError`` on every rank, naming that
-    rank; a field that differs from rank 0's, a ``MismatchError`` naming the ranks.
-    ``payload`` travels along: returns every rank's, in rank order.
+    rank (``worker 2``: ``member`` and its rank in ``comm``; None: the problem names its
+    rank itself, and ``what`` may be empty); a field that differs from rank 0's, a
+    ``MismatchError`` naming the ranks. ``payload`` travels along: returns every rank's,
+    in rank order.
     """
     gathered = comm.allgather((error, fields, payload))
     for w, (problem, _, _) in enumerate(gathered):
         if problem is not None:
-            raise ConfigError(f"{what}: worker {w}: {problem}", collective=True)
+            where = "".join(f"{part}: " for part in (what, member and f"{member} {w}") if part)
+            raise ConfigError(f"{where}{problem}", collective=True)
     ref = gathered[0][1]
     differ = [w for w, (_, theirs, _) in enumerate(gathered) if theirs != ref]
     if differ:

@@ -20,23 +20,27 @@ __all__ = ["DEFAULT_TIMEOUT", "Pace", "Poller"]
 
 def timeouts(environ: Mapping[str, str] | None = None) -> tuple[float, float, float, float]:
     """``MPISYNC_TIMEOUT``, ``MPISYNC_SETUP_TIMEOUT``, ``MPISYNC_STALL_WARNING`` and
-    ``MPISYNC_POLL_MAX_SLEEP`` in seconds, each checked (read once, at import)."""
+    ``MPISYNC_POLL_MAX_SLEEP`` in seconds, each checked (read once, at import:
+    ``mpisync.environ.read_at_import``)."""
     return (env.number("MPISYNC_TIMEOUT", environ=environ),
             env.number("MPISYNC_SETUP_TIMEOUT", environ=environ),
             env.number("MPISYNC_STALL_WARNING", environ=environ),
-            env.number("MPISYNC_POLL_MAX_SLEEP", environ=environ, inclusive=True))
+            env.number("MPISYNC_POLL_MAX_SLEEP", environ=environ))
 
 
-DEFAULT_TIMEOUT, SETUP_TIMEOUT, STALL_WARNING, _MAX_SLEEP = timeouts()
+# a malformed value: refused here, or by mpisync.init() on every rank of a job of several
+DEFAULT_TIMEOUT, SETUP_TIMEOUT, STALL_WARNING, _MAX_SLEEP = env.read_at_import(
+    timeouts, lambda: timeouts({}))
 # a recurring wait sleeps through this share of the shortest of its recent lengths first
-_PACE = env.number("MPISYNC_POLL_PACE", what="share of a wait", inclusive=True)
+_PACE = env.read_at_import(lambda: env.number("MPISYNC_POLL_PACE"),
+                           lambda: env.number("MPISYNC_POLL_PACE", environ={}))
 SPIN_DEDICATED = 0.005       # seconds of busy polling when every rank has a core of its own
 SPIN_SHARED = 0.0001         # when ranks share cores, spinning steals from the rank awaited
 
 
 def spin_seconds(oversubscribed: bool) -> float:
     """How long a wait polls without sleeping; ``MPISYNC_POLL_SPIN_US`` overrides."""
-    spin_us = env.number("MPISYNC_POLL_SPIN_US", inclusive=True, what="microseconds")
+    spin_us = env.number("MPISYNC_POLL_SPIN_US")
     if spin_us is not None:
         return spin_us * 1e-6
     return SPIN_SHARED if oversubscribed else SPIN_DEDICATED

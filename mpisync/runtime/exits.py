@@ -1,0 +1,139 @@
+"""How a rank ends: finalizing or aborting within a grace period, the exit status of a job
+that lost workers, and the exception hook that turns one rank's failure into the job's end.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from mpi4py import MPI
+
+from ..errors import PeerError
+from ..protocol.wire import Tag
+from .survival import LOST_WORKERS_EXIT, Losses
+
+__all__ = ["FINALIZE_GRACE", "Exiting", "abort_within", "exit_status", "finalize_within",
+           "install_excepthook", "notify_peers"]
+
+
+class Exiting(Protocol):
+    """What ending a rank reads of its cluster (``mpisync.Cluster``)."""
+
+    @property
+    def label(self) -> str: ...
+    @property
+    def losses(self) -> Losses | None: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def p2p_comm(self) -> Any: ...
+
+    def describe_lost(self, ranks: Sequence[int] | None = None) -> str: ...
+
+
+#: Seconds ``MPI_Finalize`` may take on a rank that saw workers lost before it exits anyway.
+FINALIZE_GRACE = 10.0
+
+
+def exit_status(cluster: Exiting) -> None:
+    """A rank that saw workers lost ends with ``LOST_WORKERS_EXIT`` once MPI finalized.
+
+    Open MPI's ``MPI_Finalize`` sometimes waits forever for a rank that died (the runtime's
+    last fence): after ``FINALIZE_GRACE`` seconds the rank exits without it.
+    """
+    if cluster.losses is None or not cluster.losses.lost or MPI.Is_finalized():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    finalize_within(FINALIZE_GRACE, LOST_WORKERS_EXIT)
+
+
+def finalize_within(grace: float, code: int) -> None:
+    """``MPI_Finalize``, then ``os._exit(code)``; after ``grace`` seconds the process exits
+    with ``code`` whether or not it returned. ``MPI_Finalize`` is called through ctypes,
+    which lets go of the GIL while it waits: mpi4py's ``MPI.Finalize`` keeps it, so the
+    timer that ends the wait could never run."""
+    threading.Timer(grace, os._exit, (code,)).start()
+    finalize: Callable[[], object]
+    try:
+        finalize = ctypes.CDLL(MPI.__file__).MPI_Finalize
+    except (OSError, AttributeError):
+        finalize = MPI.Finalize
+    finalize()
+    os._exit(code)
+
+
+def abort_within(grace: float, code: int) -> None:
+    """``MPI_Abort`` on ``COMM_WORLD``; after ``grace`` seconds the process exits with
+    ``code`` whether or not the abort returned. Called through ctypes for the reason
+    ``finalize_within`` gives: mpi4py's ``Comm.Abort`` keeps the GIL while it waits, and an
+    abort can wait for good once ranks have died (Open MPI with ULFM)."""
+    threading.Timer(grace, os._exit, (code,)).start()
+    comm = MPI.COMM_WORLD
+    try:
+        abort = ctypes.CDLL(MPI.__file__).MPI_Abort
+        handle = ctypes.c_void_p if MPI._sizeof(MPI.Comm) == ctypes.sizeof(ctypes.c_void_p) \
+            else ctypes.c_int
+        abort.argtypes = [handle, ctypes.c_int]
+        abort.restype = ctypes.c_int
+        abort(MPI._handleof(comm), code)
+    except (OSError, AttributeError, TypeError):
+        comm.Abort(code)
+    os._exit(code)
+
+
+def install_excepthook(current: Callable[[], Exiting | None]) -> None:
+    """Make an uncaught exception end the whole job, not this rank alone (once a process).
+
+    The hook prints the exception under this rank's name (``current()``: the cluster of
+    this process, or None), tells the other ranks why (``notify_peers``) and aborts the
+    job with ``abort_within``. An error raised on every rank alike (``collective``), or
+    one raised where MPI is not running, ends this rank only: each rank exits on its own.
+    """
+    if getattr(sys.excepthook, "_mpisync", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        cluster = current()
+        rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else "?"
+        label = cluster.label if cluster is not None else f"rank {rank}"
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        if cluster is not None and cluster.losses is not None and cluster.losses.note(exc):
+            exc = f"{cluster.describe_lost() or 'a rank'} lost ({exc})"
+        sys.stderr.write(f"[mpisync] {label}: {exc_type.__name__}: {exc}\n{text}")
+        sys.stderr.flush()
+        if getattr(exc, "collective", False) or not MPI.Is_initialized() or MPI.Is_finalized():
+            return  # raised on every rank alike: let each exit on its own
+        if cluster is not None and not cluster.closed and not isinstance(exc, PeerError):
+            notify_peers(cluster, f"{label} failed: {exc_type.__name__}: {exc}")
+        time.sleep(1.5)  # let every rank print why it stops before the abort ends them all
+        # a job that survives lost ranks (Open MPI with ULFM) has seen an abort wait on for
+        # good after ranks had died: this rank then ends itself, and the job with it
+        abort_within(FINALIZE_GRACE, 1)
+
+    hook._mpisync = True          # type: ignore[attr-defined]  # marks mpisync's own hook
+    hook._previous = previous     # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def notify_peers(cluster: Exiting, notice: str) -> None:
+    """Tell every other rank why this one fails (best effort, never blocks)."""
+    reqs = []
+    for r in range(cluster.size):
+        if r != cluster.rank:
+            try:
+                reqs.append(cluster.p2p_comm.isend(notice, dest=r, tag=Tag.ERROR))
+            except MPI.Exception:
+                pass
+    del reqs
