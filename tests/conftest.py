@@ -29,9 +29,13 @@ SEPARATORS = {";", "&&", "||", "|", "&", "(", ")"}
 
 
 def _commands(words: list[str]) -> list[list[str]]:
-    """The commands of a command line: itself, and those of a shell's ``-c`` string."""
-    if len(words) >= 3 and os.path.basename(words[0]) in SHELLS and words[1] == "-c":
-        return _commands_of_shell(words[2])
+    """The commands of a command line: itself, and those of a shell's ``-c`` string; a
+    shell given a script file runs that script (``bash local-cluster.sh start``)."""
+    if len(words) >= 2 and os.path.basename(words[0]) in SHELLS:
+        if len(words) >= 3 and words[1] == "-c":
+            return _commands_of_shell(words[2])
+        if not words[1].startswith("-"):
+            return [words[1:]]
     return [words]
 
 
