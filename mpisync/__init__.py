@@ -3,6 +3,8 @@
 ``import mpisync`` alone imports neither torch nor MPI, so that the launcher
 (``python -m mpisync.launch``) starts at once; the first use of any public name
 (``mpisync.init``, ``mpisync.SyncReplicasOptimizer``, ...) imports the whole package.
+Neither changes anything global: an open ``SyncReplicasOptimizer`` holds the hooks it
+needs in torch and removes them at ``close()`` (``mpisync.worker.hooks``).
 """
 from __future__ import annotations
 
@@ -106,9 +108,7 @@ __version__ = "0.3.0"
 def _load() -> None:
     """Import every module behind a public name, as an eager package would at import.
 
-    All of them at once, as before: the modules that see parameters registered on torch
-    modules (tables, write tracking) are then in place before a model is built after the
-    first ``mpisync.init()``.
+    All of them at once, as before; importing them installs nothing in torch.
     """
     for name, home in _SUBMODULES.items():
         globals()[name] = importlib.import_module(f".{home}", __name__)

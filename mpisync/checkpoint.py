@@ -185,7 +185,7 @@ def _atomic_write(path: str, fill) -> None:
 def _tables_streamed(opt, w: _Writer) -> dict:
     """Every ``mpisync.Embedding`` table, shard by shard, each written as it arrives."""
     out = {}
-    for t in opt._spec.tables:
+    for t in opt.spec.tables:
         if not t.resident:
             continue
         shards = []
@@ -248,9 +248,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptim
 
 
 def _write(path: str, model, opt, extra) -> None:
-    state, values = opt._state_dict(tables=False)
-    order = opt._group_order()
-    table_index = {t.name: order.index(t.name) for t in opt._spec.tables
+    state, values = opt.state_and_values(tables=False)
+    order = opt.group_order()
+    table_index = {t.name: order.index(t.name) for t in opt.spec.tables
                    if t.resident and t.name in order}
 
     def fill(f) -> None:
@@ -353,7 +353,7 @@ def _check_model(ck: dict, model: torch.nn.Module) -> str | None:
 
 
 def _check_tables(ck: dict, opt) -> str | None:
-    mine = {t.name: t for t in opt._spec.tables if t.resident}
+    mine = {t.name: t for t in opt.spec.tables if t.resident}
     saved = ck.get("tables", {})
     if set(mine) != set(saved):
         return f"the checkpoint has tables {sorted(saved)}, this optimizer {sorted(mine)}"
@@ -375,11 +375,11 @@ def _check_tables(ck: dict, opt) -> str | None:
 
 def _unread(opt, name: str) -> tuple[str, ...]:
     """The state entries of table ``name`` its optimizer's update does not read."""
-    for group in opt._opt.param_groups:
+    for group in opt.wrapped.param_groups:
         for p in group["params"]:
             info = table_info(p)
             if info is not None and info.name == name:
-                return reshard.unread_counters(opt._opt, group)
+                return reshard.unread_counters(opt.wrapped, group)
     return ()
 
 
@@ -387,8 +387,8 @@ def _check(ck: dict, model, opt) -> str | None:
     problem = _check_tables(ck, opt) or _check_model(ck, model)   # a table by name
     if problem:
         return problem
-    order = opt._group_order()
-    shapes = {n: tuple(p.shape) for n, p in zip(opt._names, opt._params)}
+    order = opt.group_order()
+    shapes = {n: tuple(p.shape) for n, p in opt.named_parameters()}
     return check_state(ck["optimizer"], opt.param_groups, order, shapes, {})
 
 
@@ -458,9 +458,9 @@ def _place_tables(saved: dict, opt) -> None:
     On the chief, one new shard at a time: see ``mpisync.tables.reshard`` for how rows and
     their optimizer state move and what is held meanwhile.
     """
-    for t in opt._spec.tables:
+    for t in opt.spec.tables:
         if t.hashed is not None:
-            place_hash_table(saved[t.name]["shards"], t, opt._rows)
+            place_hash_table(saved[t.name]["shards"], t, opt.rows_channel)
             continue
         if not t.resident:
             continue
@@ -469,7 +469,7 @@ def _place_tables(saved: dict, opt) -> None:
         unread = _unread(opt, t.name)
         for k in range(t.num_shards):
             weight, state = reshard.new_shard(table, t, k, from_shards[k], unread)
-            opt._rows.write_shard(t.name, k, weight, state)
+            opt.rows_channel.write_shard(t.name, k, weight, state)
             del weight, state             # one new shard in memory at a time
 
 

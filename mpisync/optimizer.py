@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -11,31 +10,24 @@ import torch
 from mpi4py import MPI
 
 from .errors import ClosedError, ConfigError
-from .protocol.layouts import layouts_of
-from .protocol.rebuild import settings_of
-from .protocol.routes import ALLREDUCE, REPLICATED
-from .protocol.spec import Options, model_of
-from .protocol.wire import FLAG_SCHEDULED, Kind
+from .protocol.spec import Options
 from .ps.steplog import log_path
 from .runtime.progress import SETUP_TIMEOUT, Poller, spin_seconds
-from .worker.allreduce import AllreduceChannel
-from .worker.channels import DenseChannel, ReplicatedChannel
-from .worker.devices import default_backend
-from .worker.local import LocalUpdate
-from .worker.ps_link import PsLink
-from .worker.refusals import check_groups, check_held, check_settings, refuse_grad_scaler
-from .worker.rows import RowsChannel
-from .worker.schedule import Schedules, install_hooks
-from .worker.setup import agree_spec, setup_problem
-from .worker.state_io import StateTransfer
+from .worker.hooks import TorchHooks
+from .worker.parts import WorkerParts
+from .worker.refusals import (
+    refuse_add_param_group,
+    refuse_grad_scaler,
+    refuse_step_in_averaged,
+)
+from .worker.setup import agreed_setup, worker_cluster
 from .worker.stepclock import for_worker
-from .worker.tables_io import TableShards
-from .worker.tracking import WriteTracker
-from .worker.update_fns import UpdateFunctions
 
 if TYPE_CHECKING:
     from .protocol.partition import PartitionerSpec
+    from .protocol.spec import JobSpec
     from .ps_ranks import Cluster
+    from .worker.rows import RowsChannel
 
 __all__ = ["SyncReplicasOptimizer"]
 
@@ -185,7 +177,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
     """
 
     # torch.amp.GradScaler then calls step() itself (found_inf set) instead of skipping it
-    # on this worker alone; step() refuses it (see _refuse_grad_scaler)
+    # on this worker alone; step() refuses it (mpisync.worker.refusals.refuse_grad_scaler)
     _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -207,24 +199,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                  colocate: Iterable[Sequence[str]] | None = None,
                  max_ps_bytes: int | None = None) -> None:
         from .ps_ranks import _current
-        cluster = _current if cluster is None else cluster
-        if cluster is None:
-            raise RuntimeError("call mpisync.init() on every rank before creating a "
-                               "SyncReplicasOptimizer")
-        if cluster.is_ps:
-            raise RuntimeError(f"{cluster.label}: SyncReplicasOptimizer is for workers; "
-                               f"ps ranks call cluster.serve()")
-        self.cluster = cluster
-        self._closed = False
-        self._ready = False
-        self._averaged = False
-        self._opt = optimizer
-        model, problem = model_of(named_parameters, named_buffers)
-        self._names = [n for n, _ in model.params]
-        self._params = [p for _, p in model.params]
-        allreduce_backend = default_backend(allreduce_backend, self._params)
-        self._poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label,
-                              spin_seconds(cluster.oversubscribed), cluster.losses)
+        self.cluster = cluster = worker_cluster(_current if cluster is None else cluster)
+        self._ready = self.closed = False    # closed: close() was called
+        self.wrapped = optimizer             # the torch optimizer given (same param groups)
         options = Options(replicas_to_aggregate, total_num_replicas, num_tokens, placement,
                           reduction, deterministic, ema_decay, ema_num_updates, asynchronous,
                           max_staleness, buffers, schedule, partitioner, sparse_reduction,
@@ -233,64 +210,56 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                           wire_dtype=wire_dtype,
                           # shared memory waits for workers to copy: not where one may die
                           shared_memory=shared_memory if cluster.losses is None else False)
-        opt_id = len(cluster.optimizers)
-        self._stats_log = log_path(stats_log, opt_id)
-        spec, routes = agree_spec(optimizer, model, options, opt_id, cluster, self._stats_log,
-                                  problem or setup_problem(optimizer, options, cluster,
-                                                           self._names, self._params))
-        self._spec, self.plan = spec, routes.plan
-        if deterministic:
-            torch.use_deterministic_algorithms(True)
-
-        torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
-        self.param_groups = optimizer.param_groups    # shared: schedulers edit them
-        self._group_params = [tuple(g["params"]) for g in self.param_groups]
-        self.defaults = optimizer.defaults
-        by_name = dict(model.params)
-        self._dense = DenseChannel(spec, layouts_of(spec), cluster, by_name,
-                                   dict(model.buffers), self._poller)
-        self._rows = RowsChannel(spec, cluster, by_name, self._poller)
-        with self._poller.patience(SETUP_TIMEOUT):   # the ps ranks build their side meanwhile
-            if cluster.is_chief:
-                self._dense.send_initial()
-                self._rows.send_initial()
-        ReplicatedChannel(cluster._worker_comm,
-                          [by_name[n] for n in routes.names(REPLICATED) + routes.names(ALLREDUCE)]
-                          ).setup()
-        # dense="allreduce": the workers average these parameters and apply their step
-        self._local_update = LocalUpdate(spec, cluster, optimizer, self.param_groups,
-                                         list(model.params), self._rows) if spec.allreduce else None
-        self._tracker = WriteTracker(self._dense.names, self._dense.params, self._dense.pviews,
-                                     cluster.label, self._dense.gviews, self._dense.staging)
-        self._link = PsLink(cluster, self._dense, opt_id)
-        self._tables = TableShards(spec, cluster, self._rows)
-        self._update_fns = UpdateFunctions(spec, cluster, self._link, list(model.params),
-                                           self._local_update)
-        self._state_io = StateTransfer(spec, self.plan, cluster, self._link, self._tables,
-                                       optimizer, list(model.params), self._local_update,
-                                       self._dense, self._rows, self._tracker)
-        self._settings = settings_of(optimizer)
-        install_hooks()
-        self._mpisync_schedules = Schedules(schedule, 0)
-        self.stopped = False
-        self.global_step = -1
-        self._seq = 0
-        self._final_stats: dict | None = None
-        self._hash_stats: dict | None = None      # hash tables' counts when this worker closed
-        self._wait_s = 0.0
-        self._steps = 0
-        cluster.optimizers.append(self)
-        with self._poller.patience(SETUP_TIMEOUT):
-            self._receive(count=False)
-        self._rows.forget_initial()
-        self._clock = for_worker(self._dense, cluster)    # statistics log or timeline on
-        self._ready = True
-        atexit.register(self._atexit)
+        self._hooks = TorchHooks()      # given back by close(), or now if set-up fails
+        with self._hooks.removed_on_error():   # set-up: agree on the spec, open the channels
+            self._poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label,
+                                  spin_seconds(cluster.oversubscribed), cluster.losses)
+            opt_id = len(cluster.optimizers)
+            self._stats_log = log_path(stats_log, opt_id)
+            model, spec, routes = agreed_setup(optimizer, named_parameters, named_buffers,
+                                               options, cluster, opt_id, self._stats_log)
+            self._names = [n for n, _ in model.params]
+            self._params = [p for _, p in model.params]
+            self._spec, self.plan = spec, routes.plan
+            torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
+            self.param_groups = optimizer.param_groups    # shared: schedulers edit them
+            self.defaults = optimizer.defaults
+            parts = self._parts = WorkerParts(spec, routes, cluster, model, self._poller,
+                                              optimizer, lambda: self.param_groups,
+                                              options.schedule)
+            self._dense, self._rows, self._cycle = parts.dense, parts.rows, parts.cycle
+            self._mpisync_schedules = parts.schedules     # what schedulers built over it find
+            cluster.optimizers.append(self)
+            with self._poller.patience(SETUP_TIMEOUT):
+                self._cycle.receive(count=False)
+            self._rows.forget_initial()
+            self._cycle.clock = for_worker(self._dense, cluster)  # statistics log or timeline
+            self._ready = True
+        atexit.register(self.close_at_exit)
 
     @property
-    def _local(self) -> AllreduceChannel | None:
-        """The all-reduce among the workers (``dense="allreduce"``), or None."""
-        return None if self._local_update is None else self._local_update.channel
+    def global_step(self) -> int:
+        """The global step whose parameters this worker holds."""
+        return self._cycle.global_step
+
+    @property
+    def stopped(self) -> bool:
+        """Training is over: other workers closed and no step can complete."""
+        return self._cycle.stopped
+
+    @property
+    def spec(self) -> JobSpec:
+        """What every rank agreed on at set-up (``mpisync.protocol.spec.JobSpec``)."""
+        return self._spec
+
+    @property
+    def rows_channel(self) -> RowsChannel:
+        """The channel the rows of the tables travel on (``mpisync.worker.rows``)."""
+        return self._rows
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The ``(name, parameter)`` pairs of ``named_parameters``, in that order."""
+        return list(zip(self._names, self._params))
 
     def add_param_group(self, param_group: dict) -> None:
         """Refused once wrapped: the ps ranks hold a fixed set of parameters.
@@ -300,13 +269,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         """
         if not getattr(self, "_ready", False):
             return super().add_param_group(param_group)
-        raise ConfigError(
-            f"{self.cluster.label}: add_param_group() after the SyncReplicasOptimizer was "
-            f"created; create the optimizer with every param group first (a group of "
-            f"parameters with requires_grad=False, whose .grad stays None, is skipped until "
-            f"they get gradients)", collective=True)
+        refuse_add_param_group(self.cluster.label)
 
-    def _group_order(self) -> list[str]:
+    def group_order(self) -> list[str]:
         """Parameter names in param-group order: how torch numbers them in a state_dict."""
         name_of = {id(p): n for n, p in zip(self._names, self._params)}
         return [name_of[id(p)] for g in self.param_groups for p in g["params"]]
@@ -322,11 +287,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         ``step()`` copies each new gradient into the send buffer once.
         """
         self._check_open("zero_grad")
-        self._dense.zero_grad(set_to_none)
-        if self._local_update is not None:
-            self._local_update.channel.zero_grad(set_to_none)
-        if self._rows.active:
-            self._rows.zero_grad(set_to_none)
+        self._cycle.zero_grad(set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Push this worker's gradients, wait for the token, pull the new parameters.
@@ -337,104 +298,31 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         Returns the closure's loss, if a closure is given.
         """
         self._check_open("step")
-        self._check_groups()
+        self._parts.check_groups(self.param_groups)
         if kwargs or getattr(self, "found_inf", None) is not None:
             refuse_grad_scaler(kwargs, self.cluster.label)
-        if self._averaged:
-            raise RuntimeError(f"{self.cluster.label}: step() inside averaged(): the model "
-                               f"holds the moving averages there, not the parameters")
+        if self._parts.state_io.swapped:
+            refuse_step_in_averaged(self.cluster.label)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.stopped:
-            return loss
-        clock, local = self._clock, self._local_update
-        if clock is not None:
-            clock.begin(self.global_step)
-        if self._settings:
-            check_settings(self._settings, self._opt, self.cluster.label)
-        if local is not None:
-            local.channel.before_step()    # collective: every worker's gradients averaged
-            local.check_finite(self.global_step)
-        written = self._tracker.written()   # first: a parameter given a new tensor is checked
-        self._push(written)
-        if clock is not None:
-            clock.pushed()
-        if local is not None:              # while the ps ranks apply theirs
-            local.step(self._dense.hyper_out, self.param_groups, self.global_step)
-        taken = self._receive()
-        if clock is not None:
-            clock.end()
-        if written and not taken and not self._spec.asynchronous:
-            names = [self._dense.names[i] for i in written]
-            warnings.warn(f"{self.cluster.label}: the step did not take this worker's gradient "
-                          f"(it came too late), so the writes to {names} that travelled with "
-                          f"it were dropped too; write parameters on every worker",
-                          RuntimeWarning, stacklevel=2)
+        if not self.stopped:
+            self._cycle.run()
         return loss
-
-    def _push(self, written: list[int]) -> None:
-        """Send this worker's gradients (after what it wrote) to every ps rank."""
-        dense = self._dense
-        dense.gather()
-        if not dense.has_grad.any():
-            check_held(self._tracker, self.cluster.label)
-        self._spec.hyper.encode(self.param_groups, *dense.hyper_out)
-        flags = FLAG_SCHEDULED if self._mpisync_schedules.follows_global_step else 0
-        self._seq += 1
-        worker = self.cluster.worker_index
-        assert worker is not None            # __init__ refused a ps rank
-        dense.push(self.global_step, worker, self._seq, flags, written)
-        if self._rows.active:
-            self._rows.push(self.global_step, self._seq)
-
-    def _check_groups(self) -> None:
-        """The param groups hold the parameters they held at set-up (the ps ranks' set)."""
-        check_groups(self.param_groups, self._group_params, self._names, self._params,
-                     self.cluster.label)
-
-    def _receive(self, count: bool = True) -> bool:
-        """Wait for the token; with it come the parameters of the new global step.
-
-        Returns whether the step took this worker's gradient.
-        """
-        on_hyper = self._hyper_at if self._spec.asynchronous else None
-        kind, step, taken, waited = self._dense.pull(on_hyper)
-        if self._rows.active:
-            self._rows.wait_sends()
-            if kind == Kind.GO:
-                self._rows.pull(step)
-        if kind == Kind.STOP:
-            self.stopped = True
-        self.global_step = step
-        if count:
-            self._mpisync_schedules.note_step(step)
-            self._steps += 1
-            self._wait_s += waited
-        return taken
-
-    def _hyper_at(self, step: int):
-        """Asynchronous mode: the hyper-parameters at the step that applies our gradient."""
-        self._mpisync_schedules.advance_to(step)
-        return self._spec.hyper.values(self.param_groups)
 
     # -- everything else ----------------------------------------------------------------
     def _check_open(self, what: str) -> None:
-        if self._closed:
+        if self.closed:
             raise ClosedError(f"{self.cluster.label}: {what}() called after close()")
 
-    def _park(self, parked: bool) -> None:
+    def park(self, parked: bool) -> None:
         """This worker is (no longer) in a collective among the workers: it pushes nothing."""
-        self._link.park(parked, self._seq)   # pushes so far
+        self._parts.link.park(parked, self._cycle.seq)   # pushes so far
 
-    def _raise_if_failed(self, call: str) -> None:
+    def raise_if_failed(self, call: str) -> None:
         """While in a collective: answer ps 0's question, or raise what it found."""
-        self._link.raise_if_failed(call)
-
-    def _from_every_ps(self, kind: Kind, describe: str) -> list:
-        """Ask ps 0 for ``kind``; every ps answers with its piece, at one global step."""
-        return self._link.from_every_ps(kind, describe)
+        self._parts.link.raise_if_failed(call)
 
     @property
     def stats(self) -> dict:
@@ -456,23 +344,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         tables, ``hash_tables`` holds each one's ``admitted``, ``evicted`` and ``live`` rows
         (summed over its shards; after ``close()``, as they were when this worker closed).
         """
-        hashed = self._hash_stats
-        if not self._closed and any(t.hashed is not None for t in self._spec.tables):
-            hashed = self._rows.hash_stats()
-        if self._closed:
-            stats = dict(self._final())
-        else:
-            self._link.request(Kind.STATS)
-            stats = self._link.answer(self.cluster.coordinator_rank, "statistics from ps 0")
-        stats.update(local_steps=self._steps, token_wait_s=self._wait_s,
-                     bytes_per_ps=[a + b for a, b in zip(self._dense.bytes_per_ps,
-                                                         self._rows.bytes_per_ps)])
-        looked = self._rows.last_lookups
-        stats.update(lookups_per_ps=list(looked[0]), lookup_sent_per_ps=list(looked[1]),
-                     lookup_received_per_ps=list(looked[2]))
-        if hashed is not None:
-            stats["hash_tables"] = hashed
-        return stats
+        own = self._cycle.own_figures(self.closed)
+        stats = dict(self.final_stats()) if self.closed else self._parts.link.stats()
+        return {**stats, **own}
 
     def table_shards(self, name: str, with_state: bool = True) -> Iterator[dict[str, Any]]:
         """Yield the shards of the ``mpisync.Embedding`` table ``name``, one at a time.
@@ -483,7 +357,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         a time; any worker may call it, for example the chief to export the table.
         """
         self._check_open("table_shards")
-        yield from self._tables.read(name, with_state)
+        yield from self._parts.tables.read(name, with_state)
 
     def state_dict(self, tables: bool = True) -> dict:
         """The optimizer state of the whole model, as a plain torch optimizer would hold it.
@@ -497,13 +371,13 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         entry in ``"state"``.
         """
         self._check_open("state_dict")
-        self._check_groups()
-        return self._state_dict(tables)[0]
+        self._parts.check_groups(self.param_groups)
+        return self.state_and_values(tables)[0]
 
-    def _state_dict(self, tables: bool) -> tuple[dict, dict[str, torch.Tensor]]:
-        """``state_dict()``, and the values of the parameters the ps ranks hold, read at
-        the same global step as their state."""
-        return self._state_io.read(self._group_order(), self.global_step, tables)
+    def state_and_values(self, tables: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+        """``state_dict(tables)``, and the values of the parameters the ps ranks hold, read
+        at the same global step as their state."""
+        return self._parts.state_io.read(self.group_order(), self.global_step, tables)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a consolidated state (from ``state_dict()`` or a plain torch optimizer).
@@ -513,9 +387,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         Moving averages missing from ``state_dict`` restart from the current parameters.
         """
         self._check_open("load_state_dict")
-        self._check_groups()
-        self._state_io.load(state_dict, self.param_groups, self._group_order(),
-                            self.global_step, lambda: self._receive(count=False))
+        self._parts.check_groups(self.param_groups)
+        self._parts.state_io.load(state_dict, self.param_groups, self.group_order(),
+                                  self.global_step, lambda: self._cycle.receive(count=False))
         self._mpisync_schedules.rebase(self.global_step)
 
     def update(self, name_or_glob: str, fn: Callable | None, rows: str = "all") -> None:
@@ -550,7 +424,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             MismatchError: on every worker, when the workers registered differently.
         """
         self._check_open("update")
-        self._update_fns.change(name_or_glob, fn, rows, lambda: self._receive(count=False))
+        self._parts.update_fns.change(name_or_glob, fn, rows,
+                                      lambda: self._cycle.receive(count=False))
 
     def averages(self) -> dict[str, torch.Tensor]:
         """The moving averages of the floating-point parameters, ``{name: tensor}``.
@@ -566,7 +441,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         if self._spec.ema_decay is None:
             raise ConfigError(f"{self.cluster.label}: averages() needs a "
                               f"SyncReplicasOptimizer created with ema_decay")
-        return self._state_io.averages()
+        return self._parts.state_io.averages()
 
     @contextlib.contextmanager
     def averaged(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -577,22 +452,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         ``averages()`` returns.
         """
         averages = self.averages()
-        pending = self._tracker.written()    # writes made before the block still travel
-        pairs = [(p, averages[n]) for n, p in zip(self._names, self._params) if n in averages]
-        with torch.no_grad():
-            saved = [p.detach().clone() for p, _ in pairs]
-            for p, avg in pairs:
-                p.copy_(avg)
-        self._averaged = True
-        try:
+        with self._parts.state_io.swapped_in(averages):
             yield averages
-        finally:
-            self._averaged = False
-            with torch.no_grad():
-                for (p, _), old in zip(pairs, saved):
-                    p.copy_(old)
-            self._tracker.snapshot()       # the swaps are not writes ...
-            self._tracker.mark(pending)    # ... but what was written before the block is
 
     def close(self) -> None:
         """Leave the job. Call on every worker; the last one out stops the ps ranks.
@@ -602,31 +463,19 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         worker closed. ``stats`` read afterwards are the job's final figures. Parameters
         written after the last ``step()`` are not sent (warned).
         """
-        if self._closed:
+        if self.closed:
             return
-        written = self._tracker.written()
-        if written:
-            names = [self._dense.names[i] for i in written]
-            warnings.warn(f"{self.cluster.label}: parameters {names} were written after the "
-                          f"last step(); the ps ranks keep their values from that step",
-                          RuntimeWarning, stacklevel=2)
-        if any(t.hashed is not None for t in self._spec.tables):
-            self._hash_stats = self._rows.hash_stats()
-        worker = self.cluster.worker_index
-        assert worker is not None            # __init__ refused a ps rank
-        self._dense.close(self.global_step, worker)
-        self._rows.close()
-        if self._local_update is not None:
-            self._local_update.channel.close()
-        self._tracker.release()
-        self._closed = True
+        try:
+            self._cycle.close()
+            self.closed = True
+        finally:
+            self._hooks.remove()
 
-    def _final(self) -> dict:
+    def final_stats(self) -> dict:
         """The job's final statistics, read once (after close(): every worker gets them)."""
-        if self._final_stats is None:
-            self._final_stats = self._dense.final_stats()
-        return self._final_stats
+        return self._cycle.final_stats()
 
-    def _atexit(self) -> None:
-        if not self._closed and MPI.Is_initialized() and not MPI.Is_finalized():
+    def close_at_exit(self) -> None:
+        """``close()`` if still open while MPI is (at exit, or when the cluster ends)."""
+        if not self.closed and MPI.Is_initialized() and not MPI.Is_finalized():
             self.close()

@@ -145,9 +145,9 @@ class Cluster:
             raise RuntimeError(f"{self.label}: worker_comm.{method}() after cluster.close(): "
                                f"the communicator is freed")
         call = call or f"worker_comm.{method}()"
-        open_optimizers = [o for o in self.optimizers if not o._closed]
+        open_optimizers = [o for o in self.optimizers if not o.closed]
         for opt in open_optimizers:
-            opt._park(True)
+            opt.park(True)
         if self._meet_poller is None:
             self._meet_poller = Poller(self.p2p_comm, self.timeout, self.label,
                                        spin_seconds(self.oversubscribed), self.losses)
@@ -160,7 +160,7 @@ class Cluster:
         try:
             while not self._met(req, call):
                 for opt in open_optimizers:
-                    opt._raise_if_failed(call)
+                    opt.raise_if_failed(call)
                 poller.idle()
                 if time.monotonic() - start > poller.timeout:
                     raise StallError(f"{self.label}: {call}: the other workers "
@@ -171,7 +171,7 @@ class Cluster:
             raise
         poller.busy()
         for opt in open_optimizers:
-            opt._park(False)
+            opt.park(False)
         _check_calls([bytes(row).rstrip().decode(errors="replace") for row in calls],
                      self.label, "worker" if meet is self._meet_comm else "rank")
 
@@ -301,7 +301,7 @@ class Cluster:
         if self.is_ps or self.left or self.closed or MPI.Is_finalized():
             return
         for opt in list(self.optimizers):
-            opt._atexit()                # an open optimizer closes first
+            opt.close_at_exit()          # an open optimizer closes first
         self.left = True
         for rank in self.layout.ps_ranks:
             self.p2p_comm.send(None, dest=rank, tag=Tag.DONE)
@@ -320,7 +320,7 @@ class Cluster:
             return
         self._leave()
         for opt in self.optimizers:      # nothing may be left unread on the communicators
-            opt._final()
+            opt.final_stats()
         self.closed = True
         for comm in (self.p2p_comm, self._meet_comm, self._worker_comm, self.ps_comm,
                      self._helpers_comm):

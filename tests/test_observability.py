@@ -233,7 +233,7 @@ class _FakeOptimizer:
 
     def __init__(self, chief: bool = True):
         self.cluster = SimpleNamespace(is_chief=chief)
-        self._spec = SimpleNamespace(asynchronous=False, replicas_to_aggregate=2)
+        self.spec = SimpleNamespace(asynchronous=False, replicas_to_aggregate=2)
         self.global_step = 0
         self.hooks = []
 

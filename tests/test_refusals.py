@@ -568,13 +568,13 @@ def test_a_model_changed_under_the_optimizer_is_refused_at_step(one_rank, spoil,
 
 def test_a_model_built_before_mpisyncs_first_use_is_still_watched(one_rank):
     """``import mpisync`` installs nothing; the hook that notes which module holds each
-    parameter comes with the first public name. A model built before that (its holders
-    unknown to the hook, as here) is found among the live modules: ``model.to("meta")``
-    after wrapping is refused as for any other model."""
-    from mpisync.worker import tracking
+    parameter comes with the first optimizer, and goes with the last one's ``close()``. A
+    model built before that (its holders unknown to the hook, as here) is found among the
+    live modules: ``model.to("meta")`` after wrapping is refused as for any other model."""
+    from mpisync.protocol import holders
     net = model()
     for p in net.parameters():
-        tracking._holders.pop(id(p), None)
+        holders._registered.pop(id(p), None)
     opt = one_rank.wrap(net)
     train(opt, net, 1)
     net.to("meta")
@@ -585,3 +585,44 @@ def test_a_model_built_before_mpisyncs_first_use_is_still_watched(one_rank):
     assert "the model no longer holds parameters ['0.weight', '0.bias', '2.weight', " \
            "'2.bias'] of this SyncReplicasOptimizer: they were replaced" in str(exc), str(exc)
     assert opt.global_step == 1
+
+
+def _torch_hooks() -> dict[str, int]:
+    """The global hooks torch holds, by kind (those of every module and optimizer)."""
+    from torch.nn.modules import module
+    from torch.optim import optimizer
+    return {name: len(hooks) for mod in (module, optimizer) for name, hooks in vars(mod).items()
+            if name.startswith("_global_") and isinstance(hooks, dict) and hooks}
+
+
+def _wrapped_schedulers() -> list[str]:
+    """The scheduler classes whose ``__init__`` mpisync wrapped (to adopt schedulers)."""
+    from torch.optim import lr_scheduler as lrs
+    return [cls.__name__ for cls in (lrs.LRScheduler, lrs.SequentialLR, lrs.ChainedScheduler)
+            if getattr(cls.__dict__["__init__"], "_mpisync_schedules_hook", False)]
+
+
+def test_only_open_optimizers_hold_hooks_in_torch(one_rank):
+    """Importing mpisync and every public name changes nothing in torch. An optimizer
+    installs the parameter-registration hook and the schedulers' constructor hook when it
+    is created (not when its set-up is refused); they stay while any optimizer is open and
+    go with the last ``close()``."""
+    import mpisync
+    for name in mpisync.__all__:
+        getattr(mpisync, name)
+    assert _torch_hooks() == {} and _wrapped_schedulers() == []
+    installed = {"_global_parameter_registration_hooks": 1}
+    schedulers = ["LRScheduler", "SequentialLR", "ChainedScheduler"]
+    refused(lambda: one_rank.wrap(model(), buffers="nope"), ValueError)
+    assert _torch_hooks() == {} and _wrapped_schedulers() == []
+    first_net, second_net = model(), model()
+    first = one_rank.wrap(first_net)
+    assert _torch_hooks() == installed and _wrapped_schedulers() == schedulers
+    second = one_rank.wrap(second_net)
+    first.close()
+    assert _torch_hooks() == installed and _wrapped_schedulers() == schedulers
+    sched = torch.optim.lr_scheduler.StepLR(second, step_size=2)
+    assert sched in second._mpisync_schedules._records        # adopted
+    train(second, second_net, 1)
+    second.close()
+    assert _torch_hooks() == {} and _wrapped_schedulers() == []

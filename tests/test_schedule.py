@@ -12,9 +12,16 @@ import torch
 from torch.optim import lr_scheduler as lrs
 from torch.optim.swa_utils import SWALR
 
-from mpisync.worker.schedule import MODES, Schedules, install_hooks
+from mpisync.worker.schedule import MODES, Schedules, install_hooks, remove_hooks
 
-install_hooks()
+
+@pytest.fixture(autouse=True, scope="module")
+def _hooks():
+    """The schedulers' constructor hook, as an open SyncReplicasOptimizer holds it."""
+    install_hooks()
+    yield
+    remove_hooks()
+
 
 WORKERS = 4  # asynchronous mode: each opt.step() covers this many global steps
 LOCAL_STEPS = 12
@@ -364,7 +371,9 @@ def test_copies_and_pickles_are_plain_schedulers():
 
 def test_adopted_classes_are_cached_and_hooks_idempotent():
     init = lrs.LRScheduler.__init__
-    install_hooks()
+    install_hooks()                 # counted: the hook stays until the last remove_hooks()
+    assert lrs.LRScheduler.__init__ is init
+    remove_hooks()
     assert lrs.LRScheduler.__init__ is init
     opt = _optimizer("sgd", "float", "auto")
     first, second = lrs.StepLR(opt, step_size=2), lrs.StepLR(opt, step_size=3)

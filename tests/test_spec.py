@@ -214,15 +214,26 @@ def test_an_optimizer_of_whole_tensors_refuses_shards(cls):
                    num_workers=2, num_ps=2)
 
 
-def test_a_sparse_embedding_tied_to_a_linear_layer_is_still_found():
+@pytest.mark.parametrize("watched", [False, True], ids=["searched", "registered"])
+def test_a_sparse_embedding_tied_to_a_linear_layer_is_still_found(watched):
+    """Found among the live modules, or by the registration hook an open optimizer keeps."""
+    from mpisync.protocol import holders
     from mpisync.protocol.tables import sparse_modules
 
-    emb = torch.nn.Embedding(10, 4, sparse=True)
-    out = torch.nn.Linear(4, 10)
-    out.weight = emb.weight                       # weight tying, after the embedding
-    assert sparse_modules([emb.weight, out.bias]) == {id(emb.weight): emb}
-    dense = torch.nn.Embedding(10, 4)
-    assert sparse_modules([dense.weight]) == {}
+    if watched:
+        holders.watch()
+    try:
+        emb = torch.nn.Embedding(10, 4, sparse=True)
+        out = torch.nn.Linear(4, 10)
+        out.weight = emb.weight                       # weight tying, after the embedding
+        assert (id(emb.weight) in holders._registered) == watched
+        assert sparse_modules([emb.weight, out.bias]) == {id(emb.weight): emb}
+        dense = torch.nn.Embedding(10, 4)
+        assert sparse_modules([dense.weight]) == {}
+    finally:
+        if watched:
+            holders.unwatch()
+    assert not holders.watching() and not holders._registered
 
 
 def test_workers_that_run_another_mpisync_are_named_at_set_up():

@@ -23,7 +23,8 @@ class Watched(Protocol):
 
     cluster: Any
     global_step: int
-    _spec: Any
+    @property
+    def spec(self) -> Any: ...
 
     def register_step_post_hook(self, hook: Any) -> Any: ...
 
@@ -86,7 +87,7 @@ class Progress:
         if not self.active:
             return
         self.file = sys.stderr if file is None else file
-        spec = opt._spec
+        spec = opt.spec
         self._per_step = 1 if spec.asynchronous else spec.replicas_to_aggregate
         # a tensor stays on its device until shown
         self._loss_sum: torch.Tensor | float | None = None

@@ -8,14 +8,13 @@ rows.
 """
 from __future__ import annotations
 
-import gc
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import hashing, partition
+from .holders import holders
 
 __all__ = ["HashTableInfo", "TableInfo", "TableSpec", "sparse_modules", "table_info"]
 
@@ -130,50 +129,19 @@ def table_info(p: torch.Tensor) -> TableInfo | None:
 
 
 _EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
-# id(parameter) -> (a weak reference to it, to the embedding module holding it or None),
-# for every parameter registered on a module since import (tensors compare elementwise,
-# so they cannot be keys of a WeakKeyDictionary)
-_registered: dict[int, tuple[weakref.ref, weakref.ref | None]] = {}
-
-
-def _forget(key: int):
-    return lambda _ref: _registered.pop(key, None)
-
-
-def _on_registration(module: torch.nn.Module, name: str, param) -> None:
-    if param is None:
-        return
-    owner = weakref.ref(module) if isinstance(module, _EMBEDDINGS) and name == "weight" else None
-    seen = _registered.get(id(param))
-    if owner is None and seen is not None and seen[0]() is param:
-        owner = seen[1]              # a tied weight: the embedding it came from still owns it
-    _registered[id(param)] = (weakref.ref(param, _forget(id(param))), owner)
-
-
-torch.nn.modules.module.register_module_parameter_registration_hook(_on_registration)
 
 
 def sparse_modules(params: list[torch.Tensor]) -> dict[int, torch.nn.Module]:
     """``id(weight) -> module`` for the ``nn.Embedding``/``nn.EmbeddingBag(sparse=True)``
     modules whose weight is one of ``params`` (their gradients are sparse).
 
-    Modules created after ``import mpisync`` are known from a registration hook; for
-    parameters made before it, the modules are searched for among all live objects.
+    The modules are found by ``mpisync.protocol.holders``; a weight that several
+    embeddings hold (tied) belongs to the one it was registered on last, and a weight
+    tied into another kind of module still belongs to its embedding.
     """
     found = {}
-    unknown = set()
-    for p in params:
-        if p.dim() != 2:
-            continue
-        seen = _registered.get(id(p))
-        if seen is None or seen[0]() is not p:
-            unknown.add(id(p))
-            continue
-        module = seen[1]() if seen[1] is not None else None
-        if module is not None and module.sparse and module.weight is p:
-            found[id(p)] = module
-    if unknown:
-        for obj in gc.get_objects():
-            if issubclass(type(obj), _EMBEDDINGS) and obj.sparse and id(obj.weight) in unknown:
-                found[id(obj.weight)] = obj
+    for key, held in holders([p for p in params if p.dim() == 2]).items():
+        owners = [m for m, name in held if isinstance(m, _EMBEDDINGS) and name == "weight"]
+        if owners and owners[-1].sparse:
+            found[key] = owners[-1]
     return found

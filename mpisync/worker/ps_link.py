@@ -27,6 +27,11 @@ class PsLink:
     def answer(self, source: int, what: str):
         return self.dense.answer(source, what)
 
+    def stats(self) -> dict:
+        """The coordinator's step statistics (see ``SyncReplicasOptimizer.stats``)."""
+        self.request(Kind.STATS)
+        return self.answer(self.cluster.coordinator_rank, "statistics from ps 0")
+
     def load_answer(self, what: str) -> None:
         """Wait for ps 0's answer to a load or an update: None, or raise the error it sent."""
         err = self.answer(self.cluster.coordinator_rank, f"ps 0's answer to {what}")

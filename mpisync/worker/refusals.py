@@ -1,5 +1,5 @@
-"""What a worker's ``step()`` refuses: changed param groups or attributes, a GradScaler,
-parameters the model no longer holds."""
+"""What a worker's optimizer refuses: changed param groups or attributes, a GradScaler, a
+step inside ``averaged()``, parameters the model no longer holds, a new param group."""
 from __future__ import annotations
 
 import operator
@@ -9,7 +9,8 @@ import torch
 from ..errors import ConfigError
 from ..protocol.rebuild import changed_settings
 
-__all__ = ["check_groups", "check_held", "check_settings", "refuse_grad_scaler"]
+__all__ = ["check_groups", "check_held", "check_settings", "refuse_add_param_group",
+           "refuse_grad_scaler", "refuse_step_in_averaged"]
 
 
 def check_groups(groups: list, held: list[tuple], names: list[str],
@@ -70,3 +71,18 @@ def refuse_grad_scaler(kwargs: dict, label: str) -> None:
         f"would skip the steps its own gradients overflow in, and the workers would "
         f"drift apart. Train in float32, or with bfloat16 autocast (no scaler needed)",
         collective=True)
+
+
+def refuse_step_in_averaged(label: str) -> None:
+    """``step()`` inside ``averaged()``: the model holds the averages, not the parameters."""
+    raise RuntimeError(f"{label}: step() inside averaged(): the model "
+                       f"holds the moving averages there, not the parameters")
+
+
+def refuse_add_param_group(label: str) -> None:
+    """``add_param_group()`` once set up: the ps ranks hold a fixed set of parameters."""
+    raise ConfigError(
+        f"{label}: add_param_group() after the SyncReplicasOptimizer was "
+        f"created; create the optimizer with every param group first (a group of "
+        f"parameters with requires_grad=False, whose .grad stays None, is skipped until "
+        f"they get gradients)", collective=True)

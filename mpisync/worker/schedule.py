@@ -10,6 +10,8 @@ every ``opt.step()`` (a *per-iteration* scheduler) must move by that many positi
 :class:`Schedules` (as its ``_mpisync_schedules`` attribute) adopted by it: the scheduler's
 class becomes a subclass of its own class whose ``step()`` applies these rules, with the
 scheduler's ``__dict__``, and so its ``state_dict()``, left exactly as torch makes them.
+Importing this module changes nothing in torch: an open ``SyncReplicasOptimizer`` holds
+the hooks (``mpisync.worker.hooks``), and :func:`remove_hooks` takes them back.
 
 A user call ``sched.step()`` with no arguments on a top-level scheduler, with ``n`` the
 number of ``opt.step()`` calls since that scheduler's previous call, ``g`` the global step
@@ -40,7 +42,7 @@ from typing import Any, Callable
 
 from torch.optim import lr_scheduler
 
-__all__ = ["MODES", "Schedules", "install_hooks"]
+__all__ = ["MODES", "Schedules", "install_hooks", "remove_hooks"]
 
 MODES = ("auto", "global_step", "local")
 
@@ -48,6 +50,9 @@ MODES = ("auto", "global_step", "local")
 _ATTRIBUTE = "_mpisync_schedules"
 # Set on the wrapped __init__ functions, so that install_hooks() wraps each only once.
 _HOOK_FLAG = "_mpisync_schedules_hook"
+# The classes whose __init__ install_hooks() wraps, and how many calls keep them wrapped.
+_HOOKED = (lr_scheduler.LRScheduler, lr_scheduler.SequentialLR, lr_scheduler.ChainedScheduler)
+_installed = 0
 
 # How many scheduler constructors run in this thread: step() calls they make pass through.
 _building = threading.local()
@@ -64,13 +69,35 @@ def install_hooks() -> None:
     (the latter two do not call ``LRScheduler.__init__``): once the original ``__init__``
     returns, a scheduler whose ``optimizer`` has an attribute ``_mpisync_schedules`` is
     passed to its ``adopt()``. Other schedulers cost one ``getattr`` when built and are
-    otherwise untouched. Calling this again does nothing.
+    otherwise untouched. Calls are counted: the first wraps, the others only count, and
+    the wrapping stays until as many :func:`remove_hooks` calls came.
     """
-    for cls in (lr_scheduler.LRScheduler, lr_scheduler.SequentialLR,
-                lr_scheduler.ChainedScheduler):
-        init = cls.__dict__["__init__"]
-        if not getattr(init, _HOOK_FLAG, False):
-            cls.__init__ = _hooked_init(init)
+    global _installed
+    if _installed == 0:
+        for cls in _HOOKED:
+            init = cls.__dict__["__init__"]
+            if not getattr(init, _HOOK_FLAG, False):
+                cls.__init__ = _hooked_init(init)
+    _installed += 1
+
+
+def remove_hooks() -> None:
+    """Undo one :func:`install_hooks`; the last gives the classes their own ``__init__``.
+
+    Schedulers adopted meanwhile stay adopted (their class is a subclass of their own).
+
+    Raises:
+        RuntimeError: more calls than :func:`install_hooks` had.
+    """
+    global _installed
+    if _installed == 0:
+        raise RuntimeError("remove_hooks() without install_hooks()")
+    _installed -= 1
+    if _installed == 0:
+        for cls in _HOOKED:
+            init = cls.__dict__["__init__"]
+            if getattr(init, _HOOK_FLAG, False):
+                cls.__init__ = init.__wrapped__
 
 
 def _hooked_init(init: Callable[..., None]) -> Callable[..., None]:

@@ -1,5 +1,8 @@
-"""A worker's set-up: the spec built on every worker, agreed among them, sent to the ps ranks."""
+"""A worker's set-up: its cluster checked, the spec built on every worker, agreed among them,
+sent to the ps ranks."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -9,6 +12,7 @@ from ..protocol.spec import (
     build_spec,
     encode,
     first_failure,
+    model_of,
     model_summary,
     setup_summary,
     unit_parts,
@@ -17,8 +21,40 @@ from ..protocol.spec import (
 from ..protocol.state import split_state, split_units
 from ..protocol.wire import Tag
 from .allreduce import backend_problem
+from .devices import default_backend
 
-__all__ = ["agree_spec", "initial_pieces", "setup_problem"]
+__all__ = ["agree_spec", "agreed_setup", "initial_pieces", "setup_problem", "worker_cluster"]
+
+
+def worker_cluster(cluster):
+    """``cluster``, refused when it is None (no ``mpisync.init()``) or a ps rank's."""
+    if cluster is None:
+        raise RuntimeError("call mpisync.init() on every rank before creating a "
+                           "SyncReplicasOptimizer")
+    if cluster.is_ps:
+        raise RuntimeError(f"{cluster.label}: SyncReplicasOptimizer is for workers; "
+                           f"ps ranks call cluster.serve()")
+    return cluster
+
+
+def agreed_setup(optimizer: torch.optim.Optimizer, named_parameters, named_buffers,
+                 options: Options, cluster, opt_id: int, stats_log):
+    """Read the model, agree on the spec with every worker (``agree_spec``) and send it to
+    the ps ranks; with ``deterministic``, make torch's kernels deterministic here too.
+
+    Call on every worker. Returns ``(model, spec, routes)``.
+    """
+    model, problem = model_of(named_parameters, named_buffers)
+    names = [n for n, _ in model.params]
+    params = [p for _, p in model.params]
+    options = replace(options, allreduce_backend=default_backend(options.allreduce_backend,
+                                                                 params))
+    spec, routes = agree_spec(optimizer, model, options, opt_id, cluster, stats_log,
+                              problem or setup_problem(optimizer, options, cluster, names,
+                                                       params))
+    if options.deterministic:
+        torch.use_deterministic_algorithms(True)
+    return model, spec, routes
 
 
 def setup_problem(optimizer: torch.optim.Optimizer, options: Options, cluster,
@@ -27,7 +63,7 @@ def setup_problem(optimizer: torch.optim.Optimizer, options: Options, cluster,
     mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
     name_of = dict(zip(map(id, params), names))
     for k, other in enumerate(cluster.optimizers):
-        if other._closed or (options.dense != "ps" and other._spec.dense != "ps"):
+        if other.closed or (options.dense != "ps" and other.spec.dense != "ps"):
             continue
         shared = [name_of.get(id(p), "?") for g in other.param_groups for p in g["params"]
                   if id(p) in mine]

@@ -1,8 +1,10 @@
 """The optimizer state between a worker and the ps ranks: read at one global step, loaded
-on every rank (split by ps on the way out, merged on the way in)."""
+on every rank (split by ps on the way out, merged on the way in); the moving averages read
+and swapped into the model."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -33,6 +35,7 @@ class StateTransfer:
         self.named = named
         self.names = [n for n, _ in named]
         self.parts = unit_parts(spec)
+        self.swapped = False            # within swapped_in(): the model holds the averages
 
     def read(self, order: list[str], global_step: int,
              tables: bool) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -121,3 +124,25 @@ class StateTransfer:
             for p, value in kept_rows:       # a write again: sent whole with the next step
                 p.copy_(value)
         tracker.mark(written)          # they travel with the next step
+
+    @contextlib.contextmanager
+    def swapped_in(self, averages: dict[str, torch.Tensor]) -> Iterator[None]:
+        """Within the block the parameters hold ``averages`` (where they have one); after
+        it, their own values again. The swaps are not writes; what was written before the
+        block still travels with the next step."""
+        pending = self.tracker.written()    # writes made before the block still travel
+        pairs = [(p, averages[n]) for n, p in self.named if n in averages]
+        with torch.no_grad():
+            saved = [p.detach().clone() for p, _ in pairs]
+            for p, avg in pairs:
+                p.copy_(avg)
+        self.swapped = True
+        try:
+            yield
+        finally:
+            self.swapped = False
+            with torch.no_grad():
+                for (p, _), old in zip(pairs, saved):
+                    p.copy_(old)
+            self.tracker.snapshot()       # the swaps are not writes ...
+            self.tracker.mark(pending)    # ... but what was written before the block is

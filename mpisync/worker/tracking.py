@@ -1,42 +1,18 @@
 """Writes to parameters between steps: seen through version counters, never lost."""
 from __future__ import annotations
 
-import gc
 import weakref
 
 import numpy as np
 import torch
 
 from ..native.bulk import Versions
+from ..protocol.holders import holders
 
 __all__ = ["TrackedParameter", "WriteTracker", "rebound", "was_rebound"]
 
 _set_data = torch._C.TensorBase.data.__set__
 _rebound: set[int] = set()      # ids of tracked parameters given a new tensor by `p.data = x`
-# id(parameter) -> (the parameter, the module it was last registered in, its name there)
-_holders: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
-
-
-def _note_holder(module: torch.nn.Module, name: str, param) -> None:
-    if param is not None:
-        key = id(param)
-        _holders[key] = (weakref.ref(param, lambda _ref: _holders.pop(key, None)),
-                         weakref.ref(module), name)
-
-
-torch.nn.modules.module.register_module_parameter_registration_hook(_note_holder)
-
-
-def _holders_among_live_modules(ids: set[int]) -> dict[int, tuple[weakref.ref, str]]:
-    """``id(parameter) -> (module, name)`` for the parameters of ``ids`` that a live module
-    holds: those registered before the hook above was installed."""
-    found = {}
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.nn.Module):     # not isinstance: no __class__ read
-            for name, p in obj._parameters.items():
-                if p is not None and id(p) in ids:
-                    found[id(p)] = (weakref.ref(obj), name)
-    return found
 
 
 def rebound(p: torch.Tensor) -> bool:
@@ -102,14 +78,10 @@ class WriteTracker:
         for p in params:
             if type(p) is torch.nn.Parameter:
                 p.__class__ = TrackedParameter
-        # the module that holds each parameter: known from the registration hook, or, for a
-        # model built before mpisync's first use installed the hook, found among live modules
-        known = {id(p): (h[1], h[2]) for p, h in ((p, _holders.get(id(p))) for p in params)
-                 if h is not None and h[0]() is p}
-        missing = {id(p) for p in params} - known.keys()
-        if missing:
-            known.update(_holders_among_live_modules(missing))
-        self.holders = [known.get(id(p)) for p in params]
+        # the module that holds each parameter (the one it was registered on last)
+        held = holders(params)
+        self.holders = [(weakref.ref(h[-1][0]), h[-1][1]) if (h := held.get(id(p))) else None
+                        for p in params]
         # plain aliases share each parameter's version counter: read together, in one call
         self.aliases = [p.detach() for p in params]
         self.counters = Versions(params, self.aliases)

@@ -50,7 +50,7 @@ def params_of(net) -> list[list[float]]:
 
 def held_by_ps(opt) -> list[list[float]]:
     """The parameters as the ps ranks hold them, read at one global step."""
-    values = opt._state_dict(tables=False)[1]
+    values = opt.state_and_values(tables=False)[1]
     return [values[n].flatten().tolist() for n in opt._names]
 
 

@@ -95,7 +95,7 @@ def train(cluster, case: str) -> dict:
     master = None
     if cluster.is_chief:        # what the ps ranks hold, at their global step
         values, step = {}, None
-        for _, _, _, part, step in opt._from_every_ps(Kind.STATE, "values"):
+        for _, _, _, part, step in opt._parts.link.from_every_ps(Kind.STATE, "values"):
             values.update(part)
         master = {"step": step, "values": {n: v.tolist() for n, v in values.items()}}
     counts = dict(opt._dense.counts, shared=len(opt._dense.shared),   # ps ranks, in memory

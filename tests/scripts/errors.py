@@ -53,7 +53,7 @@ def train(opt, net, steps: int, w: int) -> None:
             cluster_of(opt).worker_comm.allreduce(loss.item())
             continue
         if CASE == "attribute_changed" and i == 2:
-            opt._opt.scale = 10.0                 # the user's handle on the wrapped optimizer
+            opt.wrapped.scale = 10.0              # the user's handle on the wrapped optimizer
         if CASE in ("raise", "allreduce_raise") and w == 1 and i == 5:
             raise ValueError("boom on purpose in user code")
         if CASE in ("stall", "allreduce_stall") and w == 1 and i == 5:

@@ -35,7 +35,7 @@ def train(cluster, name: str, extra: dict) -> dict:
     out = snapshot(m, opt)
     # the hyper-parameters each ps applied at the last step, with their types
     out["ps_groups"] = [[describe_group(g) for g in piece[2]]
-                        for piece in opt._from_every_ps(Kind.STATE, "state")]
+                        for piece in opt._parts.link.from_every_ps(Kind.STATE, "state")]
     out["applied"] = applied
     out["staged"] = len(opt._dense.staging.params)    # parameters kept off the host buffers
     stats = opt.stats

@@ -98,7 +98,8 @@ def distributed(args, cluster) -> dict:
     if cluster.is_chief and args.dump:
         torch.save({n: p.detach().cpu() for n, p in net.named_parameters()}, args.dump)
     stats = opt.stats
-    backend = opt._local.reducer.__class__.__name__ if opt._local is not None else None
+    local = opt._parts.local
+    backend = local.channel.reducer.__class__.__name__ if local is not None else None
     opt.close()
     return {"global_step": opt.global_step, "applied": stats["gradients_applied"],
             "dropped": stats["gradients_dropped"], "backend": backend,

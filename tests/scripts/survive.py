@@ -65,7 +65,7 @@ def worker(cluster) -> dict:
         pushes += 1
     record = {"global_step": opt.global_step, "params": digest(net.parameters())}
     if cluster.is_chief:          # the ps ranks' values, read at the same global step
-        state, held = opt._state_dict(tables=False)
+        state, held = opt.state_and_values(tables=False)
         record["ps_step"] = state["mpisync"]["global_step"]
         record["ps_params"] = digest(held[n] for n, _ in net.named_parameters())
     opt.close()

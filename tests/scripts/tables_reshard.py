@@ -132,7 +132,7 @@ def _listed(state: dict) -> dict:
 def snapshot(case: Case, m, opt) -> dict:
     """The table, its optimizer state (per row, and per shard), the dense part and its state."""
     sd = opt.state_dict(tables=False)
-    order = opt._group_order()
+    order = opt.group_order()
     out = {"global_step": opt.global_step,
            "dense": {n: p.detach().tolist() for n, p in m.named_parameters()
                      if n != "emb.weight"},
