@@ -3,17 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..protocol.spec import (
-    Model,
-    Options,
-    build_spec,
-    encode,
-    first_failure,
-    model_summary,
-    setup_summary,
-    unit_parts,
-    versions,
-)
+from ..protocol.compare import first_failure, model_summary, setup_summary, versions
+from ..protocol.spec import Model, Options, build_spec, encode, unit_parts
 from ..protocol.state import split_state, split_units
 from ..protocol.wire import Tag
 from .allreduce import backend_problem
