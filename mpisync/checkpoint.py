@@ -16,9 +16,10 @@ reads it without mpisync. It holds a dict::
 Embedding tables that live on the ps ranks are streamed into the file one shard at a
 time, never gathered whole in one process. Writes are atomic: a temporary file in the
 same directory, fsync, rename, fsync of the directory; an interrupted write leaves the
-previous checkpoint as it was. Loading re-places everything for the job that loads it,
-which may have another number of ps ranks or workers; hash tables' rows are re-hashed
-into the loading job's shards, with their optimizer state and counts.
+previous checkpoint as it was (``mpisync.ckptfile`` writes the file and reads it back).
+Loading re-places everything for the job that loads it, which may have another number of
+ps ranks or workers; hash tables' rows are re-hashed into the loading job's shards, with
+their optimizer state and counts.
 
 Tables reshard: a job with another number of ps ranks, partitioner or partition
 strategy loads them, each row moving to its new shard with its optimizer state
@@ -34,22 +35,17 @@ rank holds its shards and about two copies of the one it sends or receives.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
-import io
 import os
-import pickle
 import re
-import sys
 import time
-import warnings
-import zipfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.serialization import _open_zipfile_writer
 
+from . import ckptfile
+from .ckptfile import FORMAT, VERSION
 from .errors import ConfigError
 from .protocol.state import check_state
 from .protocol.tables import table_info
@@ -61,128 +57,11 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMAT", "VERSION", "Checkpointer", "latest", "load", "plain_state", "save"]
 
-FORMAT = "mpisync.checkpoint"
-VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 
 
-# -- writing a torch file whose big tensors arrive one at a time ---------------------------
-class _Deferred:
-    """A tensor already written to the file (record ``data/{key}``), pickled by reference."""
-
-    def __init__(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]):
-        self.key, self.dtype, self.shape = key, dtype, tuple(shape)
-
-    def __reduce_ex__(self, protocol):
-        stride, acc = [], 1
-        for d in reversed(self.shape):
-            stride.append(acc)
-            acc *= d
-        return (torch._utils._rebuild_tensor_v2,
-                (_StorageRef(self), 0, self.shape, tuple(reversed(stride)), False,
-                 collections.OrderedDict()))
-
-
-class _StorageRef:
-    def __init__(self, tensor: _Deferred):
-        self.tensor = tensor
-
-
-def _storage_type(dtype: torch.dtype):
-    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
-
-
-class _Writer:
-    """torch's zip format, written record by record (``torch.load`` reads it as usual)."""
-
-    def __init__(self, f):
-        self._opener = _open_zipfile_writer(f)
-        self.zf = self._opener.__enter__()
-        self.count = 0
-
-    def tensor(self, t: torch.Tensor) -> _Deferred:
-        """Write ``t`` now; what the pickled object holds in its place."""
-        t = t.detach().contiguous()
-        key, self.count = str(self.count), self.count + 1
-        storage = t.untyped_storage()
-        if t.storage_offset() or storage.nbytes() != t.numel() * t.element_size():
-            t = t.clone()                 # a view into a bigger storage: its own bytes only
-            storage = t.untyped_storage()
-        self.zf.write_record(f"data/{key}", storage, storage.nbytes())
-        return _Deferred(key, t.dtype, tuple(t.shape))
-
-    def abort(self) -> None:
-        """End the archive after a failure (the file is thrown away; nothing may write later)."""
-        with contextlib.suppress(Exception):   # the write already failed: that is raised
-            self._opener.__exit__(None, None, None)
-        self.zf = None
-
-    def finish(self, obj) -> None:
-        """Pickle ``obj`` (its remaining tensors are written after it, as torch.save does)."""
-        storages: dict[str, torch.UntypedStorage] = {}
-        ids: dict[int, str] = {}
-        writer = self
-
-        class Pickler(pickle.Pickler):
-            def persistent_id(self, o):
-                if isinstance(o, _StorageRef):
-                    t = o.tensor
-                    numel = 1
-                    for d in t.shape:
-                        numel *= d
-                    return ("storage", _storage_type(t.dtype), t.key, "cpu", numel)
-                if isinstance(o, torch.storage.TypedStorage):
-                    st = o._untyped_storage
-                    if st.device.type != "cpu":
-                        st = st.cpu()
-                    key = ids.get(st._cdata)
-                    if key is None:
-                        key = ids[st._cdata] = str(writer.count)
-                        writer.count += 1
-                        storages[key] = st
-                    return ("storage", getattr(torch, o._pickle_storage_type()), key, "cpu",
-                            o._size())
-                return None
-
-        buf = io.BytesIO()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)     # TypedStorage is deprecated
-            Pickler(buf, protocol=2).dump(obj)
-        data = buf.getvalue()
-        self.zf.write_record("data.pkl", data, len(data))
-        self.zf.write_record(".format_version", "1", 1)
-        alignment = str(torch.serialization._get_storage_alignment())
-        self.zf.write_record(".storage_alignment", alignment, len(alignment))
-        self.zf.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        for key, st in storages.items():
-            self.zf.write_record(f"data/{key}", st, st.nbytes())
-        self._opener.__exit__(None, None, None)
-
-
-def _atomic_write(path: str, fill) -> None:
-    """``fill(file)`` into a temporary file beside ``path``, then fsync and rename."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # -- save ----------------------------------------------------------------------------------
-def _tables_streamed(opt, w: _Writer) -> dict:
+def _tables_streamed(opt, w: ckptfile.Writer) -> dict:
     """Every ``mpisync.Embedding`` table, shard by shard, each written as it arrives."""
     out = {}
     for t in opt.spec.tables:
@@ -254,14 +133,14 @@ def _write(path: str, model, opt, extra) -> None:
                    if t.resident and t.name in order}
 
     def fill(f) -> None:
-        w = _Writer(f)
+        w = ckptfile.Writer(f)
         try:
             _fill(w)
         except BaseException:
             w.abort()
             raise
 
-    def _fill(w: _Writer) -> None:
+    def _fill(w: ckptfile.Writer) -> None:
         tables = _tables_streamed(opt, w)
         w.finish({"format": FORMAT, "version": VERSION,
                   "global_step": int(state["mpisync"]["global_step"]),
@@ -269,74 +148,12 @@ def _write(path: str, model, opt, extra) -> None:
                   "tables": tables, "table_index": table_index, "extra": extra,
                   "workers": opt.cluster.num_workers,
                   "ps": opt.cluster.num_ps, "time": time.time(),
-                  "mpisync_version": _version()})
+                  "mpisync_version": ckptfile.mpisync_version()})
 
-    _atomic_write(path, fill)
-
-
-def _version() -> str:
-    from . import __version__
-    return __version__
+    ckptfile.atomic_write(path, fill)
 
 
 # -- load ----------------------------------------------------------------------------------
-def _read(path: str) -> dict:
-    """The checkpoint's dict, its tensors mapped from the file (nothing read yet).
-
-    Raises:
-        FileNotFoundError: there is no file at ``path``.
-        ValueError: the file is not a checkpoint this mpisync reads (the message names it).
-    """
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file")
-    if not zipfile.is_zipfile(path):
-        raise ValueError(f"{path}: not a complete checkpoint (truncated, or not a file "
-                         f"written by mpisync.save)")
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001 (torch raises several kinds for a broken file)
-        raise ValueError(f"{path}: not a readable checkpoint ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0]})") from None
-    if not isinstance(ck, dict) or ck.get("format") != FORMAT:
-        raise ValueError(f"{path}: not an mpisync checkpoint (no format {FORMAT!r})")
-    if ck.get("version", 0) > VERSION:
-        raise ValueError(f"{path}: written in checkpoint format version {ck['version']} by "
-                         f"mpisync {ck.get('mpisync_version', '?')}; this mpisync "
-                         f"({_version()}) reads version {VERSION} and older: upgrade mpisync")
-    problem = _missing_entry(ck)
-    if problem:
-        raise ValueError(f"{path}: a malformed mpisync checkpoint ({problem})")
-    return ck
-
-
-# the entries of a table in the file, as save writes them
-_TABLE_ENTRIES = ("num_rows", "row_shape", "dtype", "strategy", "shards")
-
-
-def _missing_entry(ck: dict) -> str | None:
-    """Which entry that every checkpoint has is missing or not a dict, or None."""
-    for key in ("model", "optimizer"):
-        if key not in ck:
-            return f"no {key!r} entry"
-    for key in ("model", "optimizer", "tables"):        # no tables: nothing to place
-        if not isinstance(ck.get(key, {}), dict):
-            return f"its {key!r} entry is a {type(ck[key]).__name__}, not a dict"
-    for name, table in ck.get("tables", {}).items():
-        if not isinstance(table, dict):
-            return f"table {name!r} is a {type(table).__name__}, not a dict"
-        missing = [key for key in _TABLE_ENTRIES if key not in table]
-        if missing:
-            return f"table {name!r} has no {' or '.join(map(repr, missing))} entry"
-    return None
-
-
-def _malformed(path: str, exc: Exception) -> str:
-    """What load says of the file at ``path`` when reading or checking it raised ``exc``."""
-    said = str(exc).splitlines()
-    return (f"{path}: a malformed mpisync checkpoint ({type(exc).__name__}"
-            f"{': ' + said[0] if said else ''})")
-
-
 def _check_model(ck: dict, model: torch.nn.Module) -> str | None:
     mine = model.state_dict()
     saved = ck["model"]
@@ -400,15 +217,15 @@ def _verdict(path: str, model, opt) -> tuple[tuple, dict | None]:
         ``((what is wrong with it, naming the file,), None)``.
     """
     try:
-        ck = _read(path)
+        ck = ckptfile.read(path)
     except (OSError, ValueError) as exc:      # its refusals of the file name the file
         return (str(exc),), None
     except Exception as exc:  # noqa: BLE001 (a malformed file: every worker raises it)
-        return (_malformed(path, exc),), None
+        return (ckptfile.malformed(path, exc),), None
     try:
         problem = _check(ck, model, opt)
     except Exception as exc:  # noqa: BLE001 (a malformed file can make any check raise)
-        return (_malformed(path, exc),), None
+        return (ckptfile.malformed(path, exc),), None
     if problem:
         return (f"{path}: {problem}",), None
     return (None, ck["model"], _without_tables(ck["optimizer"]), ck.get("extra")), ck
@@ -474,14 +291,6 @@ def _place_tables(saved: dict, opt) -> None:
 
 
 # -- periodic checkpoints ------------------------------------------------------------------
-def _complete(path: str) -> bool:
-    try:
-        with zipfile.ZipFile(path) as z:
-            return any(n.endswith("/data.pkl") or n == "data.pkl" for n in z.namelist())
-    except (OSError, zipfile.BadZipFile):
-        return False
-
-
 def _listed(directory: str) -> list[tuple[int, str]]:
     try:
         names = os.listdir(directory)
@@ -499,7 +308,7 @@ def latest(directory: str | os.PathLike) -> str | None:
     but a copy or a full disk can) is passed over for the one before it.
     """
     for _, path in reversed(_listed(os.fspath(directory))):
-        if _complete(path):
+        if ckptfile.complete(path):
             return path
     return None
 
@@ -639,7 +448,7 @@ def plain_state(path: str | os.PathLike, model: torch.nn.Module | None = None
     the job's optimizer numbered as here. ``model`` is not needed; it is accepted so
     that a call can name it.
     """
-    ck = _read(os.fspath(path))
+    ck = ckptfile.read(os.fspath(path))
     model_state = {k: v.clone() for k, v in ck["model"].items()}
     opt_state = dict(ck["optimizer"])
     opt_state["state"] = {int(k): v for k, v in opt_state["state"].items()}

@@ -206,7 +206,7 @@ def test_the_timeouts_are_read_as_numbers_of_seconds():
     ("MPISYNC_TIMELINE_MAX_MB", "-1", lambda: environ.number(
         "MPISYNC_TIMELINE_MAX_MB", 0, inclusive=True, what="MiB (0: no limit)")),
     ("MPISYNC_PROGRESS", "sometimes", lambda: mpisync.observe.watch._env_setting(100, True)),
-    ("MPISYNC_ROW_KERNELS", "false", lambda: mpisync.native.kernels._build()),
+    ("MPISYNC_ROW_KERNELS", "false", lambda: mpisync.native.rowslib._build()),
     ("MPISYNC_BULK", "yes", lambda: mpisync.native.bulk._build()),
 ])
 def test_other_variables_refuse_what_they_cannot_read(monkeypatch, name, value, check):

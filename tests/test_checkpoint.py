@@ -31,7 +31,7 @@ from checkpoint_errors import BAD_KINDS, bad_files
 from resume import KILL_AT, STEPS, WORKERS, Net, batch
 
 import mpisync
-from mpisync import checkpoint
+from mpisync import checkpoint, ckptfile
 from mpisync.protocol import partition
 from mpisync.protocol.tables import TableSpec
 from mpisync.tables import reshard
@@ -140,13 +140,13 @@ def _refusal(path: str) -> str:
     against the model (the tables of this file and model agree); what a check raises is
     the refusal of a malformed file."""
     try:
-        ck = checkpoint._read(path)
+        ck = ckptfile.read(path)
     except (OSError, ValueError) as exc:
         return str(exc)
     try:
         return f"{path}: {checkpoint._check_model(ck, Net())}"
     except Exception as exc:  # noqa: BLE001 (as the chief's verdict)
-        return checkpoint._malformed(path, exc)
+        return ckptfile.malformed(path, exc)
 
 
 # kind: what the refusal of such a file must say (a regex), after its path
@@ -224,10 +224,10 @@ def test_whatever_reading_or_checking_a_file_raises_is_the_chiefs_verdict(monkey
             raise exc
         return raise_it
 
-    monkeypatch.setattr(checkpoint, "_read", raising(TypeError("'>' not supported")))
+    monkeypatch.setattr(ckptfile, "read", raising(TypeError("'>' not supported")))
     assert checkpoint._verdict("d/bad.pt", Net(), None) == (
         ("d/bad.pt: a malformed mpisync checkpoint (TypeError: '>' not supported)",), None)
-    monkeypatch.setattr(checkpoint, "_read", lambda path: {})
+    monkeypatch.setattr(ckptfile, "read", lambda path: {})
     monkeypatch.setattr(checkpoint, "_check", raising(KeyError("ids")))
     assert checkpoint._verdict("d/bad.pt", Net(), None) == (
         ("d/bad.pt: a malformed mpisync checkpoint (KeyError: 'ids')",), None)
@@ -266,8 +266,8 @@ def test_a_file_names_no_class_of_mpisync_so_moved_modules_change_no_file(tmp_pa
     (``mpisync.tables``), was refused then and is refused now, with the reason."""
     good = tmp_path / "good.pt"
     with open(good, "wb") as f:
-        checkpoint._Writer(f).finish({"format": checkpoint.FORMAT, "version": 1,
-                                      "weight": torch.ones(2, 3), "dtype": torch.float16})
+        ckptfile.Writer(f).finish({"format": ckptfile.FORMAT, "version": 1,
+                                  "weight": torch.ones(2, 3), "dtype": torch.float16})
     assert not {g for g in _globals_named(good) if g.startswith("mpisync")}
     assert torch.equal(torch.load(good, weights_only=True)["weight"], torch.ones(2, 3))
 
@@ -279,12 +279,12 @@ def test_a_file_names_no_class_of_mpisync_so_moved_modules_change_no_file(tmp_pa
     monkeypatch.setattr(mpisync.tables, "TableSpec", TableSpec, raising=False)
     old = tmp_path / "old.pt"
     with open(old, "wb") as f:
-        checkpoint._Writer(f).finish({"format": checkpoint.FORMAT, "version": 1,
-                                      "spec": TableSpec})
+        ckptfile.Writer(f).finish({"format": ckptfile.FORMAT, "version": 1,
+                                  "spec": TableSpec})
     monkeypatch.undo()
     assert "mpisync.tables.TableSpec" in _globals_named(old)
     with pytest.raises(ValueError, match=r"not a readable checkpoint \(UnpicklingError"):
-        checkpoint._read(str(old))
+        ckptfile.read(str(old))
 
 
 def test_latest_passes_over_a_cut_file(tmp_path):

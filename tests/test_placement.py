@@ -678,7 +678,7 @@ def test_allreduce_parameters_have_no_ps_to_share():
 
 
 def test_the_set_up_agreement_compares_the_groups():
-    from mpisync.protocol.spec import setup_summary
+    from mpisync.protocol.compare import setup_summary
 
     a = setup_summary(*_colocated_spec([["0.bias", "1.bias"]]))
     b = setup_summary(*_colocated_spec([["1.bias", "0.bias"]]))

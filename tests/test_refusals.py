@@ -21,17 +21,8 @@ from mpi4py import MPI
 
 # the public names first: they import the modules in an order without cycles
 from mpisync import ClosedError, ConfigError, ModelMismatchError, SyncReplicasOptimizer
-from mpisync.protocol.spec import (
-    Model,
-    Options,
-    build_spec,
-    encode,
-    first_failure,
-    model_of,
-    model_summary,
-    setup_summary,
-    versions,
-)
+from mpisync.protocol.compare import first_failure, model_summary, setup_summary, versions
+from mpisync.protocol.spec import Model, Options, build_spec, encode, model_of
 from mpisync.ps.loop import _Serving, _setup
 from mpisync.ps_ranks import RankLayout
 from mpisync.runtime.progress import Poller

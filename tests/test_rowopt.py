@@ -21,7 +21,7 @@ import torch
 
 import mpisync
 from mpisync.accumulate import reduce_rows
-from mpisync.native import kernels
+from mpisync.native import kernels, rowslib
 from mpisync.protocol import pooled
 from mpisync.tables.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
 
@@ -33,7 +33,7 @@ def row_code(request, monkeypatch):
         if not kernels.available(torch.zeros(1)):
             pytest.skip("no C compiler here: the row kernels are not built")
     else:
-        monkeypatch.setattr(kernels, "_lib", None)
+        monkeypatch.setattr(rowslib, "_lib", None)
     return request.param
 
 
@@ -451,7 +451,7 @@ def test_a_lookup_is_answered_the_same_with_and_without_the_kernels(row_shape, d
              pooled.Part(torch.randperm(30, generator=g)[:12].sort().values)]
     msg = pooled.pack_parts(pooled.EXCHANGE, parts, [])
     compiled = pooled.answer(msg, shards, [0, 0, 1])
-    monkeypatch.setattr(kernels, "_lib", None)
+    monkeypatch.setattr(rowslib, "_lib", None)
     assert np.array_equal(compiled, pooled.answer(msg, shards, [0, 0, 1]))
     block = torch.from_numpy(compiled[:8 * shards[0][0].numel() * dtype.itemsize].copy()
                              ).view(dtype).view(8, *row_shape)
@@ -491,7 +491,7 @@ def test_rowwise_adagrad_kernel_is_bitwise_its_torch_code(shape, kw, dtype, monk
         return p, opt.state[p], q, ps.state[q]
 
     compiled = train()
-    monkeypatch.setattr(kernels, "_lib", None)
+    monkeypatch.setattr(rowslib, "_lib", None)
     plain = train()
     for a, b in zip(compiled, plain):
         if torch.is_tensor(a):

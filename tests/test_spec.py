@@ -8,19 +8,14 @@ import torch
 
 from mpisync.accumulate import REDUCTIONS
 from mpisync.errors import ConfigError, ModelMismatchError
-from mpisync.protocol.spec import (
-    SPEC_VERSION,
-    Model,
-    Options,
-    build_spec,
-    decode,
-    encode,
+from mpisync.protocol.compare import (
     first_difference,
     first_failure,
     model_difference,
     model_summary,
     setup_summary,
 )
+from mpisync.protocol.spec import SPEC_VERSION, Model, Options, build_spec, decode, encode
 
 
 def spec_of(opt=None, model=None, num_workers=2, num_ps=2, **options):
@@ -237,7 +232,7 @@ def test_a_sparse_embedding_tied_to_a_linear_layer_is_still_found(watched):
 
 
 def test_workers_that_run_another_mpisync_are_named_at_set_up():
-    from mpisync.protocol.spec import versions
+    from mpisync.protocol.compare import versions
 
     spec, routes = spec_of()
     mine = setup_summary(spec, routes)

@@ -173,6 +173,7 @@ def _agreed_set_up(models, partitioner=None):
     """What every worker raises when the workers' models are ``models``: each builds the
     spec, and the first failure of any is theirs (as SyncReplicasOptimizer's set-up)."""
     # (imported here: mpisync.protocol.spec imported before the rest of mpisync is circular)
+    from mpisync.protocol import compare
     from mpisync.protocol import spec as specs
     gathered = []
     for model in models:
@@ -184,8 +185,9 @@ def _agreed_set_up(models, partitioner=None):
                                             num_workers=len(models), num_ps=1)
         except (ValueError, TypeError) as exc:
             error = str(exc)
-        gathered.append((error, specs.model_summary(named), specs.setup_summary(spec, routes)))
-    return specs.first_failure(gathered, tuple(range(len(models))))
+        gathered.append((error, compare.model_summary(named),
+                         compare.setup_summary(spec, routes)))
+    return compare.first_failure(gathered, tuple(range(len(models))))
 
 
 def _table_model(weight=None) -> torch.nn.Module:

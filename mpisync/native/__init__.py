@@ -1,1 +1,1 @@
-"""Compiled code beside its loaders: the row kernels, the bulk reads, the build cache."""
+"""Compiled code beside its loaders: the row and dense kernels, the bulk reads, the build cache."""

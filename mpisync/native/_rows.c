@@ -1,5 +1,5 @@
 /* Row kernels of a table shard on the ps: linear passes over the taken rows, no sort of
- * rows, no per-row allocation. Compiled by mpisync/native/kernels.py (cc -O3 -ffp-contract=off:
+ * rows, no per-row allocation. Compiled by mpisync/native/rowslib.py (cc -O3 -ffp-contract=off:
  * every product and sum rounds on its own, in the order written here, as torch's kernels
  * of the same operations do). ``slot`` is a per-shard int64 array, -1 everywhere between
  * calls: each function leaves it so, or says who clears it. Rows are ``dim`` contiguous

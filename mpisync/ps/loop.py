@@ -8,7 +8,8 @@ from mpi4py import MPI
 
 from ..errors import ConfigError, StallError
 from ..observe import timeline
-from ..protocol.spec import decode, versions
+from ..protocol.compare import versions
+from ..protocol.spec import decode
 from ..protocol.wire import ControlField, Kind, Tag
 from ..runtime.progress import SETUP_TIMEOUT, STALL_WARNING, Pace, Poller, spin_seconds
 from ..runtime.survival import improbe

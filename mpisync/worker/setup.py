@@ -6,18 +6,8 @@ from dataclasses import replace
 
 import torch
 
-from ..protocol.spec import (
-    Model,
-    Options,
-    build_spec,
-    encode,
-    first_failure,
-    model_of,
-    model_summary,
-    setup_summary,
-    unit_parts,
-    versions,
-)
+from ..protocol.compare import first_failure, model_summary, setup_summary, versions
+from ..protocol.spec import Model, Options, build_spec, encode, model_of, unit_parts
 from ..protocol.state import split_state, split_units
 from ..protocol.wire import Tag
 from .allreduce import backend_problem

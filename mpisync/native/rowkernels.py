@@ -1,0 +1,249 @@
+"""The row kernels: the ps's passes over a table step's taken rows, one loop each.
+
+The ps's work on a table step is a few linear passes over the taken rows: turning pooled
+bag gradients into row gradients, merging the workers' rows, and the optimizer's update.
+In torch each pass is a sort, a gather and an ``index_add_`` (or several small kernels
+per block); ``_rows.c`` does each in one loop, with the same operations in the same
+order, so the results are bitwise the torch path's (``tests/test_rowopt.py`` checks
+both). The library is loaded by ``rowslib``; where ``available()`` is False the callers
+use torch. Every function here expects ids already checked to lie in the shard. The
+tables' memory (``table_zeros``) is made here too, for the rows these kernels reach at
+random.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import sys
+
+import torch
+
+from .rowslib import address as _ptr
+from .rowslib import available
+from .rowslib import function as _fn
+from .rowslib import library as _kernels
+
+__all__ = [
+    "adagrad_apply_rows",
+    "adagrad_sum_rows",
+    "axpy_rows",
+    "bag_rows",
+    "bag_sums",
+    "gather",
+    "merge_pieces",
+    "rowwise_rows",
+    "scatter",
+    "shard_order",
+    "slots_for",
+    "split_ids",
+    "table_copy",
+    "table_zeros",
+]
+
+
+def _width(rows: torch.Tensor) -> int:
+    """Elements per row (the product of every dimension but the first)."""
+    return math.prod(rows.shape[1:])
+
+
+HUGE_BYTES = 4 << 20          # tensors from this size on get huge pages (where there are)
+
+
+def table_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros for a table the row kernels reach at random (a shard, its optimizer state, its
+    slot array): on Linux, from this size on, in private anonymous memory advised to use
+    2 MiB pages (transparent huge pages, ``madvise``), so that random rows miss the TLB
+    far less often (the row-wise update of 75,000 random rows of a 500,000 x 64 shard:
+    4.2 -> 2.6 ms); elsewhere, or smaller, ``torch.zeros``. The memory is the kernel's
+    zero pages until written, and freed with the tensor."""
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if nbytes < HUGE_BYTES or not sys.platform.startswith("linux") or \
+            not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:               # not allowed here: small pages, still zeros
+        pass
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)   # keeps it alive
+
+
+def table_copy(value):
+    """A copy of a loaded table shard's tensor in ``table_zeros``' memory (others as is)."""
+    if not torch.is_tensor(value) or value.device.type != "cpu" or \
+            value.numel() * value.element_size() < HUGE_BYTES:
+        return value.clone() if torch.is_tensor(value) else value
+    return table_zeros(value.shape, value.dtype).copy_(value)
+
+
+def slots_for(holder: dict, num_rows: int) -> torch.Tensor:
+    """A shard's slot array (-1 everywhere), kept in ``holder`` from call to call."""
+    slot = holder.get("slots")
+    if slot is None or len(slot) != num_rows:
+        slot = holder["slots"] = table_zeros((num_rows,), torch.int64).fill_(-1)
+    return slot
+
+
+def bag_rows(ids: torch.Tensor, bag: torch.Tensor, weights: torch.Tensor | None,
+             grads: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted distinct ids, row gradients): row ``r`` gets the sum over the positions
+    ``i`` with ``ids[i] == r`` of ``weights[i] * grads[bag[i]]``, added in order of ``i``.
+    ``slot`` (``slots_for``) marks each id's output row during the call."""
+    lib = _kernels()
+    ids, bag, grads = ids.contiguous(), bag.contiguous(), grads.contiguous()
+    weights = None if weights is None else weights.to(grads.dtype).contiguous()
+    uniq = torch.empty(len(ids), dtype=torch.int64)
+    count = lib.mark_ids(len(ids), ids.data_ptr(), slot.data_ptr(), uniq.data_ptr())
+    try:                                  # the slots are clean again whatever happens
+        found = uniq[:count].sort().values
+        lib.place(count, found.data_ptr(), slot.data_ptr())
+        out = torch.zeros(len(found), *grads.shape[1:], dtype=grads.dtype)
+        _fn("bag_rows", grads.dtype)(len(ids), ids.data_ptr(), bag.data_ptr(), _ptr(weights),
+                                     grads.data_ptr(), _width(grads), slot.data_ptr(),
+                                     out.data_ptr())
+    finally:
+        lib.unmark(count, uniq.data_ptr(), slot.data_ptr())
+    return found, out
+
+
+def scatter(pieces: list[tuple], slot: torch.Tensor, uniq: torch.Tensor,
+            out: torch.Tensor) -> int:
+    """A step's taken rows summed per id in one pass: the number of distinct ids.
+
+    ``pieces``, in the order their rows are added: ``(ids, None, None, rows)`` (row ``i``
+    of id ``ids[i]``) or ``(ids, bag, weights, grads)`` (``weights[i] * grads[bag[i]]``,
+    weights None: 1). Each id's first row is copied into ``out``, the later ones added
+    one after another; the ids go to ``uniq`` in first-seen order (``uniq`` and ``out``
+    hold at least as many rows as all the pieces). ``slot`` (``slots_for``, ids checked
+    to lie in it) is clean again after the call.
+    """
+    lib = _kernels()
+    count = 0
+    try:
+        for ids, bag, weights, rows in pieces:
+            ids, rows = ids.contiguous(), rows.contiguous()
+            bag = None if bag is None else bag.contiguous()
+            weights = None if weights is None else weights.to(rows.dtype).contiguous()
+            count = _fn("scatter", rows.dtype)(
+                len(ids), ids.data_ptr(), _ptr(bag), _ptr(weights), rows.data_ptr(),
+                _width(rows), slot.data_ptr(), uniq.data_ptr(), count, out.data_ptr())
+    finally:
+        lib.unmark(count, uniq.data_ptr(), slot.data_ptr())
+    return count
+
+
+def bag_sums(ids: torch.Tensor, bag: torch.Tensor, weights: torch.Tensor | None,
+             rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[bag[i]] += weights[i] * rows[ids[i]]`` in order of ``i`` (``out`` contiguous,
+    ``rows`` contiguous: a shard)."""
+    ids, bag = ids.contiguous(), bag.contiguous()
+    weights = None if weights is None else weights.to(rows.dtype).contiguous()
+    _fn("bag_sums", rows.dtype)(len(ids), ids.data_ptr(), bag.data_ptr(), _ptr(weights),
+                                rows.data_ptr(), _width(rows), out.data_ptr())
+
+
+def gather(ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = rows[ids[i]]`` (``out`` and ``rows`` contiguous)."""
+    ids = ids.contiguous()
+    _fn("gather", rows.dtype)(len(ids), ids.data_ptr(), rows.data_ptr(), _width(rows),
+                              out.data_ptr())
+
+
+def shard_order(shard: torch.Tensor, parts: int) -> tuple[torch.Tensor, list[int]]:
+    """The positions ordered by shard, stably, and each shard's count:
+    ``(torch.argsort(shard, stable=True), torch.bincount(shard, minlength=parts))``,
+    by counting where the kernels are available (every ``shard[i]`` in ``[0, parts)``),
+    else by those torch calls."""
+    if not available():
+        return (torch.argsort(shard, stable=True),
+                torch.bincount(shard, minlength=parts).tolist())
+    shard = shard.to(torch.int64).contiguous()
+    order = torch.empty(len(shard), dtype=torch.int64)
+    counts = torch.empty(parts, dtype=torch.int64)
+    starts = torch.empty(parts, dtype=torch.int64)
+    _kernels().shard_order(len(shard), shard.data_ptr(), parts, counts.data_ptr(),
+                           starts.data_ptr(), order.data_ptr())
+    return order, counts.tolist()
+
+
+def split_ids(ids: torch.Tensor, strategy: str, num_rows: int, parts: int
+              ) -> tuple[torch.Tensor, list[int], torch.Tensor] | None:
+    """``mpisync.protocol.partition.map_ids`` (``num_rows`` >= ``parts`` >= 1, or no rows) and the
+    shard order in one pass: ``(order, counts, local rows in that order)``, ``order`` as
+    ``torch.argsort(shard, stable=True)``; None when an id lies outside
+    ``[0, num_rows)``."""
+    ids = ids.to(torch.int64).contiguous()
+    n = len(ids)
+    counts, starts = torch.empty(parts, dtype=torch.int64), torch.empty(parts, dtype=torch.int64)
+    shard, local, order, out = (torch.empty(n, dtype=torch.int64) for _ in range(4))
+    if _kernels().split_ids(n, ids.data_ptr(), int(strategy == "div"), num_rows, parts,
+                            counts.data_ptr(), starts.data_ptr(), shard.data_ptr(),
+                            local.data_ptr(), order.data_ptr(), out.data_ptr()) < 0:
+        return None
+    return order, counts.tolist(), out
+
+
+def merge_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], div: int,
+                 out_for) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pieces of sorted distinct ids (and their rows) merged: (sorted distinct ids, rows);
+    each id's first row copied, the later ones added in the pieces' order, the sums
+    divided by ``div`` unless it is 0. ``out_for(n)`` gives the last output's n rows."""
+    ids, rows = pieces[0]
+    ids, rows = ids.contiguous(), rows.contiguous()
+    merge = _fn("merge2_rows", rows.dtype)
+    dim = _width(rows)
+    for n, (more_ids, more) in enumerate(pieces[1:], 2):
+        more_ids, more = more_ids.contiguous(), more.contiguous()
+        cap, last = len(ids) + len(more_ids), n == len(pieces)
+        out_ids = torch.empty(cap, dtype=torch.int64)
+        out = out_for(cap) if last else torch.empty(cap, *rows.shape[1:], dtype=rows.dtype)
+        k = merge(len(ids), ids.data_ptr(), rows.data_ptr(), len(more_ids), more_ids.data_ptr(),
+                  more.data_ptr(), dim, div if last else 0, out_ids.data_ptr(), out.data_ptr())
+        ids, rows = out_ids[:k], out[:k]
+    return ids, rows
+
+
+def adagrad_sum_rows(ids: torch.Tensor, grad: torch.Tensor, sign: float,
+                     state_sum: torch.Tensor, out: torch.Tensor, div: float = 0) -> torch.Tensor:
+    """``x = sign * (grad / div)`` (div 0: grad); ``state_sum[ids] += x * x``;
+    ``out = state_sum[ids]``, row by row (``state_sum`` contiguous, ``ids`` distinct)."""
+    ids, grad = ids.contiguous(), grad.contiguous()
+    _fn("adagrad_sum_rows", grad.dtype)(len(ids), ids.data_ptr(), grad.data_ptr(), _width(grad),
+                                        div, sign, state_sum.data_ptr(), out.data_ptr())
+    return out
+
+
+def adagrad_apply_rows(ids: torch.Tensor, grad: torch.Tensor, std: torch.Tensor, sign: float,
+                       eps: float, alpha: float, param: torch.Tensor, div: float = 0) -> None:
+    """``param[ids] = fma(alpha, sign * (grad / div) / (std + eps), param[ids])``, row by row."""
+    ids, grad, std = ids.contiguous(), grad.contiguous(), std.contiguous()
+    _fn("adagrad_apply_rows", grad.dtype)(len(ids), ids.data_ptr(), grad.data_ptr(),
+                                          std.data_ptr(), _width(grad), div, sign, eps, alpha,
+                                          param.data_ptr())
+
+
+def axpy_rows(ids: torch.Tensor, grad: torch.Tensor, sign: float, alpha: float,
+              param: torch.Tensor, div: float = 0) -> None:
+    """``param[ids] = fma(alpha, sign * (grad / div), param[ids])``, row by row: torch's
+    ``param.add_(sparse, alpha=alpha)`` (an axpy per row, which fuses)."""
+    ids, grad = ids.contiguous(), grad.contiguous()
+    _fn("axpy_rows", grad.dtype)(len(ids), ids.data_ptr(), grad.data_ptr(), _width(grad), div,
+                                 sign, alpha, param.data_ptr())
+
+
+def rowwise_rows(ids: torch.Tensor | None, grad: torch.Tensor, sign: float, lr: float,
+                 eps: float, total: torch.Tensor, param: torch.Tensor, div: float = 0) -> None:
+    """Row-wise Adagrad on the rows ``ids`` of ``param`` (None: every row, in order) with
+    gradient rows ``grad``: ``g = sign * (grad / div)``; ``total[id] += (g[0]**2 + g[1]**2 +
+    ...) / width``, summed in column order; ``param[id] += g * -(lr / (sqrt(total[id]) +
+    eps))`` (``mpisync.tables.rowwise`` has the same in torch). ``total`` and ``param``
+    contiguous."""
+    grad = grad.contiguous()
+    ids = None if ids is None else ids.contiguous()
+    _fn("rowwise_rows", grad.dtype)(len(grad), _ptr(ids), grad.data_ptr(), _width(grad), div,
+                                    sign, lr, eps, total.data_ptr(), param.data_ptr())
