@@ -49,6 +49,7 @@ from .ckptfile import FORMAT, VERSION
 from .errors import ConfigError
 from .protocol.state import check_state
 from .protocol.tables import table_info
+from .runtime.agreement import agree
 from .tables import reshard
 from .tables.hashtables import check_saved_hash_table, place_hash_table
 
@@ -120,9 +121,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptim
             _write(path, model, opt, extra)
         except Exception as exc:  # noqa: BLE001 (every worker raises it below)
             error = f"{type(exc).__name__}: {exc}"
-    error = cluster.worker_comm.bcast(error, root=0)
-    if error is not None:
-        raise OSError(f"{cluster.label}: mpisync.save({path!r}) failed on the chief: {error}")
+    agree(cluster.worker_comm, error, lambda errors: errors[0] and OSError(
+        f"{cluster.label}: mpisync.save({path!r}) failed on the chief: {errors[0]}"))
     return path
 
 

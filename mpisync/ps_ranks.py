@@ -7,6 +7,7 @@ The rank layout and node discovery live in ``mpisync.runtime.roles``, how a rank
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import sys
 import time
@@ -20,7 +21,7 @@ from mpi4py import MPI
 from . import environ as env
 from .errors import ConfigError, MismatchError, StallError, WorldTooSmallError
 from .protocol.wire import WIRE_VERSION, Tag
-from .runtime.collectives import agree
+from .runtime.agreement import agree, first_problem
 from .runtime.exits import (
     FINALIZE_GRACE,
     abort_within,
@@ -116,6 +117,12 @@ class Cluster:
         self.cuda_aware = False              # MPI takes CUDA buffers (init() asks it)
 
     @property
+    def workers_only(self) -> MPI.Comm:
+        """The workers' communicator as MPI made it, without ``worker_comm``'s meeting:
+        what mpisync's own set-up and steps use (COMM_NULL on a ps rank)."""
+        return self._worker_comm
+
+    @property
     def worker_comm(self) -> MPI.Comm:
         """The workers' communicator, for the user's own collectives between workers.
 
@@ -187,19 +194,19 @@ class Cluster:
         see ``mpisync.runtime.collectives``.
         """
         from .runtime import collectives
-        return collectives.reduce(self._helper_comm("reduce"), value, op)
+        return collectives.reduce(self.helper_comm("reduce"), value, op)
 
     def batch_reduce(self, values: Sequence[Any], op: str = "sum") -> list[Any]:
         """Each value of the list reduced as ``reduce`` does, all in one exchange (one
         ``Allreduce`` per kind of number: integers, floating point, complex). Collective."""
         from .runtime import collectives
-        return collectives.batch_reduce(self._helper_comm("batch_reduce"), values, op)
+        return collectives.batch_reduce(self.helper_comm("batch_reduce"), values, op)
 
     def broadcast(self, value: Any, src: int = 0) -> Any:
         """Worker ``src``'s value on every worker (the others' ``value`` is ignored).
         Collective; see ``mpisync.runtime.collectives.broadcast``."""
         from .runtime import collectives
-        return collectives.broadcast(self._helper_comm("broadcast"), value, src)
+        return collectives.broadcast(self.helper_comm("broadcast"), value, src)
 
     def sampler(self, dataset: Sized, shuffle: bool = True, seed: int = 0,
                 drop_last: bool = False) -> WorkerSampler:
@@ -212,7 +219,7 @@ class Cluster:
         return WorkerSampler(dataset, self.num_workers, self.worker_index, shuffle, seed,
                              drop_last)
 
-    def _helper_comm(self, what: str) -> MPI.Intracomm:
+    def helper_comm(self, what: str) -> MPI.Intracomm:
         """Meet the workers as before a collective on ``worker_comm``, then a private
         communicator of the workers for the helper's own collectives."""
         if self.is_ps:
@@ -440,7 +447,7 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
                       placement, survive)
     cluster.cuda_aware = cuda_aware
     if not cluster.is_ps:
-        cluster.device = worker_device(cluster._worker_comm)
+        cluster.device = worker_device(cluster.workers_only)
     _current = cluster
     if survive:           # runs after the worker left the job, before MPI finalizes
         atexit.register(exit_status, _current)
@@ -454,7 +461,7 @@ def check_environment(comm: MPI.Comm) -> None:
     Collective over ``comm``: what ``init()`` runs first, before any rank waits on another.
     Each rank reads every variable set in its environment as the registry says
     (``mpisync.environ.problem``) and the ranks agree on what they found
-    (``mpisync.runtime.collectives.agree``), so that a malformed value on one rank is the
+    (``mpisync.runtime.agreement.agree``), so that a malformed value on one rank is the
     same error on all of them, not an error on that rank while the others wait for it.
 
     Raises:
@@ -462,7 +469,7 @@ def check_environment(comm: MPI.Comm) -> None:
             variable, the value and what it accepts.
     """
     found = env.problem(os.environ, {HOSTMAP_ENV: decode_host_map})
-    agree(comm, "", found, {}, member=None)
+    agree(comm, found, first_problem)
 
 
 def _survive(asked: bool | None, rank: int) -> bool:
@@ -480,13 +487,17 @@ def _survive(asked: bool | None, rank: int) -> bool:
 def _check_versions(comm: MPI.Comm) -> None:
     """Every rank runs the same mpisync and wire format, or every rank raises ConfigError."""
     from . import __version__  # late: defined once the package is imported
-    versions = comm.allgather((__version__, WIRE_VERSION))
+    agree(comm, (__version__, WIRE_VERSION), functools.partial(_versions_judge, comm.Get_rank()))
+
+
+def _versions_judge(rank: int, versions: list) -> ConfigError | None:
     differing = [r for r, v in enumerate(versions) if v != versions[0]]
-    if differing:
-        (first, wire0), (other, wire) = versions[0], versions[differing[0]]
-        raise ConfigError(
-            f"rank {comm.Get_rank()}: every rank must run the same mpisync: rank "
-            f"{differing[0]} runs mpisync {other} (wire format {wire}) where rank 0 runs "
-            f"mpisync {first} (wire format {wire0})"
-            + (f"; ranks {differing} differ from rank 0" if len(differing) > 1 else ""),
-            collective=True)
+    if not differing:
+        return None
+    (first, wire0), (other, wire) = versions[0], versions[differing[0]]
+    return ConfigError(
+        f"rank {rank}: every rank must run the same mpisync: rank "
+        f"{differing[0]} runs mpisync {other} (wire format {wire}) where rank 0 runs "
+        f"mpisync {first} (wire format {wire0})"
+        + (f"; ranks {differing} differ from rank 0" if len(differing) > 1 else ""),
+        collective=True)

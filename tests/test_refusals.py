@@ -64,7 +64,7 @@ class _Rank:
     rank 0 of a private COMM_SELF, the only worker and the only ps rank."""
 
     def __init__(self, p2p_comm, worker_comm, ps: bool):
-        self.p2p_comm, self._worker_comm = p2p_comm, worker_comm
+        self.p2p_comm, self.workers_only = p2p_comm, worker_comm
         self.layout = RankLayout((0,), (0,))
         self.is_ps, self.is_chief = ps, not ps
         self.ps_index, self.worker_index = (0, None) if ps else (None, 0)

@@ -44,6 +44,7 @@ import torch
 from mpi4py import MPI
 
 from ..errors import ConfigError, MismatchError
+from .agreement import agree, first_problem
 
 __all__ = ["OPS", "SMALL_BYTES", "agree", "batch_reduce", "broadcast", "reduce"]
 
@@ -185,34 +186,39 @@ def _container(node: _Node, parts):
         return parts
 
 
-def agree(comm: MPI.Comm, what: str, error: str | None, fields: dict[str, str],
-          payload=None, member: str | None = "worker") -> list:
-    """Gather every rank's problem and ``fields``; raise the same error on every rank.
+def agree_call(comm: MPI.Comm, what: str, error: str | None, fields: dict[str, str],
+               payload=None, member: str | None = "worker") -> list:
+    """Every rank's problem and ``fields`` agreed on (``runtime.agreement.agree``): the same
+    error on every rank, or every rank's ``payload``, in rank order.
 
     Collective. A problem any rank found is a ``ConfigError`` on every rank, naming that
     rank (``worker 2``: ``member`` and its rank in ``comm``; None: the problem names its
     rank itself, and ``what`` may be empty); a field that differs from rank 0's, a
-    ``MismatchError`` naming the ranks. ``payload`` travels along: returns every rank's,
-    in rank order.
+    ``MismatchError`` naming the ranks.
     """
-    gathered = comm.allgather((error, fields, payload))
-    for w, (problem, _, _) in enumerate(gathered):
-        if problem is not None:
-            where = "".join(f"{part}: " for part in (what, member and f"{member} {w}") if part)
-            raise ConfigError(f"{where}{problem}", collective=True)
+    gathered = agree(comm, (error, fields, payload), functools.partial(_call_judge, what, member))
+    return [p for _, _, p in gathered]
+
+
+def _call_judge(what: str, member: str | None, gathered: list) -> Exception | None:
+    """The first problem, else the first field that differs from rank 0's."""
+    failure = first_problem([problem for problem, _, _ in gathered], what,
+                            member and (lambda w: f"{member} {w}"))
+    if failure is not None:
+        return failure
     ref = gathered[0][1]
     differ = [w for w, (_, theirs, _) in enumerate(gathered) if theirs != ref]
-    if differ:
-        w = differ[0]
-        field = next(k for k in [*ref, *gathered[w][1]] if ref.get(k) != gathered[w][1].get(k))
-        error = MismatchError(
-            f"{what}: workers {differ} differ from worker 0 in {field} (worker {w}: "
-            f"{gathered[w][1].get(field, 'none')}; worker 0: {ref[field]}); every worker must "
-            f"call it alike: the same arguments, and values of the same structure, shapes "
-            f"and dtypes", collective=True)
-        error.field = field            # the same on every rank
-        raise error
-    return [p for _, _, p in gathered]
+    if not differ:
+        return None
+    w = differ[0]
+    field = next(k for k in [*ref, *gathered[w][1]] if ref.get(k) != gathered[w][1].get(k))
+    error = MismatchError(
+        f"{what}: workers {differ} differ from worker 0 in {field} (worker {w}: "
+        f"{gathered[w][1].get(field, 'none')}; worker 0: {ref[field]}); every worker must "
+        f"call it alike: the same arguments, and values of the same structure, shapes "
+        f"and dtypes", collective=True)
+    error.field = field            # the same on every rank
+    return error
 
 
 def _structure(value) -> tuple[list[_Leaf], object, list[str], str | None]:
@@ -286,9 +292,9 @@ def _reduce(comm: MPI.Intracomm, value, op, what: str, problem: str | None = Non
         except Exception as exc:  # noqa: BLE001 - any failure must reach every worker
             error = f"its value cannot be reduced: {type(exc).__name__}: {exc}"
     try:
-        gathered = agree(comm, what, error,
-                         {"the operation": repr(op), "the structure": _signature(tokens)},
-                         payload)
+        gathered = agree_call(comm, what, error,
+                              {"the operation": repr(op), "the structure": _signature(tokens)},
+                              payload)
     except MismatchError as exc:
         if exc.field != "the structure":      # the same on every rank: all go on alike
             raise
@@ -437,7 +443,7 @@ def broadcast(comm: MPI.Intracomm, value, src: int = 0):
     error = None
     if isinstance(src, bool) or not isinstance(src, numbers.Integral) or not 0 <= src < size:
         error = f"src must be a worker index in range({size}), got {src!r}"
-    agree(comm, "broadcast()", error, {"src": repr(src)})
+    agree_call(comm, "broadcast()", error, {"src": repr(src)})
     src, me = int(src), comm.Get_rank()
     layout = data = None
     if me == src:

@@ -37,7 +37,7 @@ class LocalUpdate:
         self.by_name = dict(named)
         local = [self.by_name[n] for n in self.names]
         self.channel = AllreduceChannel(
-            local, self.names, cluster._worker_comm, num_workers=spec.num_workers,
+            local, self.names, cluster.workers_only, num_workers=spec.num_workers,
             reduction=spec.reduction, bucket_bytes=spec.bucket_bytes,
             backend=spec.allreduce_backend, opt_id=spec.opt_id, label=cluster.label,
             cuda_aware=cluster.cuda_aware)
@@ -51,7 +51,7 @@ class LocalUpdate:
         self.channel.hooks += [self.by_name[t.name].register_post_accumulate_grad_hook(
             self.channel.touch) for t in spec.tables if not t.resident]
         # the chief's optimizer state for them, if it had one, as for the ps-held ones
-        state = cluster._worker_comm.bcast(self.state() if cluster.is_chief else None, root=0)
+        state = cluster.workers_only.bcast(self.state() if cluster.is_chief else None, root=0)
         self.load(state)
 
     def state(self) -> dict[str, dict]:

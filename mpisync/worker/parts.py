@@ -57,7 +57,7 @@ class WorkerParts:
             if cluster.is_chief:
                 self.dense.send_initial()
                 self.rows.send_initial()
-        ReplicatedChannel(cluster._worker_comm,
+        ReplicatedChannel(cluster.workers_only,
                           [by_name[n] for n in routes.names(REPLICATED) + routes.names(ALLREDUCE)]
                           ).setup()
         # dense="allreduce": the workers average these parameters and apply their step

@@ -10,6 +10,7 @@ from ..protocol.compare import first_failure, model_summary, setup_summary, vers
 from ..protocol.spec import Model, Options, build_spec, encode, model_of, unit_parts
 from ..protocol.state import split_state, split_units
 from ..protocol.wire import Tag
+from ..runtime.agreement import agree
 from .allreduce import backend_problem
 from .devices import default_backend
 
@@ -66,7 +67,7 @@ def setup_problem(optimizer: torch.optim.Optimizer, options: Options, cluster,
                 "which cannot complete once a worker is lost: a job that survives lost "
                 "workers keeps its dense parameters on the ps ranks (dense='ps')")
     if options.dense == "allreduce":
-        return backend_problem(options.allreduce_backend, cluster._worker_comm,
+        return backend_problem(options.allreduce_backend, cluster.workers_only,
                                cluster.num_workers)
     return None
 
@@ -89,18 +90,22 @@ def agree_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
                                   num_workers=cluster.num_workers, num_ps=cluster.num_ps)
     except (ValueError, TypeError, NotImplementedError) as exc:
         error = error or str(exc)
-    gathered = cluster._worker_comm.allgather(
-        (error, model_summary(model), setup_summary(spec, routes)))
-    failure = first_failure(gathered, cluster.layout.worker_ranks)
-    if cluster.is_chief:
-        message = ("error", failure) if failure or spec is None else (
-            "spec", encode(spec), initial_pieces(optimizer, spec, routes, model),
-            {"stats_log": stats_log, "mpisync": versions()})
-        for j in range(cluster.num_ps):
-            cluster.p2p_comm.send(message, dest=cluster.ps_rank(j), tag=Tag.SETUP)
-    if failure is not None:
-        exc_type, text = failure
-        raise exc_type(f"{cluster.label}: {text}", collective=True)
+    found: list = []           # what the judge found: (exception type, text) or None
+
+    def judge(gathered: list) -> Exception | None:
+        found.append(first_failure(gathered, cluster.layout.worker_ranks))
+        return found[0] and found[0][0](f"{cluster.label}: {found[0][1]}", collective=True)
+
+    try:
+        agree(cluster.workers_only, (error, model_summary(model), setup_summary(spec, routes)),
+              judge)
+    finally:                   # the ps ranks hear the verdict: the spec, or what failed
+        if cluster.is_chief:
+            message = ("error", found[0]) if found[0] or spec is None else (
+                "spec", encode(spec), initial_pieces(optimizer, spec, routes, model),
+                {"stats_log": stats_log, "mpisync": versions()})
+            for j in range(cluster.num_ps):
+                cluster.p2p_comm.send(message, dest=cluster.ps_rank(j), tag=Tag.SETUP)
     return spec, routes
 
 

@@ -27,7 +27,7 @@ class UpdateFunctions:
                receive: Callable[[], object]) -> None:
         """Register ``fn`` (None: remove) for ``name_or_glob``; collective over the workers.
         ``receive`` waits for ps 0's grant and the parameters that go with it."""
-        from ..runtime.collectives import agree
+        from ..runtime.collectives import agree_call
         names = [n for n, _ in self.named]
         targets = targets_of(self.spec, {n: (tuple(p.shape), p.dtype) for n, p in self.named})
         frozen = [n for n in names if n not in targets]
@@ -36,9 +36,9 @@ class UpdateFunctions:
             regs = register(self.registered, name_or_glob, fn, rows, targets, frozen)
         except ConfigError as exc:
             error = str(exc)
-        agree(self.cluster._helper_comm("update"), f"{self.cluster.label}: update()", error,
-              {"the number of registrations": str(len(regs)),
-               **{f"registration {i}": r.describe() for i, r in enumerate(regs)}})
+        agree_call(self.cluster.helper_comm("update"), f"{self.cluster.label}: update()",
+                   error, {"the number of registrations": str(len(regs)),
+                           **{f"registration {i}": r.describe() for i, r in enumerate(regs)}})
         pieces = ps_pieces(regs, self.cluster.num_ps)
         if any(pieces) or self.on_ps:              # the ps ranks' functions change
             self.link.request(Kind.UPDATE, pieces)
