@@ -19,11 +19,12 @@ from .protocol.wire import FLAG_SCHEDULED, Kind
 from .ps.steplog import log_path
 from .runtime.progress import SETUP_TIMEOUT, Poller, spin_seconds
 from .worker.allreduce import AllreduceChannel
-from .worker.channels import DenseChannel, ReplicatedChannel
+from .worker.channels import DenseChannel
 from .worker.devices import default_backend
 from .worker.local import LocalUpdate
 from .worker.ps_link import PsLink
 from .worker.refusals import check_groups, check_held, check_settings, refuse_grad_scaler
+from .worker.replicated import ReplicatedChannel
 from .worker.rows import RowsChannel
 from .worker.schedule import Schedules, install_hooks
 from .worker.setup import agree_spec, setup_problem
