@@ -19,7 +19,8 @@ from mpisync.protocol.wire import Kind, Tag
 from mpisync.ps.loop import Job
 from mpisync.ps_ranks import RankLayout
 from mpisync.runtime.progress import SPIN_DEDICATED, SPIN_SHARED, Poller, spin_seconds
-from mpisync.worker.channels import DenseChannel, ReplicatedChannel
+from mpisync.worker.channels import DenseChannel
+from mpisync.worker.replicated import ReplicatedChannel
 
 
 # -- init and the rank layout -------------------------------------------------------------
@@ -220,12 +221,12 @@ class _Noted(torch.nn.Parameter):
 
 
 def test_gradients_are_read_past_torch_function_only_where_no_parameter_has_one():
-    from mpisync.worker.channels import _plain
+    from mpisync.worker.adoption import grads_read_plainly
     from mpisync.worker.tracking import TrackedParameter
     plain = [torch.nn.Parameter(torch.zeros(2)), torch.zeros(2),
              TrackedParameter(torch.zeros(2))]
-    assert _plain(plain)
-    assert not _plain([*plain, _Noted(torch.zeros(2))])
+    assert grads_read_plainly(plain)
+    assert not grads_read_plainly([*plain, _Noted(torch.zeros(2))])
 
 
 def test_tensors_of_any_dtype_and_shape_broadcast_from_the_chief():

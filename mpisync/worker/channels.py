@@ -1,7 +1,6 @@
-"""The worker's transport: one channel per route kind."""
+"""The worker's transport for dense parameters: the dense channel (route ``dense_ps``)."""
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Callable
 
@@ -10,19 +9,17 @@ import torch
 from mpi4py import MPI
 
 from ..errors import DeadlockError, ProtocolError
-from ..native.bulk import Grads, grads_of
-from ..protocol.layouts import buckets_of, conversions, wire_layouts_of
+from ..native.bulk import grads_of
+from ..protocol.layouts import buckets_of, wire_layouts_of
 from ..protocol.spec import JobSpec
 from ..protocol.wire import (
     FLAG_ASSIGN,
-    FLAG_RESEND,
     PARAM_HEADER_BYTES,
     TOKEN_WORDS,
     GradField,
     GradHeader,
     HyperField,
     Kind,
-    ParamField,
     ShardLayout,
     Tag,
     TokenField,
@@ -30,32 +27,16 @@ from ..protocol.wire import (
     hyper_views,
     hyper_words,
     is_still_question,
-    region_views,
     timing_view,
 )
 from ..runtime import shm
 from ..runtime.progress import SETUP_TIMEOUT, Pace, Poller
+from .adoption import GradAdopter
 from .buckets import GradBuckets
-from .devices import Staging, host_bytes, staged
+from .dense_shard import DenseShard
+from .devices import Staging, host_bytes, raw_bytes, staged
 
-__all__ = ["DenseChannel", "ReplicatedChannel"]
-
-
-_layout_of, _dtype_of, _shape_of, _requires_grad_of = (
-    operator.attrgetter(a) for a in ("layout", "dtype", "shape", "requires_grad"))
-
-
-def _plain(params: list[torch.Tensor]) -> bool:
-    """Whether reading these parameters' ``.grad`` calls no ``__torch_function__`` anyway
-    (tensors and parameters, ``TrackedParameter`` too): then it may skip torch's look-up."""
-    return all(type(p) is torch.Tensor
-               or type(p).__torch_function__ is torch._C._disabled_torch_function_impl
-               for p in params)
-
-
-def _raw(t: torch.Tensor) -> np.ndarray:
-    """The bytes of a contiguous tensor, as a NumPy array (writes change no torch version)."""
-    return t.reshape(-1).view(torch.uint8).numpy()
+__all__ = ["DenseChannel"]
 
 
 #: Steps a worker pushes only at ``step()`` after one whose gradients changed once sent
@@ -63,116 +44,21 @@ def _raw(t: torch.Tensor) -> np.ndarray:
 QUIET_STEPS = 64
 
 
-class _Shard:
-    """This worker's side of one ps rank: the fused buffers and their persistent requests.
-
-    A push is a header on ``Tag.GRAD`` and the buckets, in order, on ``Tag.DATA`` (the
-    first ones sent from gradient hooks while backward runs, the rest at ``step()``); the
-    pull is every bucket's parameters, then the parameter header, on ``Tag.PARAMS``. With
-    a ``wire_dtype`` what travels (``gbuf``, ``pbuf``) is converted from and to the
-    buffers the model's gradients and parameters live in (``gmem``, ``pmem``); without, the
-    two are one.
-    """
-
-    __slots__ = ("abuf", "acks", "bases", "buckets", "buffer_pairs", "codes", "copies",
-                 "data_sends", "due", "fields", "from_wire", "full_send", "gbuf", "gmem",
-                 "head_send", "header", "idx", "mask", "pbuf", "pfields", "pmem", "ready",
-                 "recvs", "seen", "segment", "sent", "to_wire", "versions", "words")
-
-    def __init__(self, header: GradHeader, layout: ShardLayout, wire: ShardLayout, buckets,
-                 wbuckets, comm, rank: int, tags: dict, shared=None, pinned: bool = False):
-        self.header = header
-        self.buckets = buckets
-        h, ph = header.nbytes, PARAM_HEADER_BYTES
-        self.segment = None
-        if shared is not None:             # a ps rank of this machine: shared memory
-            self.segment, i = shared
-            self.gbuf = np.zeros(h, np.uint8)            # only the header travels
-            self.pbuf = self.segment.params              # read from the ps's own buffer
-            self.gmem = self.segment.slot(i)             # the gradients live there
-            self.pmem = host_bytes(ph + layout.nbytes, pinned)
-            self.ready, self.acks = self.segment.flags(i)
-            # publications copied so far (a new segment starts at 0; the ps may have
-            # published the first already), and what they will be once this pull's are in
-            self.seen = [0] * len(buckets)
-            self.due = [1] * len(buckets)
-            self.copies = [(self.pmem[ph + b.offset:ph + b.offset + b.nbytes],
-                            self.pbuf[ph + b.offset:ph + b.offset + b.nbytes])
-                           for b in buckets]
-            wire, wbuckets = layout, buckets
-        else:
-            self.gbuf = host_bytes(h + wire.nbytes, pinned)
-            self.pbuf = host_bytes(ph + wire.nbytes, pinned)
-            same = wire == layout
-            self.gmem = self.gbuf[h:] if same else host_bytes(layout.nbytes, pinned)
-            self.pmem = self.pbuf if same else host_bytes(ph + layout.nbytes, pinned)
-        self.fields, self.words, self.codes, self.mask = header.views(self.gbuf)
-        self.pfields = self.pbuf[:ph].view(np.int64)
-        # each bucket's gradients are a tensor of their own: its version counter tells
-        # whether they changed after the bucket was sent
-        self.bases = [torch.from_numpy(self.gmem[b.offset:b.offset + b.nbytes]) for b in buckets]
-        # tensors of their own too: converting into the model's parameters is no write
-        # that the write tracker should see
-        gwire = torch.from_numpy(self.gmem if self.segment else self.gbuf[h:])
-        pwire = torch.from_numpy(self.pmem if self.segment else self.pbuf)[ph:]
-        self.to_wire = conversions(buckets, wbuckets, torch.from_numpy(self.gmem), gwire,
-                                   layout, wire, to_wire=True, push=True)
-        self.from_wire = conversions(buckets, wbuckets, torch.from_numpy(self.pmem)[ph:], pwire,
-                                     layout, wire, to_wire=False)
-        # buffers travel both ways: their values into what is pushed, pulled into pmem
-        self.buffer_pairs = list(zip(region_views(gwire, 0, wire.buffer_regions),
-                                     region_views(torch.from_numpy(self.pmem), ph,
-                                                  layout.buffer_regions)))
-        self.head_send = comm.Send_init([self.gbuf[:h], MPI.BYTE], dest=rank, tag=tags[Tag.GRAD])
-        self.data_sends, self.recvs, self.full_send = [], [], None
-        if self.segment is None:
-            self.data_sends = [comm.Send_init([self.gbuf[h + b.offset:h + b.offset + b.nbytes],
-                                               MPI.BYTE], dest=rank, tag=tags[Tag.DATA])
-                               for b in wbuckets]
-            self.full_send = comm.Send_init([self.gbuf[h:], MPI.BYTE], dest=rank,
-                                            tag=tags[Tag.FULL])
-            self.recvs = [comm.Recv_init([self.pbuf[ph + b.offset:ph + b.offset + b.nbytes],
-                                          MPI.BYTE], source=rank, tag=tags[Tag.PARAMS])
-                          for b in wbuckets]
-            self.recvs.append(comm.Recv_init([self.pbuf[:ph], MPI.BYTE], source=rank,
-                                             tag=tags[Tag.PARAMS]))
-        self.sent = 0                  # buckets sent so far in this push (a prefix)
-        self.versions = [0] * len(buckets)
-        self.abuf = None
-        self.idx = np.zeros(0, np.int64)
-
-    def send(self, k: int) -> None:
-        """Start bucket ``k``'s send (on the wire's dtypes first)."""
-        for dst, src in self.to_wire[k]:
-            dst.copy_(src)
-        self.data_sends[k].Start()
-
-    def copy_published(self) -> bool:
-        """Shared memory: copy the buckets the ps published since; whether every bucket
-        of this pull is in (each pull that brings parameters brings each bucket once)."""
-        ready, seen = self.ready, self.seen
-        for k, (dst, src) in enumerate(self.copies):
-            if seen[k] != int(ready[k]):
-                seen[k] = int(ready[k])
-                np.copyto(dst, src)     # raw memory: not a write the tracker should see
-                self.acks[k] = seen[k]
-        return seen == self.due
-
-
 class DenseChannel:
     """Parameters that live whole on one ps rank (route ``dense_ps``), and module buffers.
 
-    Per ps rank, one fused gradient buffer (a header, then every gradient it owns) and one
-    fused parameter buffer, allocated once and cut into buckets (``wire.bucket_layout``).
-    The model's parameters become views into the parameter buffers, so the pull lands in
-    the model; the gradients are views into the gradient buffers once ``zero_grad`` or a
-    push adopted them, so ``backward()`` writes what the push sends. While backward runs,
-    gradient hooks send each bucket as soon as its gradients are complete
-    (``bucket_ready``), as DDP and Horovod start their all-reduces; ``step()`` sends the
-    header and whatever is left. A bucket that changed after it was sent (its version
-    counter moved: clipping, or another backward before the step) goes again with the
-    whole region (``FLAG_RESEND``), and the next ``QUIET_STEPS`` steps push only at
-    ``step()``; a step after several backward passes sends from hooks in the last of them.
+    Per ps rank (a ``DenseShard``), one fused gradient buffer (a header, then every
+    gradient it owns) and one fused parameter buffer, allocated once and cut into buckets
+    (``wire.bucket_layout``). The model's parameters become views into the parameter
+    buffers, so the pull lands in the model; the gradients are views into the gradient
+    buffers once ``zero_grad`` or a push adopted them (``GradAdopter``), so ``backward()``
+    writes what the push sends. While backward runs, gradient hooks send each bucket as
+    soon as its gradients are complete (``bucket_ready``), as DDP and Horovod start their
+    all-reduces; ``step()`` sends the header and whatever is left. A bucket that changed
+    after it was sent (its version counter moved: clipping, or another backward before the
+    step) goes again with the whole region (``FLAG_RESEND``), and the next ``QUIET_STEPS``
+    steps push only at ``step()``; a step after several backward passes sends from hooks
+    in the last of them.
     """
 
     def __init__(self, spec: JobSpec, layouts: list[ShardLayout], cluster,
@@ -191,7 +77,7 @@ class DenseChannel:
         self.params = [params[n] for n in self.names]
         index = {n: i for i, n in enumerate(self.names)}
         self.place: list[list[tuple[int, int]]] = [[] for _ in self.names]   # (ps, entry)
-        self.shards: list[_Shard] = []
+        self.shards: list[DenseShard] = []
         self.pviews: list[torch.Tensor] = [None] * len(self.names)
         self.gviews: list[torch.Tensor] = [None] * len(self.names)
         # partitioned parameters stay whole here: (index, start, stop, unit pview, unit gview)
@@ -212,13 +98,15 @@ class DenseChannel:
                 shared = shm.accept(comm, [cluster.ps_rank(j) for j in range(spec.num_ps)],
                                     spec.opt_id, poller)
         for j, (layout, wire) in enumerate(zip(layouts, wire_layouts_of(spec))):
-            shard = _Shard(GradHeader(spec.hyper.width, len(layout.entries)), layout, wire,
-                           *buckets_of(spec, layout, wire), comm, cluster.ps_rank(j), self.tags,
-                           shared[j], pinned)
+            shard = DenseShard(GradHeader(spec.hyper.width, len(layout.entries)), layout,
+                               wire, *buckets_of(spec, layout, wire), comm, cluster.ps_rank(j),
+                               self.tags, shared[j], pinned)
             self._bind(j, shard, layout, index, buffers)
             self.shards.append(shard)
-        self._has = bytearray(len(self.names))      # fast to set one by one ...
-        self.has_grad = np.frombuffer(self._has, np.uint8)   # ... and seen here as an array
+        # the gradients' views stay the parameters' .grad; has_grad: which have one
+        self.adopter = GradAdopter(self.label, self.names, self.params, self.gviews,
+                                   [s.gmem for s in self.shards], self.staging)
+        self.has_grad = self.adopter.has_grad
         self.token = np.zeros(TOKEN_WORDS, np.int64)
         self.token_req = comm.Recv_init([self.token, MPI.BYTE], source=cluster.coordinator_rank,
                                         tag=self.tags[Tag.TOKEN])
@@ -231,7 +119,7 @@ class DenseChannel:
         self.pending: list[MPI.Request] = []
         self.timed = False          # note when the token arrives (mpisync.worker.stepclock)
         self.token_at = 0.0
-        self.piece_copies = [(_raw(self.pviews[i][start:stop]), _raw(pview))
+        self.piece_copies = [(raw_bytes(self.pviews[i][start:stop]), raw_bytes(pview))
                              for i, start, stop, pview, _ in self.pieces]
         self._bucket_members()
         # CUDA's gradient hooks run on autograd's device thread: they send only where MPI
@@ -272,7 +160,7 @@ class DenseChannel:
             self.gviews[i].copy_(p.grad)
             p.grad = self.gviews[i]
 
-    def _bind(self, j: int, shard: _Shard, layout: ShardLayout, index: dict,
+    def _bind(self, j: int, shard: DenseShard, layout: ShardLayout, index: dict,
               buffers: dict[str, torch.Tensor]) -> None:
         """Make the model's tensors views into this shard's buffers (values copied in)."""
         pt = torch.from_numpy(shard.pmem)
@@ -318,15 +206,8 @@ class DenseChannel:
         gradient views, the indices as an array, whether their ``.grad`` is read plainly,
         whether backward wrote each in place: a ``bulk.Grads``)``; ``in_place``: the
         latter for every parameter."""
-        # aliases of the gradient views that no ``p.grad.data = x`` can move, and where
-        # they start: a view whose memory moved holds the user's tensor (``_rehome``)
-        self.ghomes = [None if g is None else g.detach() for g in self.gviews]
-        self.gptrs = [0 if g is None else g.data_ptr() for g in self.gviews]
         self.order, self.members = [], []
-        self.plain = _plain(self.params)
-        self.guards = guards = self._grad_memory()
-        self.in_place = Grads(self.params, self.gviews, self.plain, has=self.has_grad,
-                              guards=guards)
+        self.in_place = self.adopter.grads()
         self.pieces_of: dict[tuple[int, int], list] = {}
         for j, shard in enumerate(self.shards):
             for b in shard.buckets:
@@ -334,10 +215,9 @@ class DenseChannel:
                     continue
                 ids = list(dict.fromkeys(int(i) for i in shard.idx[b.first:b.stop]))
                 self.order.append((j, b.index))
-                params = [self.params[i] for i in ids]
-                views, plain = [self.gviews[i] for i in ids], _plain(params)
-                self.members.append((params, ids, views, np.array(ids, np.intp), plain,
-                                     Grads(params, views, plain, ids, self.has_grad, guards)))
+                grads = self.adopter.grads(ids)
+                self.members.append((grads.params, ids, grads.views, np.array(ids, np.intp),
+                                     grads.plain, grads))
         for (j, k), piece in self.piece_entries.items():
             b = next(b for b in self.shards[j].buckets if b.first <= k < b.stop)
             self.pieces_of.setdefault((j, b.index), []).append(piece)
@@ -345,21 +225,6 @@ class DenseChannel:
         # every parameter a bucket holds (all of them, unless a gradient view is missing)
         self.bucketed = np.unique(np.concatenate([m[3] for m in self.members] or
                                                  [np.zeros(0, np.intp)]))
-
-    def _grad_memory(self) -> list[tuple[int, int]]:
-        """The address ranges of every gradient buffer (the shards' and the partitioned
-        parameters' own), merged."""
-        spans = sorted([(s.gmem.ctypes.data, s.gmem.ctypes.data + s.gmem.nbytes)
-                        for s in self.shards] +
-                       [(g.data_ptr(), g.data_ptr() + g.numel() * g.element_size())
-                        for g in self.gviews if g is not None])
-        merged: list[tuple[int, int]] = []
-        for lo, hi in spans:
-            if merged and lo <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-            else:
-                merged.append((lo, hi))
-        return merged
 
     # -- set-up ---------------------------------------------------------------------------
     def send_initial(self) -> None:
@@ -378,7 +243,7 @@ class DenseChannel:
                     p.grad = None
             return
         if not self.in_place.in_place():     # (the usual step: backward wrote them all)
-            self._point_grads_home()
+            self.adopter.point_home()
         for shard in self.shards:
             for b, base in zip(shard.buckets, shard.bases):
                 if not b.buffers:
@@ -386,24 +251,6 @@ class DenseChannel:
         for i in {i for i, *_ in self.pieces}:
             self.gviews[i].zero_()
         self.has_grad.fill(0)
-
-    def _point_grads_home(self) -> None:
-        """``zero_grad(set_to_none=False)`` where some ``.grad`` is not its view in place:
-        each becomes its view (zeroed by the caller), a staged one is zeroed on its
-        device."""
-        staging, staged = self.staging, bool(self.staging)
-        for i, (p, view) in enumerate(zip(self.params, self.gviews)):
-            g = p.grad
-            if g is None:
-                continue
-            if g is view:
-                if self._moved(i, view):      # p.grad.data = x, or t_(), since
-                    self._adopt_grad(i, p, self._rehome(i, view), view, copy=False)
-                continue
-            if staged and i in staging:
-                g.zero_()                   # on its device, as torch does
-            else:
-                p.grad = view               # the fused buffer, zeroed below: no copy later
 
     def bucket_ready(self, n: int) -> None:
         """Backward filled bucket ``n`` (of ``order``): send it, unless this step pushes
@@ -441,7 +288,7 @@ class DenseChannel:
         if grads.in_place():
             self.has_grad[where] = 1        # the usual step: backward wrote them
         elif not grads.adopt():             # (backward's own tensors: copied in, one call)
-            self._take_grads(params, ids, grads_of(params, plain), views)
+            self.adopter.take(params, ids, grads_of(params, plain), views)
         self._copy_pieces(n)
 
     def _copy_pieces(self, n: int) -> None:
@@ -456,96 +303,6 @@ class DenseChannel:
                 gview.copy_(whole[start:stop])
                 self.piece_versions[id(gview)] = whole._version
 
-    def _take_grads(self, params: list[torch.Tensor], ids: list[int],
-                    grads: list[torch.Tensor | None], views: list[torch.Tensor]) -> None:
-        """``_prepare`` where some gradients are not their send buffer's views already."""
-        staging = self.staging
-        has, fresh, staged = self._has, [], bool(staging)
-        for p, i, g, view in zip(params, ids, grads, views):
-            if g is view and self._moved(i, view):     # p.grad.data = x, or t_()
-                fresh.append((i, p, self._rehome(i, view), view))
-            elif g is view:
-                has[i] = 1
-            elif g is None:
-                if has[i]:
-                    view.zero_()   # absent: zeros, so the other workers' sum is exact
-                    has[i] = 0
-            elif staged and i in staging:
-                if g.layout is not torch.strided:
-                    self._adopt_grad(i, p, g, view)     # refused: a sparse gradient
-                staging.grad_to_host(i, g, view)
-                has[i] = 1
-            else:
-                fresh.append((i, p, g, view))
-        if fresh:
-            self._adopt_grads(fresh)
-
-    def _adopt_grads(self, fresh: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]
-                     ) -> None:
-        """``_adopt_grad`` for each ``(i, p, g, view)``; the copies in one call where every
-        gradient is dense and of its parameter's shape and dtype (after ``zero_grad()``'s
-        ``set_to_none=True``, torch's default, every gradient of a step comes here)."""
-        has = self._has
-        ids, params, grads, views = zip(*fresh)
-        if any(lay is not torch.strided for lay in map(_layout_of, grads)) or \
-                list(map(_dtype_of, grads)) != list(map(_dtype_of, views)) or \
-                list(map(_shape_of, grads)) != list(map(_shape_of, views)) or \
-                any(map(_requires_grad_of, grads)):
-            for i, p, g, view in fresh:     # one by one: the first not taken raises, and
-                self._adopt_grad(i, p, g, view)     # create_graph's gradients keep copy_'s graph
-                has[i] = 1
-            return
-        torch._foreach_copy_(views, grads)    # (one already over its view: torch skips it)
-        for i, p, view in zip(ids, params, views):
-            p.grad = view
-            has[i] = 1
-
-    def _moved(self, i: int, view: torch.Tensor) -> bool:
-        """Whether parameter ``i``'s gradient view no longer is the memory it was made as:
-        given another tensor (``p.grad.data = x``) or other strides (``p.grad.t_()``)."""
-        home = self.ghomes[i]
-        return view.data_ptr() != self.gptrs[i] or view.stride() != home.stride() or \
-            view.shape != home.shape
-
-    def _in_grad_memory(self, g: torch.Tensor) -> bool:
-        """Whether ``g`` shares memory with a gradient buffer (another parameter's buffer,
-        or its own seen through other strides): taking it must read it before any buffer
-        is written."""
-        if g.layout is not torch.strided or g.device.type != "cpu":
-            return False
-        storage = g.untyped_storage()
-        lo = storage.data_ptr()
-        hi = lo + storage.nbytes()
-        return any(lo < end and start < hi for start, end in self.guards)
-
-    def _rehome(self, i: int, view: torch.Tensor) -> torch.Tensor:
-        """Parameter ``i``'s gradient view was given another tensor (``p.grad.data = x``)
-        or other strides: point it back into the send buffer; returns the tensor it held
-        (a copy where that lies in a gradient buffer, which the taking overwrites)."""
-        held = view.detach()
-        if self._in_grad_memory(held):
-            held = held.clone()     # deliberate: read before the buffer is written
-        torch._C.TensorBase.data.__set__(view, self.ghomes[i])
-        return held
-
-    def _adopt_grad(self, i: int, p: torch.Tensor, g: torch.Tensor, view: torch.Tensor,
-                    copy: bool = True) -> None:
-        """A gradient made outside the send buffer: copy it in (unless ``copy`` is False:
-        ``zero_grad`` zeroes it), and keep using the buffer."""
-        if g.layout is not torch.strided:
-            raise TypeError(f"{self.label}: parameter {self.names[i]!r} has a sparse gradient "
-                            f"({g.layout}) but is not the weight of an nn.Embedding or "
-                            f"nn.EmbeddingBag with sparse=True, whose rows mpisync sends as "
-                            f"rows; use such a module (or mpisync.Embedding), or a dense gradient")
-        if g.shape != view.shape or g.dtype != view.dtype:
-            raise ValueError(f"{self.label}: the gradient of parameter {self.names[i]!r} is "
-                             f"{g.dtype} {list(g.shape)}, the parameter {view.dtype} "
-                             f"{list(view.shape)}; .grad must have its parameter's shape and "
-                             f"dtype")
-        if copy and (g.data_ptr() != view.data_ptr() or g.stride() != view.stride()):
-            view.copy_(g)              # deliberate: the gradient was made outside our buffer
-        p.grad = view
-
     def gather(self) -> None:
         """Every bucket's gradients in its send buffer, ``has_grad`` noted; the ps ranks
         whose buckets sent during backward changed since (they go again, whole)."""
@@ -557,7 +314,7 @@ class DenseChannel:
         else:                            # backward's own tensors: copied in, in one call
             taken = self.in_place.adopt()
             if not taken:
-                self._unalias()
+                self.adopter.unalias()
         self._send_landed(wait=True)     # staged buckets handed out in backward: sent
         for n, (j, k) in enumerate(self.order):
             if taken:
@@ -570,18 +327,6 @@ class DenseChannel:
         if self.staging:
             self.staging.sync()          # every gradient on the host before it is sent
             self.staging.buffers_to_host()
-
-    def _unalias(self) -> None:
-        """Before the buckets' gradients are taken one bucket after another: a gradient
-        given by hand that shares memory with a gradient buffer (another parameter's
-        buffer or a view of it, ``a.grad, b.grad = b.grad.data, a.grad.data``) becomes a
-        copy of it first."""
-        grads = grads_of(self.params, self.plain)
-        if all(map(operator.is_, grads, self.gviews)):
-            return                      # a view's memory moved: _prepare brings it back
-        for p, g, view in zip(self.params, grads, self.gviews):
-            if g is not None and g is not view and self._in_grad_memory(g):
-                p.grad = g.clone()     # deliberate: read before the buffer is written
 
     def push(self, step: int, worker: int, seq: int, flags: int, written: list[int]) -> None:
         """Send this worker's gradients (and first what it wrote) to every ps rank, after
@@ -597,23 +342,9 @@ class DenseChannel:
         for j, shard in enumerate(self.shards):
             if j:
                 shard.words[:], shard.codes[:] = words, codes   # every ps may apply the step
-            fields = shard.fields
-            fields[GradField.KIND], fields[GradField.STEP] = Kind.GRAD, step
-            fields[GradField.WORKER], fields[GradField.SEQ] = worker, seq
-            fields[GradField.FLAGS] = (flags | (FLAG_ASSIGN if j in assigned else 0)
-                                       | (FLAG_RESEND if j in resend else 0))
-            np.take(self.has_grad, shard.idx, out=shard.mask)
-            for out, current in shard.buffer_pairs:
-                out.copy_(current)     # deliberate: the buffers' values travel with the step
-            shard.head_send.Start()
-            for k in range(shard.sent, len(shard.data_sends)):
-                shard.send(k)
+            shard.push(step, worker, seq, flags | (FLAG_ASSIGN if j in assigned else 0),
+                       self.has_grad, j in resend)
             self.counts["buckets"] += len(shard.data_sends)
-            if j in resend:
-                for pairs in shard.to_wire[:shard.sent]:
-                    for dst, src in pairs:
-                        dst.copy_(src)
-                shard.full_send.Start()
         self.counts["resent"] += bool(resend)         # pushes that sent buckets again
         self._end_push(bool(resend))
 
@@ -645,16 +376,8 @@ class DenseChannel:
             for i, start, stop, pview, _ in self.pieces:
                 pview.copy_(self.pviews[i][start:stop])
         for j, entries in by_ps.items():
-            shard = self.shards[j]
-            if shard.abuf is None:         # the header, then every value as the model has it
-                shard.abuf = np.zeros(shard.header.nbytes + shard.gmem.nbytes, np.uint8)
-            fields, _, _, mask = shard.header.views(shard.abuf)
-            fields[GradField.KIND], fields[GradField.STEP] = Kind.ASSIGN, step
-            fields[GradField.WORKER], fields[GradField.SEQ] = worker, seq
-            mask[:] = 0
-            mask[entries] = 1
-            shard.abuf[shard.header.nbytes:] = shard.pmem[PARAM_HEADER_BYTES:]
-            self.pending.append(self.comm.Isend([shard.abuf, MPI.BYTE],
+            message = self.shards[j].assignment(entries, step, worker, seq)
+            self.pending.append(self.comm.Isend([message, MPI.BYTE],
                                                 dest=self.cluster.ps_rank(j),
                                                 tag=self.tags[Tag.ASSIGN]))
         return set(by_ps)
@@ -718,13 +441,7 @@ class DenseChannel:
         for j, shard in enumerate(self.shards):
             if shard.segment is not None:
                 continue          # copied bucket by bucket, each as the ps published it
-            sent = shard.pfields[ParamField.STEP]
-            if sent != step:
-                raise ProtocolError(f"{self.label}: ps {j} sent parameters of step "
-                                    f"{int(sent)} with token {step}")
-            for pairs in shard.from_wire:
-                for dst, src in pairs:
-                    dst.copy_(src)
+            shard.take_params(step, self.label, j)
         for dst, src in self.piece_copies:
             np.copyto(dst, src)     # raw memory: not a write the tracker should see
         if self.staging:
@@ -776,23 +493,3 @@ class DenseChannel:
             got = self.poller.wait_message(source, self.tags[Tag.INFO], lambda: what)
             if not is_still_question(got):
                 return got
-
-
-class ReplicatedChannel:
-    """Parameters no optimizer group holds: the chief's values, broadcast once."""
-
-    def __init__(self, worker_comm: MPI.Comm, tensors: list[torch.Tensor]):
-        self.worker_comm = worker_comm
-        self.tensors = tensors
-
-    def setup(self) -> None:
-        """Every worker takes the chief's values (collective over the workers)."""
-        with torch.no_grad():
-            for t in self.tensors:
-                data = t.detach()
-                if data.is_contiguous() and data.device.type == "cpu":
-                    self.worker_comm.Bcast([_raw(data), MPI.BYTE], root=0)
-                else:              # strided, or on a device: through a host copy
-                    buf = data.contiguous().cpu()
-                    self.worker_comm.Bcast([_raw(buf), MPI.BYTE], root=0)
-                    data.copy_(buf)

@@ -24,8 +24,8 @@ from .. import environ as env
 from ..errors import ConfigError
 
 __all__ = ["CUDA_AWARE_CHOICES", "STAGE_CPU_ENV", "Staging", "cuda_support", "default_backend",
-           "host_bytes", "mpi_library", "nccl_group", "pick_device", "resolve_cuda_aware",
-           "staged", "worker_device"]
+           "host_bytes", "mpi_library", "nccl_group", "pick_device", "raw_bytes",
+           "resolve_cuda_aware", "staged", "worker_device"]
 
 CUDA_AWARE_CHOICES = ("auto", True, False)
 #: ``1``: stage CPU parameters too (host copies instead of views), the GPU path's code.
@@ -159,6 +159,11 @@ def host_bytes(nbytes: int, pinned: bool) -> np.ndarray:
     if pinned:
         return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
     return np.zeros(nbytes, np.uint8)
+
+
+def raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous tensor, as a NumPy array (writes change no torch version)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:

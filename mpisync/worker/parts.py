@@ -9,10 +9,11 @@ from ..protocol.layouts import layouts_of
 from ..protocol.rebuild import settings_of
 from ..protocol.routes import ALLREDUCE, REPLICATED
 from ..runtime.progress import SETUP_TIMEOUT
-from .channels import DenseChannel, ReplicatedChannel
+from .channels import DenseChannel
 from .local import LocalUpdate
 from .ps_link import PsLink
 from .refusals import check_groups
+from .replicated import ReplicatedChannel
 from .rows import RowsChannel
 from .schedule import Schedules
 from .state_io import StateTransfer
