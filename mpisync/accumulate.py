@@ -480,6 +480,6 @@ class ShardAccumulator:
                 out.add_(regions_in[r])
             if mean and count > 1:
                 if count & (count - 1) == 0:
-                    out.mul_(1.0 / count)   # exact for a power of two, and 3x faster than div
+                    out.mul_(1.0 / count)   # exact for a power of two, and faster than div
                 else:
                     out.div_(count)

@@ -3,8 +3,8 @@
 A worker asks every step whether any parameter was written (its version counter moved)
 and whether every ``.grad`` is still its send buffer's view, in place. Read from Python,
 that is a few attribute look-ups per parameter, each a chain of cache misses once the
-step's copies have gone through the caches: about 0.3 ms a step for a model of 1,000
-tensors. ``_bulk.cpp`` reads them in one loop over the tensors' ``TensorImpl``s: the same
+step's copies have gone through the caches (``docs/benchmarks.md``, "Figures behind
+choices in the code"). ``_bulk.cpp`` reads them in one loop over the tensors' ``TensorImpl``s: the same
 values, as torch's own accessors give them. It is compiled once per machine against the
 installed torch's headers (``build.load``; ``$CXX``, else ``c++``); where that cannot
 be done, or with ``MPISYNC_BULK=0``, the same reads run in Python.

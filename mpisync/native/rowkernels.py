@@ -53,8 +53,8 @@ def table_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     """Zeros for a table the row kernels reach at random (a shard, its optimizer state, its
     slot array): on Linux, from this size on, in private anonymous memory advised to use
     2 MiB pages (transparent huge pages, ``madvise``), so that random rows miss the TLB
-    far less often (the row-wise update of 75,000 random rows of a 500,000 x 64 shard:
-    4.2 -> 2.6 ms); elsewhere, or smaller, ``torch.zeros``. The memory is the kernel's
+    far less often (``docs/benchmarks.md``, "Figures behind choices in the code");
+    elsewhere, or smaller, ``torch.zeros``. The memory is the kernel's
     zero pages until written, and freed with the tensor."""
     shape = tuple(shape)
     numel = math.prod(shape)

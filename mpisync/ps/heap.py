@@ -5,9 +5,9 @@ torch's CPU tensors come from ``malloc``. glibc serves a block above its mmap th
 the kernel on ``free``, and it gives the top of the heap back once more than its trim
 threshold is free there. An optimizer that makes a bucket-sized temporary every step
 (Adam's and AdamW's ``denom``, Adagrad's and RMSprop's square roots, a weight-decayed
-gradient) then pays a page fault per 4 KiB page of it, every step: on a 2-core machine a
-4 MiB Adam step took 4.9 ms where the same step with the heap kept took 1.2 ms, and a
-40 MB one 55 ms against 17 ms (``benchmarks/step_bench.py --optimizer adam``). A ps rank
+gradient) then pays a page fault per 4 KiB page of it, every step (several times the
+step's own time: the figures are in ``docs/benchmarks.md``, "Figures behind choices in
+the code"). A ps rank
 runs nothing but mpisync's loop while it serves, so there mpisync tells glibc to serve
 every block from the heap and to keep what was freed (jemalloc and tcmalloc behave so by
 default); when ``serve()`` returns, the freed memory goes back to the kernel
