@@ -225,7 +225,8 @@ class EmbeddingBag(_TableModule):
     ``per_sample_weights`` (the input's shape) only with ``mode="sum"``. Bad arguments
     raise before anything is sent, naming the table and the rank.
 
-    ``pool_on_ps``: ``False`` looks up the batch's unique rows and pools them here (as
+    ``pool_on_ps``: ``"auto"`` (default) picks, per forward, the way that moves fewer
+    bytes, below. ``False`` looks up the batch's unique rows and pools them here (as
     ``Embedding``); ``True`` sends each ps rank the ids it owns with their bags (and
     weights) and gets back one sum per bag from each, instead of rows; the push then sends
     each bag's gradient with the ids again, and the ps turns it into row gradients (the
@@ -245,7 +246,7 @@ class EmbeddingBag(_TableModule):
         mode: ``"sum"``, ``"mean"`` (default) or ``"max"`` over each bag's rows.
         include_last_offset: as ``nn.EmbeddingBag``: ``offsets`` ends with the end of the
             last bag.
-        pool_on_ps: ``False`` (default), ``True`` or ``"auto"``, see above.
+        pool_on_ps: ``"auto"`` (default), ``False`` or ``True``, see above.
 
     Raises:
         ValueError: an unknown ``mode`` or ``pool_on_ps``, ``pool_on_ps=True`` with
@@ -253,7 +254,7 @@ class EmbeddingBag(_TableModule):
 
     Example::
 
-        bag = mpisync.EmbeddingBag(1_000_000, 32, mode="sum", pool_on_ps="auto")
+        bag = mpisync.EmbeddingBag(1_000_000, 32, mode="sum")
         ids = torch.tensor([3, 7, 7, 42, 5])
         offsets = torch.tensor([0, 3])           # two bags: [3, 7, 7] and [42, 5]
         pooled = bag(ids, offsets)               # shape (2, 32), once an optimizer holds it
@@ -263,7 +264,7 @@ class EmbeddingBag(_TableModule):
                  partitioner: Partitioner | None = None, partition_strategy: str = "mod",
                  weight: torch.Tensor | None = None, seed: int = 0,
                  padding_idx: int | None = None, include_last_offset: bool = False,
-                 pool_on_ps: bool | str = False, dtype: torch.dtype = torch.float32,
+                 pool_on_ps: bool | str = "auto", dtype: torch.dtype = torch.float32,
                  device: Device = None) -> None:
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")

@@ -105,7 +105,8 @@ def build(case: Case) -> torch.nn.ModuleDict:
     model = torch.nn.ModuleDict({"emb": emb, "head": head(case)})
     if case.kind == "exact":
         initial = emb.initial_rows(POOL)
-        twin = (mpisync.EmbeddingBag(len(POOL), DIM, mode="mean", weight=initial) if case.bag
+        twin = (mpisync.EmbeddingBag(len(POOL), DIM, mode="mean", weight=initial,
+                                      pool_on_ps=False) if case.bag
                 else mpisync.Embedding(len(POOL), DIM, weight=initial))
         model["twin"], model["twin_head"] = twin, head(case)
     return model
