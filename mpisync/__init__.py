@@ -35,7 +35,7 @@ if TYPE_CHECKING:     # what the first use of a public name imports (see _load)
     from .protocol.partition import axis_size, fixed_size, min_max
     from .ps_ranks import Cluster, init
     from .runtime.roles import RankLayout
-    from .tables.collection import EmbeddingBagCollection
+    from .tables.collection import EmbeddingBagCollection, KeyedTensor
     from .tables.embedding import Embedding, EmbeddingBag
     from .tables.hashtables import HashEmbedding, HashEmbeddingBag
     from .tables.rowwise import RowWiseAdagrad
@@ -46,7 +46,7 @@ _SUBMODULES = {"hashing": "protocol.hashing", "placement": "placement"}
 _HOMES = {
     "Checkpointer": "checkpoint", "latest": "checkpoint", "load": "checkpoint",
     "plain_state": "checkpoint", "save": "checkpoint",
-    "EmbeddingBagCollection": "tables.collection",
+    "EmbeddingBagCollection": "tables.collection", "KeyedTensor": "tables.collection",
     "WorkerSampler": "data",
     "CapacityError": "errors", "ClosedError": "errors", "ConfigError": "errors",
     "DeadlockError": "errors", "MismatchError": "errors", "ModelMismatchError": "errors",
@@ -76,6 +76,7 @@ __all__ = [
     "EmbeddingBagCollection",
     "HashEmbedding",
     "HashEmbeddingBag",
+    "KeyedTensor",
     "Mean",
     "Metric",
     "MismatchError",

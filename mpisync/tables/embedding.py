@@ -72,6 +72,40 @@ def _check_ids(ids: torch.Tensor, info: TableInfo, what: str) -> None:
                              f"[0, {info.num_rows}) (its num_embeddings)")
 
 
+def _usable_device(device: Device, what: str) -> torch.device | None:
+    """``device`` as a ``torch.device``, or a ValueError (naming ``what``, the table's
+    arguments) when this process's torch cannot put tensors there: CUDA that is not
+    available or has no such ordinal is asked of ``torch.cuda`` (no context is made); any
+    other device is tried with an empty tensor."""
+    if device is None:
+        return None
+    try:
+        place = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{what}: device {device!r} is not a device torch knows: "
+                         f"{exc}") from None
+    if place.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{what}: this process's torch cannot use device {device!r}: "
+                             f"CUDA is not available (torch.cuda.is_available() is False); "
+                             f"leave device out (the rows come back on the ids' device) or "
+                             f"give one this process has")
+        count = torch.cuda.device_count()
+        if place.index is not None and place.index >= count:
+            raise ValueError(f"{what}: this process's torch cannot use device {device!r}: "
+                             f"it sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+        return place
+    try:
+        torch.empty(0, device=place)
+    except Exception as exc:  # noqa: BLE001 (torch raises several kinds; all are refusals)
+        said = str(exc).strip().split("\n")[0]       # torch's first line ...
+        if len(said) > 200:                             # ... or sentence, not its backends
+            said = said.split(". ")[0] + "."
+        raise ValueError(f"{what}: this process's torch cannot use device {device!r}: "
+                         f"{type(exc).__name__}: {said}") from None
+    return place
+
+
 class _TableModule(torch.nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  partitioner: Partitioner | None, partition_strategy: str,
@@ -97,7 +131,9 @@ class _TableModule(torch.nn.Module):
             dtype = weight.dtype
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
-        self.device = None if device is None else torch.device(device)
+        self.device = _usable_device(
+            device, f"mpisync.{type(self).__name__}({num_embeddings}, {embedding_dim}, "
+                    f"device={device!r})")
         info = TableInfo(num_embeddings, embedding_dim, partitioner, partition_strategy,
                          None if weight is None else weight.detach().clone(), seed, padding_idx,
                          dtype)
@@ -172,7 +208,8 @@ class Embedding(_TableModule):
 
     Raises:
         ValueError: a negative size or seed, an unknown ``partition_strategy``, a
-            ``padding_idx`` outside the table, or a ``weight`` that is not 2-dimensional.
+            ``padding_idx`` outside the table, a ``weight`` that is not 2-dimensional, or
+            a ``device`` this process's torch cannot use (e.g. ``"cuda"`` without CUDA).
 
     Example::
 
