@@ -126,6 +126,11 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("MPISYNC_ROW_KERNELS", "switch", True,
              "The ps ranks' compiled loops (row updates, pooled sums, fused optimizer "
              "passes)."),
+    Variable("MPISYNC_PS_THREADS", "count", None,
+             "Threads each ps rank runs its row kernels on (pooled lookups, merged row "
+             "gradients, row updates), bitwise the same result with any number.",
+             unset="the cores of the rank's machine divided among the ranks there, at least 1",
+             minimum=1, accepted="a number of threads >= 1"),
     Variable("MPISYNC_CACHE", "path", "~/.cache/mpisync",
              "Where compiled helpers are built and kept, once per machine."),
     Variable("MPISYNC_STATS", "path", None,

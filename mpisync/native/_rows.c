@@ -80,6 +80,53 @@ void place(int64_t n, const int64_t *sorted, int64_t *slot)
         slot[sorted[j]] = j;
 }
 
+/* ``scatter``'s marks alone, for threads: each id's output row (its slot, given in first- */
+/* seen order from ``count`` on, the id appended to ``uniq``) into ``pos[i]``, as ``~row``  */
+/* at the id's first sight. Returns the new count; ``unmark`` clears the slots. */
+int64_t scatter_marks(int64_t n, const int64_t *ids, int64_t *slot, int64_t *uniq,
+                      int64_t count, int64_t *pos)
+{
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n)
+            __builtin_prefetch(slot + ids[i + AHEAD], 1, 3);
+        int64_t r = ids[i];
+        int64_t s = slot[r];
+        if (s < 0) {
+            s = slot[r] = count;
+            uniq[count++] = r;
+            pos[i] = ~s;
+        } else {
+            pos[i] = s;
+        }
+    }
+    return count;
+}
+
+/* ``merge2_rows``' order alone, for threads: the merged ids, and for each the row of a and
+ * of b it takes (-1: none). Returns the ids written. */
+int64_t merge2_plan(int64_t na, const int64_t *ida, int64_t nb, const int64_t *idb,
+                    int64_t *ids, int64_t *from_a, int64_t *from_b)
+{
+    int64_t i = 0, j = 0, k = 0;
+    while (i < na || j < nb) {
+        if (j >= nb || (i < na && ida[i] < idb[j])) {
+            ids[k] = ida[i];
+            from_a[k] = i++;
+            from_b[k] = -1;
+        } else if (i >= na || idb[j] < ida[i]) {
+            ids[k] = idb[j];
+            from_a[k] = -1;
+            from_b[k] = j++;
+        } else {
+            ids[k] = ida[i];
+            from_a[k] = i++;
+            from_b[k] = j++;
+        }
+        k++;
+    }
+    return k;
+}
+
 /* The positions 0..n-1 ordered by their shard, stably: torch.argsort(shard, stable=True)
  * by counting. Each shard[i] lies in [0, parts); ``counts`` (parts entries) gets each
  * shard's count, ``starts`` (parts entries) is scratch. */
@@ -143,12 +190,17 @@ int64_t split_ids(int64_t n, const int64_t *ids, int64_t div, int64_t num_rows, 
 }
 
 #define KERNELS(T, S)                                                                        \
-/* out[slot[ids[i]]] += weights[i] * grads[bag[i]], in the order of i, into a zeroed out. */ \
+/* out[slot[ids[i]]] += weights[i] * grads[bag[i]], in the order of i, into a zeroed out; */ \
+/* only the output rows in [lo, hi) (a thread's share: every row's additions are its own). */ \
 void bag_rows_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *weights,       \
-                  const T *grads, int64_t dim, const int64_t *slot, T *out)                  \
+                  const T *grads, int64_t dim, const int64_t *slot, int64_t lo, int64_t hi,  \
+                  T *out)                                                                    \
 {                                                                                            \
     for (int64_t i = 0; i < n; i++) {                                                        \
-        T *o = out + slot[ids[i]] * dim;                                                     \
+        int64_t s = slot[ids[i]];                                                            \
+        if (s < lo || s >= hi)                                                               \
+            continue;                                                                        \
+        T *o = out + s * dim;                                                                \
         const T *g = grads + bag[i] * dim;                                                   \
         if (weights) {                                                                       \
             T w = weights[i];                                                                \
@@ -203,14 +255,48 @@ int64_t scatter_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *
     return count;                                                                            \
 }                                                                                            \
                                                                                              \
-/* Each bag's sum of its rows: out[bag[i]] += weights[i] * rows[ids[i]], in the order of */ \
-/* i, into a zeroed out (the pooled answer to a lookup).                                   */ \
-void bag_sums_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *weights,       \
-                  const T *rows, int64_t dim, T *out)                                        \
+/* ``scatter`` in two passes, for threads: ``scatter_marks`` (once) gives each position   */ \
+/* its output row ``pos[i]`` (``~row`` at the id's first sight); ``scatter_fill`` then     */ \
+/* writes the output rows in [lo, hi) only, each with the copy and additions ``scatter``  */ \
+/* makes, in the same order.                                                               */ \
+void scatter_fill_##S(int64_t n, const int64_t *pos, const int64_t *bag, const T *weights,   \
+                      const T *rows, int64_t dim, int64_t lo, int64_t hi, T *out)            \
 {                                                                                            \
     for (int64_t i = 0; i < n; i++) {                                                        \
-        if (i + AHEAD < n)                                                                   \
+        int64_t s = pos[i] < 0 ? ~pos[i] : pos[i];                                           \
+        if (s < lo || s >= hi)                                                               \
+            continue;                                                                        \
+        const T *g = rows + (bag ? bag[i] : i) * dim;                                        \
+        T w = weights ? weights[i] : (T)1;                                                   \
+        T *o = out + s * dim;                                                                \
+        if (pos[i] < 0) {                                                                    \
+            if (weights)                                                                     \
+                for (int64_t c = 0; c < dim; c++)                                            \
+                    o[c] = g[c] * w;                                                         \
+            else                                                                             \
+                memcpy(o, g, (size_t)dim * sizeof(T));                                       \
+        } else if (weights) {                                                                \
+            for (int64_t c = 0; c < dim; c++) {                                              \
+                T prod = g[c] * w;                                                           \
+                o[c] = o[c] + prod;                                                          \
+            }                                                                                \
+        } else {                                                                             \
+            for (int64_t c = 0; c < dim; c++)                                                \
+                o[c] = o[c] + g[c];                                                          \
+        }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+/* Each bag's sum of its rows: out[bag[i]] += weights[i] * rows[ids[i]], in the order of */ \
+/* i, into a zeroed out (the pooled answer to a lookup); only the bags in [lo, hi).        */ \
+void bag_sums_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *weights,       \
+                  const T *rows, int64_t dim, int64_t lo, int64_t hi, T *out)                \
+{                                                                                            \
+    for (int64_t i = 0; i < n; i++) {                                                        \
+        if (i + AHEAD < n && bag[i + AHEAD] >= lo && bag[i + AHEAD] < hi)                    \
             prefetch_row(rows + ids[i + AHEAD] * dim, dim * (int64_t)sizeof(T));             \
+        if (bag[i] < lo || bag[i] >= hi)                                                     \
+            continue;                                                                        \
         const T *r = rows + ids[i] * dim;                                                    \
         T *o = out + bag[i] * dim;                                                           \
         if (weights) {                                                                       \
@@ -342,6 +428,29 @@ int64_t merge2_rows_##S(int64_t na, const int64_t *ida, const T *ra, int64_t nb,
         k++;                                                                                 \
     }                                                                                        \
     return k;                                                                                \
+}                                                                                            \
+                                                                                             \
+/* ``merge2_rows``' output rows [lo, hi) from its plan (``merge2_plan``: the row of a and  */ \
+/* of b each output row takes, -1 for none), with the same copies, sums and divisions.    */ \
+void merge2_fill_##S(int64_t lo, int64_t hi, const int64_t *from_a, const T *ra,            \
+                     const int64_t *from_b, const T *rb, int64_t dim, T div, T *out)         \
+{                                                                                            \
+    for (int64_t k = lo; k < hi; k++) {                                                      \
+        T *o = out + k * dim;                                                                \
+        int64_t i = from_a[k], j = from_b[k];                                                \
+        if (j < 0) {                                                                         \
+            memcpy(o, ra + i * dim, (size_t)dim * sizeof(T));                                \
+        } else if (i < 0) {                                                                  \
+            memcpy(o, rb + j * dim, (size_t)dim * sizeof(T));                                \
+        } else {                                                                             \
+            const T *a = ra + i * dim, *b = rb + j * dim;                                    \
+            for (int64_t c = 0; c < dim; c++)                                                \
+                o[c] = a[c] + b[c];                                                          \
+        }                                                                                    \
+        if (div != 0)                                                                        \
+            for (int64_t c = 0; c < dim; c++)                                                \
+                o[c] = o[c] / div;                                                           \
+    }                                                                                        \
 }                                                                                            \
                                                                                              \
 /* Row-wise Adagrad on n rows (row ids[i], or row i where ids is NULL) with gradient rows  */ \

@@ -9,6 +9,12 @@ both). The library is loaded by ``rowslib``; where ``available()`` is False the 
 use torch. Every function here expects ids already checked to lie in the shard. The
 tables' memory (``table_zeros``) is made here too, for the rows these kernels reach at
 random.
+
+The functions that write output rows (every one but the id splits and ``mark_ids``'
+passes) split a large call over the ps's threads (``rowthreads``): disjoint ranges of
+output rows, each written by the same operations in the same order as one call makes,
+so the result is bitwise the same with any number of threads. The update kernels'
+``ids`` are distinct (as their callers give them): two ranges never write one row.
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ from .rowslib import address as _ptr
 from .rowslib import available
 from .rowslib import function as _fn
 from .rowslib import library as _kernels
+from .rowthreads import run as _run
+from .rowthreads import split as _split
 
 __all__ = [
     "adagrad_apply_rows",
@@ -103,9 +111,10 @@ def bag_rows(ids: torch.Tensor, bag: torch.Tensor, weights: torch.Tensor | None,
         found = uniq[:count].sort().values
         lib.place(count, found.data_ptr(), slot.data_ptr())
         out = torch.zeros(len(found), *grads.shape[1:], dtype=grads.dtype)
-        _fn("bag_rows", grads.dtype)(len(ids), ids.data_ptr(), bag.data_ptr(), _ptr(weights),
-                                     grads.data_ptr(), _width(grads), slot.data_ptr(),
-                                     out.data_ptr())
+        fn, dim = _fn("bag_rows", grads.dtype), _width(grads)
+        args = (len(ids), ids.data_ptr(), bag.data_ptr(), _ptr(weights), grads.data_ptr(),
+                dim, slot.data_ptr())
+        _run(lambda lo, hi: fn(*args, lo, hi, out.data_ptr()), _split(count, len(ids) * dim))
     finally:
         lib.unmark(count, uniq.data_ptr(), slot.data_ptr())
     return found, out
@@ -124,6 +133,9 @@ def scatter(pieces: list[tuple], slot: torch.Tensor, uniq: torch.Tensor,
     """
     lib = _kernels()
     count = 0
+    total = sum(len(p[0]) for p in pieces)
+    if len(_split(total, total * _width(out))) > 1:
+        return _scatter_threads(pieces, slot, uniq, out, total)
     try:
         for ids, bag, weights, rows in pieces:
             ids, rows = ids.contiguous(), rows.contiguous()
@@ -137,21 +149,53 @@ def scatter(pieces: list[tuple], slot: torch.Tensor, uniq: torch.Tensor,
     return count
 
 
+def _scatter_threads(pieces: list[tuple], slot: torch.Tensor, uniq: torch.Tensor,
+                     out: torch.Tensor, total: int) -> int:
+    """``scatter`` over threads: every position's output row first (``scatter_marks``, one
+    pass), then each thread's range of output rows written from every piece, in order."""
+    lib = _kernels()
+    pos = torch.empty(total, dtype=torch.int64)     # the positions' output rows, this call's
+    count, at, fills = 0, 0, []
+    try:
+        for ids, bag, weights, rows in pieces:
+            ids, rows = ids.contiguous(), rows.contiguous()
+            bag = None if bag is None else bag.contiguous()
+            weights = None if weights is None else weights.to(rows.dtype).contiguous()
+            here = pos[at:at + len(ids)]
+            count = lib.scatter_marks(len(ids), ids.data_ptr(), slot.data_ptr(),
+                                      uniq.data_ptr(), count, here.data_ptr())
+            fills.append((_fn("scatter_fill", rows.dtype), here, bag, weights, rows))
+            at += len(ids)
+    finally:
+        lib.unmark(count, uniq.data_ptr(), slot.data_ptr())
+
+    def fill(lo: int, hi: int) -> None:
+        for fn, here, bag, weights, rows in fills:     # the tensors kept alive until here
+            fn(len(here), here.data_ptr(), _ptr(bag), _ptr(weights), rows.data_ptr(),
+               _width(rows), lo, hi, out.data_ptr())
+
+    _run(fill, _split(count, total * _width(out)))
+    return count
+
+
 def bag_sums(ids: torch.Tensor, bag: torch.Tensor, weights: torch.Tensor | None,
              rows: torch.Tensor, out: torch.Tensor) -> None:
     """``out[bag[i]] += weights[i] * rows[ids[i]]`` in order of ``i`` (``out`` contiguous,
     ``rows`` contiguous: a shard)."""
     ids, bag = ids.contiguous(), bag.contiguous()
     weights = None if weights is None else weights.to(rows.dtype).contiguous()
-    _fn("bag_sums", rows.dtype)(len(ids), ids.data_ptr(), bag.data_ptr(), _ptr(weights),
-                                rows.data_ptr(), _width(rows), out.data_ptr())
+    fn, dim = _fn("bag_sums", rows.dtype), _width(rows)
+    args = (len(ids), ids.data_ptr(), bag.data_ptr(), _ptr(weights), rows.data_ptr(), dim)
+    _run(lambda lo, hi: fn(*args, lo, hi, out.data_ptr()), _split(len(out), len(ids) * dim))
 
 
 def gather(ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
     """``out[i] = rows[ids[i]]`` (``out`` and ``rows`` contiguous)."""
     ids = ids.contiguous()
-    _fn("gather", rows.dtype)(len(ids), ids.data_ptr(), rows.data_ptr(), _width(rows),
-                              out.data_ptr())
+    fn, dim = _fn("gather", rows.dtype), _width(rows)
+    row = dim * rows.element_size()
+    _run(lambda lo, hi: fn(hi - lo, ids.data_ptr() + 8 * lo, rows.data_ptr(), dim,
+                           out.data_ptr() + row * lo), _split(len(ids), len(ids) * dim))
 
 
 def shard_order(shard: torch.Tensor, parts: int) -> tuple[torch.Tensor, list[int]]:
@@ -202,10 +246,30 @@ def merge_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], div: int,
         cap, last = len(ids) + len(more_ids), n == len(pieces)
         out_ids = torch.empty(cap, dtype=torch.int64)
         out = out_for(cap) if last else torch.empty(cap, *rows.shape[1:], dtype=rows.dtype)
-        k = merge(len(ids), ids.data_ptr(), rows.data_ptr(), len(more_ids), more_ids.data_ptr(),
-                  more.data_ptr(), dim, div if last else 0, out_ids.data_ptr(), out.data_ptr())
+        if len(_split(cap, cap * dim)) > 1:
+            k = _merge_threads(ids, rows, more_ids, more, dim, div if last else 0, out_ids,
+                               out)
+        else:
+            k = merge(len(ids), ids.data_ptr(), rows.data_ptr(), len(more_ids),
+                      more_ids.data_ptr(), more.data_ptr(), dim, div if last else 0,
+                      out_ids.data_ptr(), out.data_ptr())
         ids, rows = out_ids[:k], out[:k]
     return ids, rows
+
+
+def _merge_threads(ids: torch.Tensor, rows: torch.Tensor, more_ids: torch.Tensor,
+                   more: torch.Tensor, dim: int, div: float, out_ids: torch.Tensor,
+                   out: torch.Tensor) -> int:
+    """``merge2_rows`` over threads: the merged order first (``merge2_plan``, one pass),
+    then each thread's range of output rows."""
+    cap = len(out_ids)
+    from_a, from_b = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.int64)
+    k = _kernels().merge2_plan(len(ids), ids.data_ptr(), len(more_ids), more_ids.data_ptr(),
+                               out_ids.data_ptr(), from_a.data_ptr(), from_b.data_ptr())
+    fill = _fn("merge2_fill", rows.dtype)
+    _run(lambda lo, hi: fill(lo, hi, from_a.data_ptr(), rows.data_ptr(), from_b.data_ptr(),
+                             more.data_ptr(), dim, div, out.data_ptr()), _split(k, k * dim))
+    return k
 
 
 def adagrad_sum_rows(ids: torch.Tensor, grad: torch.Tensor, sign: float,
@@ -213,8 +277,11 @@ def adagrad_sum_rows(ids: torch.Tensor, grad: torch.Tensor, sign: float,
     """``x = sign * (grad / div)`` (div 0: grad); ``state_sum[ids] += x * x``;
     ``out = state_sum[ids]``, row by row (``state_sum`` contiguous, ``ids`` distinct)."""
     ids, grad = ids.contiguous(), grad.contiguous()
-    _fn("adagrad_sum_rows", grad.dtype)(len(ids), ids.data_ptr(), grad.data_ptr(), _width(grad),
-                                        div, sign, state_sum.data_ptr(), out.data_ptr())
+    fn, dim = _fn("adagrad_sum_rows", grad.dtype), _width(grad)
+    row = dim * grad.element_size()
+    _run(lambda lo, hi: fn(hi - lo, ids.data_ptr() + 8 * lo, grad.data_ptr() + row * lo, dim,
+                           div, sign, state_sum.data_ptr(), out.data_ptr() + row * lo),
+         _split(len(ids), len(ids) * dim))
     return out
 
 
@@ -222,9 +289,11 @@ def adagrad_apply_rows(ids: torch.Tensor, grad: torch.Tensor, std: torch.Tensor,
                        eps: float, alpha: float, param: torch.Tensor, div: float = 0) -> None:
     """``param[ids] = fma(alpha, sign * (grad / div) / (std + eps), param[ids])``, row by row."""
     ids, grad, std = ids.contiguous(), grad.contiguous(), std.contiguous()
-    _fn("adagrad_apply_rows", grad.dtype)(len(ids), ids.data_ptr(), grad.data_ptr(),
-                                          std.data_ptr(), _width(grad), div, sign, eps, alpha,
-                                          param.data_ptr())
+    fn, dim = _fn("adagrad_apply_rows", grad.dtype), _width(grad)
+    row = dim * grad.element_size()
+    _run(lambda lo, hi: fn(hi - lo, ids.data_ptr() + 8 * lo, grad.data_ptr() + row * lo,
+                           std.data_ptr() + row * lo, dim, div, sign, eps, alpha,
+                           param.data_ptr()), _split(len(ids), len(ids) * dim))
 
 
 def axpy_rows(ids: torch.Tensor, grad: torch.Tensor, sign: float, alpha: float,
@@ -232,8 +301,10 @@ def axpy_rows(ids: torch.Tensor, grad: torch.Tensor, sign: float, alpha: float,
     """``param[ids] = fma(alpha, sign * (grad / div), param[ids])``, row by row: torch's
     ``param.add_(sparse, alpha=alpha)`` (an axpy per row, which fuses)."""
     ids, grad = ids.contiguous(), grad.contiguous()
-    _fn("axpy_rows", grad.dtype)(len(ids), ids.data_ptr(), grad.data_ptr(), _width(grad), div,
-                                 sign, alpha, param.data_ptr())
+    fn, dim = _fn("axpy_rows", grad.dtype), _width(grad)
+    row = dim * grad.element_size()
+    _run(lambda lo, hi: fn(hi - lo, ids.data_ptr() + 8 * lo, grad.data_ptr() + row * lo, dim,
+                           div, sign, alpha, param.data_ptr()), _split(len(ids), len(ids) * dim))
 
 
 def rowwise_rows(ids: torch.Tensor | None, grad: torch.Tensor, sign: float, lr: float,
@@ -245,5 +316,15 @@ def rowwise_rows(ids: torch.Tensor | None, grad: torch.Tensor, sign: float, lr: 
     contiguous."""
     grad = grad.contiguous()
     ids = None if ids is None else ids.contiguous()
-    _fn("rowwise_rows", grad.dtype)(len(grad), _ptr(ids), grad.data_ptr(), _width(grad), div,
-                                    sign, lr, eps, total.data_ptr(), param.data_ptr())
+    fn, dim = _fn("rowwise_rows", grad.dtype), _width(grad)
+    row, size = dim * grad.element_size(), grad.element_size()
+
+    def part(lo: int, hi: int) -> None:
+        if ids is not None:          # rows ids[lo:hi]
+            fn(hi - lo, ids.data_ptr() + 8 * lo, grad.data_ptr() + row * lo, dim, div, sign,
+               lr, eps, total.data_ptr(), param.data_ptr())
+        else:                        # rows lo..hi-1: the kernel counts from the pointers
+            fn(hi - lo, None, grad.data_ptr() + row * lo, dim, div, sign, lr, eps,
+               total.data_ptr() + size * lo, param.data_ptr() + row * lo)
+
+    _run(part, _split(len(grad), len(grad) * dim))

@@ -53,17 +53,23 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.shard_order.argtypes = [_I, _P, _I, _P, _P, _P]
     lib.split_ids.argtypes = [_I, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P]
     lib.split_ids.restype = _I
+    lib.scatter_marks.argtypes = [_I, _P, _P, _P, _I, _P]
+    lib.scatter_marks.restype = _I
+    lib.merge2_plan.argtypes = [_I, _P, _I, _P, _P, _P, _P]
+    lib.merge2_plan.restype = _I
     for s in _SUFFIX.values():
         real = ctypes.c_float if s == "f32" else ctypes.c_double
-        getattr(lib, f"bag_rows_{s}").argtypes = [_I, _P, _P, _P, _P, _I, _P, _P]
+        getattr(lib, f"bag_rows_{s}").argtypes = [_I, _P, _P, _P, _P, _I, _P, _I, _I, _P]
         scatter = getattr(lib, f"scatter_{s}")
         scatter.argtypes = [_I, _P, _P, _P, _P, _I, _P, _P, _I, _P]
         scatter.restype = _I
-        getattr(lib, f"bag_sums_{s}").argtypes = [_I, _P, _P, _P, _P, _I, _P]
+        getattr(lib, f"bag_sums_{s}").argtypes = [_I, _P, _P, _P, _P, _I, _I, _I, _P]
+        getattr(lib, f"scatter_fill_{s}").argtypes = [_I, _P, _P, _P, _P, _I, _I, _I, _P]
         getattr(lib, f"gather_{s}").argtypes = [_I, _P, _P, _I, _P]
         merge = getattr(lib, f"merge2_rows_{s}")
         merge.argtypes = [_I, _P, _P, _I, _P, _P, _I, real, _P, _P]
         merge.restype = _I
+        getattr(lib, f"merge2_fill_{s}").argtypes = [_I, _I, _P, _P, _P, _P, _I, real, _P]
         getattr(lib, f"adagrad_sum_rows_{s}").argtypes = [_I, _P, _P, _I, real, real, _P, _P]
         getattr(lib, f"adagrad_apply_rows_{s}").argtypes = [_I, _P, _P, _P, _I, real, real,
                                                            real, real, _P]

@@ -7,6 +7,7 @@ import time
 from mpi4py import MPI
 
 from ..errors import ConfigError, StallError
+from ..native import rowthreads
 from ..observe import timeline
 from ..protocol.compare import versions
 from ..protocol.spec import decode
@@ -229,6 +230,8 @@ def serve(cluster) -> dict | list[dict]:
     last_progress, warned_at = time.monotonic(), STALL_WARNING
     between_steps = Pace()          # from a step applied to the next push arriving
     heap.keep()                     # the optimizer's temporaries: no page faults each step
+    # the row kernels' threads (MPISYNC_PS_THREADS, init() checked it on every rank)
+    rowthreads.start(rowthreads.threads_for(cluster.local_cores, cluster.local_ranks))
     try:
         while not serving.over:
             if serving.turn():
@@ -240,6 +243,7 @@ def serve(cluster) -> dict | list[dict]:
             poller.idle()
             warned_at = serving.check_idle(time.monotonic() - last_progress, warned_at)
     finally:
+        rowthreads.close()
         heap.release()
     stats = [s for _, s in sorted(serving.results, key=lambda r: r[0])]
     return stats[0] if len(stats) == 1 else stats

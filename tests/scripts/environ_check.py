@@ -34,6 +34,7 @@ BAD = {
     "MPISYNC_KEEP_HEAP": "2",
     "MPISYNC_BULK": "on",
     "MPISYNC_ROW_KERNELS": "no",
+    "MPISYNC_PS_THREADS": "0",
     "MPISYNC_TIMELINE_MAX_MB": "inf",
     "MPISYNC_PROGRESS": "sometimes",
 }
@@ -55,6 +56,7 @@ GOOD = {
     "MPISYNC_KEEP_HEAP": ["1"],
     "MPISYNC_BULK": ["0"],
     "MPISYNC_ROW_KERNELS": ["1"],
+    "MPISYNC_PS_THREADS": ["1", " 4 ", ""],
     "MPISYNC_CACHE": ["/tmp/mpisync-cache", "~/.cache/mpisync"],
     "MPISYNC_STATS": ["stats.jsonl"],
     "MPISYNC_TIMELINE": ["timeline.json"],

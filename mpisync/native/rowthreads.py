@@ -1,0 +1,103 @@
+"""The ps's row kernels over threads: one pool per ps rank, a call split by output rows.
+
+A ps rank's row work (the pooled answers to lookups, the merged row gradients, the row
+optimizers' updates) is a loop over output rows, each computed on its own. ``split``
+cuts such a call into disjoint ranges of output rows and ``run`` runs the kernel on each
+range at once, on the pool's threads and the caller's (``ctypes`` releases the GIL
+during a foreign call). Every output row is computed by the same operations in the same
+order as by one call over every row, so the result is bitwise the same whatever the
+number of threads; a row's sum is never split. A call with less than ``min_work``
+elements (rows times row width) a thread is not split: handing a range to a thread
+costs more than small work.
+
+The pool is started by the ps loop (``start``, with ``threads_for``: ``MPISYNC_PS_THREADS``,
+by default the cores of the rank's machine divided among the ranks there) and closed
+when it returns; elsewhere (workers, tests that start none) every call runs on the
+caller's thread.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
+
+from .. import environ
+
+__all__ = ["MIN_WORK", "close", "default_threads", "run", "split", "start", "threads",
+           "threads_for"]
+
+THREADS_ENV = "MPISYNC_PS_THREADS"
+MIN_WORK = 1 << 16        # elements (rows x row width) a thread's range must hold to split
+
+_pool: ThreadPoolExecutor | None = None
+_threads = 1
+_min_work = MIN_WORK
+
+
+def default_threads(cores: int, ranks: int, machine_cores: int | None = None) -> int:
+    """Threads for a ps rank: the ``cores`` its machine's ranks may run on, divided among
+    those ``ranks`` (every rank there, workers too, so that ranks sharing a machine do
+    not oversubscribe it; on a machine of ps ranks only, among the ps ranks), at least 1
+    and at most ``machine_cores`` (default ``os.cpu_count()``)."""
+    machine_cores = os.cpu_count() or 1 if machine_cores is None else machine_cores
+    return max(1, min(machine_cores, cores // max(1, ranks)))
+
+
+def threads_for(cores: int, ranks: int, env: Mapping[str, str] | None = None) -> int:
+    """``MPISYNC_PS_THREADS``, or ``default_threads(cores, ranks)`` where it is unset.
+
+    Raises:
+        ConfigError: the variable is not an integer >= 1.
+    """
+    return environ.count(THREADS_ENV, default_threads(cores, ranks), env)
+
+
+def start(count: int, min_work: int = MIN_WORK) -> None:
+    """Run the row kernels on ``count`` threads (the caller's and ``count - 1`` more) from
+    now on, splitting calls of ``min_work`` elements a thread or more; 1: none more."""
+    if count < 1:
+        raise ValueError(f"row kernel threads must be at least 1, got {count}")
+    global _pool, _threads, _min_work
+    close()
+    _threads, _min_work = count, min_work
+    if count > 1:
+        _pool = ThreadPoolExecutor(count - 1, thread_name_prefix="mpisync-rows")
+
+
+def close() -> None:
+    """Back to one thread: the pool's threads end (after the calls under way)."""
+    global _pool, _threads, _min_work
+    if _pool is not None:
+        _pool.shutdown(wait=True)
+    _pool, _threads, _min_work = None, 1, MIN_WORK
+
+
+def threads() -> int:
+    """The threads a large call runs on now."""
+    return _threads
+
+
+def split(rows: int, work: int) -> list[tuple[int, int]]:
+    """Disjoint ranges ``[lo, hi)`` of ``rows`` output rows, in order, that cover them: one
+    a thread, as many as ``work`` (the call's elements) pays for; ``[(0, rows)]`` alone
+    where it pays for one."""
+    parts = min(_threads, rows, work // _min_work if _min_work > 0 else rows)
+    if parts <= 1 or _pool is None:
+        return [(0, rows)]
+    return [(rows * j // parts, rows * (j + 1) // parts) for j in range(parts)]
+
+
+def run(task: Callable[[int, int], object], ranges: list[tuple[int, int]]) -> None:
+    """``task(lo, hi)`` for each range, all at once: the first on this thread, the others
+    on the pool; returns when every one has (re-raising the first error)."""
+    if len(ranges) == 1 or _pool is None:
+        for lo, hi in ranges:
+            task(lo, hi)
+        return
+    futures = [_pool.submit(task, lo, hi) for lo, hi in ranges[1:]]
+    try:
+        task(*ranges[0])
+    finally:
+        wait(futures)
+    for f in futures:
+        f.result()
