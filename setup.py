@@ -45,7 +45,8 @@ setup(
     # py.typed: the package's annotations are for its users' type checkers (PEP 561);
     # compiled on first use, beside their loaders: the ps's row kernels
     # (mpisync/native/kernels.py), the worker's bulk reads (mpisync/native/bulk.py)
-    package_data={"mpisync": ["py.typed"], "mpisync.native": ["_rows.c", "_bulk.cpp"]},
+    package_data={"mpisync": ["py.typed"],
+                  "mpisync.native": ["_rows.c", "_dense.c", "_bulk.cpp"]},
     entry_points={"console_scripts": ["mpisyncrun = mpisync.launch:main"]},
     # The Makefile installs torch==2.13.0 (CPU) first, so this range is already met and
     # pip never pulls a CUDA build.

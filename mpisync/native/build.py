@@ -7,7 +7,7 @@ import os
 import platform
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .. import environ
@@ -60,11 +60,12 @@ def _open(path: Path, declare: Callable[[ctypes.CDLL], None], keep_gil: bool):
     return lib
 
 
-def load(name: str, source: Path, compiler: list[str], libraries: list[str],
+def load(name: str, source: Path | Sequence[Path], compiler: list[str], libraries: list[str],
          declare: Callable[[ctypes.CDLL], None], key: str = "",
          keep_gil: bool = False) -> tuple[ctypes.CDLL | None, str | None]:
-    """The library ``name`` built from ``source`` (``compiler``: the compiler and its
-    flags; ``libraries``: what to link, after the source): from the cache
+    """The library ``name`` built from ``source`` (one file or several, compiled together;
+    ``compiler``: the compiler and its flags; ``libraries``: what to link, after the
+    sources): from the cache
     (``$MPISYNC_CACHE``, default ``~/.cache/mpisync``), else compiled into it, else (a
     cache that cannot be written) compiled into a private temporary directory. ``key``
     names what else the build depends on. ``keep_gil``: calls hold the GIL (PyDLL).
@@ -72,8 +73,9 @@ def load(name: str, source: Path, compiler: list[str], libraries: list[str],
     Returns:
         (the library, None), or (None, why it could not be built).
     """
-    command = [*compiler, "-o", None, str(source), *libraries]
-    digest = hashlib.sha256(source.read_bytes() + " ".join(
+    sources = [source] if isinstance(source, Path) else list(source)
+    command = [*compiler, "-o", None, *map(str, sources), *libraries]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + " ".join(
         [*compiler, *libraries, key, cpu()]).encode())
     cache = Path(environ.text("MPISYNC_CACHE")).expanduser()
     target = cache / f"{name}-{digest.hexdigest()[:16]}.so"

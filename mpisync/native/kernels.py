@@ -1,4 +1,4 @@
-"""The compiled kernels of ``_rows.c`` for the ps, row and dense, in one namespace.
+"""The compiled kernels of the ps (``_rows.c``, ``_dense.c``), row and dense, in one namespace.
 
 Row kernels (``rowkernels``): the passes over a table step's taken rows (pooled bag
 gradients to rows, the workers' rows merged, the row optimizers' updates) and the tables'

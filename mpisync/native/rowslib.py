@@ -1,4 +1,4 @@
-"""The ``_rows.c`` library of the row and dense kernels: compiled, loaded, declared.
+"""The row and dense kernels' library (``_rows.c``, ``_dense.c``): compiled, loaded, declared.
 
 It is compiled once per machine with the C compiler (``cc``, or ``$CC``) into
 ``$MPISYNC_CACHE`` (default ``~/.cache/mpisync``) and loaded with ``ctypes``; where there
@@ -20,7 +20,8 @@ from . import build
 
 __all__ = ["address", "available", "function", "library"]
 
-_SOURCE = Path(__file__).with_name("_rows.c")
+#: the row kernels, then the dense ones: one library
+_SOURCES = (Path(__file__).with_name("_rows.c"), Path(__file__).with_name("_dense.c"))
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-march=native", "-fPIC", "-shared"]
 _lib: ctypes.CDLL | None | bool = False          # False: not tried yet
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
@@ -35,9 +36,9 @@ def _build() -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    lib, why = build.load("rows", _SOURCE, [cc, *_FLAGS], ["-lm"], _declare)
+    lib, why = build.load("rows", _SOURCES, [cc, *_FLAGS], ["-lm"], _declare)
     if lib is None:
-        warnings.warn(f"mpisync: the row kernels ({_SOURCE.name}) could not be built "
+        warnings.warn(f"mpisync: the row kernels ({_SOURCES[0].name}) could not be built "
                       f"({why}); the ps's row updates and dense reduce run on torch, bitwise "
                       f"the same and slower (MPISYNC_ROW_KERNELS=0 silences this)",
                       RuntimeWarning, stacklevel=3)
