@@ -266,7 +266,8 @@ def build(args, kind: str) -> tuple[DLRM, torch.optim.Optimizer]:
     names = feature_names(args.tables)
     first = {name: initial_rows(args.rows, args.dim, generator) for name in names}
     if kind == "mpisync":
-        import mpisync     # imported only here: --local runs without MPI
+        # imported only here: --local runs without MPI
+        import mpisync
         tables: torch.nn.Module = mpisync.EmbeddingBagCollection({
             name: mpisync.EmbeddingBag(args.rows, args.dim, mode="sum", weight=first[name])
             for name in names})
@@ -416,7 +417,8 @@ def main() -> None:
     if args.local:
         train_local(args)
         return
-    import mpisync     # imported only here: --local needs no MPI
+    # imported only here: --local needs no MPI
+    import mpisync
     cluster = mpisync.init()
     if cluster.is_ps:
         cluster.serve()
