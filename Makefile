@@ -27,7 +27,7 @@ EXTRAS := $(subst $(space),$(comma),$(strip $(MPI_EXTRA) test examples))
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-ctr check test test-openmpi coverage horovod demo-horovod lint docs bench clean distclean
+.PHONY: venv demo demo-ctr demo-dlrm check test test-openmpi coverage horovod demo-horovod lint docs bench clean distclean
 
 venv: $(STAMP)
 
@@ -46,6 +46,11 @@ demo: venv
 # Click-through-rate prediction with an embedding table that lives on the ps ranks.
 demo-ctr: venv
 	$(VPY) -m mpisync.launch --workers 2 --ps 1 -- $(VPY) examples/ctr.py
+
+# DLRM (bottom MLP, tables in one EmbeddingBagCollection on the ps ranks, pairwise dot
+# products, top MLP) on click logs of a known true model.
+demo-dlrm: venv
+	$(VPY) -m mpisync.launch --workers 2 --ps 1 -- $(VPY) examples/dlrm.py
 
 # pytest exits 5 when it collects no tests; that must fail the build, so the status is
 # passed through explicitly (and named when it is 5). PYTEST_FLAGS adds pytest options

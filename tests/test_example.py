@@ -1,5 +1,6 @@
 """The main job (``make demo``) trains digits to >= 0.9 test accuracy and exits 0; the
-click-through-rate example (``make demo-ctr``) beats the constant predictor."""
+click-through-rate example (``make demo-ctr``) beats the constant predictor; the DLRM
+(``make demo-dlrm``) comes close to the AUC of the true model."""
 from __future__ import annotations
 
 import os
@@ -66,3 +67,12 @@ def test_ctr_example_beats_the_constant_predictor():
     assert float(re.search(r"test AUC: ([0-9.]+)", out).group(1)) > 0.65, out
     assert re.search(r"last epoch, every worker's examples: training log-loss [0-9.]+, "
                      r"click accuracy [0-9.]+", out), out
+
+
+def test_dlrm_example_comes_close_to_the_true_model():
+    out = run_example("dlrm.py", 240)
+    got = re.search(r"test AUC: ([0-9.]+) \(true model: ([0-9.]+)\)", out)
+    assert got, out
+    model, true = map(float, got.groups())
+    assert 0.7 < model < true and model > true - 0.08, out
+    assert re.search(r"global_step 400, gradients_applied 800, gradients_dropped 0", out), out
