@@ -12,7 +12,7 @@ import pytest
 
 import mpisync
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def setup_keywords() -> dict:

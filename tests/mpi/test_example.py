@@ -12,7 +12,7 @@ import pytest
 
 from mpisync.launch import detect_mpi_flavor, find_mpiexec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # also run under Open MPI (make test-openmpi)

@@ -15,7 +15,7 @@ from mpi_helpers import failing, run_mpi
 
 from mpisync import environ
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from environ_check import BAD  # the values the job sets
 
 RANKS = (0, 1, 2)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "launch" / "slurm" / "local-cluster.sh"
 TEMPLATE = ROOT / "launch" / "slurm" / "train.sbatch"
 

@@ -10,8 +10,8 @@ import pytest
 from mpisync import environ
 from mpisync.runtime.nodes import HOSTMAP_ENV, decode_host_map
 
-PACKAGE = Path(__file__).resolve().parent.parent / "mpisync"
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+PACKAGE = Path(__file__).resolve().parents[2] / "mpisync"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from environ_check import BAD, GOOD  # the values the multi-rank job sets
 
 #: What ``mpisync.init()`` reads a host map with (``environ`` cannot import it).

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "mpisync"
 
 WINGS = ("protocol", "worker", "ps", "tables", "native", "runtime", "observe")

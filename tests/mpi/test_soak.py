@@ -13,7 +13,7 @@ import pytest
 import torch
 from mpi_helpers import run_mpi
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 
