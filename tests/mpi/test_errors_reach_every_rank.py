@@ -1,21 +1,20 @@
-"""Bad input and failures: a clear message naming the rank, a non-zero exit, never a hang.
+"""Errors reach every rank: a set-up refused on each of them, a failure that ends the whole
+job; a clear message naming the rank, a non-zero exit, never a hang.
 
 The refusals run in one job (``refusals``: tests/scripts/refusals.py, 2 workers and 2 ps
 ranks), in which every worker catches each error, says it as mpisync's exception hook
 would, and goes on to the next case; their exact messages are tested in one process in
 tests/test_refusals.py. The cases that end normally share another job (``completed``);
 each case that ends its job (a raise that aborts it, a rank killed, a stall, a deadlock)
-has its own.
+has its own. The abort that ends a rank is tested in one process in
+tests/unit/test_abort_within.py.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
 import re
-import shutil
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -382,25 +381,3 @@ def test_a_rank_that_dies_ends_the_whole_job(case):
                          r"survive a lost rank \(only Open MPI with ULFM can\)",
                          job.output), job.output
     assert not {f for f in set(os.listdir("/dev/shm")) - before if "mpisync" in f}
-
-
-ABORT_THAT_NEVER_RETURNS = "#include <unistd.h>\nint MPI_Abort(void *c, int e) { for (;;) sleep(100); }\n"
-
-
-def test_an_abort_that_never_returns_still_ends_the_rank(tmp_path):
-    """The abort that ends a failing job lets go of the GIL while it waits, so the timer
-    that ends a rank whose abort waits for good (seen with Open MPI's ULFM, once ranks had
-    died) runs: here ``MPI_Abort`` itself never returns (a library preloaded in its place)."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler here")
-    (tmp_path / "abort.c").write_text(ABORT_THAT_NEVER_RETURNS)
-    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "abort.so"),
-                    str(tmp_path / "abort.c")], check=True, timeout=120)
-    start = time.monotonic()
-    probe = "from mpi4py import MPI\nfrom mpisync.ps_ranks import abort_within\nabort_within(2, 7)"
-    run = subprocess.run([sys.executable, "-c", probe],
-                         capture_output=True, text=True, timeout=120, check=False,
-                         env=dict(os.environ, LD_PRELOAD=str(tmp_path / "abort.so")))
-    assert run.returncode == 7, run.stderr[-2000:]
-    assert time.monotonic() - start < 100

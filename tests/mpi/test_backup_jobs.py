@@ -2,7 +2,8 @@
 
 Two jobs: 4 workers with 3 replicas to aggregate, the chief asleep for 2 s in one case and
 another worker in the next; 2 workers with 4 gradients a step, with enough tokens and then
-with too few (refused on every rank, the job goes on).
+with too few (refused on every rank, the job goes on; its message is tested in one
+process: tests/unit/test_backup.py).
 """
 from __future__ import annotations
 
@@ -10,10 +11,7 @@ import re
 import sys
 
 import pytest
-import torch
 from mpi_helpers import SCRIPTS, run_mpi
-
-from mpisync.protocol.spec import Model, Options, build_spec
 
 sys.path.insert(0, str(SCRIPTS))
 from training_cases import case, ps_by_case
@@ -119,15 +117,3 @@ def test_too_few_tokens_is_a_clear_error_on_every_rank(two_workers):
     who = "ps 0 (rank 2"
     assert re.search(re.escape(who) + r".*" + TOO_FEW + r".*\(serving on", run.output), (
         who, run.describe())
-
-
-def test_too_few_tokens_message_names_the_counts_and_the_fix():
-    """The refusal is a function of the spec: its whole message, in one process."""
-    net = torch.nn.Linear(4, 3)
-    with pytest.raises(ValueError) as err:
-        build_spec(torch.optim.SGD(net.parameters(), lr=0.1),
-                   Model(tuple(net.named_parameters()), ()),
-                   Options(replicas_to_aggregate=4, num_tokens=1), opt_id=0, num_workers=2,
-                   num_ps=1)
-    assert str(err.value) == ("num_tokens=1 is too few: each step needs 4 gradients from 2 "
-                              "workers, so num_tokens must be >= 2")
