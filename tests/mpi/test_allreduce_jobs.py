@@ -89,8 +89,8 @@ def test_the_ps_holds_the_table_and_nothing_dense(job):
 
 
 # What dense="allreduce" refuses (its options, a model converted after wrapping, two open
-# optimizers over one parameter) is tested in one process in tests/test_refusals.py and on
-# every rank in tests/test_errors.py's one job of refusals.
+# optimizers over one parameter) is tested in one process in tests/unit/test_refusals.py and
+# on every rank in tests/mpi/test_errors_reach_every_rank.py's one job of refusals.
 
 
 def test_a_worker_that_fails_ends_the_job_while_the_others_wait_in_the_allreduce():

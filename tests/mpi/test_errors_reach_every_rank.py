@@ -4,7 +4,7 @@ job; a clear message naming the rank, a non-zero exit, never a hang.
 The refusals run in one job (``refusals``: tests/scripts/refusals.py, 2 workers and 2 ps
 ranks), in which every worker catches each error, says it as mpisync's exception hook
 would, and goes on to the next case; their exact messages are tested in one process in
-tests/test_refusals.py. The cases that end normally share another job (``completed``);
+tests/unit/test_refusals.py. The cases that end normally share another job (``completed``);
 each case that ends its job (a raise that aborts it, a rank killed, a stall, a deadlock)
 has its own. The abort that ends a rank is tested in one process in
 tests/unit/test_abort_within.py.
@@ -69,7 +69,7 @@ def completed():
 
 
 def test_num_ps_out_of_range_fails_on_every_rank(refusals):
-    # the values themselves are checked in one process: test_inprocess.py; here num_ps=2
+    # the values themselves are checked in one process: tests/unit/test_inprocess.py; here num_ps=2
     # on each rank of a world of 2 (ranks 0 and 1 of the job)
     out = "\n".join(r["error"] for r in records_of(refusals, "world", [0, 1, 2, 3]).values()
                     if r["error"] is not None)
@@ -80,7 +80,7 @@ def test_num_ps_out_of_range_fails_on_every_rank(refusals):
 
 
 def test_num_ps_beside_a_launcher_count_that_differs_fails_on_every_rank(refusals):
-    # the decision is tested in one process (test_bad_input.py); here init(num_ps=1) on
+    # the decision is tested in one process (tests/unit/test_bad_input.py); here init(num_ps=1) on
     # every rank of a job launched for 2 ps ranks (MPISYNC_NUM_PS=2)
     records = records_of(refusals, "world", [0, 1, 2, 3])
     for rank, r in records.items():
@@ -205,7 +205,7 @@ def test_add_param_group_after_wrapping_is_refused_on_every_worker(refusals):
                                                 r"SyncReplicasOptimizer was created", labels(2, 0))
 
 
-# -- what dense="allreduce" cannot do (moved from tests/test_allreduce.py) -----------------
+# -- what dense="allreduce" cannot do (moved here from the allreduce tests) ----------------
 @pytest.mark.parametrize("case, cause", [
     pytest.param("allreduce_replicas", (r"backup workers do not apply: replicas_to_aggregate "
                                         r"must be the number of workers \(2\)"),
@@ -365,7 +365,7 @@ def test_a_rank_that_dies_ends_the_whole_job(case):
     # SIGKILL leaves no excepthook and no MPI_Abort: the launcher must end the others,
     # and mpisync's launcher says what the status means; the shared memory between the
     # workers and the ps ranks goes with them. MPICH cannot survive a lost worker even when
-    # asked (Open MPI can: test_survive.py)
+    # asked (Open MPI can: tests/mpi/test_survive.py)
     before = set(os.listdir("/dev/shm"))
     survive = ["--survive-worker-loss"] if case == "killed" and mpi_flavor() == "mpich" else []
     job = run_job([sys.executable, "-m", "mpisync.launch", *survive, "--workers", "2", "--ps",

@@ -1,7 +1,7 @@
 """A job that survives lost workers (Open MPI with ULFM): ranks killed with SIGKILL mid-run.
 
 Runs in the Open MPI part of the suite (``make test-openmpi``); MPICH cannot survive a
-lost rank, and test_errors.py checks that its job ends.
+lost rank, and test_errors_reach_every_rank.py checks that its job ends.
 """
 from __future__ import annotations
 

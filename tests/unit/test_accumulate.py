@@ -47,7 +47,7 @@ def started(num_workers, replicas_to_aggregate, num_tokens=0, global_step=0):
     return c
 
 
-# -- constructor (the arguments are validated in mpisync.protocol.spec: tests/test_spec.py) --------
+# -- constructor (the arguments are validated in mpisync.protocol.spec: tests/unit/test_spec.py) ---
 @pytest.mark.parametrize("num_workers, replicas_to_aggregate, num_tokens", [
     (2, 4, 2), (2, 4, 5), (3, 3, 0), (5, 3, 0), (1, 1, 0), (1, 3, 2)])
 def test_enough_tokens_are_accepted(num_workers, replicas_to_aggregate, num_tokens):
@@ -906,7 +906,7 @@ def test_row_gradients_of_one_push_are_not_divided():
     assert got.is_coalesced() and got.to_dense()[2].tolist() == [1, 2]
 
 
-# -- found by the property tests (tests/test_protocol_properties.py) -----------------------
+# -- found by the property tests (tests/unit/test_protocol_properties.py) ------------------
 def test_async_gradients_queued_behind_an_apply_count_as_pending():
     c = async_started(3)
     c.push(0, 0)                              # applied alone: DECIDE

@@ -98,7 +98,7 @@ def test_a_cuda_aware_that_is_not_auto_true_or_false_is_refused(value):
 
 
 def test_a_parameter_moved_to_another_device_after_set_up_is_refused_naming_both():
-    """The tracker's device check (a real move needs a GPU: tests/test_gpu.py): the
+    """The tracker's device check (a real move needs a GPU: tests/mpi/test_gpu.py): the
     parameter was on cuda:0 when the optimizer was built and is on the CPU now."""
     from mpisync.worker.tracking import WriteTracker
     p = torch.nn.Parameter(torch.ones(3))

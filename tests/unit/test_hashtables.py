@@ -132,9 +132,10 @@ def test_bad_arguments_are_refused():
 
 
 def test_a_lookup_over_capacity_is_refused_before_anything_is_sent():
-    """The worker's check (CapacityError; the whole job's end: the last test here), with
+    """The worker's check (CapacityError; the whole job's end: the last test of
+    tests/mpi/test_hashtables_jobs.py), with
     the table of the loading job: one shard per ps rank, 2 ps ranks, capacity 4."""
-    # (imported here, after mpisync's other modules: see test_tables.py)
+    # (imported here, after mpisync's other modules: see tests/unit/test_tables.py)
     from mpisync.protocol import spec as specs
     model = torch.nn.ModuleDict({"emb": mpisync.HashEmbedding(3, capacity_per_shard=4)})
     spec, _ = specs.build_spec(torch.optim.SGD(model.parameters(), lr=0.1),

@@ -150,7 +150,7 @@ def step_both(original, params, rebuilt, copies, steps=STEPS, seed=1):
 
 def torch_optimizers():
     """Every optimizer class in torch.optim that takes dense gradients and no closure
-    (SparseAdam: tests/test_tables.py)."""
+    (SparseAdam: tests/mpi/test_tables_jobs.py)."""
     return sorted((c for c in vars(torch.optim).values() if isinstance(c, type)
                    and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
                    and c not in (torch.optim.LBFGS, torch.optim.SparseAdam)),

@@ -4,8 +4,8 @@ Set-up refusals are functions of the spec (``build_spec``, ``model_of``), of wha
 workers gathered (``first_failure``) or of the backend (``backend_problem``): tested through
 those. What needs a set-up optimizer runs on a private COMM_SELF on which this process is
 worker 0 and ps 0 at once, the ps side's serve loop in a thread (``one_rank``). The
-multi-rank jobs that prove every rank raises and nobody hangs are tests/test_errors.py's
-(``refusals``) and tests/test_bad_input.py's.
+multi-rank jobs that prove every rank raises and nobody hangs are
+tests/mpi/test_errors_reach_every_rank.py's (``refusals``) and tests/mpi/test_bad_input_jobs.py's.
 """
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def _sparse_adam(net):
 
 #: case: (the options, the wrapped optimizer's maker (None: SGD), the message)
 SPEC_REFUSALS = {
-    # tests/test_errors.py
+    # tests/mpi/test_errors_reach_every_rank.py
     "replicas0": ({"replicas_to_aggregate": 0}, None,
                   "replicas_to_aggregate must be >= 1, got 0"),
     "async_replicas": ({"replicas_to_aggregate": 2, "asynchronous": True}, None,
@@ -188,7 +188,7 @@ SPEC_REFUSALS = {
                    ("torch.optim.SparseAdam takes sparse gradients only, and parameter "
                     "'0.weight' gets a dense one (torch fails at its first step); give the "
                     "dense parameters an optimizer of their own")),
-    # tests/test_errors.py, what dense="allreduce" cannot do (2 workers)
+    # tests/mpi/test_errors_reach_every_rank.py, what dense="allreduce" cannot do (2 workers)
     "allreduce_replicas": ({"dense": "allreduce", "replicas_to_aggregate": 1}, None,
                            (ALLREDUCE + "backup workers do not apply: replicas_to_aggregate "
                             "must be the number of workers (2) or unset, got 1; use "
@@ -201,7 +201,7 @@ SPEC_REFUSALS = {
                           "must be 0 or unset, got 1")),
     "allreduce_bucket_bytes": ({"dense": "allreduce", "bucket_bytes": 0}, None,
                                "bucket_bytes must be >= 1, got 0"),
-    # tests/test_bad_input.py
+    # tests/mpi/test_bad_input_jobs.py
     "replicas_not_int": ({"replicas_to_aggregate": "2"}, None,
                          "replicas_to_aggregate must be an int, got '2'"),
     "total_not_workers": ({"total_num_replicas": 5}, None,
@@ -305,8 +305,8 @@ def _differing(text: str) -> str:
 
 @pytest.mark.parametrize("hidden", [33, 16], ids=["mismatch", "orders_differ"])
 def test_workers_with_different_models_are_refused_naming_the_first_difference(hidden):
-    """A wider model on worker 1 (test_errors.py), or the optimizer of another model
-    created first there (test_bad_input.py)."""
+    """A wider model on worker 1 (test_errors_reach_every_rank.py), or the optimizer of
+    another model created first there (test_bad_input_jobs.py)."""
     a, b = model(32), model(hidden)
     assert first_failure(_gathered((a, sgd(a), Options()), (b, sgd(b), Options())), (0, 1)) == (
         ModelMismatchError, (f"worker 1 (rank 1) has parameter #0 = '0.weight' shape "
@@ -501,7 +501,7 @@ def test_a_sparse_gradient_is_refused_naming_the_parameter(one_rank):
                         f"such a module (or mpisync.Embedding), or a dense gradient")
 
 
-# -- tests/test_bad_input.py's refusals at step(), before anything is sent ------------------
+# -- tests/mpi/test_bad_input_jobs.py's refusals at step(), before anything is sent ----------
 def _append_param(net, opt):
     opt.param_groups[0]["params"].append(torch.nn.Parameter(torch.zeros(3)))
     return lambda: opt.param_groups[0]["params"].pop()
