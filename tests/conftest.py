@@ -113,14 +113,12 @@ def _checked_popen(self, args, *rest, **kwargs):
 subprocess.Popen.__init__ = _checked_popen
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(hookwrapper=True)        # (setup.py asks for pytest>=7)
 def pytest_runtest_protocol(item, nextitem):
     """Notes the running test's file (its fixtures' set-up and teardown included)."""
     _running[0] = item.path
-    try:
-        return (yield)
-    finally:
-        _running[0] = None
+    yield
+    _running[0] = None
 
 
 #: The files whose jobs take longest, slowest first (the rest follow in their usual order).
