@@ -115,11 +115,14 @@ coverage: venv horovod
 # programs, launched with Open MPI's mpiexec and its options (as root, oversubscribed),
 # and the digits example under horovodrun (built there by `make horovod`). The core is
 # the tests marked `openmpi` in these files: equivalence, backup workers, the failures
-# that MPI itself carries (a rank that raises, dies, stalls or leaves early), the examples.
+# that MPI itself carries (a rank that raises, dies, stalls or leaves early), the examples
+# (the one-process tests of backup workers and allreduce are marked with their jobs' files).
 OMPI_VENV ?= .venv-openmpi
-OMPI_TESTS ?= tests/test_equivalence.py tests/test_backup.py tests/test_errors.py \
-	tests/test_example.py tests/test_horovod.py tests/test_allreduce.py tests/test_survive.py
-# test_allreduce.py: here with Horovod's allreduce (mpi4py's runs under MPICH above);
+OMPI_TESTS ?= tests/mpi/test_equivalence.py tests/mpi/test_backup_jobs.py \
+	tests/unit/test_backup.py tests/mpi/test_errors_reach_every_rank.py tests/mpi/test_example.py \
+	tests/mpi/test_horovod.py tests/mpi/test_allreduce_jobs.py tests/unit/test_allreduce.py \
+	tests/mpi/test_survive.py
+# test_allreduce_jobs.py: here with Horovod's allreduce (mpi4py's runs under MPICH above);
 # test_survive.py: here only, as only Open MPI (with ULFM) survives a lost worker
 OMPI_PYTEST ?= $(OMPI_VENV)/bin/python -m pytest
 test-openmpi: horovod

@@ -1,4 +1,9 @@
-"""The suite's two tiers.
+"""The suite's two folders and two tiers.
+
+``tests/unit/`` holds the tests that start no MPI ranks, ``tests/mpi/`` those that do (an
+MPI job, the launcher, Slurm, Horovod); ``tests/scripts/`` holds the programs the jobs run.
+A test under ``tests/unit/`` that starts ranks fails at that call, saying it belongs in
+``tests/mpi/``.
 
 ``make test`` runs every test. ``make check`` sets ``MPISYNC_TESTS_IN_PROCESS=1`` and runs
 the tests that start no MPI job: a test (or the fixture it reads) that starts ``mpiexec``,
@@ -14,10 +19,13 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+from pathlib import Path
 
 import pytest
 
 IN_PROCESS_ONLY = os.environ.get("MPISYNC_TESTS_IN_PROCESS") == "1"
+TESTS = Path(__file__).resolve().parent
+UNIT = TESTS / "unit"           # no test here starts ranks
 # programs that start ranks (by their name: any path to them)
 LAUNCHERS = {"mpiexec", "mpirun", "mpiexec.hydra", "mpiexec.mpich", "mpiexec.openmpi",
              "mpirun.mpich", "mpirun.openmpi", "prterun", "horovodrun", "srun", "sbatch",
@@ -76,21 +84,48 @@ def starts_ranks(args, shell: bool = False) -> bool:
     return any(_launches(c) for c in commands)
 
 
-if IN_PROCESS_ONLY:
-    _popen_init = subprocess.Popen.__init__
+def launch_verdict(test_path, args, shell: bool = False,
+                   in_process_only: bool = IN_PROCESS_ONLY) -> str | None:
+    """What becomes of a test at ``test_path`` (None: outside any test) that runs ``args``:
+    ``"fail"`` where the command starts ranks and the test is under ``tests/unit/``,
+    ``"skip"`` where it starts ranks in the in-process tier, None where it runs."""
+    if not starts_ranks(args, shell):
+        return None
+    if test_path is not None and UNIT in Path(test_path).resolve().parents:
+        return "fail"
+    return "skip" if in_process_only else None
 
-    def _in_process_only(self, args, *rest, **kwargs):
-        if starts_ranks(args, kwargs.get("shell", False)):
-            pytest.skip("starts MPI ranks: `make test` runs it")
-        _popen_init(self, args, *rest, **kwargs)
 
-    subprocess.Popen.__init__ = _in_process_only
+_running: list = [None]         # the file of the test that runs now
+_popen_init = subprocess.Popen.__init__
+
+
+def _checked_popen(self, args, *rest, **kwargs):
+    verdict = launch_verdict(_running[0], args, kwargs.get("shell", False))
+    if verdict == "fail":
+        pytest.fail(f"{os.path.relpath(_running[0], TESTS)} starts MPI ranks ({args!r}): a test "
+                    "under tests/unit/ starts none; it belongs in tests/mpi/", pytrace=False)
+    if verdict == "skip":
+        pytest.skip("starts MPI ranks: `make test` runs it")
+    _popen_init(self, args, *rest, **kwargs)
+
+
+subprocess.Popen.__init__ = _checked_popen
+
+
+@pytest.hookimpl(hookwrapper=True)        # (setup.py asks for pytest>=7)
+def pytest_runtest_protocol(item, nextitem):
+    """Notes the running test's file (its fixtures' set-up and teardown included)."""
+    _running[0] = item.path
+    yield
+    _running[0] = None
 
 
 #: The files whose jobs take longest, slowest first (the rest follow in their usual order).
-LONGEST_FIRST = ("test_errors.py", "test_slurm.py", "test_checkpoint.py", "test_equivalence.py",
-                 "test_allreduce.py", "test_backup.py", "test_soak.py", "test_horovod.py",
-                 "test_tables.py", "test_exactness.py", "test_buckets.py", "test_helpers.py")
+LONGEST_FIRST = ("test_errors_reach_every_rank.py", "test_slurm.py", "test_checkpoint_jobs.py",
+                 "test_equivalence.py", "test_allreduce_jobs.py", "test_backup_jobs.py",
+                 "test_soak.py", "test_horovod.py", "test_tables_jobs.py", "test_exactness.py",
+                 "test_buckets.py", "test_helpers_jobs.py")
 
 
 def pytest_collection_modifyitems(config, items):

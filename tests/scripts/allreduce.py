@@ -1,4 +1,4 @@
-"""dense="allreduce" in the loops people write, against plain torch (see test_allreduce.py).
+"""dense="allreduce" in the loops people write, against plain torch (see test_allreduce_jobs.py).
 
 Each case trains under mpisync with the dense parameters averaged among the workers, and
 ``reference(case)`` trains the same model in one process: per step, every worker's loss

@@ -1,4 +1,4 @@
-"""Several checkpoint programs in one job, one after the other (see test_checkpoint.py).
+"""Several checkpoint programs in one job, one after the other (see test_checkpoint_jobs.py).
 
 ``checkpoint_jobs.py MODULE ARG... [-- MODULE ARG...]...``: each group names a program of
 this folder (``resume``, ``tables_reshard``, ``checkpoint_errors``) and the arguments it

@@ -1,6 +1,6 @@
 """Run the documentation's multi-rank code blocks one after another in one MPI job.
 
-argv[1] is a JSON file of ``[{"name": ..., "code": ...}]`` (tests/test_docs.py writes it).
+argv[1] is a JSON file of ``[{"name": ..., "code": ...}]`` (tests/mpi/test_docs_jobs.py writes it).
 Every rank runs each block as its own program: ``mpisync.init()`` inside the block, then
 the cluster is closed on every rank and the ranks meet before the next block. Each block
 runs in a fresh directory of its own, so the files it writes (checkpoints, logs) start

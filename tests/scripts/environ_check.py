@@ -7,7 +7,7 @@ With ``--uncaught NAME`` the last rank alone holds a malformed ``NAME``, set bef
 mpisync's modules are imported, and ``init()`` is not caught: every rank must end by
 itself, non-zero, naming the variable.
 
-``BAD`` and ``GOOD`` are read by ``tests/test_environ.py`` as well (importing this file
+``BAD`` and ``GOOD`` are read by ``tests/unit/test_environ.py`` as well (importing this file
 imports neither MPI nor mpisync).
 """
 from __future__ import annotations

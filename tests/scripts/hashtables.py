@@ -1,4 +1,4 @@
-"""mpisync.HashEmbedding under mpisync, case by case (see test_hashtables.py).
+"""mpisync.HashEmbedding under mpisync, case by case (see test_hashtables_jobs.py).
 
 ``exact`` cases: every worker looks up ids from a pool of int64 ids (negative and huge
 ones), with capacity to spare; the model holds the hash table and, beside it, an

@@ -3,7 +3,7 @@
 ``--load PATH``: the checkpoint hashtables.py wrote for its saved case (at 1 ps); this job
 (any ps count) loads it and reports the table by id. Then worker 1 looks up more ids on
 one shard than it holds: a CapacityError there, and the job ends (see
-test_hashtables.py).
+test_hashtables_jobs.py).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The distribution helpers in one job of 3 workers and 2 ps ranks (see test_helpers.py).
+"""The distribution helpers in one job of 3 workers and 2 ps ranks (see test_helpers_jobs.py).
 
 Reductions and broadcasts among the workers against MPI's own all-reduce of the same
 values, between the steps of a training run; metrics; colocation; ``opt.update`` (its

@@ -1,4 +1,5 @@
-"""Bags pooled where the rows live, against the rows path and plain torch (see test_pooling.py).
+"""Bags pooled where the rows live, against the rows path and plain torch (see
+test_pooling_jobs.py).
 
 Each case trains, under one optimizer, two copies of one ``mpisync.EmbeddingBag`` (the
 same initial rows, the same bags): ``rows`` with ``pool_on_ps=False`` and ``pooled`` with

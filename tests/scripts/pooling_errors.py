@@ -1,13 +1,14 @@
-"""Bags given bad input on purpose, many cases in one job (see test_pooling.py).
+"""Bags given bad input on purpose, many cases in one job (see test_pooling_jobs.py).
 
 ``BAD``: the bad bags (module arguments, input, offsets, per_sample_weights, the message
-expected after "mpisync.EmbeddingBag 'emb.weight' got "); test_pooling.py checks each in
-one process too. In this job every worker gives each of them to a table at its third step
-(pool_on_ps=True; "auto" for mode="max", which it cannot pool), catches the error, records
-it (case ``bag-<index in BAD>``) and trains on; then leaves a feature out of a collection,
-and gives one it has no table for, alike. The last case, ``uncaught``, ends the job: worker
-1 leaves feature "b" out at its third step and does not catch the KeyError, and every rank
-stops, naming it. ``--cases a,b`` runs those only (default: all, in this order).
+expected after "mpisync.EmbeddingBag 'emb.weight' got "); tests/unit/test_pooling.py checks
+each in one process too. In this job every worker gives each of them to a table at its
+third step (pool_on_ps=True; "auto" for mode="max", which it cannot pool), catches the
+error, records it (case ``bag-<index in BAD>``) and trains on; then leaves a feature out of
+a collection, and gives one it has no table for, alike. The last case, ``uncaught``, ends
+the job: worker 1 leaves feature "b" out at its third step and does not catch the KeyError,
+and every rank stops, naming it. ``--cases a,b`` runs those only (default: all, in this
+order).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Refusals, many cases in one job (2 workers, 2 ps ranks): each is refused on every rank it
 reaches, every worker catches the error, records it and goes on to the next case, which
 sets up an optimizer again. The messages themselves are tested in one process
-(tests/test_refusals.py); this job proves that every rank raises and nobody hangs.
+(tests/unit/test_refusals.py); this job proves that every rank raises and nobody hangs.
 
 Each worker prints what it caught as ``[caught] <its label>: <Type>: <message>`` (the form
 of mpisync's exception hook) and records it: one RESULT record per case and rank, with

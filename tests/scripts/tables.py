@@ -1,4 +1,4 @@
-"""Embedding tables under mpisync, case by case, against plain torch (see test_tables.py).
+"""Embedding tables under mpisync, case by case, against plain torch (see test_tables_jobs.py).
 
 A case names the table kind (``resident``: mpisync.Embedding / EmbeddingBag on the ps
 ranks; ``sparse``: nn.Embedding(sparse=True) on every worker), the optimizer, the id map

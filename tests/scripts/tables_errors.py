@@ -1,4 +1,4 @@
-"""Embedding tables given bad input on purpose, many cases in one job (see test_tables.py).
+"""Embedding tables given bad input on purpose, many cases in one job (see test_tables_jobs.py).
 
 Each case is refused on every worker, which catches the error, records it (a RESULT
 record per case and worker) and goes on: bad ids at the third step of training (then the

@@ -1,4 +1,4 @@
-"""Embedding tables under backup workers, K-batch and async (see test_tables.py).
+"""Embedding tables under backup workers, K-batch and async (see test_tables_jobs.py).
 
 ``mode="backup"``: 3 workers, 2 gradients per step, worker 2 slow; ``"kbatch"``: 4
 gradients per step from 3 workers; ``"async"``: asynchronous training; ``"scale"``:

@@ -1,4 +1,4 @@
-"""Tables and their optimizer state loaded into another partitioning (see test_checkpoint.py).
+"""Tables and their optimizer state loaded into another partitioning (see test_checkpoint_jobs.py).
 
 ``tables_reshard.py save DIR CASE...`` trains each case K steps and saves ``DIR/CASE.pt``.
 ``tables_reshard.py load DIR CASE...`` runs each case twice at this job's layout: unbroken for

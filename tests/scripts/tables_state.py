@@ -1,4 +1,4 @@
-"""A table's rows and optimizer state saved and loaded (see test_tables.py).
+"""A table's rows and optimizer state saved and loaded (see test_tables_jobs.py).
 
 Trains 3 steps, saves ``opt.state_dict()`` (the table shard by shard), trains 3 more
 steps, loads the saved state back and trains the same 3 steps again: the table and the

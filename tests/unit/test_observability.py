@@ -1,0 +1,149 @@
+"""Watching a job, in one process: rank files of the timeline and their merge, the step
+log's lines, where the log goes, and the progress lines (the jobs that are watched:
+tests/mpi/test_observability_jobs.py)."""
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from mpisync.observe import timeline
+from mpisync.observe.watch import Progress
+from mpisync.protocol.wire import Kind
+from mpisync.ps.steplog import StepLog, log_path
+from mpisync.stats import read, summarize
+
+
+# -- one process ---------------------------------------------------------------------------
+def test_a_rank_file_cut_short_is_a_readable_trace_and_merges(tmp_path):
+    path = str(tmp_path / "t.json")
+    tl = timeline.Timeline(path, 0, 2, "worker 0 (rank 0 on n0)")
+    tl.span("push", 1.0, 1.5, step=3)
+    tl.instant("decide", 1.2, {"step": 3, "taken": [0]}, tid=1)
+    tl.flush()
+    with open(timeline.rank_path(path, 0), "a") as f:
+        f.write(',{"name":"pull","ph":"X","pi')        # a crash in the middle of a write
+    text = Path(timeline.rank_path(path, 0)).read_text()
+    events = json.loads(text[:text.rindex("\n")] + "]")       # only the "]" is missing
+    assert [e["name"] for e in events][-2:] == ["push", "decide"]
+    assert timeline.merge(path) == 1
+    merged = json.loads(Path(path).read_text())["traceEvents"]
+    assert [e["name"] for e in merged] == ["process_name", "process_sort_index",
+                                           "thread_name", "push", "decide"]
+    push = merged[3]
+    assert push["dur"] == 0.5e6 and push["args"] == {"step": 3}
+
+
+def test_the_last_rank_to_close_merges_the_timeline(tmp_path):
+    path = str(tmp_path / "t.json")
+    ranks = [timeline.Timeline(path, r, 2, f"rank {r}") for r in range(2)]
+    for r, tl in enumerate(ranks):
+        tl.span("compute", 10.0 + r, 10.5 + r, step=0)
+    ranks[1].close()
+    assert not (tmp_path / "t.json").exists()
+    ranks[0].close()
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    assert sorted(e["pid"] for e in events if e["name"] == "compute") == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
+
+
+def test_a_full_timeline_stops_recording(tmp_path, monkeypatch):
+    path = str(tmp_path / "t.json")
+    tl = timeline.Timeline(path, 0, 1, "rank 0")
+    monkeypatch.setattr(timeline, "current", tl)
+    tl.max_bytes = 2000
+    for i in range(600):
+        tl.span("push", i, i + 0.5, step=i)
+    assert timeline.current is None and tl.closed
+    events = json.loads(Path(path).read_text())["traceEvents"]   # the only rank: merged
+    assert events[-1]["name"] == "timeline full"
+    assert 10 < len(events) < 600
+
+
+def test_step_log_lines_wait_for_timings_and_the_open_step_ends_dropped(tmp_path):
+    path = tmp_path / "s.jsonl"
+    log = StepLog(str(path), opt_id=0, num_workers=2, num_ps=1, replicas_to_aggregate=1,
+                  asynchronous=False, global_step=0)
+    applied = np.array([Kind.APPLIED, 0, 0, 0, 1500, 500, 4096, 2048], np.int64)
+    log.pushed(0, 0, False, None, 1.0)
+    log.decided(0, (1, 0), 1.25)
+    log.pushed(1, 0, True, None, 1.3)               # too late: dropped while applying
+    log.applied(applied)
+    log.step_applied(1.5)
+    log.write_ready()
+    assert read(str(path))[1] == []                 # their timings have not come yet
+    log.pushed(0, 1, False, np.array([1000, 200, 3000, 400], np.uint32), 2.0)
+    log.closed(1, np.array([5000, 100, 100, 100], np.uint32))
+    log.finish(1)                                   # worker 0's push at 1 was never applied
+    job, lines = read(str(path))
+    assert job["num_workers"] == 2
+    first, last = lines
+    assert (first["step"], first["applied"], first["taken"], first["dropped"]) == (0, True, [0],
+                                                                                   [1])
+    assert first["decide_ms"] == 250.0 and first["apply_ms"] == [1.5]
+    assert first["reduce_ms"] == [0.5] and first["bytes_in"] == [4096]
+    by_worker = {p["worker"]: p for p in first["pushes"]}
+    assert by_worker[0]["compute_ms"] == 1.0 and by_worker[0]["wait_ms"] == 3.0
+    assert by_worker[1]["compute_ms"] == 5.0 and by_worker[1]["at"] == 0
+    assert (last["step"], last["applied"], last["taken"], last["dropped"]) == (1, False, [], [0])
+    assert last["pushes"][0]["compute_ms"] is None  # its timings never came
+    summary = summarize(job, lines)
+    assert summary["taken_per_worker"] == [1, 0] and summary["dropped_per_worker"] == [1, 1]
+
+
+def test_log_path_follows_the_argument_then_the_environment(monkeypatch):
+    monkeypatch.setenv("MPISYNC_STATS", "run/stats.jsonl")
+    assert log_path(None, 0) == "run/stats.jsonl"
+    assert log_path(None, 2) == "run/stats.opt2.jsonl"
+    assert log_path("mine.jsonl", 1) == "mine.jsonl"
+    assert log_path(False, 0) is None
+    monkeypatch.delenv("MPISYNC_STATS")
+    assert log_path(None, 0) is None
+
+
+class _FakeOptimizer:
+    """What Progress reads of a SyncReplicasOptimizer."""
+
+    def __init__(self, chief: bool = True):
+        self.cluster = SimpleNamespace(is_chief=chief)
+        self.spec = SimpleNamespace(asynchronous=False, replicas_to_aggregate=2)
+        self.global_step = 0
+        self.hooks = []
+
+    def register_step_post_hook(self, hook):
+        self.hooks.append(hook)
+        return SimpleNamespace(remove=lambda: self.hooks.remove(hook))
+
+    def step(self):
+        self.global_step += 1
+        for hook in list(self.hooks):
+            hook(self, (), {})
+
+
+def test_progress_lines_every_n_steps_and_off_by_one_flag(monkeypatch):
+    monkeypatch.delenv("MPISYNC_PROGRESS", raising=False)
+    opt, out = _FakeOptimizer(), io.StringIO()
+    with Progress(opt, total=7, batch_size=8, every=3, file=out) as progress:
+        for i in range(7):
+            opt.step()
+            progress.report(loss=float(i))
+    lines = out.getvalue().splitlines()
+    assert [re.search(r"step (\d+)/7", s).group(1) for s in lines] == ["3", "6", "7"]
+    assert "loss 1 " in lines[0] and "global step 3" in lines[0] and "examples/s" in lines[0]
+    assert not opt.hooks
+    for kwargs, env in (({"enabled": False}, None), ({}, "0")):
+        if env is not None:
+            monkeypatch.setenv("MPISYNC_PROGRESS", env)
+        opt, out = _FakeOptimizer(), io.StringIO()
+        with Progress(opt, every=1, file=out, **kwargs):
+            opt.step()
+        assert out.getvalue() == "" and not opt.hooks
+    monkeypatch.delenv("MPISYNC_PROGRESS")
+    opt, out = _FakeOptimizer(chief=False), io.StringIO()
+    Progress(opt, every=1, file=out)
+    opt.step()
+    assert out.getvalue() == "" and not opt.hooks    # other workers show nothing

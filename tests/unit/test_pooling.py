@@ -1,0 +1,166 @@
+"""EmbeddingBag as torch takes it, bags pooled where the rows live, in one process.
+
+The bags (``mpisync.protocol.bags``) and the pooled messages (``mpisync.protocol.pooled``:
+what a ps answers and what it makes of a push) are checked against
+``nn.EmbeddingBag(sparse=True)``, and every bad bag's message and a collection's refusals
+here; the MPI jobs are tests/mpi/test_pooling_jobs.py's.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from mpi_helpers import SCRIPTS
+
+import mpisync
+from mpisync.protocol import partition
+from mpisync.protocol.bags import bags_of, pooling_pays
+from mpisync.protocol.pooled import EXCHANGE, POOLED, Part, answer, pack_parts, row_grads
+
+sys.path.insert(0, str(SCRIPTS))
+from pooling_errors import BAD
+
+# -- one process: the bags and the messages against nn.EmbeddingBag ------------------------
+ROWS, DIM = 30, 3
+
+
+def _inputs():
+    """(name, kwargs of the module, input, offsets, per_sample_weights): what people write."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, ROWS, (17,), generator=g)
+    jagged = torch.tensor([0, 0, 3, 4, 4, 9, 16])        # empty bags, a bag of one
+    psw = torch.rand(17, generator=g) + 0.5
+    two_d = torch.randint(0, ROWS, (5, 4), generator=g)
+    two_d[1, :] = 7                                        # a bag of padding only
+    two_d[2, 1] = 7
+    return [
+        ("2d-sum", {"mode": "sum"}, two_d, None, None),
+        ("2d-mean-padding", {"mode": "mean", "padding_idx": 7}, two_d, None, None),
+        ("2d-sum-weights-padding", {"mode": "sum", "padding_idx": 7}, two_d, None,
+         torch.rand(5, 4, generator=g)),
+        ("jagged-sum", {"mode": "sum"}, ids, jagged, None),
+        ("jagged-mean-padding", {"mode": "mean", "padding_idx": int(ids[2])}, ids, jagged,
+         None),
+        ("jagged-sum-weights", {"mode": "sum"}, ids, jagged, psw),
+        ("last-offset-mean", {"mode": "mean", "include_last_offset": True}, ids,
+         torch.tensor([0, 2, 2, 9, 17]), None),
+        ("last-offset-sum-weights", {"mode": "sum", "include_last_offset": True}, ids,
+         torch.tensor([0, 5, 17]), psw),
+        ("one-empty-bag", {"mode": "mean"}, ids[:0], torch.tensor([0]), None),
+    ]
+
+
+def _pooled_at(weight: torch.Tensor, kw: dict, input, offsets, psw, shards: int, strategy: str):
+    """Forward and backward as mpisync pools them: the bags split among ``shards`` shards
+    (held by two ps ranks), each ps's reply summed, then a push's gradient turned into
+    rows on each ps. Returns (output, dense gradient of sum(output * grad_out), grad_out)."""
+    bags = bags_of(input, offsets, psw, mode=kw["mode"],
+                   include_last_offset=kw.get("include_last_offset", False),
+                   padding_idx=kw.get("padding_idx"), dtype=weight.dtype)
+    shard, local = partition.map_ids(bags.ids, ROWS, shards, strategy)
+    params = [weight[partition.unmap_ids(k, torch.arange(n), ROWS, shards, strategy)]
+              for k, n in enumerate(partition.shard_rows(ROWS, shards, strategy))]
+    parts = []
+    for k in range(shards):
+        at = shard == k
+        w = None if bags.weights is None else bags.weights[at]
+        parts.append(Part(local[at], bags.bag[at], w, bags.num_bags) if bool(at.any()) else None)
+    on = [[k for k in range(shards) if k % 2 == j] for j in range(2)]
+    sums = torch.zeros(bags.num_bags, DIM)
+    for ks in on:
+        reply = answer(pack_parts(EXCHANGE, [parts[k] for k in ks], []), [params[k] for k in ks],
+                       [0] * len(ks))
+        if len(reply):
+            sums += torch.from_numpy(reply[:4 * DIM * bags.num_bags]).view(torch.float32
+                                                                          ).view(-1, DIM)
+    leaf = sums.requires_grad_(True)
+    out = leaf / bags.counts.clamp(min=1).unsqueeze(1) if kw["mode"] == "mean" else leaf * 1
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(grad_out)
+    dense = torch.zeros(ROWS, DIM)
+    for ks in on:
+        mine = [parts[k] for k in ks]
+        if all(p is None for p in mine):
+            continue
+        got = row_grads(pack_parts(POOLED, mine, [leaf.grad]), 0, [params[k] for k in ks],
+                        [0] * len(ks))
+        for k, g in zip(ks, got):
+            if g is not None:
+                assert torch.equal(g[0], torch.unique(g[0]))    # unique local ids
+                dense[partition.unmap_ids(k, g[0], ROWS, shards, strategy)] += g[1]
+    return out.detach(), dense, grad_out
+
+
+@pytest.mark.parametrize("strategy, shards", [("mod", 3), ("div", 4)])
+@pytest.mark.parametrize("name", [c[0] for c in _inputs()])
+def test_pooled_bags_match_torch(name, strategy, shards):
+    _, kw, input, offsets, psw = next(c for c in _inputs() if c[0] == name)
+    torch.manual_seed(0)
+    ref = torch.nn.EmbeddingBag(ROWS, DIM, sparse=True, **kw)
+    out, grad, grad_out = _pooled_at(ref.weight.detach(), kw, input, offsets, psw, shards,
+                                     strategy)
+    expected = ref(input, offsets, per_sample_weights=psw)
+    torch.testing.assert_close(out, expected.detach(), rtol=1e-6, atol=1e-6)
+    expected.backward(grad_out)
+    want = ref.weight.grad.to_dense() if ref.weight.grad is not None else torch.zeros(ROWS, DIM)
+    torch.testing.assert_close(grad, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_ps_sums_bags_in_any_order_of_their_ids():
+    weight = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([3, 9, 3, 0, 7, 7, 12])
+    bag = torch.tensor([0, 0, 1, 3, 3, 3, 4])
+    w = torch.rand(7, generator=torch.Generator().manual_seed(3))
+    replies = []
+    for order in (torch.arange(7), torch.tensor([6, 2, 0, 5, 1, 4, 3])):   # bag order, shuffled
+        msg = pack_parts(EXCHANGE, [Part(ids[order], bag[order], w[order], 5)], [])
+        replies.append(torch.from_numpy(answer(msg, [weight], [0])[:4 * 5 * DIM]).view(torch.float32)
+                       .view(5, DIM))
+    want = torch.zeros(5, DIM).index_add_(0, bag, weight[ids] * w[:, None])
+    for got in replies:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw, input, offsets, psw, message", BAD)
+def test_bad_bags_name_the_table_and_the_rank(kw, input, offsets, psw, message):
+    with pytest.raises((ValueError, TypeError),
+                       match=r"^worker 1 \(rank 1\): mpisync\.EmbeddingBag 'emb\.weight' got "
+                       + message):
+        bags_of(input, offsets, psw, mode=kw["mode"],
+                include_last_offset=kw.get("include_last_offset", False), padding_idx=None,
+                dtype=torch.float32, label="worker 1 (rank 1)", name="emb.weight")
+    # torch refuses the same, but for: the last offset taken as the end of the last bag (it
+    # divides a mean by the bag's ids up to the input's end), and offsets that decrease
+    # (with one thread it reads past the bag and returns what memory held)
+    if "include_last_offset" not in kw and "decrease" not in message:
+        with pytest.raises((ValueError, RuntimeError, TypeError, IndexError)):
+            torch.nn.EmbeddingBag(10, 2, **kw)(input, offsets, per_sample_weights=psw)
+
+
+def test_pool_on_ps_is_refused_for_max_and_must_be_a_known_choice():
+    with pytest.raises(ValueError, match=r"pool_on_ps=True cannot pool mode='max'"):
+        mpisync.EmbeddingBag(10, 2, mode="max", pool_on_ps=True)
+    with pytest.raises(ValueError, match=r"pool_on_ps must be False, True or 'auto', got 1"):
+        mpisync.EmbeddingBag(10, 2, pool_on_ps=1)
+    assert mpisync.EmbeddingBag(10, 2, mode="max", pool_on_ps="auto").pool_on_ps == "auto"
+
+
+def test_auto_pools_long_bags_of_rare_ids_and_looks_up_repeated_ones():
+    # the benchmark's batch: 4096 bags of 20 ids, nearly all distinct, 64 float32, 1 ps rank
+    assert pooling_pays(81920, 78700, 4096, 256, 0, 1)
+    # bags of one id: the pooled rows cost as much as the rows
+    assert not pooling_pays(4096, 4000, 4096, 256, 0, 2)
+    # bags of 20 drawn from 50 ids: 50 rows travel, not 4096 sums
+    assert not pooling_pays(81920, 50, 4096, 256, 0, 1)
+
+
+def test_a_collection_names_a_feature_it_has_no_table_or_no_input_for():
+    ebc = mpisync.EmbeddingBagCollection({k: mpisync.EmbeddingBag(10, 2) for k in "ab"})
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(KeyError, match=r"this worker: mpisync\.EmbeddingBagCollection got no "
+                                       r"input for features \['b'\]; as TorchRec's"):
+        ebc({"a": ids})
+    with pytest.raises(KeyError, match=r"got features \['c'\] that have no table here; the "
+                                       r"tables are \['a', 'b'\]"):
+        ebc({"a": ids, "b": ids, "c": ids})
