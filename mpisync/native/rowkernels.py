@@ -4,7 +4,7 @@ The ps's work on a table step is a few linear passes over the taken rows: turnin
 bag gradients into row gradients, merging the workers' rows, and the optimizer's update.
 In torch each pass is a sort, a gather and an ``index_add_`` (or several small kernels
 per block); ``_rows.c`` does each in one loop, with the same operations in the same
-order, so the results are bitwise the torch path's (``tests/test_rowopt.py`` checks
+order, so the results are bitwise the torch path's (``tests/unit/test_rowopt.py`` checks
 both). The library is loaded by ``rowslib``; where ``available()`` is False the callers
 use torch. Every function here expects ids already checked to lie in the shard. The
 tables' memory (``table_zeros``) is made here too, for the rows these kernels reach at

@@ -58,7 +58,7 @@ ALIGN = 64
 # Every reader and writer of a header names its fields through these classes (plain ints,
 # like ``Tag``: indexing a numpy array with one costs what indexing it with a literal does,
 # which an ``IntEnum`` member's lookup does not). Nothing outside this module indexes a
-# header by number (tests/test_layout.py checks).
+# header by number (tests/unit/test_layout.py checks).
 
 class GradField:
     """int64 fields of the header that leads a gradient message (``GradHeader``), and of

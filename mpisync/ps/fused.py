@@ -4,7 +4,7 @@ A ps rank holds its parameters side by side in one buffer per dtype. For an elem
 optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adadelta, Adamax, NAdam, RAdam, ASGD,
 Rprop) one update over a run of neighbouring parameters is, element for element, the
 update torch computes parameter by parameter: the same operations on the same values in
-the same order, so the result is bitwise the same (``tests/test_fused.py`` checks every
+the same order, so the result is bitwise the same (``tests/unit/test_fused.py`` checks every
 one with its options). So this module steps the optimizer over *runs*: maximal ranges of
 neighbouring parameters of one param group and one bucket that all have a gradient this
 step and identical optimizer histories (the same ``step`` count and scalar state, the same
@@ -24,7 +24,7 @@ hands a bucket's runs to the compiled reduce (``kernels.dense_sgd``, ``dense_ada
 averages the workers' gradients (Adam, Adagrad and RMSprop: and one more after torch's
 square root), bitwise torch's step (checked once per machine and kind of group,
 ``kernels.sgd_exact``, ``adam_exact``, ``adagrad_exact``, ``rmsprop_exact``, and in
-``tests/test_fused.py``).
+``tests/unit/test_fused.py``).
 
 Every other case steps ``"whole"``: one ``optimizer.step()`` over every parameter once
 every bucket is reduced, exactly as torch's own loop. That is optimizers that look at a
