@@ -124,7 +124,8 @@ def pytest_runtest_protocol(item, nextitem):
 #: The files whose jobs take longest, slowest first (the rest follow in their usual order).
 LONGEST_FIRST = ("test_errors_reach_every_rank.py", "test_slurm.py", "test_checkpoint_jobs.py",
                  "test_equivalence.py", "test_allreduce_jobs.py", "test_backup_jobs.py",
-                 "test_soak.py", "test_horovod.py", "test_tables_jobs.py", "test_exactness.py",
+                 "test_soak.py", "test_example.py", "test_horovod.py", "test_tables_jobs.py",
+                 "test_exactness.py",
                  "test_buckets.py", "test_helpers_jobs.py")
 
 
