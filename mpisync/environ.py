@@ -358,8 +358,8 @@ def num_ps(asked: int | None, environ: Mapping[str, str] | None = None,
 
     The argument where the variable is unset (or empty), the variable where the argument
     is None, 1 where neither is given; both given must be equal. A pure function of its
-    inputs: every rank of a job reads the same environment and gets the same argument, so
-    every rank returns the same number or raises the same error, before any message.
+    inputs; ``init()`` then agrees on it among the ranks (one that asks for another number
+    is a ``ConfigError`` on every rank).
 
     Args:
         asked: what the program passed to ``init(num_ps=)`` (None: nothing).

@@ -426,8 +426,7 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
                            f"rank; call it once per job and pass the cluster it returned "
                            f"(or cluster.close() first)")
     check_environment(comm)          # first: before any rank may wait on another
-    # every rank: the same argument and environment, the same number or the same error
-    num_ps = env.num_ps(num_ps, os.environ, comm.Get_rank())
+    num_ps = _agreed_num_ps(comm, num_ps)
     size = comm.Get_size()
     if num_ps < 1 or num_ps >= size:
         need = max(num_ps, 1) + 1
@@ -482,6 +481,37 @@ def _survive(asked: bool | None, rank: int) -> bool:
     if why_not is not None and rank == 0:
         print(f"[mpisync] survive_worker_loss: {why_not}", file=sys.stderr, flush=True)
     return why_not is None
+
+
+def _agreed_num_ps(comm: MPI.Comm, asked: int | None) -> int:
+    """The number of ps ranks every rank asks for (``init(num_ps=)``, else
+    ``MPISYNC_NUM_PS``, else 1), or the same ``ConfigError`` on every rank: a rank that
+    asks for another number would take another role than the others give it, and wait."""
+    rank = comm.Get_rank()
+    try:
+        mine: tuple[Exception | None, int | None] = (None, env.num_ps(asked, os.environ, rank))
+    except (ConfigError, TypeError) as exc:
+        mine = (exc, None)
+    return agree(comm, mine, functools.partial(_num_ps_judge, rank))[0][1]
+
+
+def _num_ps_judge(rank: int, found: list) -> Exception | None:
+    """This rank's refusal, else the first rank's (as it was raised, collective), else a
+    rank that asks for another number than rank 0."""
+    failure = found[rank][0] or next((error for error, _ in found if error is not None), None)
+    if failure is not None:
+        error = type(failure)(*failure.args)
+        if isinstance(error, ConfigError):
+            error.collective = True
+        return error
+    counts = [n for _, n in found]
+    differing = [r for r, n in enumerate(counts) if n != counts[0]]
+    if not differing:
+        return None
+    return ConfigError(
+        f"rank {rank}: every rank must ask for the same number of ps ranks: rank "
+        f"{differing[0]} asks for {counts[differing[0]]} where rank 0 asks for {counts[0]} "
+        f"(init(num_ps=...), else MPISYNC_NUM_PS, differs between ranks)", collective=True)
 
 
 def _check_versions(comm: MPI.Comm) -> None:

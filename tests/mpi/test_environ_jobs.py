@@ -2,7 +2,8 @@
 ``mpisync.init()`` (two MPI jobs of 2 workers and 1 ps rank).
 
 One job refuses every variable in turn, on one rank and then on every rank, catching each
-refusal (tests/scripts/environ_check.py); the other leaves one uncaught.
+refusal, then a number of ps ranks one rank alone asks for (tests/scripts/environ_check.py);
+the other leaves one uncaught.
 """
 from __future__ import annotations
 
@@ -53,6 +54,21 @@ def test_a_malformed_variable_is_refused_on_every_rank_naming_it(refusals, name,
 def test_the_one_rank_that_holds_it_differs_from_variable_to_variable(refusals):
     cases, _ = refusals
     assert {cases[(name, "one")][0]["bad"][0] for name in BAD} == set(RANKS)
+
+
+@pytest.mark.parametrize("case", ["differ-env", "differ-arg"])
+def test_a_number_of_ps_ranks_one_rank_alone_asks_for_is_refused_on_every_rank(refusals,
+                                                                             case):
+    """Well formed, but another number than the others ask for (``MPISYNC_NUM_PS``, or
+    ``init(num_ps=)``): that rank would take another role and wait; every rank raises."""
+    cases, run = refusals
+    records = cases.get((case, None), {})
+    assert sorted(records) == list(RANKS), (case, run.describe())
+    for rank, record in records.items():
+        assert record["error"] == (
+            f"ConfigError: rank {rank}: every rank must ask for the same number of ps ranks: "
+            f"rank {record['odd']} asks for 2 where rank 0 asks for 1 (init(num_ps=...), "
+            f"else MPISYNC_NUM_PS, differs between ranks)"), record
 
 
 def test_init_succeeds_after_every_refusal(refusals):

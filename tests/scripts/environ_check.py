@@ -96,11 +96,37 @@ def refuse_each(rank: int, size: int) -> None:
                 print(f"rank {rank}: init() took {name}={value!r} on ranks {bad}",
                       file=sys.stderr, flush=True)
                 MPI.COMM_WORLD.Abort(1)
+    differ_each(rank, size)
     cluster = mpisync.init()
     if cluster.is_ps:
         cluster.serve()
     cluster.close()
     emit(case="after", rank=rank, role="ps" if cluster.is_ps else "worker")
+
+
+def differ_each(rank: int, size: int) -> None:
+    """A well-formed number of ps ranks that one rank alone asks for (through
+    ``MPISYNC_NUM_PS``, then through ``init(num_ps=)``): every rank refuses it."""
+    from common import emit
+    from mpi4py import MPI
+
+    import mpisync
+    for case, odd in (("differ-env", 1), ("differ-arg", size - 1)):
+        asked = None
+        if rank == odd and case == "differ-env":
+            os.environ["MPISYNC_NUM_PS"] = "2"
+        elif rank == odd:
+            asked = 2
+        try:
+            mpisync.init(num_ps=asked, abort_on_error=False)
+            error = None
+        except Exception as exc:  # noqa: BLE001 (the test reads what was raised)
+            error = f"{type(exc).__name__}: {exc}"
+        os.environ.pop("MPISYNC_NUM_PS", None)
+        emit(case=case, rank=rank, odd=odd, error=error)
+        if error is None:
+            print(f"rank {rank}: init() took {case}", file=sys.stderr, flush=True)
+            MPI.COMM_WORLD.Abort(1)
 
 
 def main() -> None:
