@@ -12,7 +12,11 @@ the digits example's MLP (``digits``), in one run:
   backward and ``step()``), bytes over PCIe per step and worker (gradients to the host,
   parameters back), and ``overlap``: the share of gradient buckets whose copy to the host
   started from backward's hooks, before backward ended;
-- ``ddp``: the same 2 processes with ``DistributedDataParallel`` over NCCL, SGD;
+- ``mpisync_p2p``: the same with ``MPISYNC_SHARED_MEMORY=0``, so that the buckets go
+  over MPI messages, each sent from backward's hooks once its copy landed, as between
+  nodes (through shared memory, one node, every bucket goes at ``step()``: overlap 0);
+- ``ddp``: the same 2 processes with ``DistributedDataParallel``, SGD: over NCCL with a GPU
+  each, over gloo where they share one (NCCL refuses two ranks on one device);
 - ``single``: one process on GPU 0 with both workers' batches together.
 
 Ratios (``mpisync / ddp``, ``mpisync / single``) come from the same run. The summary is
@@ -37,7 +41,7 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--role", default="", help=argparse.SUPPRESS)
     p.add_argument("--model", default="mlp10m", choices=sorted(MODELS))
-    p.add_argument("--gpus", type=int, default=None, help="GPUs for the 2 workers (1 or 2)")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs for the 2 workers (1 or 2)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json-out", default="")
@@ -112,15 +116,17 @@ def role_ddp(args) -> None:
     if comm == MPI.COMM_NULL:
         return                                   # the third rank: no part in DDP
     device = worker_device(comm)
-    nccl_group(comm, device)
+    # NCCL refuses two ranks on one GPU: with --gpus 1 both processes share it over gloo
+    backend = "nccl" if args.gpus >= 2 else "gloo"
+    nccl_group(comm, device, backend=backend)
     net = torch.nn.parallel.DistributedDataParallel(make_model(args.model).to(device),
                                                     device_ids=[device])
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     x, y = data(args.model, BATCH, device)
     times = timed_steps(args, net, opt, x, y)
     if comm.Get_rank() == 0:
-        print("RESULT " + json.dumps({"ms": median_ms(times), "device": str(device)}),
-              flush=True)
+        print("RESULT " + json.dumps({"ms": median_ms(times), "device": str(device),
+                                      "backend": backend}), flush=True)
     torch.distributed.destroy_process_group()
 
 
@@ -132,18 +138,20 @@ def role_single(args) -> dict:
     return {"ms": median_ms(timed_steps(args, net, opt, x, y)), "device": str(device)}
 
 
-def launch(args, role: str) -> dict:
+def launch(args, role: str, **extra: str) -> dict:
     """``role`` on 2 workers and 1 ps rank under mpisync's launcher; the chief's record."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, range(args.gpus))))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, range(args.gpus))), **extra)
     cmd = [sys.executable, "-m", "mpisync.launch", "--workers", "2", "--ps", "1", "--",
            sys.executable, os.path.abspath(__file__), "--role", role, "--model", args.model,
-           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--gpus", str(args.gpus)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
                           check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(f"gpu_bench.py: the {role} job failed ({proc.returncode}):\n"
-                         f"{proc.stdout}\n{proc.stderr}")
+        # the other rows still come: the failure is printed and kept in the JSON
+        print(f"gpu_bench.py: the {role} job ({args.model}) failed ({proc.returncode}):\n"
+              f"{proc.stdout}\n{proc.stderr}", file=sys.stderr, flush=True)
+        return {"ms": float("nan"), "error": (proc.stderr or proc.stdout)[-2000:]}
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -162,7 +170,10 @@ def main() -> None:
     for name in MODELS:
         args.model = name
         mine, ddp, alone = launch(args, "mpisync"), launch(args, "ddp"), role_single(args)
-        rows[name] = {"mpisync": mine, "ddp": ddp, "single": alone,
+        # without shared memory the buckets go over MPI from backward's hooks (as between
+        # nodes): overlap is measured there; through shared memory every bucket goes at step()
+        p2p = launch(args, "mpisync", MPISYNC_SHARED_MEMORY="0")
+        rows[name] = {"mpisync": mine, "mpisync_p2p": p2p, "ddp": ddp, "single": alone,
                       "mpisync_over_ddp": mine["ms"] / ddp["ms"],
                       "mpisync_over_single": mine["ms"] / alone["ms"]}
     summary = {"gpus": args.gpus, "gpu": torch.cuda.get_device_name(0), "batch": BATCH,

@@ -111,7 +111,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             ``backward()`` equally often between two steps, and write these parameters on
             every worker or on none.
         allreduce_backend: with ``dense="allreduce"``: ``"auto"`` (default: ``"nccl"``
-            where the parameters are on CUDA, else ``"mpi"``), ``"nccl"`` (a
+            where every worker's parameters are on a GPU of its own, else ``"mpi"``,
+            through host memory where workers share a GPU), ``"nccl"`` (a
             ``torch.distributed`` NCCL group over the workers, set up from their
             communicator; the buckets stay on the GPU), ``"mpi"`` (mpi4py's
             ``Iallreduce`` on the workers' communicator) or ``"horovod"`` (Horovod's

@@ -14,6 +14,7 @@ import torch
 from mpi4py import MPI
 
 from .buckets import GradBuckets
+from .devices import shared_gpu
 
 __all__ = ["AllreduceChannel", "LocalAverages", "backend_problem"]
 
@@ -68,14 +69,25 @@ def _buckets(params: list[torch.Tensor], bucket_bytes: int, opt_id: int,
     return out
 
 
-def backend_problem(backend: str, worker_comm: MPI.Comm, num_workers: int) -> str | None:
+def backend_problem(backend: str, worker_comm: MPI.Comm, num_workers: int,
+                    gpus: list | None = None) -> str | None:
     """What keeps ``backend`` from averaging among the workers, or None (every worker).
+
+    ``gpus``: every worker's ``devices.gpu_identity`` (NCCL needs a GPU per worker).
 
     Horovod is initialised here, on the workers' communicator, before the workers agree
     on the set-up, so that a missing or wrongly initialised Horovod is refused on every
     rank, the ps ranks included.
     """
     if backend == "nccl":
+        shared = shared_gpu(gpus or [])
+        if shared is not None:
+            a, b, (host, gpu) = shared
+            return (f"allreduce_backend='nccl' needs a GPU of its own for each worker, but "
+                    f"workers {a} and {b} share GPU {gpu} on {host} (NCCL refuses two ranks "
+                    f"on one device): give each worker its own GPU (CUDA_VISIBLE_DEVICES), "
+                    f"or leave allreduce_backend='auto', which averages through host memory "
+                    f"where workers share a GPU")
         if not (torch.cuda.is_available() and torch.distributed.is_available()
                 and torch.distributed.is_nccl_available()):
             return ("allreduce_backend='nccl' needs CUDA and a torch built with NCCL; use "

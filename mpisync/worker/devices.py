@@ -23,9 +23,23 @@ from mpi4py import MPI
 from .. import environ as env
 from ..errors import ConfigError
 
-__all__ = ["CUDA_AWARE_CHOICES", "STAGE_CPU_ENV", "Staging", "cuda_support", "default_backend",
-           "host_bytes", "mpi_library", "nccl_group", "pick_device", "raw_bytes",
-           "resolve_cuda_aware", "staged", "worker_device"]
+__all__ = [
+    "CUDA_AWARE_CHOICES",
+    "STAGE_CPU_ENV",
+    "Staging",
+    "cuda_support",
+    "default_backend",
+    "gpu_identity",
+    "host_bytes",
+    "mpi_library",
+    "nccl_group",
+    "pick_device",
+    "raw_bytes",
+    "resolve_cuda_aware",
+    "shared_gpu",
+    "staged",
+    "worker_device",
+]
 
 CUDA_AWARE_CHOICES = ("auto", True, False)
 #: ``1``: stage CPU parameters too (host copies instead of views), the GPU path's code.
@@ -146,11 +160,41 @@ def staged(t: torch.Tensor, environ: Mapping[str, str] | None = None) -> bool:
     return t.device.type != "cpu" or env.switch(STAGE_CPU_ENV, environ=environ)
 
 
-def default_backend(backend: str, params) -> str:
-    """``allreduce_backend="auto"``: NCCL where the parameters are on CUDA, else MPI."""
+def gpu_identity(params) -> tuple[str, str] | None:
+    """``(host, GPU)`` of the first parameter on CUDA (the GPU by its UUID where torch
+    reports one), or None where no parameter is on CUDA: what NCCL needs distinct."""
+    import socket
+
+    device = next((p.device for p in params if torch.is_tensor(p) and p.device.type == "cuda"),
+                  None)
+    if device is None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return socket.gethostname(), str(uuid) if uuid is not None else f"cuda:{index}"
+
+
+def shared_gpu(gpus: list) -> tuple[int, int, tuple[str, str]] | None:
+    """The first two workers (indices) on one GPU, with the GPU, among every worker's
+    ``gpu_identity``; None where each worker on CUDA has its own."""
+    first: dict = {}
+    for w, gpu in enumerate(gpus):
+        if gpu is None:
+            continue
+        if tuple(gpu) in first:
+            return first[tuple(gpu)], w, tuple(gpu)
+        first[tuple(gpu)] = w
+    return None
+
+
+def default_backend(backend: str, gpus: list) -> str:
+    """``allreduce_backend="auto"``, from every worker's ``gpu_identity``: NCCL where every
+    worker's parameters are on a GPU of its own (NCCL refuses two ranks on one device),
+    else MPI (through host memory, where a GPU is shared)."""
     if backend != "auto":
         return backend
-    return "nccl" if any(torch.is_tensor(p) and p.device.type == "cuda" for p in params) else "mpi"
+    own = bool(gpus) and all(g is not None for g in gpus) and shared_gpu(gpus) is None
+    return "nccl" if own else "mpi"
 
 
 def host_bytes(nbytes: int, pinned: bool) -> np.ndarray:
@@ -331,9 +375,10 @@ class Staging:
         self.inbound = []
 
 
-def nccl_group(worker_comm: MPI.Comm, device: torch.device):
-    """A ``torch.distributed`` NCCL group over the ranks of ``worker_comm``; call on every
-    one of them. Returns (group, whether the caller must destroy it).
+def nccl_group(worker_comm: MPI.Comm, device: torch.device, backend: str = "nccl"):
+    """A ``torch.distributed`` NCCL group (or ``backend``'s) over the ranks of
+    ``worker_comm``; call on every one of them. Returns (group, whether the caller must
+    destroy it).
 
     The rendezvous comes from MPI, with no launcher variables: rank 0 opens a ``TCPStore``
     on a free port of its host and the address travels in a broadcast over
@@ -360,6 +405,6 @@ def nccl_group(worker_comm: MPI.Comm, device: torch.device):
                                    root=0)
     if rank != 0:
         store = dist.TCPStore(host, port, size, is_master=False)
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=size,
-                            device_id=torch.device(device))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                            device_id=torch.device(device) if backend == "nccl" else None)
     return dist.group.WORLD, True

@@ -12,7 +12,7 @@ from ..protocol.state import split_state, split_units
 from ..protocol.wire import Tag
 from ..runtime.agreement import agree
 from .allreduce import backend_problem
-from .devices import default_backend
+from .devices import default_backend, gpu_identity
 
 __all__ = ["agree_spec", "agreed_setup", "initial_pieces", "setup_problem", "worker_cluster"]
 
@@ -38,18 +38,21 @@ def agreed_setup(optimizer: torch.optim.Optimizer, named_parameters, named_buffe
     model, problem = model_of(named_parameters, named_buffers)
     names = [n for n, _ in model.params]
     params = [p for _, p in model.params]
+    # every worker's GPU, on every worker: "auto" picks NCCL only where none is shared
+    gpus = cluster.workers_only.allgather(gpu_identity(params))
     options = replace(options, allreduce_backend=default_backend(options.allreduce_backend,
-                                                                 params))
+                                                                 gpus))
     spec, routes = agree_spec(optimizer, model, options, opt_id, cluster, stats_log,
                               problem or setup_problem(optimizer, options, cluster, names,
-                                                       params))
+                                                       params, gpus))
     if options.deterministic:
         torch.use_deterministic_algorithms(True)
     return model, spec, routes
 
 
 def setup_problem(optimizer: torch.optim.Optimizer, options: Options, cluster,
-                  names: list[str], params: list[torch.Tensor]) -> str | None:
+                  names: list[str], params: list[torch.Tensor],
+                  gpus: list | None = None) -> str | None:
     """What the spec cannot see: another open optimizer's parameters, the backend."""
     mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
     name_of = dict(zip(map(id, params), names))
@@ -68,7 +71,7 @@ def setup_problem(optimizer: torch.optim.Optimizer, options: Options, cluster,
                 "workers keeps its dense parameters on the ps ranks (dense='ps')")
     if options.dense == "allreduce":
         return backend_problem(options.allreduce_backend, cluster.workers_only,
-                               cluster.num_workers)
+                               cluster.num_workers, gpus)
     return None
 
 

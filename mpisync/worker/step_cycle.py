@@ -152,7 +152,14 @@ class StepCycle:
     def close(self) -> None:
         """Leave the job: every channel closes (see ``optimizer.close()``); warns (at the
         caller of ``close()``) of parameters written after the last step."""
-        written = self.tracker.written()
+        try:
+            written = self.tracker.written()
+        except TypeError as exc:
+            # a parameter that moved or changed type after set-up, refused by step(): the
+            # worker still leaves the job (the ps ranks would wait for it otherwise)
+            warnings.warn(f"{exc}; closing with the values of the last step", RuntimeWarning,
+                          stacklevel=3)
+            written = []
         if written:
             names = [self.dense.names[i] for i in written]
             warnings.warn(f"{self.label}: parameters {names} were written after the "

@@ -3,7 +3,9 @@
 Two workers share one GPU (``CUDA_VISIBLE_DEVICES=0``) with one ps rank: their training
 equals one process on the GPU with both batches together (SGD with momentum, Adam), with
 and without a backup worker; a model split over the CPU and the GPU; ``mpisync.Embedding``
-on a GPU worker; ``dense="allreduce"`` over NCCL; a parameter moved after set-up refused;
+on a GPU worker; ``dense="allreduce"`` over NCCL with a GPU per worker, through host
+memory where they share one, and NCCL on a shared GPU refused; a parameter moved after
+set-up refused;
 the digits example reaching its accuracy line. CI has no GPU: there each test is skipped
 with the reason (``pytest -ra`` prints it).
 """
@@ -47,9 +49,15 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adam"])
-def test_two_workers_on_one_gpu_equal_one_process_on_the_gpu(tmp_path, opt):
-    got, run = distributed(tmp_path, 2, "--opt", opt)
+@pytest.mark.parametrize("opt, shared_memory", [("sgd", "1"), ("adam", "1"),
+                                                ("adam", "0")])
+def test_two_workers_on_one_gpu_equal_one_process_on_the_gpu(tmp_path, opt, shared_memory):
+    # shared memory off (0): the buckets go over MPI, sent from backward's hooks, which CUDA
+    # runs on autograd's device thread
+    out = tmp_path / "dist.pt"
+    run = run_mpi("gpu_train.py", 2, 1, ["--dump", out, "--opt", opt],
+                  env=dict(ONE_GPU, MPISYNC_SHARED_MEMORY=shared_memory), timeout=240)
+    got = torch.load(out)
     assert max_diff(got, single(tmp_path, 2, "--opt", opt)) <= TOLERANCE
     workers = run.by_worker()
     assert {w["global_step"] for w in workers.values()} == {12}
@@ -74,10 +82,34 @@ def test_a_model_split_over_the_cpu_and_the_gpu(tmp_path):
     assert {tuple(w["devices"]) for w in run.by_worker().values()} == {("cpu", "cuda:0")}
 
 
-def test_dense_allreduce_on_the_gpu_averages_over_nccl(tmp_path):
+def test_dense_allreduce_on_a_shared_gpu_averages_through_host_memory(tmp_path):
+    # NCCL refuses two ranks on one device: "auto" takes MPI where workers share a GPU
     got, run = distributed(tmp_path, 2, "--opt", "sgd", "--dense", "allreduce")
     assert max_diff(got, single(tmp_path, 2, "--opt", "sgd")) <= TOLERANCE
+    assert {w["backend"] for w in run.by_worker().values()} == {"_MpiReducer"}
+
+
+def test_dense_allreduce_with_a_gpu_per_worker_averages_over_nccl(tmp_path):
+    workers = min(2, torch.cuda.device_count())      # one worker where the machine has one
+    out = tmp_path / "dist.pt"
+    run = run_mpi("gpu_train.py", workers, 1, ["--dump", out, "--opt", "sgd", "--dense",
+                                               "allreduce"],
+                  env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(workers)))},
+                  timeout=240)
+    assert max_diff(torch.load(out), single(tmp_path, workers, "--opt", "sgd")) <= TOLERANCE
     assert {w["backend"] for w in run.by_worker().values()} == {"_NcclReducer"}
+
+
+def test_nccl_on_a_shared_gpu_is_refused_on_every_worker():
+    run = run_mpi("gpu_train.py", 2, 1, ["--dense", "allreduce", "--backend", "nccl"],
+                  env=ONE_GPU, timeout=180)
+    assert sorted(run.by_worker()) == [0, 1], run.describe()
+    for w, record in run.by_worker().items():
+        assert record["collective"] is True, record
+        assert record["error"].startswith(f"worker {w} (rank {w}"), record
+        assert "worker 0 (rank 0): allreduce_backend='nccl' needs a GPU of its own for " \
+            "each worker, but workers 0 and 1 share GPU" in record["error"], record
+        assert "leave allreduce_backend='auto'" in record["error"], record
 
 
 def test_a_parameter_moved_off_its_gpu_after_set_up_is_refused_on_every_worker():

@@ -5,6 +5,7 @@ the CPU, or (``--single N``) one process on the GPU with the N workers' batches 
 more than ``replicas_to_aggregate``, the last one slow; each global step t uses the batch
 (t, worker), so the ps's ``per_step`` record replays the run in one process.
 ``--move``: the model moves to the CPU after 2 steps; every worker must refuse it.
+``--backend nccl`` with several workers on one GPU: every worker refuses the set-up.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def parse(argv=None):
     p.add_argument("--opt", default="sgd")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--dense", default="ps")
+    p.add_argument("--backend", default="auto", help="allreduce_backend")
     p.add_argument("--split", action="store_true")
     p.add_argument("--backup", action="store_true")
     p.add_argument("--move", action="store_true")
@@ -72,17 +74,23 @@ def distributed(args, cluster) -> dict:
     device = cluster.device
     assert device.type == "cuda", device
     net = build(device, args.split)
-    kw = {"dense": args.dense}
+    kw = {"dense": args.dense, "allreduce_backend": args.backend}
     if args.backup:
         kw.update(replicas_to_aggregate=cluster.num_workers - 1)
-    opt = mpisync.SyncReplicasOptimizer(make_optimizer(args.opt, net.parameters()),
-                                        named_parameters=net.named_parameters(), **kw)
+    try:
+        opt = mpisync.SyncReplicasOptimizer(make_optimizer(args.opt, net.parameters()),
+                                            named_parameters=net.named_parameters(), **kw)
+    except mpisync.ConfigError as exc:
+        if args.backend != "nccl":
+            raise
+        return {"error": str(exc), "collective": exc.collective}
     x, y = dataset(BATCH * cluster.num_workers * args.steps * 2)
     w, error = cluster.worker_index, None
     slow = args.backup and w == cluster.num_workers - 1
     while opt.global_step < args.steps and not opt.stopped:
         if args.move and opt.global_step == 2:
             net.cpu()
+            device = torch.device("cpu")      # the batch follows the model, as users write
         xb, yb = batch(x, y, opt.global_step, w, cluster.num_workers, device)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(forward(net, xb, args.split), yb).backward()
@@ -104,6 +112,7 @@ def distributed(args, cluster) -> dict:
     return {"global_step": opt.global_step, "applied": stats["gradients_applied"],
             "dropped": stats["gradients_dropped"], "backend": backend,
             "staged": len(opt._dense.staging.params), "pinned": bool(opt._dense.staging.cuda),
+            "from_hooks": opt._dense.counts["from_hooks"],
             "devices": sorted({str(p.device) for p in net.parameters()}),
             "checksum": float(sum(p.detach().double().sum().item() for p in net.parameters()))}
 

@@ -208,7 +208,7 @@ def train(cluster, case: Case, extra: dict) -> dict:
     if case.device:      # the ids on the worker's device; the rows come there
         ids, y = ids.to(device), y.to(device)
         with torch.no_grad():
-            assert m.emb(ids[:BATCH]).device == device
+            assert m.emb(ids[:BATCH]).device == ids.device
     rows = WORKERS * BATCH
     for t in range(case.steps):
         lo = t * rows + w * BATCH

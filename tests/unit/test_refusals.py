@@ -27,6 +27,7 @@ from mpisync.ps.loop import _Serving, _setup
 from mpisync.ps_ranks import RankLayout
 from mpisync.runtime.progress import Poller
 from mpisync.worker.allreduce import backend_problem
+from mpisync.worker.devices import default_backend, gpu_identity
 
 HOROVOD = importlib.util.find_spec("horovod") is not None
 WORKER = "worker 0 (rank 0 on here)"
@@ -257,6 +258,29 @@ def test_nccl_without_cuda_is_refused():
     assert backend_problem("nccl", MPI.COMM_SELF, 2) == (
         "allreduce_backend='nccl' needs CUDA and a torch built with NCCL; use "
         "allreduce_backend='mpi' for parameters on the CPU")
+
+
+def test_nccl_on_a_gpu_two_workers_share_is_refused_naming_them():
+    gpus = [("node1", "GPU-a"), ("node1", "GPU-b"), ("node2", "GPU-a"), ("node1", "GPU-b")]
+    assert backend_problem("nccl", MPI.COMM_SELF, 4, gpus) == (
+        "allreduce_backend='nccl' needs a GPU of its own for each worker, but workers 1 and "
+        "3 share GPU GPU-b on node1 (NCCL refuses two ranks on one device): give each "
+        "worker its own GPU (CUDA_VISIBLE_DEVICES), or leave allreduce_backend='auto', "
+        "which averages through host memory where workers share a GPU")
+
+
+@pytest.mark.parametrize("gpus, backend", [
+    ([("a", "0"), ("a", "1")], "nccl"),                 # a GPU each
+    ([("a", "0"), ("b", "0")], "nccl"),                 # one each, on two hosts
+    ([("a", "0"), ("a", "0")], "mpi"),                  # shared: NCCL would refuse
+    ([("a", "0"), None], "mpi"),                        # one worker on the CPU
+    ([None, None], "mpi"),
+    ([], "mpi"),
+])
+def test_auto_takes_nccl_only_where_every_worker_has_a_gpu_of_its_own(gpus, backend):
+    assert default_backend("auto", gpus) == backend
+    assert default_backend("horovod", gpus) == "horovod"      # what the user named stays
+    assert gpu_identity([torch.zeros(2)]) is None               # the CPU: no GPU to name
 
 
 @pytest.mark.skipif(HOROVOD, reason="horovod is installed here")
@@ -555,6 +579,26 @@ def test_a_model_changed_under_the_optimizer_is_refused_at_step(one_rank, spoil,
     repairs[0]()
     train(opt, net, 1)
     assert opt.global_step == 2
+
+
+def test_a_worker_refused_for_a_model_it_converted_still_closes(one_rank):
+    """``model.double()`` (as ``model.cpu()`` off a GPU) after wrapping: every step is
+    refused, and ``close()`` still leaves the job, with a warning, instead of raising the
+    refusal again while the ps ranks wait for the worker."""
+    net = model()
+    opt = one_rank.wrap(net)
+    train(opt, net, 1)
+    net.double()
+    for _ in range(2):                  # the batch follows the model, as users write it
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(torch.randn(16, 10).double()),
+                                          torch.randint(0, 3, (16,))).backward()
+        exc = refused(opt.step, TypeError)
+        assert "became a torch.float64 tensor" in str(exc)
+    with pytest.warns(RuntimeWarning, match=r"became a torch\.float64 tensor .*; closing "
+                                            r"with the values of the last step"):
+        opt.close()
+    assert opt.closed and opt.global_step == 1
 
 
 def test_a_model_built_before_mpisyncs_first_use_is_still_watched(one_rank):
