@@ -10,6 +10,7 @@ gradient of each bag's sum; the ps turns it into the gradient of each row on arr
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,24 +167,33 @@ def _check(p: Part, rows: int, what: str) -> None:
         raise ValueError(f"{what} with bags outside [0, {p.num_bags})")
 
 
-def answer(buf: np.ndarray, params: list[torch.Tensor], groups: list[int]) -> np.ndarray:
+def answer(buf: np.ndarray, params: list[torch.Tensor], groups: list[int],
+           read: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None
+           ) -> np.ndarray:
     """The ps's reply to a lookup: each rows part's rows, each table's pooled sums.
 
     ``params[n]`` is the shard of part ``n`` (local rows), ``groups[n]`` its table. The
     rows and sums are written straight into the reply: each part's rows gathered, each
     table's block of sums added up row after row in the order of its parts and their ids
     (``out[bag[i]] += weight[i] * row[ids[i]]``; compiled where ``mpisync.native.kernels`` is
-    available, the same additions in torch otherwise).
+    available, the same additions in torch otherwise). ``read[n]``: the rows of part
+    ``n``'s ids come from it (a hash shard: its ids are any int64, a lookup sights them),
+    never pooled.
 
     Raises:
         ValueError: a malformed lookup.
     """
+    read = read or {}
     _, parts, at = unpack_parts(buf, [p.dtype for p in params])
     if at != buf.nbytes:
         raise ValueError(f"a lookup of {buf.nbytes} bytes, expected {at}")
     bags: dict[int, int] = {}
-    for p, param, g in zip(parts, params, groups):
+    for n, (p, param, g) in enumerate(zip(parts, params, groups)):
         if p is None:
+            continue
+        if n in read:
+            if p.pooled:
+                raise ValueError("a lookup of bags pooled from a hash shard")
             continue
         _check(p, param.shape[0], "a lookup")
         if p.pooled and bags.setdefault(g, p.num_bags) != p.num_bags:
@@ -191,7 +201,7 @@ def answer(buf: np.ndarray, params: list[torch.Tensor], groups: list[int]) -> np
                              f"{p.num_bags} bags")
     reply = np.empty(reply_nbytes(parts, groups, [_row_bytes(p) for p in params]), np.uint8)
     out, at, blocks = torch.from_numpy(reply), 0, {}
-    for p, param, g in zip(parts, params, groups):
+    for u, (p, param, g) in enumerate(zip(parts, params, groups)):
         if p is None:
             continue
         rows = param.detach()
@@ -202,6 +212,9 @@ def answer(buf: np.ndarray, params: list[torch.Tensor], groups: list[int]) -> np
         nbytes = n * _row_bytes(param)
         view = out[at:at + nbytes].view(param.dtype).view(n, *param.shape[1:])
         at += pad8(nbytes)
+        if u in read:
+            view.copy_(read[u](p.ids))
+            continue
         if not p.pooled:
             gather_rows(p.ids, rows, view)
             continue

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -301,8 +302,19 @@ class RowShards:
 
     def _answer_exchange(self, buf: np.ndarray, rank: int) -> None:
         """A lookup of several tables, rows and bags pooled here (``mpisync.protocol.pooled``)."""
+        unseen = self.unseen[self.worker_ranks.index(rank)]
+
+        def sighted(n: int, u) -> Callable[[torch.Tensor], torch.Tensor]:
+            def read(ids: torch.Tensor) -> torch.Tensor:
+                rows, zeros = u.hashed.lookup(ids, False)
+                if len(zeros):
+                    unseen[n].append(zeros)
+                return rows
+            return read
+
+        read = {n: sighted(n, u) for n, u in enumerate(self.units) if u.hashed is not None}
         try:
-            reply = pooled.answer(buf, [u.param for u in self.units], self.groups)
+            reply = pooled.answer(buf, [u.param for u in self.units], self.groups, read)
         except ValueError as exc:
             raise ProtocolError(f"{self.label}: worker rank {rank} sent a lookup: {exc}"
                                 ) from None

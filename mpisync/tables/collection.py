@@ -1,4 +1,5 @@
-"""Several ``mpisync.EmbeddingBag`` tables looked up in one exchange, feature by feature.
+"""Several ``mpisync.EmbeddingBag`` and ``mpisync.HashEmbeddingBag`` tables looked up in one
+exchange, feature by feature.
 
 The input is a dict ``{feature: input}`` or anything shaped like TorchRec's
 ``KeyedJaggedTensor`` (read through its methods: torchrec is not imported); the output of
@@ -12,6 +13,7 @@ from typing import Any, cast
 import torch
 
 from .embedding import EmbeddingBag
+from .hashtables import HashEmbeddingBag
 
 __all__ = ["EmbeddingBagCollection", "KeyedTensor"]
 
@@ -206,11 +208,18 @@ class EmbeddingBagCollection(torch.nn.Module):
     ``ValueError`` naming it, also before anything is sent. The output has every
     feature, in the collection's order.
 
+    ``mpisync.HashEmbeddingBag`` tables (unbounded int64 ids) join the same exchange in
+    training mode: their unique ids go to their shards with the other tables' requests,
+    each lookup a sighting as in ``HashEmbeddingBag.forward``, and their bags pool on the
+    worker. In ``eval()`` mode a hash table reads without sighting, in a lookup of its own.
+
     Args:
-        tables: ``{feature: mpisync.EmbeddingBag}``; all held by one SyncReplicasOptimizer.
+        tables: ``{feature: mpisync.EmbeddingBag or mpisync.HashEmbeddingBag}``; all held
+            by one SyncReplicasOptimizer.
 
     Raises:
-        TypeError: a table that is not an ``mpisync.EmbeddingBag``.
+        TypeError: a table that is not an ``mpisync.EmbeddingBag`` or
+            ``mpisync.HashEmbeddingBag``.
         ValueError: one table under two features.
 
     Example::
@@ -223,21 +232,21 @@ class EmbeddingBagCollection(torch.nn.Module):
         x = ebc(kjt).values()          # a KeyedJaggedTensor of both: the same columns
     """
 
-    def __init__(self, tables: Mapping[str, EmbeddingBag]) -> None:
+    def __init__(self, tables: Mapping[str, EmbeddingBag | HashEmbeddingBag]) -> None:
         super().__init__()
         for name, table in tables.items():
-            if not isinstance(table, EmbeddingBag):
+            if not isinstance(table, (EmbeddingBag, HashEmbeddingBag)):
                 raise TypeError(f"table {name!r} is a {type(table).__name__}; expected an "
-                                f"mpisync.EmbeddingBag")
+                                f"mpisync.EmbeddingBag or mpisync.HashEmbeddingBag")
         if len({id(t) for t in tables.values()}) != len(tables):
             raise ValueError("a table appears under two features; give each feature its own "
-                             "mpisync.EmbeddingBag")
+                             "table")
         self.tables = torch.nn.ModuleDict(tables)
 
-    def _table(self, name: str) -> EmbeddingBag:
+    def _table(self, name: str) -> EmbeddingBag | HashEmbeddingBag:
         """The table of feature ``name`` (a ModuleDict's items are typed as any Module;
-        ``__init__`` checked that each is an EmbeddingBag)."""
-        return cast(EmbeddingBag, self.tables[name])
+        ``__init__`` checked that each is an EmbeddingBag or a HashEmbeddingBag)."""
+        return cast("EmbeddingBag | HashEmbeddingBag", self.tables[name])
 
     def forward(self, features: Mapping[str, object] | Any
                 ) -> dict[str, torch.Tensor] | KeyedTensor:
@@ -273,7 +282,8 @@ class EmbeddingBagCollection(torch.nn.Module):
             return self._pooled(features, label)
         inputs = {}
         for key, (ids, ends, weights) in _jagged_features(features, label).items():
-            last = key in self.tables and self._table(key).include_last_offset
+            last = key in self.tables and getattr(self._table(key), "include_last_offset",
+                                                  False)
             inputs[key] = (ids, ends if last else ends[:-1], weights)
         pooled = self._pooled(inputs, label)
         if not pooled:
@@ -294,11 +304,15 @@ class EmbeddingBagCollection(torch.nn.Module):
                            f"every feature needs one: give a feature without ids empty "
                            f"bags (ids of length 0 with offsets of zeros), which pool to "
                            f"zeros")
-        plans = []
+        plans, apart = [], {}
         for name in self.tables:
-            plans.append((name, self._table(name).plan(*_arguments(name, features[name]))))
+            table, args = self._table(name), _arguments(name, features[name])
+            if isinstance(table, HashEmbeddingBag) and not table.training:
+                apart[name] = args       # a read without sighting: its own lookup, below
+                continue
+            plans.append((name, table.plan(*args)))
         if not plans:
-            return {}
+            return {name: self._table(name)(*apart[name]) for name in self.tables}
         channels = {id(self._table(name).table.channel): name for name, _ in plans}
         if len(channels) > 1:
             names = list(channels.values())
@@ -308,4 +322,6 @@ class EmbeddingBagCollection(torch.nn.Module):
                              f"tables of one optimizer")
         channel = self._table(plans[0][0]).table.channel
         outs = channel.exchange([request for _, (request, _) in plans])
-        return {name: finish(out) for (name, (_, finish)), out in zip(plans, outs)}
+        done = {name: finish(out) for (name, (_, finish)), out in zip(plans, outs)}
+        return {name: done[name] if name in done else self._table(name)(*apart[name])
+                for name in self.tables}

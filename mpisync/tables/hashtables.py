@@ -12,6 +12,7 @@ plus an id -> slot map, so the wrapped torch optimizer updates it as it updates 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -19,7 +20,9 @@ from torch.nn import functional as F
 
 from ..errors import CapacityError
 from ..protocol import hashing
+from ..protocol.bags import bags_of
 from ..protocol.tables import HashTableInfo
+from ..worker.exchange import Request
 from .embedding import TableParameter, check_id_tensor, live_table
 
 if TYPE_CHECKING:
@@ -203,6 +206,27 @@ class HashEmbeddingBag(_HashModule):
                                       peek=not self.training)
         return F.embedding_bag(inverse.view(input.shape), rows, offsets, mode=self.mode,
                                per_sample_weights=per_sample_weights)
+
+    def plan(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+             per_sample_weights: torch.Tensor | None = None
+             ) -> tuple[Request, Callable[[torch.Tensor], torch.Tensor]]:
+        """What a training-mode forward sends (the batch's unique ids, each lookup a
+        sighting) and how it ends: all checked (ids, bags, capacity), nothing sent.
+        ``EmbeddingBagCollection`` sends it with its other tables' in one exchange."""
+        what = "mpisync.HashEmbeddingBag"
+        info = live_table(self.table, what)
+        check_id_tensor(input, info, what)
+        bags_of(input, offsets, per_sample_weights, mode=self.mode, include_last_offset=False,
+                padding_idx=None, dtype=info.dtype, label=info.label, name=info.name,
+                flatten=False)
+        unique, inverse = torch.unique(input.long(), sorted=True, return_inverse=True)
+        self._check_capacity(info, unique, what)
+
+        def finish(rows: torch.Tensor) -> torch.Tensor:
+            return F.embedding_bag(inverse.view(input.shape), rows, offsets, mode=self.mode,
+                                   per_sample_weights=per_sample_weights)
+
+        return Request(info.channel.index_of(info), unique=unique), finish
 
 
 # -- checkpoints ---------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """EmbeddingBagCollection fed a KeyedJaggedTensor, against the same batch as a dict (one
-process), and tables refusing a device this process cannot use.
+process), a hash table in the same exchange, and tables refusing a device this process
+cannot use.
 
 The tables live on a real SyncReplicasOptimizer: this process is worker 0 and ps 0 of a
 private COMM_SELF (``test_refusals.OneRank``). A small stand-in for TorchRec's
@@ -251,3 +252,93 @@ def test_a_bogus_device_is_refused_at_construction():
                                          r"device 'bogus' is not a device torch knows: "):
         mpisync.EmbeddingBag(10, 4, device="bogus")
     assert mpisync.EmbeddingBag(10, 4, device="cpu").device == torch.device("cpu")
+
+
+# -- hash tables in a collection ---------------------------------------------------------------
+HUGE = 10**15          # the hash table's ids: any int64
+
+
+def hashed_pair():
+    """``(together, user, huge)``: a collection of a table and a hash table, and the same
+    two tables' twins to be looked up one by one."""
+    together = mpisync.EmbeddingBagCollection({
+        "user": mpisync.EmbeddingBag(20, 4, mode="sum", seed=1),
+        "huge": mpisync.HashEmbeddingBag(3, capacity_per_shard=40, mode="sum", seed=5)})
+    return together, mpisync.EmbeddingBag(20, 4, mode="sum", seed=1), \
+        mpisync.HashEmbeddingBag(3, capacity_per_shard=40, mode="sum", seed=5)
+
+
+def hashed_batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    user = torch.randint(0, 20, (BATCH, 2), generator=g)
+    huge = HUGE + torch.randint(0, 12, (7,), generator=g) * 7919     # 1-D, with offsets
+    offsets = torch.tensor([0, 3, 3])                                # an empty bag
+    weights = torch.rand(7, generator=g)
+    lengths = torch.tensor([2] * BATCH + [3, 0, 4])
+    kjt = FakeKJT(["user", "huge"], torch.cat([user.flatten(), huge]), lengths,
+                  torch.cat([torch.ones(2 * BATCH), weights]))
+    return kjt, user, (huge, offsets, weights)
+
+
+def test_a_hash_table_joins_the_collections_exchange_and_trains_as_alone():
+    """One message per ps rank for both tables (training mode), the same sightings, pooled
+    bags, gradients and rows as the two tables looked up one by one; in eval mode the hash
+    table reads without sighting."""
+    rank = OneRank()
+    try:
+        together, user, huge = hashed_pair()
+        model = torch.nn.ModuleDict({"together": together, "user": user, "huge": huge})
+        opt = rank.wrap(model, torch.optim.Adagrad(model.parameters(), lr=0.3))
+        channel = user.table.channel
+        ids = HUGE + torch.arange(12) * 7919
+        for seed in (1, 2, 3):
+            kjt, user_ids, (huge_ids, offsets, weights) = hashed_batch(seed)
+            opt.zero_grad()
+            sent = channel.lookups[0][0]
+            kt = together(kjt)
+            assert channel.lookups[0][0] == sent + 1          # one exchange for both tables
+            one = user(user_ids.flatten(), torch.arange(0, 2 * BATCH, 2),
+                       torch.ones(2 * BATCH))
+            other = huge(huge_ids, offsets, weights)
+            assert channel.lookups[0][0] == sent + 3          # apart: one more each
+            assert kt.keys() == ["user", "huge"] and kt.length_per_key() == [4, 3]
+            assert torch.equal(kt["user"], one) and torch.equal(kt["huge"], other)
+            assert kt["huge"][1].abs().sum() == 0             # the empty bag
+            target = torch.randn(BATCH, 7, generator=torch.Generator().manual_seed(seed))
+            (kt.values() * target).sum().backward()
+            (torch.cat([one, other], dim=1) * target).sum().backward()
+            opt.step()
+            assert torch.equal(together.tables["huge"].rows(ids), huge.rows(ids))
+            assert torch.equal(together.tables["user"].rows(torch.arange(20)),
+                               user.rows(torch.arange(20)))
+        assert together.tables["huge"].rows(ids).abs().sum() > 0        # admitted, trained
+        stats = opt.stats["hash_tables"]
+        assert stats["together.tables.huge.weight"] == stats["huge.weight"]
+        together.eval()
+        huge.eval()
+        kjt, user_ids, (huge_ids, offsets, weights) = hashed_batch(9)
+        with torch.no_grad():
+            kt = together(kjt)
+            assert torch.equal(kt["huge"], huge(huge_ids, offsets, weights))
+        assert opt.stats["hash_tables"]["together.tables.huge.weight"] == \
+            stats["together.tables.huge.weight"]                   # eval: nothing sighted
+    finally:
+        rank.end()
+
+
+def test_a_hash_table_that_would_overflow_a_shard_is_refused_before_anything_is_sent():
+    rank = OneRank()
+    try:
+        together = mpisync.EmbeddingBagCollection({
+            "user": mpisync.EmbeddingBag(20, 4, mode="sum", seed=1),
+            "huge": mpisync.HashEmbeddingBag(3, capacity_per_shard=4, mode="sum")})
+        opt = rank.wrap(together, torch.optim.SGD(together.parameters(), lr=0.1))
+        channel = together.tables["user"].table.channel
+        sent = channel.lookups[0][0]
+        with pytest.raises(mpisync.CapacityError, match=r"needs 6 rows on shard 0 .* more "
+                                                       r"than its capacity_per_shard=4"):
+            together({"user": torch.zeros(2, 1, dtype=torch.long),
+                      "huge": HUGE + torch.arange(6).view(2, 3)})
+        assert channel.lookups[0][0] == sent and opt.global_step == 0
+    finally:
+        rank.end()
