@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from .errors import ConfigError
 
-__all__ = ["LOST_WORKERS_EXIT", "NUM_PS_ENV", "OFF_WORDS", "SURVIVE_ENV", "VARIABLES", "Variable",
+__all__ = ["LOST_WORKERS_EXIT", "NUM_PS_ENV", "OFF_WORDS", "PREEMPTED_EXIT", "SURVIVE_ENV", "VARIABLES", "Variable",
            "check", "choice", "count", "default", "num_ps", "number", "problem",
            "read_at_import", "switch", "text"]
 
@@ -141,6 +141,14 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              unset="unset (no timeline)"),
     Variable("MPISYNC_TIMELINE_MAX_MB", "MiB", 0.0,
              "Cap of each rank's timeline file (0: no cap).", inclusive=True),
+    Variable("MPISYNC_ATTEMPT", "count", 0,
+             "Which attempt at the job this is, 0 the first; set by `python -m mpisync.launch "
+             "--restarts N` on every rank of each attempt.", inclusive=True,
+             accepted="an attempt number >= 0"),
+    Variable("MPISYNC_FAILURE_DIR", "path", None,
+             "Where a rank that fails writes what failed, at which global step (set by "
+             "`python -m mpisync.launch --restarts N`, which compares two attempts' "
+             "failures).", unset="unset (nothing written)"),
     Variable("MPISYNC_PROGRESS", "steps", None,
              "`0` turns `mpisync.Progress` off; a number sets its steps between lines.",
              unset="unset (as `Progress` was created)", minimum=1,
@@ -168,6 +176,12 @@ SURVIVE_ENV = "MPISYNC_SURVIVE_WORKER_LOSS"
 #: Exit status of every rank that saw workers lost in a job that survived them (the job
 #: trained to its end without them); ``python -m mpisync.launch`` passes it on.
 LOST_WORKERS_EXIT = 3
+
+#: Exit status of a job stopped politely by SIGTERM, SIGUSR1 or SIGUSR2 (a preemption, a
+#: time limit's warning): every rank finished its step and the chief wrote a checkpoint.
+#: ``python -m mpisync.launch --restarts`` starts the job again at once (no attempt
+#: counted as a failure); ``launch/slurm/train.sbatch`` requeues it. (75: EX_TEMPFAIL.)
+PREEMPTED_EXIT = 75
 
 
 def _rank() -> str:

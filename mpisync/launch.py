@@ -1,4 +1,18 @@
-"""Start an mpisync job: build the ``mpiexec`` command line for workers + ps ranks and run it."""
+"""Start an mpisync job: build the ``mpiexec`` command line for workers + ps ranks and run it.
+
+``python -m mpisync.launch --workers N --ps P -- program`` runs ``program`` on N + P ranks
+and exits with the job's status. With ``--restarts R`` a job that fails (a non-zero exit
+status other than ``LOST_WORKERS_EXIT``, a signal, ``--timeout``) is started again, up
+to R more times, ``--restart-backoff`` seconds later; a program that resumes from its
+newest checkpoint (``mpisync.Checkpointer.resume()``) then goes on where it was. Each
+attempt's ranks get ``MPISYNC_ATTEMPT`` (0 for the first) and ``MPISYNC_FAILURE_DIR``, a
+fresh directory where a rank whose uncaught exception ends the job writes what failed
+(``mpisync.runtime.failures``): a job that fails twice in a row with the same error at the
+same global step is a bug, not a fault, and is not started again. A job stopped politely
+after a signal (exit status ``PREEMPTED_EXIT``, 75: it wrote a checkpoint) is started
+again at once, not counted among the R; one that the launcher itself passed SIGINT,
+SIGTERM, SIGHUP, SIGUSR1 or SIGUSR2 to is not.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +23,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .environ import LOST_WORKERS_EXIT, NUM_PS_ENV, SURVIVE_ENV
+from .environ import LOST_WORKERS_EXIT, NUM_PS_ENV, PREEMPTED_EXIT, SURVIVE_ENV
+from .restarts import ATTEMPT_ENV, restart_loop
+from .runtime.failures import FAILURE_DIR_ENV
 from .runtime.nodes import HOSTMAP_ENV, encode_host_map, parse_hostfile, parse_hosts, rank_nodes
 
 __all__ = [
+    "ATTEMPT_ENV",
     "FLAVORS",
     "NUM_PS_ENV",
     "JobResult",
@@ -35,6 +53,10 @@ FLAVORS = ("openmpi", "mpich", "intel")
 
 #: Exit status when ``--timeout`` expires (the same as coreutils ``timeout``).
 TIMEOUT_EXIT_CODE = 124
+
+#: Signals the launcher passes on to the job's process group; after any of them it starts
+#: no further attempt (``--restarts``): whoever sent it wants the job to stop.
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 _PREFIX = "mpisync.launch:"
 
@@ -247,6 +269,26 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _restarts(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of restarts, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _backoff(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mpisync.launch",
@@ -279,7 +321,27 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_seconds,
         default=None,
         metavar="SECONDS",
-        help=f"kill the whole job after this long and exit {TIMEOUT_EXIT_CODE}",
+        help=f"kill the whole job after this long (each attempt) and exit "
+        f"{TIMEOUT_EXIT_CODE}",
+    )
+    parser.add_argument(
+        "--restarts",
+        type=_restarts,
+        default=0,
+        metavar="N",
+        help="start the job again, up to N more times, when it fails (a non-zero exit "
+        f"status other than {LOST_WORKERS_EXIT}, a signal, --timeout); not after it failed "
+        "twice in a row with the same error at the same global step. A job that stopped "
+        f"after a signal and wrote a checkpoint (exit status {PREEMPTED_EXIT}) starts again "
+        "at once, not counted. The program resumes from its checkpoints itself "
+        "(mpisync.Checkpointer.resume()). Default 0: never",
+    )
+    parser.add_argument(
+        "--restart-backoff",
+        type=_backoff,
+        default=2.0,
+        metavar="SECONDS",
+        help="wait this long before starting a failed job again (default 2)",
     )
     parser.add_argument(
         "--survive-worker-loss",
@@ -298,7 +360,8 @@ def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
 
     Returns:
         A namespace with ``workers``, ``ps``, ``hosts``, ``hostfile``, ``mpiexec``,
-        ``flavor``, ``timeout``, ``survive_worker_loss`` and ``program`` (a non-empty list).
+        ``flavor``, ``timeout``, ``restarts``, ``restart_backoff``, ``survive_worker_loss``
+        and ``program`` (a non-empty list).
 
     Raises:
         SystemExit: on bad arguments (argparse's usage error, status 2).
@@ -346,12 +409,14 @@ def _exit_code(returncode: int) -> int:
 
 @dataclass
 class JobResult:
-    """How a job ended: its exit status, what it printed (when captured), a timeout."""
+    """How a job ended: its exit status, what it printed (when captured), a timeout, and
+    the first signal this process received and passed on to the job (``signalled``)."""
 
     returncode: int
     stdout: str = ""
     stderr: str = ""
     timed_out: bool = False
+    signalled: int | None = None
 
     @property
     def output(self) -> str:
@@ -365,23 +430,27 @@ def run_job(cmd: Sequence[str], timeout: float | None = None,
 
     The whole group (mpiexec and the ranks it started on this host) is killed when the
     timeout expires (status 124, ``timed_out``) or when this process gets SIGINT, SIGTERM
-    or SIGHUP, which are passed on to the job first so that it can stop cleanly. With
-    ``capture`` the job's stdout and stderr are returned as text.
+    or SIGHUP, which are passed on to the job first so that it can stop cleanly (SIGUSR1
+    and SIGUSR2 are passed on too: a job may stop politely on them). With ``capture`` the
+    job's stdout and stderr are returned as text.
     """
     pipe = subprocess.PIPE if capture else None
     proc = subprocess.Popen(list(cmd), start_new_session=True, stdout=pipe, stderr=pipe,
                             text=capture, env=None if env is None else dict(env), cwd=cwd)
-    previous = _forward_signals(proc)
+    received: list[int] = []
+    previous = _forward_signals(proc, received)
     try:
         try:
             out, err = proc.communicate(timeout=timeout)
-            return JobResult(_exit_code(proc.returncode), out or "", err or "")
+            return JobResult(_exit_code(proc.returncode), out or "", err or "",
+                             signalled=received[0] if received else None)
         except subprocess.TimeoutExpired:
             print(f"{_PREFIX} the job ran past --timeout {timeout:g} s; killing it",
                   file=sys.stderr, flush=True)
             _kill_group(proc)
             out, err = proc.communicate()
-            return JobResult(TIMEOUT_EXIT_CODE, out or "", err or "", timed_out=True)
+            return JobResult(TIMEOUT_EXIT_CODE, out or "", err or "", timed_out=True,
+                             signalled=received[0] if received else None)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -389,9 +458,12 @@ def run_job(cmd: Sequence[str], timeout: float | None = None,
             _kill_group(proc)
 
 
-def _forward_signals(proc: subprocess.Popen) -> dict:
-    """Pass SIGINT, SIGTERM and SIGHUP on to the job's group; the previous handlers."""
+def _forward_signals(proc: subprocess.Popen, received: list[int] | None = None) -> dict:
+    """Pass ``FORWARDED`` signals on to the job's group, noting each in ``received``; the
+    previous handlers."""
     def forward(signum: int, frame: object) -> None:
+        if received is not None:
+            received.append(signum)
         try:
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
@@ -399,7 +471,7 @@ def _forward_signals(proc: subprocess.Popen) -> dict:
 
     previous = {}
     try:
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for signum in FORWARDED:
             previous[signum] = signal.signal(signum, forward)
     except ValueError:  # not the main thread: signals cannot be handled here
         pass
@@ -432,38 +504,58 @@ def main(args: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             flavor = "mpich"
-    num_ranks = ns.workers + ns.ps
     try:
         hostfile_text = None
         if ns.hostfile:
             with open(ns.hostfile) as f:
                 hostfile_text = f.read()
-        cmd = mpiexec_command(
-            ns.program,
-            ns.workers,
-            ns.ps,
-            mpiexec=mpiexec,
-            flavor=flavor,
-            hosts=ns.hosts,
-            hostfile=ns.hostfile,
-            hostfile_text=hostfile_text,
-            as_root=getattr(os, "geteuid", lambda: -1)() == 0,
-            oversubscribe=num_ranks > (os.cpu_count() or 1),
-            survive_worker_loss=ns.survive_worker_loss,
-        )
+        cmd = _command(ns, mpiexec, flavor, hostfile_text, None)
+        base = None
+        if ns.restarts:      # the attempts' failure records: under $MPISYNC_FAILURE_DIR if set
+            parent = os.environ.get(FAILURE_DIR_ENV) or None
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            base = tempfile.mkdtemp(prefix="mpisync-failures-", dir=parent)
     except (OSError, ValueError) as exc:
         print(f"{_PREFIX} {exc}", file=sys.stderr)
         return 2
+    if base is None:
+        return _attempt(cmd, ns, mpiexec, flavor, explain=True).returncode
+    try:
+        return restart_loop(
+            lambda env: _attempt(_command(ns, mpiexec, flavor, hostfile_text, env), ns,
+                                 mpiexec, flavor, explain=False),
+            lambda status: explain_status(status, flavor, ns.survive_worker_loss),
+            ns.restarts, ns.restart_backoff, base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _command(ns: argparse.Namespace, mpiexec: str, flavor: str, hostfile_text: str | None,
+             env: dict[str, str] | None) -> list[str]:
+    """The ``mpiexec`` command line of the parsed arguments, with ``env`` on every rank."""
+    return mpiexec_command(
+        ns.program, ns.workers, ns.ps, mpiexec=mpiexec, flavor=flavor, hosts=ns.hosts,
+        hostfile=ns.hostfile, hostfile_text=hostfile_text, env=env,
+        as_root=getattr(os, "geteuid", lambda: -1)() == 0,
+        oversubscribe=ns.workers + ns.ps > (os.cpu_count() or 1),
+        survive_worker_loss=ns.survive_worker_loss)
+
+
+def _attempt(cmd: list[str], ns: argparse.Namespace, mpiexec: str, flavor: str,
+             explain: bool) -> JobResult:
+    """Run one attempt (status 127 when ``mpiexec`` cannot be run); with ``explain``, say
+    what a failed exit status means."""
     print(f"{_PREFIX} {shlex.join(cmd)}", file=sys.stderr, flush=True)
     try:
-        status = run_command(cmd, timeout=ns.timeout)
+        result = run_job(cmd, timeout=ns.timeout)
     except OSError as exc:
         print(f"{_PREFIX} cannot run {mpiexec}: {exc}", file=sys.stderr)
-        return 127
-    if status not in (0, TIMEOUT_EXIT_CODE):
-        print(f"{_PREFIX} {explain_status(status, flavor, ns.survive_worker_loss)}",
+        return JobResult(127)
+    if explain and result.returncode not in (0, TIMEOUT_EXIT_CODE):
+        print(f"{_PREFIX} {explain_status(result.returncode, flavor, ns.survive_worker_loss)}",
               file=sys.stderr, flush=True)
-    return status
+    return result
 
 
 def explain_status(status: int, flavor: str, survive_worker_loss: bool = False) -> str:

@@ -14,12 +14,14 @@ from typing import Any, Protocol
 
 from mpi4py import MPI
 
+from .. import environ
 from ..errors import PeerError
 from ..protocol.wire import Tag
+from .failures import FAILURE_DIR_ENV, error_text, write_failure
 from .survival import LOST_WORKERS_EXIT, Losses
 
 __all__ = ["FINALIZE_GRACE", "Exiting", "abort_within", "exit_status", "finalize_within",
-           "install_excepthook", "notify_peers"]
+           "install_excepthook", "notify_peers", "record_failure"]
 
 
 class Exiting(Protocol):
@@ -96,7 +98,8 @@ def install_excepthook(current: Callable[[], Exiting | None]) -> None:
     """Make an uncaught exception end the whole job, not this rank alone (once a process).
 
     The hook prints the exception under this rank's name (``current()``: the cluster of
-    this process, or None), tells the other ranks why (``notify_peers``) and aborts the
+    this process, or None), writes what failed where ``MPISYNC_FAILURE_DIR`` says
+    (``record_failure``, for ``python -m mpisync.launch --restarts``), tells the other ranks why (``notify_peers``) and aborts the
     job with ``abort_within``. An error raised on every rank alike (``collective``), or
     one raised where MPI is not running, ends this rank only: each rank exits on its own.
     """
@@ -109,10 +112,12 @@ def install_excepthook(current: Callable[[], Exiting | None]) -> None:
         rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else "?"
         label = cluster.label if cluster is not None else f"rank {rank}"
         text = "".join(traceback.format_exception(exc_type, exc, tb))
+        peer = isinstance(exc, PeerError)
         if cluster is not None and cluster.losses is not None and cluster.losses.note(exc):
-            exc = f"{cluster.describe_lost() or 'a rank'} lost ({exc})"
+            exc, peer = f"{cluster.describe_lost() or 'a rank'} lost ({exc})", True
         sys.stderr.write(f"[mpisync] {label}: {exc_type.__name__}: {exc}\n{text}")
         sys.stderr.flush()
+        record_failure(cluster, rank, label, error_text(exc_type, exc), peer)
         if getattr(exc, "collective", False) or not MPI.Is_initialized() or MPI.Is_finalized():
             return  # raised on every rank alike: let each exit on its own
         if cluster is not None and not cluster.closed and not isinstance(exc, PeerError):
@@ -125,6 +130,25 @@ def install_excepthook(current: Callable[[], Exiting | None]) -> None:
     hook._mpisync = True          # type: ignore[attr-defined]  # marks mpisync's own hook
     hook._previous = previous     # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def record_failure(cluster: Exiting | None, rank: int | str, label: str, error: str,
+                   peer: bool) -> None:
+    """Write this rank's failure record (``mpisync.runtime.failures``) where
+    ``MPISYNC_FAILURE_DIR`` says, with the global step of its open optimizer; nothing
+    without the variable or a rank number. Never raises."""
+    try:
+        directory = environ.text(FAILURE_DIR_ENV)
+        if not directory or not isinstance(rank, int):
+            return
+        step = None
+        for opt in reversed(list(getattr(cluster, "optimizers", None) or ())):
+            if not getattr(opt, "closed", True):
+                step = opt.global_step
+                break
+        write_failure(directory, rank, label, error, step, peer)
+    except Exception:  # noqa: BLE001, S110 (best effort while the rank fails)
+        pass
 
 
 def notify_peers(cluster: Exiting, notice: str) -> None:

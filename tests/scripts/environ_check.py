@@ -37,6 +37,7 @@ BAD = {
     "MPISYNC_PS_THREADS": "0",
     "MPISYNC_TIMELINE_MAX_MB": "inf",
     "MPISYNC_PROGRESS": "sometimes",
+    "MPISYNC_ATTEMPT": "-1",
 }
 #: Well-formed values of every variable.
 GOOD = {
@@ -58,6 +59,8 @@ GOOD = {
     "MPISYNC_ROW_KERNELS": ["1"],
     "MPISYNC_PS_THREADS": ["1", " 4 ", ""],
     "MPISYNC_CACHE": ["/tmp/mpisync-cache", "~/.cache/mpisync"],
+    "MPISYNC_ATTEMPT": ["0", "3", ""],
+    "MPISYNC_FAILURE_DIR": ["/tmp/mpisync-failures"],
     "MPISYNC_STATS": ["stats.jsonl"],
     "MPISYNC_TIMELINE": ["timeline.json"],
     "MPISYNC_TIMELINE_MAX_MB": ["0", "64"],

@@ -67,7 +67,8 @@ def test_every_variable_has_good_values_and_every_one_but_free_text_a_bad_one():
     assert set(GOOD) == set(environ.VARIABLES)
     free = {n for n, v in environ.VARIABLES.items() if v.kind in environ.TEXT_KINDS}
     assert set(BAD) == set(environ.VARIABLES) - free
-    assert free == {"MPISYNC_NODE", "MPISYNC_CACHE", "MPISYNC_STATS", "MPISYNC_TIMELINE"}
+    assert free == {"MPISYNC_NODE", "MPISYNC_CACHE", "MPISYNC_STATS", "MPISYNC_TIMELINE",
+                    "MPISYNC_FAILURE_DIR"}
 
 
 @pytest.mark.parametrize("name", list(environ.VARIABLES))

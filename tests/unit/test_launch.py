@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
 import pytest
 
 from mpisync.launch import (
+    ATTEMPT_ENV,
     NUM_PS_ENV,
+    JobResult,
     detect_mpi_flavor,
     explain_status,
     find_mpiexec,
@@ -18,7 +21,10 @@ from mpisync.launch import (
     mpiexec_command,
     parse_args,
     run_command,
+    run_job,
 )
+from mpisync.restarts import restart_loop
+from mpisync.runtime import failures
 
 PROG = ["python", "train.py", "--epochs", "2"]
 
@@ -378,3 +384,197 @@ def test_run_command_timeout_kills_group(tmp_path):
     while _alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(grandchild)
+
+
+# --- --restarts: arguments, failure records, the restart loop -----------------------------
+
+
+def test_restart_arguments_default_to_none_and_two_seconds():
+    ns = parse_args(["--workers", "2", "--ps", "1", "--", "p"])
+    assert (ns.restarts, ns.restart_backoff) == (0, 2.0)
+    ns = parse_args(["--workers", "2", "--ps", "1", "--restarts", "3", "--restart-backoff", "0",
+                     "--", "p"])
+    assert (ns.restarts, ns.restart_backoff) == (3, 0.0)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--restarts", "-1"], "argument --restarts: must be >= 0, got -1"),
+    (["--restarts", "x"], "argument --restarts: expected a number of restarts, got 'x'"),
+    (["--restart-backoff", "-2"], "argument --restart-backoff: must be a number of seconds"),
+    (["--restart-backoff", "soon"], "argument --restart-backoff: expected a number of seconds"),
+])
+def test_bad_restart_arguments_are_refused_naming_them(argv, says, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--workers", "2", "--ps", "1", *argv, "--", "p"])
+    assert info.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def _record(rank, error="RuntimeError: boom", step=7, peer=False, label=None):
+    return {"rank": rank, "label": label or f"worker {rank} (rank {rank} on h)", "error": error,
+            "global_step": step, "peer": peer}
+
+
+def test_failure_records_are_read_by_rank_and_the_origin_is_the_first_not_a_peer(tmp_path):
+    assert failures.write_failure(tmp_path, 2, "ps 0 (rank 2 on h)", "PeerError: stopping", None,
+                                  True) == str(tmp_path / "rank-2.json")
+    failures.write_failure(tmp_path, 1, "worker 1 (rank 1 on h)", "ValueError: bad", 4, False)
+    failures.write_failure(tmp_path, 0, "worker 0 (rank 0 on h)", "PeerError: stopping", 4, True)
+    (tmp_path / "rank-3.json").write_text('{"rank": 3, "err')       # half written: skipped
+    (tmp_path / "other.json").write_text("{}")
+    records = failures.read_failures(tmp_path)
+    assert [r["rank"] for r in records] == [0, 1, 2]
+    assert records[1] == _record(1, "ValueError: bad", 4, label="worker 1 (rank 1 on h)")
+    assert failures.origin(records) == records[1]
+    assert failures.origin([records[0], records[2]]) is None        # peers only
+    assert failures.read_failures(tmp_path / "missing") == []
+    assert failures.describe(records[1]) == "worker 1 (rank 1 on h): ValueError: bad, at global step 4"
+    assert failures.describe(records[2]) == "ps 0 (rank 2 on h): PeerError: stopping"
+    assert failures.describe(None).startswith("no rank recorded an error")
+
+
+def test_writing_a_record_never_raises(tmp_path):
+    assert failures.write_failure(tmp_path / "missing", 0, "w", "E: x", 1, False) is None
+    assert failures.write_failure(tmp_path, "?", "w", "E: x", 1, False) is None
+
+
+def test_the_error_is_its_type_and_the_first_line_of_its_message():
+    assert failures.error_text(RuntimeError, RuntimeError("boom\nat line 2")) == \
+        "RuntimeError: boom"
+    assert failures.error_text(KeyError, KeyError()) == "KeyError"
+
+
+def test_the_same_failure_is_the_same_error_at_the_same_global_step():
+    assert failures.same_failure(_record(0), _record(1, label="other"))
+    assert not failures.same_failure(_record(0), _record(0, step=8))
+    assert not failures.same_failure(_record(0), _record(0, error="RuntimeError: bang"))
+    assert not failures.same_failure(None, _record(0))
+    assert not failures.same_failure(None, None)     # no record: never the same way
+
+
+class _Attempts:
+    """A job that ends with ``statuses`` in turn, each attempt writing ``records[k]``."""
+
+    def __init__(self, statuses, records=(), signalled=None):
+        self.statuses, self.records, self.signalled = list(statuses), list(records), signalled
+        self.envs: list[dict] = []
+
+    def __call__(self, env):
+        k = len(self.envs)
+        self.envs.append(env)
+        for record in (self.records[k] if k < len(self.records) else []):
+            failures.write_failure(env["MPISYNC_FAILURE_DIR"], record["rank"], record["label"],
+                                   record["error"], record["global_step"], record["peer"])
+        return JobResult(self.statuses[k], signalled=self.signalled)
+
+
+def _loop(job, tmp_path, restarts=2):
+    said, slept = [], []
+    status = restart_loop(job, lambda s: f"the job failed with exit status {s}", restarts, 1.5,
+                          str(tmp_path), say=said.append, sleep=slept.append)
+    return status, said, slept
+
+
+def test_restarts_until_success_each_attempt_numbered_with_its_own_directory(tmp_path):
+    job = _Attempts([137, 1, 0], [[], [_record(0)]])
+    status, said, slept = _loop(job, tmp_path)
+    assert status == 0 and slept == [1.5, 1.5]
+    assert [e[ATTEMPT_ENV] for e in job.envs] == ["0", "1", "2"]
+    assert [e["MPISYNC_FAILURE_DIR"] for e in job.envs] == [
+        str(tmp_path / f"attempt-{k}") for k in range(3)]
+    assert said == [
+        ("attempt 2 of 3: the job failed with exit status 137; what failed first: no rank "
+         "recorded an error (a rank killed, out of memory, a crash?); starting the job again "
+         "in 1.5 s"),
+        ("attempt 3 of 3: the job failed with exit status 1; what failed first: worker 0 "
+         "(rank 0 on h): RuntimeError: boom, at global step 7; starting the job again in "
+         "1.5 s")]
+
+
+def test_lost_workers_is_success_and_gives_up_after_the_restarts(tmp_path):
+    assert _loop(_Attempts([3]), tmp_path)[:2] == (3, [])
+    status, said, _ = _loop(_Attempts([1, 2, 4], [[_record(0)], [_record(0, step=8)]]),
+                            tmp_path / "b")
+    assert status == 4 and said[-1] == "gave up after 2 restarts"
+    assert said[-2].startswith("the job failed with exit status 4; what failed first: no rank")
+
+
+def test_the_same_failure_twice_stops_the_restarts(tmp_path):
+    job = _Attempts([1, 1, 0], [[_record(1, peer=True), _record(2)]] * 2)
+    status, said, slept = _loop(job, tmp_path)
+    assert status == 1 and len(job.envs) == 2 and slept == [1.5]
+    assert said[-1] == ("the job failed the same way twice (worker 2 (rank 2 on h): "
+                        "RuntimeError: boom, at global step 7): not starting it again "
+                        "(a bug is not a fault)")
+    job = _Attempts([137, 137, 0])            # no records: never the same way
+    assert _loop(job, tmp_path / "b")[0] == 0 and len(job.envs) == 3
+
+
+def test_a_preempted_job_starts_again_at_once_not_counted(tmp_path):
+    job = _Attempts([75, 75, 1, 0], [[], [], [_record(0)]])
+    status, said, slept = _loop(job, tmp_path, restarts=1)
+    assert status == 0 and slept == [1.5] and len(job.envs) == 4
+    assert said[0] == ("attempt 2 of 3: the job stopped after a signal and wrote a checkpoint "
+                       "(exit status 75); starting it again at once")
+    assert said[2].startswith("attempt 4 of 4: the job failed with exit status 1;")
+
+
+def test_a_signal_to_the_launcher_ends_the_restarts(tmp_path):
+    job = _Attempts([75, 0], signalled=signal.SIGTERM)
+    status, said, slept = _loop(job, tmp_path)
+    assert status == 75 and len(job.envs) == 1 and not slept
+    assert said == [("the job stopped after a signal and wrote a checkpoint (exit status "
+                     "75); not starting it again: this launcher was sent SIGTERM")]
+
+
+def test_the_job_gets_a_signal_the_launcher_gets_and_the_result_names_it():
+    code = ("import os, signal, sys, time\n"
+            "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(75))\n"
+            "os.kill(os.getppid(), signal.SIGUSR1)\n"
+            "time.sleep(60)\n")
+    result = run_job([sys.executable, "-c", code], timeout=60)
+    assert (result.returncode, result.signalled) == (75, signal.SIGUSR1)
+
+
+FAKE_MPIEXEC = '''#!{python}
+import os, subprocess, sys
+if sys.argv[1:] == ["--version"]:
+    print("HYDRA build details: fake"); sys.exit(0)
+args, env = sys.argv[3:], dict(os.environ)
+while args[0] == "-genv":
+    env[args[1]] = args[2]; args = args[3:]
+sys.exit(subprocess.call(args, env=env))
+'''
+
+FAILS_FIRST = '''import json, os, sys
+attempt, where = os.environ["MPISYNC_ATTEMPT"], os.environ["MPISYNC_FAILURE_DIR"]
+open(sys.argv[1], "a").write(attempt + " " + os.path.basename(where) + "\\n")
+if attempt != "1":
+    json.dump({{"rank": 0, "label": "worker 0", "error": "RuntimeError: boom",
+               "global_step": 5, "peer": False}}, open(os.path.join(where, "rank-0.json"), "w"))
+sys.exit({{"0": 1, "1": 75}}.get(attempt, 1))
+'''
+
+
+def test_main_restarts_the_command_with_each_attempt_in_the_environment(tmp_path, capsys,
+                                                                          monkeypatch):
+    mpiexec = tmp_path / "fake-mpi"
+    mpiexec.write_text(FAKE_MPIEXEC.format(python=sys.executable))
+    mpiexec.chmod(0o755)
+    prog, seen = tmp_path / "prog.py", tmp_path / "seen"
+    prog.write_text(FAILS_FIRST.format())
+    monkeypatch.setenv("MPISYNC_FAILURE_DIR", str(tmp_path / "records"))
+    status = main(["--workers", "1", "--ps", "1", "--mpiexec", str(mpiexec), "--restarts", "3",
+                   "--restart-backoff", "0", "--", sys.executable, str(prog), str(seen)])
+    err = capsys.readouterr().err
+    assert status == 1, err
+    # attempt 0 fails, 1 is preempted (the failure before it is forgotten), 2 fails as 0
+    # did, 3 fails the same way as 2: not started again
+    assert seen.read_text().split("\n")[:-1] == [f"{k} attempt-{k}" for k in range(4)]
+    assert "attempt 2 of 4: the job failed with exit status 1; what failed first: worker 0: " \
+        "RuntimeError: boom, at global step 5; starting the job again in 0 s" in err
+    assert "attempt 3 of 5: the job stopped after a signal" in err
+    assert err.rstrip().endswith("the job failed the same way twice (worker 0: RuntimeError: "
+                                 "boom, at global step 5): not starting it again (a bug is "
+                                 "not a fault)")
+    assert os.listdir(tmp_path / "records") == []      # the attempts' records are removed

@@ -1,0 +1,99 @@
+"""When ``python -m mpisync.launch --restarts N`` starts a job again (no MPI here).
+
+``restart_loop`` runs attempts until one succeeds (exit status 0, or ``LOST_WORKERS_EXIT``:
+the job trained to its end without its lost workers), this launcher was sent a signal that
+it passed on to the job, an attempt failed the same way as the failed attempt before it
+(the same error on the same rank's record at the same global step:
+``mpisync.runtime.failures``), or N failed attempts were started again. A job stopped
+politely after a signal (``PREEMPTED_EXIT``: it wrote a checkpoint) starts again at once and
+is not counted among the N. Each attempt's ranks get ``MPISYNC_ATTEMPT`` (0 for the first)
+and a fresh ``MPISYNC_FAILURE_DIR``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from .environ import LOST_WORKERS_EXIT, PREEMPTED_EXIT
+from .runtime.failures import FAILURE_DIR_ENV, describe, origin, read_failures, same_failure
+
+__all__ = ["ATTEMPT_ENV", "Outcome", "restart_loop"]
+
+#: Which attempt at the job the ranks run, 0 the first (set on every rank by the launcher).
+ATTEMPT_ENV = "MPISYNC_ATTEMPT"
+
+_PREFIX = "mpisync.launch:"
+
+
+class Outcome(Protocol):
+    """How an attempt ended, as ``mpisync.launch.JobResult`` says it."""
+
+    @property
+    def returncode(self) -> int: ...
+    @property
+    def timed_out(self) -> bool: ...
+    @property
+    def signalled(self) -> int | None: ...
+
+
+def _say(text: str) -> None:
+    print(f"{_PREFIX} {text}", file=sys.stderr, flush=True)
+
+
+def restart_loop(run: Callable[[dict[str, str]], Outcome], explain: Callable[[int], str],
+                 restarts: int, backoff: float, base: str,
+                 say: Callable[[str], None] = _say,
+                 sleep: Callable[[float], None] = time.sleep) -> int:
+    """Run attempts of a job until it need not, or must not, start again; the exit status
+    of the last one.
+
+    Args:
+        run: runs one attempt with these extra variables on every rank; how it ended.
+        explain: what a failed exit status says (``mpisync.launch.explain_status``).
+        restarts: how many failed attempts may be started again (>= 0).
+        backoff: seconds to wait before starting a failed attempt again.
+        base: an existing directory; attempt k's ranks write their failure records into
+            ``<base>/attempt-<k>`` (made here).
+        say: prints one line for the user (stderr, after ``mpisync.launch:``).
+        sleep: waits ``backoff`` seconds.
+    """
+    attempt, failures, previous = 0, 0, None
+    while True:
+        failure_dir = os.path.join(base, f"attempt-{attempt}")
+        os.makedirs(failure_dir, exist_ok=True)
+        result = run({ATTEMPT_ENV: str(attempt), FAILURE_DIR_ENV: failure_dir})
+        status = result.returncode
+        if status in (0, LOST_WORKERS_EXIT):
+            return status
+        why = ("the job ran past --timeout" if result.timed_out
+               else f"the job stopped after a signal and wrote a checkpoint (exit status "
+                    f"{status})" if status == PREEMPTED_EXIT else explain(status))
+        if result.signalled is not None:
+            say(f"{why}; not starting it again: this launcher was sent "
+                f"{signal.Signals(result.signalled).name}")
+            return status
+        # attempts: those started so far and the next, and the failures that may follow
+        attempt += 1
+        total = attempt + 1 + restarts - failures
+        if status == PREEMPTED_EXIT:
+            previous = None
+            say(f"attempt {attempt + 1} of {total}: {why}; starting it again at once")
+            continue
+        first = origin(read_failures(failure_dir))
+        if same_failure(previous, first):
+            say(why)
+            say(f"the job failed the same way twice ({describe(first)}): not starting it "
+                f"again (a bug is not a fault)")
+            return status
+        if failures >= restarts:
+            say(f"{why}; what failed first: {describe(first)}")
+            say(f"gave up after {restarts} restart{'' if restarts == 1 else 's'}")
+            return status
+        failures, previous = failures + 1, first
+        say(f"attempt {attempt + 1} of {total - 1}: {why}; what failed first: "
+            f"{describe(first)}; starting the job again in {backoff:g} s")
+        sleep(backoff)

@@ -1,0 +1,81 @@
+"""``python -m mpisync.launch --restarts 2``: a job whose rank dies starts again, resumes from
+its newest checkpoint and ends bitwise where an unbroken run ends; a job that fails the same
+way twice is not started a third time.
+
+Each case is one launcher run of tests/scripts/restarts.py (2 workers + 1 ps, deterministic,
+a checkpoint every 3 global steps, 12 steps); the unbroken run is one plain job.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from mpi_helpers import SCRIPTS, run_mpi
+
+sys.path.insert(0, str(SCRIPTS))
+from restarts import KILL_AT, RAISE_AT, STEPS
+
+#: One attempt's limit (--timeout) and the whole run's: two attempts and the launcher.
+ATTEMPT_TIMEOUT = 150
+RUN_TIMEOUT = 2 * ATTEMPT_TIMEOUT + 60
+
+
+def launch(mode: str, tmp_path) -> tuple[subprocess.CompletedProcess, str]:
+    """``restarts.py MODE`` under the launcher with ``--restarts 2``; its output, the chief's
+    final parameters' file."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "final.pt"
+    ckpt.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mpisync.launch", "--workers", "2", "--ps", "1",
+         "--restarts", "2", "--restart-backoff", "0", "--timeout", str(ATTEMPT_TIMEOUT), "--",
+         sys.executable, str(SCRIPTS / "restarts.py"), mode, str(ckpt), str(out)],
+        check=False, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+        env=dict(os.environ, MPISYNC_TIMEOUT="120", OMP_NUM_THREADS="1"))
+    return proc, str(out)
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The final parameters of a run that nothing stopped (a plain job)."""
+    tmp = tmp_path_factory.mktemp("unbroken")
+    (tmp / "ckpt").mkdir()
+    run_mpi("restarts.py", 2, 1, args=["none", tmp / "ckpt", tmp / "final.pt"])
+    return torch.load(tmp / "final.pt")
+
+
+@pytest.mark.parametrize("mode", ["kill-ps", "kill-chief",
+                                  pytest.param("kill-worker1", marks=pytest.mark.openmpi)])
+def test_a_killed_rank_restarts_the_job_which_resumes_bitwise(mode, tmp_path, unbroken):
+    proc, out = launch(mode, tmp_path)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "mpisync.launch: attempt 2 of 3: the job failed with exit status" in text, text
+    assert "no rank recorded an error" in text, text
+    assert "restarts.py: attempt 0 starts at global step 0" in text, text
+    last = (KILL_AT // 3) * 3                 # the newest checkpoint before the kill
+    assert f"restarts.py: attempt 1 starts at global step {last}" in text, text
+    assert "attempt 3" not in text and "restarts.py: attempt 2" not in text, text
+    final = torch.load(out)
+    assert sorted(final) == sorted(unbroken)
+    for name, value in unbroken.items():
+        assert torch.equal(final[name], value), (name, final[name] - value)
+
+
+@pytest.mark.openmpi
+def test_a_job_that_fails_the_same_way_twice_is_not_started_again(tmp_path):
+    proc, out = launch("raise", tmp_path)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text
+    assert "mpisync.launch: attempt 2 of 3:" in text, text
+    assert text.rstrip().splitlines()[-1].startswith(
+        "mpisync.launch: the job failed the same way twice (worker 0 (rank 0 on "), text
+    assert text.rstrip().endswith(
+        f"): RuntimeError: boom, at global step {RAISE_AT}): not starting it again "
+        "(a bug is not a fault)"), text
+    assert "restarts.py: attempt 1 starts at global step 3" in text, text
+    assert "attempt 3" not in text and "restarts.py: attempt 2" not in text, text
+    assert text.count(" -n 3 ") == 2, text          # two attempts started
+    assert not os.path.exists(out) and RAISE_AT < STEPS
