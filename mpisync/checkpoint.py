@@ -11,7 +11,14 @@ reads it without mpisync. It holds a dict::
      # a HashEmbedding's shards ("strategy": "hash") hold the rows they had, by id, and
      # "counters": {"count", "last"} per row and the shard's "clock"
      "table_index": {name: the table's number in the optimizer's state},
-     "extra": the user's extra, "workers": W, "ps": P, "mpisync_version": str}
+     "extra": the user's extra, "workers": W, "ps": P, "mpisync_version": str,
+     "schedulers": [{"class", "state"}, ...],   # the schedulers the optimizer adopted
+     "worker_states": [{"worker_index", "rng", "samplers"}, ...]}  # one per worker
+
+``mpisync.resumestate`` says what the last two hold (random number generators,
+``WorkerSampler`` positions, schedulers' ``state_dict()``): a resumed job draws the same
+batches and random numbers as one that never stopped. A file written before they existed
+loads as before.
 
 Embedding tables that live on the ps ranks are streamed into the file one shard at a
 time, never gathered whole in one process. Writes are atomic: a temporary file in the
@@ -39,12 +46,13 @@ import contextlib
 import os
 import re
 import time
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import ckptfile
+from . import ckptfile, resumestate
 from .ckptfile import FORMAT, VERSION
 from .errors import ConfigError
 from .protocol.state import check_state
@@ -105,7 +113,12 @@ def save(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptim
     Call on every worker, between steps (a collective over the workers); the chief
     writes the file, the others wait for it. ``extra`` is anything ``torch.load(...,
     weights_only=True)`` reads back: numbers, strings, tensors, lists, dicts (an epoch,
-    a data-loader position, RNG states, ``scheduler.state_dict()``).
+    a data-loader position).
+
+    Saved without being asked, for ``load`` to restore: every worker's random number
+    generators (torch's CPU one, CUDA's if initialised, NumPy's global one, Python's
+    ``random``) and the ``state_dict()`` of its live ``mpisync.WorkerSampler`` objects,
+    gathered to the chief; and the ``state_dict()`` of every scheduler built over ``opt``.
 
     Returns:
         The path written.
@@ -116,9 +129,11 @@ def save(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptim
     path = os.fspath(path)
     cluster = opt.cluster
     error = None
+    worker_states = cluster.worker_comm.gather(
+        resumestate.capture_worker(cluster.worker_index), root=0)
     if cluster.is_chief:
         try:
-            _write(path, model, opt, extra)
+            _write(path, model, opt, extra, worker_states)
         except Exception as exc:  # noqa: BLE001 (every worker raises it below)
             error = f"{type(exc).__name__}: {exc}"
     agree(cluster.worker_comm, error, lambda errors: errors[0] and OSError(
@@ -126,7 +141,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptim
     return path
 
 
-def _write(path: str, model, opt, extra) -> None:
+def _write(path: str, model, opt, extra, worker_states: list) -> None:
     state, values = opt.state_and_values(tables=False)
     order = opt.group_order()
     table_index = {t.name: order.index(t.name) for t in opt.spec.tables
@@ -148,7 +163,9 @@ def _write(path: str, model, opt, extra) -> None:
                   "tables": tables, "table_index": table_index, "extra": extra,
                   "workers": opt.cluster.num_workers,
                   "ps": opt.cluster.num_ps, "time": time.time(),
-                  "mpisync_version": ckptfile.mpisync_version()})
+                  "mpisync_version": ckptfile.mpisync_version(),
+                  "schedulers": resumestate.scheduler_states(opt),
+                  "worker_states": worker_states})
 
     ckptfile.atomic_write(path, fill)
 
@@ -213,7 +230,8 @@ def _verdict(path: str, model, opt) -> tuple[tuple, dict | None]:
     """The chief's verdict on the file at ``path``, for every worker; it never raises.
 
     Returns:
-        ``((None, model state, optimizer state, extra), the checkpoint)`` to load it, or
+        ``((None, model state, optimizer state, extra, schedulers), the checkpoint)`` to
+        load it (``schedulers`` None in a file without them), or
         ``((what is wrong with it, naming the file,), None)``.
     """
     try:
@@ -228,7 +246,8 @@ def _verdict(path: str, model, opt) -> tuple[tuple, dict | None]:
         return (ckptfile.malformed(path, exc),), None
     if problem:
         return (f"{path}: {problem}",), None
-    return (None, ck["model"], _without_tables(ck["optimizer"]), ck.get("extra")), ck
+    return (None, ck["model"], _without_tables(ck["optimizer"]), ck.get("extra"),
+            ck.get("schedulers")), ck
 
 
 def load(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptimizer) -> Any:
@@ -242,6 +261,13 @@ def load(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptim
     averages, the global step and the tables are then placed for this job (any number of
     ps ranks and workers).
 
+    Then what ``save`` saved without being asked is restored, where the file has it: the
+    state of each scheduler built over ``opt`` (build them, in the same order, before
+    loading), and on every worker its own random number generators and the positions of
+    its live ``WorkerSampler`` objects (built before loading, in the same order). A job
+    with another number of workers than the saved one restores the schedulers only, and
+    the chief warns that the per-worker states were left out.
+
     Raises:
         ConfigError: the file cannot be loaded into this model and optimizer.
     """
@@ -253,13 +279,38 @@ def load(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptim
     payload = cluster.worker_comm.bcast(payload, root=0)
     if payload[0] is not None:
         raise ConfigError(f"{cluster.label}: mpisync.load(): {payload[0]}", collective=True)
-    _, model_state, opt_state, extra = payload
+    _, model_state, opt_state, extra, schedulers = payload
     model.load_state_dict(model_state)
     if cluster.is_chief:
         assert ck is not None            # the chief's verdict was to load it
         _place_tables(ck["tables"], opt)
     opt.load_state_dict(opt_state)
+    if schedulers is not None:
+        resumestate.restore_schedulers(opt, schedulers, cluster.label)
+    entries = _worker_entries(ck, path, cluster) if cluster.is_chief else None
+    entry = cluster.worker_comm.scatter(entries, root=0)
+    if entry is not None:
+        resumestate.restore_worker(entry, cluster.label)
     return extra
+
+
+def _worker_entries(ck: dict | None, path: str, cluster) -> list:
+    """The chief's list for the scatter of the saved per-worker states: one per worker,
+    or Nones (a file without them, or saved by another number of workers: a warning)."""
+    assert ck is not None
+    saved = ck.get("worker_states")
+    if isinstance(saved, list) and len(saved) == cluster.num_workers:
+        if all(isinstance(e, dict) and isinstance(e.get("rng"), dict) for e in saved):
+            return saved
+        warnings.warn(f"{cluster.label}: {path}: malformed per-worker states, not "
+                      f"restored", stacklevel=3)
+        return [None] * cluster.num_workers
+    if saved is not None:
+        warnings.warn(f"{cluster.label}: {path} was saved by {ck.get('workers')} workers, this "
+                      f"job has {cluster.num_workers}: the schedulers are restored, the "
+                      f"per-worker states (random number generators, WorkerSampler "
+                      f"positions) are not", stacklevel=3)
+    return [None] * cluster.num_workers
 
 
 def _without_tables(state: dict) -> dict:
@@ -320,7 +371,11 @@ class Checkpointer:
     ``every_steps`` global steps passed since the last save, or (the chief's clock)
     ``every_seconds``; with ``every_seconds`` each call is a small collective over the
     workers, so that they agree. ``resume()`` loads the newest complete checkpoint, if
-    there is one, and returns its ``extra`` (None otherwise).
+    there is one, and returns its ``extra`` (None otherwise): with the model and the
+    optimizer it restores the schedulers built over the optimizer, every worker's random
+    number generators and its ``WorkerSampler`` positions (see ``load``), so build those
+    before calling it; a job resumed so draws the same batches and random numbers as
+    one that never stopped.
 
     Args:
         directory: where the checkpoints are written (by the chief) and looked for.

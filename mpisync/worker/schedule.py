@@ -244,6 +244,11 @@ class Schedules:
             if record is not None:
                 record.top_level = False
 
+    def schedulers(self) -> list[lr_scheduler.LRScheduler]:
+        """The top-level adopted schedulers alive, in the order they were adopted (what a
+        checkpoint saves and restores; a composite's children are in its own state)."""
+        return [s for s, record in self._records.items() if record.top_level]
+
     def note_step(self, global_step: int) -> None:
         """Record the end of one ``opt.step()``; ``global_step`` is the global step now.
 

@@ -1,0 +1,219 @@
+"""What a checkpoint carries for an exact resume, in one process: a WorkerSampler's
+position, the random number generators' states as plain values, and a save and resume
+through a real SyncReplicasOptimizer whose ps 0 is this process too (``test_refusals.OneRank``)
+that goes on bitwise as a run never stopped (parameters, learning rate, random draws,
+sampled indices).
+"""
+from __future__ import annotations
+
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from test_refusals import OneRank
+
+import mpisync
+from mpisync import resumestate
+from mpisync.data import WorkerSampler, live_samplers
+
+
+# -- WorkerSampler ---------------------------------------------------------------------------
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_a_loaded_sampler_goes_on_where_the_saved_one_stood(shuffle, drop_last):
+    dataset = range(23)
+    saved = WorkerSampler(dataset, 3, 0, shuffle=shuffle, seed=5, drop_last=drop_last)
+    saved.set_epoch(4)
+    whole = list(saved)
+    assert len(whole) == len(saved) == (7 if drop_last else 8)
+    it = iter(saved)
+    first = [next(it) for _ in range(3)]
+    state = saved.state_dict()
+    assert state == {"epoch": 4, "seed": 5, "position": 3}
+    assert first == whole[:3]
+
+    loaded = WorkerSampler(dataset, 3, 0, shuffle=shuffle, seed=0, drop_last=drop_last)
+    loaded.load_state_dict(state)
+    assert loaded.state_dict() == state          # saved again before iterating: the same
+    loaded.set_epoch(4)                          # the same epoch: the position stays
+    assert list(loaded) == whole[3:]
+    assert loaded.state_dict()["position"] == len(whole)
+    assert list(loaded) == whole                 # the next pass of the epoch: all of it
+
+    loaded.load_state_dict(state)
+    loaded.set_epoch(5)                          # another epoch starts at its beginning
+    assert loaded.state_dict() == {"epoch": 5, "seed": 5, "position": 0}
+    fresh = WorkerSampler(dataset, 3, 0, shuffle=shuffle, seed=5, drop_last=drop_last)
+    fresh.set_epoch(5)
+    assert list(loaded) == list(fresh)
+
+
+def test_drop_last_shares_are_skipped_within_their_own_length():
+    sampler = WorkerSampler(range(10), 3, 0, shuffle=False, drop_last=True)
+    assert list(sampler) == [0, 3, 6]
+    sampler.load_state_dict({"epoch": 0, "seed": 0, "position": 2})
+    assert list(sampler) == [6]
+    sampler.load_state_dict({"epoch": 0, "seed": 0, "position": 9})     # past the end
+    assert list(sampler) == []
+
+
+def test_a_sampler_state_with_a_bad_entry_is_refused_naming_it():
+    sampler = WorkerSampler(range(4), 1, 0)
+    with pytest.raises(ValueError, match="'position' must be an int >= 0, got -1"):
+        sampler.load_state_dict({"epoch": 0, "seed": 0, "position": -1})
+    with pytest.raises(ValueError, match="'seed' must be an int >= 0, got None"):
+        sampler.load_state_dict({"epoch": 0, "position": 0})
+
+
+def test_live_samplers_are_found_in_creation_order_and_forgotten_when_gone():
+    before = live_samplers()
+    a, b = WorkerSampler(range(4), 1, 0), WorkerSampler(range(5), 1, 0)
+    assert live_samplers() == [*before, a, b]
+    del a
+    assert live_samplers() == [*before, b]
+
+
+# -- generators' states as plain values ------------------------------------------------------
+def test_numpy_and_random_states_round_trip_as_plain_values():
+    np.random.seed(3)
+    np.random.standard_normal()                  # a cached gaussian in the state
+    state = resumestate.encode_numpy(np.random.get_state())
+    assert isinstance(state["key"], list) and all(type(k) is int for k in state["key"])
+    expected = np.random.random_sample(4)
+    np.random.set_state(resumestate.decode_numpy(state))
+    assert np.array_equal(np.random.random_sample(4), expected)
+
+    random.seed(7)
+    random.gauss(0, 1)
+    state = resumestate.encode_random(random.getstate())
+    assert state["version"] == 3 and all(type(v) is int for v in state["internal"])
+    assert resumestate.decode_random(state) == random.getstate()
+
+
+def test_captured_generators_survive_weights_only_load(tmp_path):
+    state = resumestate.capture_worker(0)
+    torch.save(state, tmp_path / "s.pt")
+    back = torch.load(tmp_path / "s.pt", weights_only=True)
+    expected = (torch.rand(3), np.random.random_sample(3), random.random())
+    resumestate.restore_rng(back["rng"])
+    again = (torch.rand(3), np.random.random_sample(3), random.random())
+    assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1])
+    assert expected[2] == again[2]
+
+
+# -- save and resume through a real optimizer ------------------------------------------------
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 2)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.b(self.drop(torch.tanh(self.a(x))))
+
+
+DATA = torch.randn(40, 6, generator=torch.Generator().manual_seed(0))
+
+
+def _build(rank: OneRank):
+    torch.manual_seed(11)
+    net = Net()
+    opt = rank.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    sampler = WorkerSampler(DATA, 1, 0, shuffle=True, seed=4)
+    return net, opt, sched, sampler
+
+
+def _train(net, opt, sched, sampler, steps: int, it) -> list:
+    """``steps`` steps on batches of 4 from ``it``; what each drew and where it ended."""
+    seen = []
+    for _ in range(steps):
+        batch = [next(it) for _ in range(4)]
+        extra = (torch.rand(1).item(), float(np.random.random_sample()), random.random())
+        opt.zero_grad()
+        net(DATA[batch]).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+        seen.append((batch, extra, opt.param_groups[0]["lr"],
+                     [p.detach().clone() for p in net.parameters()]))
+    return seen
+
+
+def _same(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for (batch, extra, lr, params), (batch2, extra2, lr2, params2) in zip(a, b):
+        assert batch == batch2 and extra == extra2 and lr == lr2
+        assert all(torch.equal(p, q) for p, q in zip(params, params2))
+
+
+def test_a_resumed_run_draws_and_trains_bitwise_as_one_never_stopped(tmp_path):
+    rank = OneRank()
+    rank.cluster.worker_comm = rank.worker_comm      # what save and load talk over
+    try:
+        torch.manual_seed(1)
+        np.random.seed(1)
+        random.seed(1)
+        net, opt, sched, sampler = _build(rank)
+        sampler.set_epoch(0)
+        it = iter(sampler)
+        _train(net, opt, sched, sampler, 3, it)
+        ckpt = mpisync.Checkpointer(tmp_path, net, opt)
+        path = ckpt.save()
+        recorded = _train(net, opt, sched, sampler, 3, it)
+        opt.close()
+        del net, opt, sched, sampler, it
+
+        torch.manual_seed(99)                        # every generator moved elsewhere
+        np.random.seed(99)
+        random.seed(99)
+        net, opt, sched, sampler = _build(rank)
+        assert len(live_samplers()) == 1
+        ckpt = mpisync.Checkpointer(tmp_path, net, opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ckpt.resume()
+        assert opt.global_step == 3 and sampler.state_dict()["position"] == 12
+        sampler.set_epoch(0)
+        resumed = _train(net, opt, sched, sampler, 3, iter(sampler))
+        _same(resumed, recorded)
+
+        saved = torch.load(path, weights_only=True)
+        assert [s["class"] for s in saved["schedulers"]] == ["StepLR"]
+        assert saved["worker_states"][0]["samplers"] == [
+            {"epoch": 0, "seed": 4, "position": 12}]
+        assert saved["worker_states"][0]["rng"]["torch"].dtype == torch.uint8
+    finally:
+        rank.end()
+
+
+@pytest.mark.filterwarnings("ignore:.*were written after the last step")
+def test_another_number_of_workers_restores_the_schedulers_and_warns(tmp_path):
+    rank = OneRank()
+    rank.cluster.worker_comm = rank.worker_comm
+    try:
+        net, opt, sched, sampler = _build(rank)
+        _train(net, opt, sched, sampler, 3, iter(sampler))
+        path = mpisync.save(tmp_path / "c.pt", net, opt)
+        last_epoch = sched.last_epoch
+        ck = torch.load(path, weights_only=True)
+        ck["worker_states"].append(ck["worker_states"][0])      # as if saved by 2 workers
+        ck["workers"] = 2
+        torch.save(ck, path)
+        opt.close()
+        del net, opt, sched, sampler
+
+        net, opt, sched, sampler = _build(rank)
+        with pytest.warns(UserWarning, match=f"{path} was saved by 2 workers, this job "
+                          f"has 1: the schedulers are restored, the per-worker states"):
+            mpisync.load(path, net, opt)
+        assert sched.last_epoch == last_epoch and sampler.state_dict()["position"] == 0
+
+        del ck["worker_states"], ck["schedulers"]                # a file written before
+        torch.save(ck, path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mpisync.load(path, net, opt)
+    finally:
+        rank.end()
