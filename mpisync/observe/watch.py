@@ -57,10 +57,15 @@ class Progress:
     steps and one at ``close()``. ``enabled=False``, or ``MPISYNC_PROGRESS=0`` in the
     environment, turns it off; ``MPISYNC_PROGRESS=N`` sets ``every``.
 
+    The count starts at ``opt.global_step``: made after ``Checkpointer.resume()``, it goes
+    on from the step the run resumed at (``step 1001/2000`` after resuming at 1000),
+    and ``total`` is the whole run's.
+
     Args:
         opt: the ``SyncReplicasOptimizer``; every ``opt.step()`` counts one step (a torch
             step post-hook), whether or not its gradient was taken.
-        total: the steps this worker will take, for the bar's length and ETA.
+        total: the steps of the whole run (counted from 0, not from the step a resumed
+            run starts at), for the bar's length and ETA.
         batch_size: examples in this worker's batch; examples/s counts the examples of
             the gradients applied per second (``replicas_to_aggregate`` gradients a
             global step), each with the chief's batch size (or ``report(examples=)``).
@@ -81,7 +86,7 @@ class Progress:
         self.batch_size = batch_size
         self.desc = desc
         self.active = bool(enabled) and opt.cluster.is_chief
-        self.steps = 0
+        self.steps = max(opt.global_step, 0)        # a resumed run counts on from there
         self._hook = None
         self._bar = None
         if not self.active:
@@ -95,7 +100,7 @@ class Progress:
         self._examples = 0
         self._examples_steps = 0
         self._start = self._shown_at = time.perf_counter()
-        self._shown_steps = 0
+        self._shown_steps = self.steps
         self._shown_global = max(opt.global_step, 0)
         self._due = False              # shown at the next report() (with this step's loss)
         if _is_terminal(self.file):
@@ -105,7 +110,7 @@ class Progress:
                 tqdm = None
             if tqdm is not None:
                 self._bar = tqdm(total=total, desc=desc, unit="step", file=self.file,
-                                 dynamic_ncols=True, mininterval=0.25)
+                                 dynamic_ncols=True, mininterval=0.25, initial=self.steps)
         self._hook = opt.register_step_post_hook(self._on_step)
 
     # -- what the training loop calls -----------------------------------------------------

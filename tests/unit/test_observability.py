@@ -147,3 +147,16 @@ def test_progress_lines_every_n_steps_and_off_by_one_flag(monkeypatch):
     Progress(opt, every=1, file=out)
     opt.step()
     assert out.getvalue() == "" and not opt.hooks    # other workers show nothing
+
+
+def test_progress_made_after_a_resume_counts_on_from_the_global_step(monkeypatch):
+    monkeypatch.delenv("MPISYNC_PROGRESS", raising=False)
+    opt, out = _FakeOptimizer(), io.StringIO()
+    opt.global_step = 1000                           # as Checkpointer.resume() left it
+    with Progress(opt, total=1003, every=2, file=out) as progress:
+        for _ in range(3):
+            opt.step()
+            progress.report()
+    lines = out.getvalue().splitlines()
+    assert [re.search(r"step (\d+)/1003  global step (\d+)", s).groups() for s in lines] \
+        == [("1002", "1002"), ("1003", "1003")]
