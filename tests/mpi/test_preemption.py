@@ -53,7 +53,7 @@ def test_sigusr1_stops_with_a_checkpoint_and_status_75_and_the_job_resumes(tmp_p
     text = again.stdout + again.stderr
     assert again.returncode == 0, text
     assert f"preemption.py: starts at global step {step}" in text, text
-    assert text.count('"global_step": %d' % STEPS) == 2, text
+    assert text.count(f'"global_step": {STEPS}') == 2, text
 
 
 def test_sigterm_to_every_rank_without_a_checkpointer_ends_the_job(tmp_path):
