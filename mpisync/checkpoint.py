@@ -317,6 +317,13 @@ def latest(directory: str | os.PathLike) -> str | None:
     return None
 
 
+def _lockstep(opt) -> bool:
+    """Whether every worker's ``step()`` is one global step (strict synchronous training),
+    so that the workers call ``maybe_save()`` equally often."""
+    spec = opt.spec
+    return spec.replicas_to_aggregate == spec.num_workers and not spec.asynchronous
+
+
 class Checkpointer:
     """Periodic checkpoints ``ckpt-<global step>.pt`` in a directory, the newest ``keep``.
 
@@ -331,7 +338,10 @@ class Checkpointer:
     any worker got one, the next ``maybe_save()`` saves on every worker, closes the
     optimizer and raises ``SystemExit(mpisync.environ.PREEMPTED_EXIT)`` (75) on every
     worker; the chief says so in one line. ``maybe_save()`` is then one small collective
-    over the workers per call.
+    over the workers per call. With backup workers, K-batch or asynchronous updates a
+    worker's ``step()`` calls do not line up with the others', so without
+    ``every_seconds`` the workers meet only where ``every_steps`` makes a checkpoint due:
+    a signal takes effect there.
 
     Args:
         directory: where the checkpoints are written (by the chief) and looked for.
@@ -396,6 +406,10 @@ class Checkpointer:
             self.last_step // self.every_steps
         if self.every_seconds is not None:
             due = due or time.monotonic() - self.last_time >= self.every_seconds
+        elif not due and not _lockstep(self.opt):
+            # backup workers, K-batch or asynchronous: workers' step() calls do not line
+            # up, so they meet only where a checkpoint is due (each reaches it once)
+            return False, None
         said = self.opt.cluster.worker_comm.allgather((due, stopping.received()))
         return said[0][0], next((s for _, s in said if s is not None), None)
 
