@@ -45,6 +45,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -54,9 +56,11 @@ import torch
 
 from . import ckptfile, resumestate
 from .ckptfile import FORMAT, VERSION
+from .environ import PREEMPTED_EXIT
 from .errors import ConfigError
 from .protocol.state import check_state
 from .protocol.tables import table_info
+from .runtime import stopping
 from .runtime.agreement import agree
 from .tables import reshard
 from .tables.hashtables import check_saved_hash_table, place_hash_table
@@ -364,6 +368,13 @@ def latest(directory: str | os.PathLike) -> str | None:
     return None
 
 
+def _lockstep(opt) -> bool:
+    """Whether every worker's ``step()`` is one global step (strict synchronous training),
+    so that the workers call ``maybe_save()`` equally often."""
+    spec = opt.spec
+    return spec.replicas_to_aggregate == spec.num_workers and not spec.asynchronous
+
+
 class Checkpointer:
     """Periodic checkpoints ``ckpt-<global step>.pt`` in a directory, the newest ``keep``.
 
@@ -376,6 +387,16 @@ class Checkpointer:
     number generators and its ``WorkerSampler`` positions (see ``load``), so build those
     before calling it; a job resumed so draws the same batches and random numbers as
     one that never stopped.
+
+    Preemption and time limits: a worker's Checkpointer (made in the main thread) installs
+    flag-only handlers for SIGTERM, SIGUSR1 and SIGUSR2 until the optimizer closes. When
+    any worker got one, the next ``maybe_save()`` saves on every worker, closes the
+    optimizer and raises ``SystemExit(mpisync.environ.PREEMPTED_EXIT)`` (75) on every
+    worker; the chief says so in one line. ``maybe_save()`` is then one small collective
+    over the workers per call. With backup workers, K-batch or asynchronous updates a
+    worker's ``step()`` calls do not line up with the others', so without
+    ``every_seconds`` the workers meet only where ``every_steps`` makes a checkpoint due:
+    a signal takes effect there.
 
     Args:
         directory: where the checkpoints are written (by the chief) and looked for.
@@ -416,6 +437,8 @@ class Checkpointer:
         self.keep, self.every_steps, self.every_seconds = keep, every_steps, every_seconds
         self.last_step = opt.global_step
         self.last_time = time.monotonic()
+        if not opt.closed and stopping.install():     # until the optimizer closes
+            opt._hooks.on_remove(stopping.release)
 
     def path(self, step: int) -> str:
         """The file of the checkpoint at global step ``step``: ``<directory>/ckpt-<step>.pt``
@@ -426,24 +449,42 @@ class Checkpointer:
         """Whether a checkpoint is due now: ``every_steps`` global steps passed since the
         last save (or load), or the chief's clock says ``every_seconds`` did.
 
-        With ``every_seconds`` it is a collective over the workers (the chief's answer is
-        broadcast, so every worker saves or none does): call it on every worker, as
-        ``maybe_save()`` does. Without it every worker computes the same answer from the
-        global step alone.
+        A collective over the workers (the chief's answer is broadcast, so every worker
+        saves or none does): call it on every worker, as ``maybe_save()`` does.
         """
+        return self._agree()[0]
+
+    def _agree(self) -> tuple[bool, int | None]:
+        """(due, the signal a worker got or None), agreed by the workers in one gather."""
         step = self.opt.global_step
         due = self.every_steps is not None and step // self.every_steps > \
             self.last_step // self.every_steps
         if self.every_seconds is not None:
-            late = time.monotonic() - self.last_time >= self.every_seconds
-            due = self.opt.cluster.worker_comm.bcast(due or late, root=0)
-        return due
+            due = due or time.monotonic() - self.last_time >= self.every_seconds
+        elif not due and not _lockstep(self.opt):
+            # backup workers, K-batch or asynchronous: workers' step() calls do not line
+            # up, so they meet only where a checkpoint is due (each reaches it once)
+            return False, None
+        said = self.opt.cluster.worker_comm.allgather((due, stopping.received()))
+        return said[0][0], next((s for _, s in said if s is not None), None)
 
     def maybe_save(self, extra: Any = None) -> str | None:
-        """Save if one is due (call on every worker after each step); the path or None."""
-        if not self.due():
-            return None
-        return self.save(extra)
+        """Save if one is due (call on every worker after each step); the path or None.
+
+        Raises:
+            SystemExit: ``PREEMPTED_EXIT`` on every worker, once a worker was sent SIGTERM,
+                SIGUSR1 or SIGUSR2: after saving and closing the optimizer.
+        """
+        due, signum = self._agree()
+        if signum is None:
+            return self.save(extra) if due else None
+        path, step = self.save(extra), self.opt.global_step
+        self.opt.close()
+        if self.opt.cluster.is_chief:
+            print(f"mpisync: stopped by {signal.Signals(signum).name} at global step "
+                  f"{step}; checkpoint {path}; exit status {PREEMPTED_EXIT}",
+                  file=sys.stderr, flush=True)
+        raise SystemExit(PREEMPTED_EXIT)
 
     def save(self, extra: Any = None) -> str:
         """Save now (every worker), then remove all but the newest ``keep``."""

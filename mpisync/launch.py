@@ -563,6 +563,9 @@ def explain_status(status: int, flavor: str, survive_worker_loss: bool = False) 
     if survive_worker_loss and status == LOST_WORKERS_EXIT:
         return (f"the job trained to its end but lost workers (exit status {status}); the "
                 f"ps ranks named them above, and opt.stats['workers_lost'] lists them")
+    if status == PREEMPTED_EXIT:
+        return (f"the job stopped after a signal (exit status {status}): the chief wrote a "
+                f"checkpoint, named above; start it again to resume (--restarts does)")
     text = f"the job failed with exit status {status}"
     signum = status - 128 if status > 128 else status if flavor == "mpich" else None
     try:

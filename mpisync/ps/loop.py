@@ -1,6 +1,7 @@
 """The ps serve loop: a shard server per optimizer and, on ps 0, its coordinator."""
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -12,6 +13,7 @@ from ..observe import timeline
 from ..protocol.compare import versions
 from ..protocol.spec import decode
 from ..protocol.wire import ControlField, Kind, Tag
+from ..runtime import stopping
 from ..runtime.progress import SETUP_TIMEOUT, STALL_WARNING, Pace, Poller, spin_seconds
 from ..runtime.survival import improbe
 from . import heap
@@ -232,6 +234,8 @@ def serve(cluster) -> dict | list[dict]:
     heap.keep()                     # the optimizer's temporaries: no page faults each step
     # the row kernels' threads (MPISYNC_PS_THREADS, init() checked it on every rank)
     rowthreads.start(rowthreads.threads_for(cluster.local_cores, cluster.local_ranks))
+    noticed = 0.0                   # when this rank noticed a signal (0: none yet)
+    flagging = stopping.install()   # SIGTERM, SIGUSR1, SIGUSR2: the workers stop, then this
     try:
         while not serving.over:
             if serving.turn():
@@ -241,12 +245,30 @@ def serve(cluster) -> dict | list[dict]:
                 last_progress, warned_at = time.monotonic(), STALL_WARNING
                 continue
             poller.idle()
-            warned_at = serving.check_idle(time.monotonic() - last_progress, warned_at)
+            idle_s = time.monotonic() - last_progress
+            if stopping.received() is not None:
+                noticed = noticed or time.monotonic()
+                _check_stopped(cluster.label, time.monotonic() - max(last_progress, noticed))
+            warned_at = serving.check_idle(idle_s, warned_at)
     finally:
+        if flagging:
+            stopping.release()
         rowthreads.close()
         heap.release()
     stats = [s for _, s in sorted(serving.results, key=lambda r: r[0])]
     return stats[0] if len(stats) == 1 else stats
+
+
+def _check_stopped(label: str, quiet_s: float) -> None:
+    """After a signal, the workers stop politely (``mpisync.Checkpointer``) and leave; when
+    nothing comes from them for ``MPISYNC_STALL_WARNING`` seconds since (``quiet_s``) they
+    are not doing so (a program without a Checkpointer dies of the signal): end the job."""
+    signum = stopping.received()
+    if signum is not None and quiet_s > STALL_WARNING:
+        raise RuntimeError(
+            f"{label}: sent {signal.Signals(signum).name}, and nothing came from the workers "
+            f"for {STALL_WARNING:g} s (MPISYNC_STALL_WARNING) since: they are not stopping "
+            f"politely (only a program with an mpisync.Checkpointer does); ending the job")
 
 
 def _import_what_the_optimizer_needs() -> None:

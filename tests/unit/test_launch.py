@@ -89,6 +89,13 @@ def test_survive_worker_loss_asks_for_fault_tolerance_where_the_mpi_has_it(flavo
         "the job trained to its end but lost workers (exit status 3)")
 
 
+@pytest.mark.parametrize("flavor", ["openmpi", "mpich", "intel"])
+def test_a_job_stopped_by_a_signal_is_explained_as_such(flavor):
+    assert explain_status(75, flavor) == (
+        "the job stopped after a signal (exit status 75): the chief wrote a checkpoint, "
+        "named above; start it again to resume (--restarts does)")
+
+
 # --- mpiexec_command: MPICH / Intel (Hydra) -----------------------------------------------
 
 

@@ -1,0 +1,74 @@
+"""Stopping politely: flag-only handlers for SIGTERM, SIGUSR1 and SIGUSR2.
+
+A preemption or a time limit's warning (Slurm's ``--signal=B:USR1@120``, ``scancel
+--signal``, ``kill``) must not end a rank in the middle of a step: the handlers installed
+here only note the signal. A worker's ``mpisync.Checkpointer`` reads the note after each
+step, the workers agree that one of them was signalled, the chief saves and every worker
+exits with ``PREEMPTED_EXIT``; a ps rank serves on until every worker has left.
+
+The handlers are counted: each ``install()`` that succeeded takes a share and each
+``release()`` gives one back; the last one out restores the handlers that were there
+before. Signals can be handled only by the main thread: elsewhere ``install()`` does
+nothing and says so.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+__all__ = ["SIGNALS", "install", "installed", "received", "release", "reset"]
+
+#: The signals that ask a job to stop politely.
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+_previous: dict[int, Any] = {}
+_shares = 0
+_received: list[int] = []
+
+
+def _note(signum: int, frame: object) -> None:
+    """The handler: note the signal, nothing else (it runs between two bytecodes)."""
+    _received.append(signum)
+
+
+def install() -> bool:
+    """Take a share of the flag-only handlers, installing them if none is held; whether
+    this call took one (False off the main thread, where signals cannot be handled)."""
+    global _shares
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if _shares == 0:
+        for signum in SIGNALS:
+            _previous[signum] = signal.signal(signum, _note)
+    _shares += 1
+    return True
+
+
+def release() -> None:
+    """Give back one share; the last restores the handlers found by the first
+    ``install()`` and forgets what was received. Call from the main thread."""
+    global _shares
+    if _shares == 0:
+        return
+    _shares -= 1
+    if _shares == 0:
+        for signum, handler in _previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        _previous.clear()
+        _received.clear()
+
+
+def installed() -> bool:
+    """Whether the flag-only handlers are in place."""
+    return _shares > 0
+
+
+def received() -> int | None:
+    """The first signal noted since the handlers were installed, or None."""
+    return _received[0] if _received else None
+
+
+def reset() -> None:
+    """Forget the signals noted so far (the handlers stay)."""
+    _received.clear()

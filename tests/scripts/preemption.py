@@ -1,0 +1,71 @@
+"""A job stopped by a signal: it saves, exits with PREEMPTED_EXIT, and resumes.
+
+``preemption.py MODE DIR``, 2 workers and 1 ps, the data of ``restarts.py`` (each worker's
+batch at global step t drawn from a generator seeded with t):
+
+- ``usr1``: with a ``Checkpointer`` on DIR, resuming from its newest checkpoint; in a run
+  that starts at global step 0, worker 1 sends SIGUSR1 to itself after the backward pass of
+  global step SIGNAL_AT. Trains to STEPS otherwise.
+- ``term``: no Checkpointer; worker 0 sends SIGTERM to its process group (every rank and
+  ``mpiexec``) at global step SIGNAL_AT and trains on: the job must end, not stall.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import torch
+from common import emit, model
+from restarts import STEPS, batch
+
+import mpisync
+
+SIGNAL_AT = 5
+
+
+def worker(cluster, args) -> dict:
+    w = cluster.worker_index
+    m = model(hidden=8)
+    opt = mpisync.SyncReplicasOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=m.named_parameters(), deterministic=True)
+    ckpt = mpisync.Checkpointer(args.dir, m, opt, every_steps=100) if args.mode == "usr1" \
+        else None
+    if ckpt is not None:
+        ckpt.resume()
+    started_at = opt.global_step
+    if w == 0:
+        print(f"preemption.py: starts at global step {started_at}", flush=True)
+    steps = STEPS if ckpt is not None else 10**6
+    while opt.global_step < steps:
+        t = opt.global_step
+        x, y = batch(t, w)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        if started_at == 0 and t == SIGNAL_AT:
+            if args.mode == "usr1" and w == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            elif args.mode == "term" and w == 0:
+                os.killpg(os.getpgid(0), signal.SIGTERM)
+        opt.step()
+        if ckpt is not None:
+            ckpt.maybe_save()
+    opt.close()
+    return {"started_at": started_at, "global_step": opt.global_step}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="preemption.py")
+    p.add_argument("mode", choices=("usr1", "term"))
+    p.add_argument("dir")
+    args = p.parse_args()
+    cluster = mpisync.init()
+    if cluster.is_ps:
+        cluster.serve()
+        return
+    emit(role="worker", worker=cluster.worker_index, **worker(cluster, args))
+
+
+if __name__ == "__main__":
+    main()

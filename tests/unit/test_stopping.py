@@ -1,0 +1,75 @@
+"""The flag-only signal handlers of a polite stop (``mpisync.runtime.stopping``), in one
+process: installed and counted, noting signals instead of dying, restored by the last
+share given back; and a ps rank that ends the job when the workers do not stop."""
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+
+from mpisync.ps.loop import _check_stopped
+from mpisync.runtime import stopping
+from mpisync.runtime.progress import STALL_WARNING
+
+
+@pytest.fixture
+def own_handlers():
+    """Handlers of this test's own for the three signals; put back as they were after."""
+    seen: list[int] = []
+
+    def mine(signum, frame):
+        seen.append(signum)
+
+    before = {s: signal.signal(s, mine) for s in stopping.SIGNALS}
+    yield mine, seen
+    while stopping.installed():
+        stopping.release()
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+def test_the_handlers_note_each_signal_and_the_last_share_restores_the_previous(own_handlers):
+    mine, seen = own_handlers
+    assert stopping.received() is None and not stopping.installed()
+    assert stopping.install() and stopping.install()           # two shares
+    assert all(signal.getsignal(s) is not mine for s in stopping.SIGNALS)
+    signal.raise_signal(signal.SIGUSR1)
+    signal.raise_signal(signal.SIGTERM)                        # noted, not fatal
+    assert stopping.received() == signal.SIGUSR1 and seen == []
+    stopping.release()
+    assert stopping.installed() and stopping.received() == signal.SIGUSR1
+    stopping.reset()
+    assert stopping.received() is None
+    signal.raise_signal(signal.SIGUSR2)
+    assert stopping.received() == signal.SIGUSR2
+    stopping.release()                                         # the last share
+    assert not stopping.installed() and stopping.received() is None
+    assert all(signal.getsignal(s) is mine for s in stopping.SIGNALS)
+    signal.raise_signal(signal.SIGUSR1)
+    assert seen == [signal.SIGUSR1] and stopping.received() is None
+    stopping.release()                                         # nothing held: nothing done
+    assert signal.getsignal(signal.SIGUSR1) is mine
+
+
+def test_off_the_main_thread_nothing_is_installed(own_handlers):
+    mine, _ = own_handlers
+    took: list[bool] = []
+    t = threading.Thread(target=lambda: took.append(stopping.install()))
+    t.start()
+    t.join()
+    assert took == [False] and not stopping.installed()
+    assert signal.getsignal(signal.SIGTERM) is mine
+
+
+def test_a_ps_rank_ends_the_job_when_the_workers_do_not_stop_after_a_signal(own_handlers):
+    stopping.install()
+    _check_stopped("ps 0 (rank 2 on h)", STALL_WARNING * 10)   # no signal: serve on
+    signal.raise_signal(signal.SIGTERM)
+    _check_stopped("ps 0 (rank 2 on h)", STALL_WARNING / 2)    # the workers may be saving
+    with pytest.raises(RuntimeError) as err:
+        _check_stopped("ps 0 (rank 2 on h)", STALL_WARNING + 1)
+    assert str(err.value) == (
+        f"ps 0 (rank 2 on h): sent SIGTERM, and nothing came from the workers for "
+        f"{STALL_WARNING:g} s (MPISYNC_STALL_WARNING) since: they are not stopping politely "
+        f"(only a program with an mpisync.Checkpointer does); ending the job")
