@@ -9,6 +9,13 @@ rank's file into ``path`` (``{"traceEvents": [...]}``, plain JSON) and removes t
 it in https://ui.perfetto.dev or chrome://tracing. After a crash, ``python -m
 mpisync.stats --timeline path.json`` merges whatever the ranks left.
 
+A job started again (``MPISYNC_ATTEMPT`` above 0) appends: each rank's file keeps what
+an earlier attempt left in it, the merge keeps the events already in ``path`` before
+the new ones, and each rank's first event of the attempt (after its track's names) is an
+instant ``attempt`` with ``{"attempt", "global_step"}``: the global step of its first
+recorded step (the one a resumed job starts from; null if it recorded none). The first
+attempt truncates, as a job that is never started again does.
+
 ``MPISYNC_TIMELINE_MAX_MB`` caps each rank's file (default: no cap): a rank that reaches
 it records a last event, ``timeline full``, closes its file and stops recording.
 
@@ -53,13 +60,19 @@ class Timeline:
         path: the merged trace's path; this rank writes ``rank_path(path, rank)``.
         rank: the track (Chrome's ``pid``); ``size``: how many ranks write one.
         label: the track's name, e.g. ``worker 1 (rank 1 on n1)``.
+        attempt: which attempt at the job this is (``MPISYNC_ATTEMPT``): above 0, the
+            files are appended to and the attempt is marked.
     """
 
     def __init__(self, path: str, rank: int, size: int, label: str,
-                 thread: str = "steps"):
+                 thread: str = "steps", attempt: int = 0):
         self.path, self.rank, self.size = path, rank, size
+        self.attempt = attempt
         self.file_path = rank_path(path, rank)
-        self._file = open(self.file_path, "w", encoding="utf-8")  # noqa: SIM115 (until close())
+        self._file = open(self.file_path, "a" if attempt else "w",  # noqa: SIM115 (until close())
+                          encoding="utf-8")
+        # held until the attempt's first step says where it starts (then written first)
+        self._marker_at: float | None = time.perf_counter() if attempt else None
         self._lines: list[str] = []
         self._offset = time.time() - time.perf_counter()     # perf_counter s -> epoch s
         self._flushed_at = time.perf_counter()
@@ -81,6 +94,8 @@ class Timeline:
 
     def span(self, name: str, start: float, end: float, step: int, tid: int = 0) -> None:
         """A complete event from ``start`` to ``end`` (``perf_counter`` seconds)."""
+        if self._marker_at is not None and step >= 0:
+            self._mark_attempt(step)
         self._lines.append(_SPAN % (name, self.rank, tid, (start + self._offset) * 1e6,
                                     (end - start) * 1e6, step))
         if len(self._lines) >= FLUSH_EVENTS or end - self._flushed_at > FLUSH_SECONDS:
@@ -93,6 +108,14 @@ class Timeline:
         if len(self._lines) >= FLUSH_EVENTS or t - self._flushed_at > FLUSH_SECONDS:
             self.flush(t)
 
+    def _mark_attempt(self, global_step: int | None) -> None:
+        """The attempt's marker, before every event it held back."""
+        at, self._marker_at = self._marker_at, None
+        assert at is not None
+        args = json.dumps({"attempt": self.attempt, "global_step": global_step},
+                          separators=(",", ":"))
+        self._lines.insert(0, _INSTANT % ("attempt", self.rank, 0, self.ts(at), args))
+
     def name_thread(self, tid: int, name: str) -> None:
         """Name the track ``tid`` of this rank (a metadata event)."""
         self._lines.append("," + json.dumps({"name": "thread_name", "ph": "M", "pid": self.rank,
@@ -103,7 +126,7 @@ class Timeline:
         if self._file.closed:          # full: events of a step under way are let go
             self._lines.clear()
             return
-        if self._lines:
+        if self._lines and self._marker_at is None:
             text = "".join(self._lines)
             self._lines.clear()
             self._file.write(text)
@@ -125,12 +148,14 @@ class Timeline:
         self.closed = True
         if current is self:
             current = None         # the hot path stops recording
+        if self._marker_at is not None:
+            self._mark_attempt(None)
         self.flush()
         self._file.write("]\n")
         self._file.close()
         if all(_complete(rank_path(self.path, r)) for r in range(self.size)):
             try:
-                merge(self.path, self.size, remove=True)
+                merge(self.path, self.size, remove=True, append=self.attempt > 0)
             except FileNotFoundError:
                 pass          # another rank finished at the same moment and merged them
 
@@ -148,24 +173,27 @@ def _complete(path: str) -> bool:
         return False
 
 
-def merge(path: str, size: int | None = None, remove: bool = False) -> int:
+def merge(path: str, size: int | None = None, remove: bool = False,
+          append: bool = False) -> int:
     """Merge the ranks' files into ``path`` (Chrome's JSON object format); returns the ranks.
 
     ``size``: the ranks to merge (default: every ``path.rank<r>`` found, from 0 up). A
     file a crash cut short is taken up to its last complete event. With ``remove`` the
-    ranks' files are deleted once ``path`` is written.
+    ranks' files are deleted once ``path`` is written. With ``append`` the events already
+    in ``path`` (an earlier attempt's merge) come first.
     """
     if size is None:
         size = 0
         while os.path.exists(rank_path(path, size)):
             size += 1
     parts = [rank_path(path, r) for r in range(size)]
+    sources = ([path] if append and os.path.exists(path) else []) + parts
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as out:
             out.write('{"displayTimeUnit":"ms","traceEvents":[\n')
             first = True
-            for part in parts:
+            for part in sources:
                 with open(part, encoding="utf-8") as f:
                     for line in f:
                         event = _event_of(line)
@@ -208,6 +236,7 @@ def start(cluster, thread: str = "steps") -> Timeline | None:
     path = environ.text("MPISYNC_TIMELINE")
     if current is not None or not path:
         return current
-    current = Timeline(path, cluster.rank, cluster.size, cluster.label, thread)
+    current = Timeline(path, cluster.rank, cluster.size, cluster.label, thread,
+                       attempt=environ.count("MPISYNC_ATTEMPT") or 0)
     atexit.register(current.close)
     return current

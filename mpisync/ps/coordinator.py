@@ -319,6 +319,8 @@ class Coordinator:
             self.steps.loaded(a.step)         # they go on with the parameters they hold
             self._token(Kind.GRANT, a.step, a.workers)
         else:
+            if self.log is not None:
+                self.log.loaded(step)
             self._emit(self.steps.loaded(step))
 
     def _fail(self, a: Action) -> None:

@@ -1,8 +1,8 @@
 """ps 0's statistics log (``MPISYNC_STATS``): one JSON line per global step (no MPI).
 
 The first line describes the job: ``{"job": {"opt", "num_workers", "num_ps",
-"replicas_to_aggregate", "asynchronous", "global_step", "t"}}``. Then one line per global
-step, in order::
+"replicas_to_aggregate", "asynchronous", "global_step", "t", "attempt"}}``. Then one line
+per global step, in order::
 
     {"opt": 0, "step": 41, "applied": true, "t": 1718000000.123456,
      "step_ms": 4.1, "decide_ms": 2.5, "taken": [0, 1], "dropped": [2],
@@ -24,6 +24,12 @@ step, in order::
   applied the previous step.
 - The last line may have ``"applied": false``: the open step when training ended; the
   gradients it held count as dropped, as ``opt.stats`` counts them.
+
+A job started again (``MPISYNC_ATTEMPT`` above 0, as ``python -m mpisync.launch
+--restarts`` sets it) appends to the log instead of overwriting it: its first line is
+again a ``"job"`` line, with its ``"attempt"`` and the ``"global_step"`` it starts from
+(the step of the checkpoint it loaded before its first step, if any: the line waits for
+the attempt's first step line). The first attempt truncates the file.
 
 Workers report their timings in the header of their next push (or of their close), so a
 line is written once each of its pushes' timings arrived: a step or so late, longer for
@@ -111,20 +117,34 @@ class StepLog:
         self.path = path
         self.opt_id = opt_id
         self.num_ps = num_ps
-        self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (until finish())
+        attempt = environ.count("MPISYNC_ATTEMPT") or 0
+        # a later attempt appends to the lines of the earlier ones; open until finish()
+        self.file = open(path, "a" if attempt else "w", encoding="utf-8")  # noqa: SIM115
         self.current = _Line(num_ps)
         self.done: deque[_Line] = deque()
         self.pending: list[deque[_Push]] = [deque() for _ in range(num_workers)]
         self.last: list[_Push | None] = [None] * num_workers
         self.last_applied = time.perf_counter()
         self.flushed_at = self.last_applied
-        job = {"opt": opt_id, "num_workers": num_workers, "num_ps": num_ps,
-               "replicas_to_aggregate": replicas_to_aggregate, "asynchronous": asynchronous,
-               "global_step": global_step, "t": round(time.time(), 6)}
-        self.file.write(json.dumps({"job": job}) + "\n")
-        self.file.flush()
+        self.job: dict | None = {
+            "opt": opt_id, "num_workers": num_workers, "num_ps": num_ps,
+            "replicas_to_aggregate": replicas_to_aggregate, "asynchronous": asynchronous,
+            "global_step": global_step, "t": round(time.time(), 6), "attempt": attempt}
+        if not attempt:
+            self._write_job()       # a later attempt's waits for the step it loads
+
+    def _write_job(self) -> None:
+        if self.job is not None:
+            self.file.write(json.dumps({"job": self.job}) + "\n")
+            self.file.flush()
+            self.job = None
 
     # -- events ---------------------------------------------------------------------------
+    def loaded(self, global_step: int) -> None:
+        """A state was loaded: before the first step, the attempt starts from its step."""
+        if self.job is not None:
+            self.job["global_step"] = int(global_step)
+
     def pushed(self, worker: int, at: int, dropped: bool, timing, now: float) -> None:
         """A gradient computed at ``at`` arrived; ``timing``: the worker's previous step."""
         self._timings(worker, timing)
@@ -180,6 +200,7 @@ class StepLog:
         if line.pushes:
             line.step, line.t = global_step, time.time()
             self.done.append(line)
+        self._write_job()
         while self.done:
             self._write(self.done.popleft())
         self.file.close()
@@ -205,6 +226,7 @@ class StepLog:
             self.flushed_at = now
 
     def _write(self, line: _Line) -> None:
+        self._write_job()
         pushes = []
         for p in line.pushes:
             entry = {"worker": p.worker, "at": p.at, "taken": p.taken}

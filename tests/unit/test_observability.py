@@ -95,6 +95,48 @@ def test_step_log_lines_wait_for_timings_and_the_open_step_ends_dropped(tmp_path
     assert summary["taken_per_worker"] == [1, 0] and summary["dropped_per_worker"] == [1, 1]
 
 
+def _one_step_log(path, global_step: int = 0, loaded: int | None = None) -> None:
+    log = StepLog(str(path), opt_id=0, num_workers=1, num_ps=1, replicas_to_aggregate=1,
+                  asynchronous=False, global_step=global_step)
+    if loaded is not None:
+        log.loaded(loaded)
+    step = global_step if loaded is None else loaded
+    log.pushed(0, step, False, None, 1.0)
+    log.decided(step, (1,), 1.1)
+    log.step_applied(1.2)
+    log.finish(step + 1)
+
+
+def test_a_later_attempt_appends_to_the_step_log_from_the_step_it_loaded(tmp_path,
+                                                                        monkeypatch):
+    path = tmp_path / "s.jsonl"
+    path.write_text("an older job's line\n")
+    monkeypatch.delenv("MPISYNC_ATTEMPT", raising=False)
+    _one_step_log(path)                                  # the first attempt truncates
+    monkeypatch.setenv("MPISYNC_ATTEMPT", "2")
+    _one_step_log(path, loaded=4)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [("job" in r, r.get("step")) for r in records] == [(True, None), (False, 0),
+                                                              (True, None), (False, 4)]
+    assert (records[0]["job"]["attempt"], records[0]["job"]["global_step"]) == (0, 0)
+    assert (records[2]["job"]["attempt"], records[2]["job"]["global_step"]) == (2, 4)
+
+
+def test_a_later_attempt_appends_to_the_timeline_and_marks_its_start(tmp_path,
+                                                                   monkeypatch):
+    path = str(tmp_path / "t.json")
+    first = timeline.Timeline(path, 0, 1, "worker 0")
+    first.span("push", 1.0, 1.5, step=0)
+    first.close()                                        # the only rank: merged
+    second = timeline.Timeline(path, 0, 1, "worker 0", attempt=1)
+    second.span("rows", 2.0, 2.1, step=-1)               # no step yet: held back
+    second.span("push", 2.2, 2.5, step=7)
+    second.close()
+    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e["ph"] != "M"]
+    assert [e["name"] for e in events] == ["push", "attempt", "rows", "push"]
+    assert events[1]["args"] == {"attempt": 1, "global_step": 7}
+
+
 def test_log_path_follows_the_argument_then_the_environment(monkeypatch):
     monkeypatch.setenv("MPISYNC_STATS", "run/stats.jsonl")
     assert log_path(None, 0) == "run/stats.jsonl"
@@ -117,6 +159,9 @@ class _FakeOptimizer:
     def register_step_post_hook(self, hook):
         self.hooks.append(hook)
         return SimpleNamespace(remove=lambda: self.hooks.remove(hook))
+
+    def register_load_state_dict_post_hook(self, hook):
+        return SimpleNamespace(remove=lambda: None)
 
     def step(self):
         self.global_step += 1
