@@ -107,11 +107,14 @@ def test_a_failure_notice_from_another_rank_stops_a_wait():
     comm = MPI.COMM_SELF.Dup()
     try:
         poller = Poller(comm, 30, "ps 0 (rank 0)")
-        comm.isend("worker 3 (rank 3 on x) failed: ValueError: boom", dest=0, tag=Tag.ERROR)
+        # the request is kept: it holds the pickled message until it is delivered
+        notice = comm.isend("worker 3 (rank 3 on x) failed: ValueError: boom", dest=0,
+                            tag=Tag.ERROR)
         req = comm.Irecv(np.zeros(1), source=0, tag=6)
         with pytest.raises(PeerError, match=r"ps 0 \(rank 0\): stopping because worker 3 "
                                             r"\(rank 3 on x\) failed: ValueError: boom"):
             poller.wait_all([req], lambda: "nothing")
+        notice.wait()
         req.Cancel()
         req.Wait()
     finally:
