@@ -249,44 +249,33 @@ def find_mpiexec(
     return shutil.which("mpiexec")
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _number(kind: type, what: str, allowed, condition: str, shown):
+    """An argparse type: ``kind(text)`` (else "expected <what>"), then ``allowed(value)``
+    (else "must be <condition>, got <shown(text, value)>")."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not allowed(value):
+            raise argparse.ArgumentTypeError(f"must be {condition}, got {shown(text, value)}")
+        return value
+    return parse
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+def _as_given(text: str, value) -> str:
+    return text
 
 
-def _restarts(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of restarts, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def _as_read(text: str, value) -> str:
+    return str(value)
 
 
-def _backoff(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
-    return value
+_count = _number(int, "an integer", lambda v: v >= 1, ">= 1", _as_read)
+_seconds = _number(float, "a number of seconds", lambda v: v > 0, "> 0", _as_given)
+_restarts = _number(int, "a number of restarts", lambda v: v >= 0, ">= 0", _as_read)
+_backoff = _number(float, "a number of seconds", lambda v: 0 <= v < float("inf"),
+                   "a number of seconds >= 0", _as_given)
 
 
 def _build_parser() -> argparse.ArgumentParser:

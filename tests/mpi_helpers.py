@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -100,6 +101,7 @@ def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 12
     _log_launch(script, workers, ps, args, time.monotonic() - started)
     results = [json.loads(line) for f in sorted(Path(result_dir).glob("*.jsonl"))
                for line in f.read_text().splitlines()]
+    shutil.rmtree(result_dir, ignore_errors=True)
     run = Run(job.returncode, job.stdout, job.stderr, results, shown)
     if job.timed_out:
         pytest.fail(f"the job of {script} ran past {timeout} s and was killed; "

@@ -16,8 +16,8 @@ import os
 import signal
 
 import torch
-from common import emit, model
-from restarts import STEPS, batch
+from common import emit
+from restarts import STEPS, batch, trained_model
 
 import mpisync
 
@@ -26,10 +26,7 @@ SIGNAL_AT = 5
 
 def worker(cluster, args) -> dict:
     w = cluster.worker_index
-    m = model(hidden=8)
-    opt = mpisync.SyncReplicasOptimizer(
-        torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-        named_parameters=m.named_parameters(), deterministic=True)
+    m, opt = trained_model()
     ckpt = mpisync.Checkpointer(args.dir, m, opt, every_steps=100) if args.mode == "usr1" \
         else None
     if ckpt is not None:

@@ -56,12 +56,18 @@ def ps_dies_on_word(path: str) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def worker(cluster, args) -> dict:
-    w = cluster.worker_index
+def trained_model():
+    """The model and its deterministic SGD-with-momentum optimizer (preemption.py too)."""
     m = model(hidden=8)
     opt = mpisync.SyncReplicasOptimizer(
         torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
         named_parameters=m.named_parameters(), deterministic=True)
+    return m, opt
+
+
+def worker(cluster, args) -> dict:
+    w = cluster.worker_index
+    m, opt = trained_model()
     ckpt = mpisync.Checkpointer(args.dir, m, opt, every_steps=EVERY)
     ckpt.resume()
     resumed_from = opt.global_step

@@ -747,6 +747,7 @@ def test_shards_cover_the_rows_once_and_every_unit_has_one_owner(case):
     one ps, and the bytes of the plan and of each ps's fused buffer add up."""
     import torch
 
+    from mpisync.protocol import holders
     from mpisync.protocol.layouts import layouts_of
     from mpisync.protocol.spec import Model, Options, build_spec
     from mpisync.protocol.wire import ALIGN
@@ -756,14 +757,21 @@ def test_shards_cover_the_rows_once_and_every_unit_has_one_owner(case):
             t.dim() == 0 and partitioner.get(n) is not None for n, t in params):
         partitioner = {k: v for k, v in partitioner.items() if k not in dict(params)
                        or dict(params)[k].dim()}     # one named for a scalar is refused
-    model = torch.nn.Module()          # registered in a module: known not to be sparse
-    for n, t in params:
-        model.register_parameter(n, torch.nn.Parameter(t))
-    named = tuple(model.named_parameters())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    spec, routes = build_spec(opt, Model(named), Options(partitioner=partitioner,
-                                                         placement=strategy),
-                              opt_id=0, num_workers=2, num_ps=num_ps)
+    # the registrations noted as they happen (as while a SyncReplicasOptimizer is open), so
+    # that build_spec finds the module without searching every live object of this process
+    # (hypothesis's among them: 40 ms an example); that search has tests of its own
+    holders.watch()
+    try:
+        model = torch.nn.Module()          # registered in a module: known not to be sparse
+        for n, t in params:
+            model.register_parameter(n, torch.nn.Parameter(t))
+        named = tuple(model.named_parameters())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        spec, routes = build_spec(opt, Model(named), Options(partitioner=partitioner,
+                                                             placement=strategy),
+                                  opt_id=0, num_workers=2, num_ps=num_ps)
+    finally:
+        holders.unwatch()
     for name, t in params:                   # the units of each parameter tile its rows
         parts = [(a, b) for n, a, b in spec.parts if n == name]
         rows = t.shape[0] if t.dim() else 0
