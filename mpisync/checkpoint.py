@@ -277,6 +277,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptim
     """
     path = os.fspath(path)
     cluster = opt.cluster
+    opt._resumable = True              # resumed by hand: no warning under --restarts
     payload, ck = None, None
     if cluster.is_chief:
         payload, ck = _verdict(path, model, opt)
@@ -437,6 +438,7 @@ class Checkpointer:
         self.keep, self.every_steps, self.every_seconds = keep, every_steps, every_seconds
         self.last_step = opt.global_step
         self.last_time = time.monotonic()
+        opt._resumable = True          # no warning under --restarts (resumestate)
         if not opt.closed and stopping.install():     # until the optimizer closes
             opt._hooks.on_remove(stopping.release)
 

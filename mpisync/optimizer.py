@@ -12,6 +12,7 @@ from mpi4py import MPI
 from .errors import ClosedError, ConfigError
 from .protocol.spec import Options
 from .ps.steplog import log_path
+from .resumestate import warn_if_restarts_start_over
 from .runtime.progress import SETUP_TIMEOUT, Poller, spin_seconds
 from .worker.hooks import TorchHooks
 from .worker.parts import WorkerParts
@@ -202,6 +203,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         from .ps_ranks import _current
         self.cluster = cluster = worker_cluster(_current if cluster is None else cluster)
         self._ready = self.closed = False    # closed: close() was called
+        self._stepped = False                # a step() ran (the restarts warning's moment)
+        self._resumable = False              # a Checkpointer or load() could resume it
         self.wrapped = optimizer             # the torch optimizer given (same param groups)
         options = Options(replicas_to_aggregate, total_num_replicas, num_tokens, placement,
                           reduction, deterministic, ema_decay, ema_num_updates, asynchronous,
@@ -310,6 +313,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not self.stopped:
             self._cycle.run()
+            if not self._stepped:
+                self._stepped = True
+                warn_if_restarts_start_over(self)
         return loss
 
     # -- everything else ----------------------------------------------------------------

@@ -23,6 +23,7 @@ weights_only=True)`` reads it. The encoders and decoders here are pure functions
 """
 from __future__ import annotations
 
+import os
 import random
 import warnings
 from typing import Any
@@ -31,9 +32,9 @@ import torch
 
 from .data import live_samplers
 
-__all__ = ["capture_rng", "capture_worker", "decode_numpy", "decode_random", "encode_numpy",
+__all__ = ["START_OVER_WARNING", "capture_rng", "capture_worker", "decode_numpy", "decode_random", "encode_numpy",
            "encode_random", "restore_rng", "restore_schedulers", "restore_worker",
-           "scheduler_states", "schedulers_of"]
+           "scheduler_states", "schedulers_of", "warn_if_restarts_start_over"]
 
 
 def _numpy() -> Any:
@@ -153,3 +154,27 @@ def restore_schedulers(opt: Any, saved: list[dict], label: str) -> None:
         return
     for scheduler, s in zip(live, saved):
         scheduler.load_state_dict(s["state"])
+
+
+#: What the chief of a job under ``--restarts`` says when nothing would resume it.
+START_OVER_WARNING = (
+    "this job runs under `python -m mpisync.launch --restarts` (MPISYNC_ATTEMPT={attempt}) "
+    "but made no mpisync.Checkpointer and loaded no checkpoint before its first step: "
+    "unless it saves and loads checkpoints by hand, an attempt after a failure starts "
+    "again from step 0. Make "
+    "`ckpt = mpisync.Checkpointer(dir, model, opt, every_steps=...)`, call `ckpt.resume()` "
+    "before training and `ckpt.maybe_save()` after each step")
+
+
+def warn_if_restarts_start_over(opt, environ=None) -> bool:
+    """After the first ``step()`` of ``opt``: under ``python -m mpisync.launch --restarts``
+    (``MPISYNC_ATTEMPT`` set), the chief warns, once, where no ``Checkpointer`` was made
+    over ``opt`` and no checkpoint was loaded into it (``opt._resumable``). Returns
+    whether it warned."""
+    environ = os.environ if environ is None else environ
+    attempt = environ.get("MPISYNC_ATTEMPT")
+    if attempt is None or getattr(opt, "_resumable", False) or not opt.cluster.is_chief:
+        return False
+    warnings.warn(f"{opt.cluster.label}: " + START_OVER_WARNING.format(attempt=attempt),
+                  RuntimeWarning, stacklevel=3)
+    return True

@@ -54,6 +54,7 @@ def test_a_killed_rank_restarts_the_job_which_resumes_bitwise(mode, tmp_path, un
     assert proc.returncode == 0, text
     assert "mpisync.launch: attempt 2 of 3: the job failed with exit status" in text, text
     assert "no rank recorded an error" in text, text
+    assert "made no mpisync.Checkpointer" not in text, text       # it makes one
     assert "restarts.py: attempt 0 starts at global step 0" in text, text
     last = (KILL_AT // 3) * 3                 # the newest checkpoint before the kill
     assert f"restarts.py: attempt 1 starts at global step {last}" in text, text
