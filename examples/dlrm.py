@@ -13,6 +13,10 @@ Run it on 2 workers and 1 ps rank (this is ``make demo-dlrm``)::
 The tables are ``mpisync.EmbeddingBag(rows, dim, mode="sum")`` in one
 ``mpisync.EmbeddingBagCollection``: a step sends each ps rank one lookup for every table
 it holds shards of, and the rows' gradients go back with the dense ones in the push.
+The last ``--hashed`` features (default 1) carry unbounded 64-bit ids, as user or item
+ids do in real click logs: their tables are ``mpisync.HashEmbeddingBag``s in the same
+collection (a row is given to an id when it is first seen, on the ps rank that owns it),
+looked up in the same exchange as the others.
 
 The click logs come from a known true model, so the trained one can be compared with the
 best possible predictor. The teacher is a small DLRM of its own, fixed by ``--seed``:
@@ -20,7 +24,7 @@ rows of width 4, a dense projection, pairwise dot products with random weights a
 first-order term per table (weighted more, so that a short run learns much of it), its
 logits scaled to a standard deviation of 1.6 and shifted to a click rate of about 25%. Each sample has 13 dense features and ``--tables`` bags of
 1 to 3 ids, drawn Zipf-like over each table's ``--rows`` rows (a few ids are common, most
-are rare). Every worker draws its own batches from ``numpy.random.default_rng([seed,
+are rare); a hashed feature's ids are its rows' fixed random 64-bit names. Every worker draws its own batches from ``numpy.random.default_rng([seed,
 worker_index])`` (a fresh batch each step, no epochs); the held-out samples come from
 a stream no worker draws from.
 
@@ -55,6 +59,7 @@ FIRST_ORDER = 3.0             # weight of the first-order terms against the dot 
 CLICK_RATE = 0.25             # about the mean click probability
 TEACHER_STREAM = 1_000_000    # default_rng([seed, this]): the teacher's parameters
 TEST_STREAM = 1_000_001       # ... the held-out samples (workers use 0, 1, ...)
+NAMES_STREAM = 1_000_002      # ... the 64-bit ids of the hashed features' rows
 CALIBRATION = 20_000          # samples the teacher's scale and shift are fixed on
 MIN_AUC = 0.70                # the model must reach this held-out AUC
 EVAL_BATCH = 4096
@@ -108,10 +113,11 @@ class Teacher:
     standard deviation of ``TEACHER_STD`` and the click rate is about ``CLICK_RATE``.
     """
 
-    def __init__(self, seed: int, num_tables: int, rows: int) -> None:
-        if num_tables < 1 or rows < 1:
-            raise ValueError(f"the teacher needs at least one table of one row, got "
-                             f"{num_tables} tables of {rows} rows")
+    def __init__(self, seed: int, num_tables: int, rows: int, hashed: int = 0) -> None:
+        if num_tables < 1 or rows < 1 or not 0 <= hashed <= num_tables:
+            raise ValueError(f"the teacher needs at least one table of one row and at most "
+                             f"as many hashed features as tables, got {num_tables} tables "
+                             f"of {rows} rows, {hashed} hashed")
         rng = np.random.default_rng([seed, TEACHER_STREAM])
         self.num_tables, self.rows, self.cdf = num_tables, rows, zipf_cdf(rows)
         self.project = rng.normal(0.0, 1.0 / np.sqrt(NUM_DENSE), (NUM_DENSE, TEACHER_DIM))
@@ -125,6 +131,12 @@ class Teacher:
         # the mean of sigmoid(shift + N(0, std^2)) is about sigmoid(shift / sqrt(1 + pi std^2 / 8))
         self.shift = (np.log(CLICK_RATE / (1 - CLICK_RATE)) * np.sqrt(1 + np.pi * TEACHER_STD ** 2 / 8)
                       - self.scale * raw.mean())
+        # the ids the samples carry: row numbers, or for the last ``hashed`` tables each
+        # row's random 64-bit name (distinct, from a stream of their own)
+        names = np.random.default_rng([seed, NAMES_STREAM])
+        self.names = [None if t < num_tables - hashed else
+                      names.choice(2 ** 62, rows, replace=False).astype(np.int64)
+                      for t in range(num_tables)]
 
     def _features(self, rng: np.random.Generator, n: int):
         """Dense features and each table's bags (ids, offsets, lengths) for ``n`` samples."""
@@ -159,7 +171,8 @@ class Teacher:
         logit = self.shift + self.scale * self._raw(dense, ids, offsets, lengths)
         prob = 1.0 / (1.0 + np.exp(-logit))
         clicks = rng.random(n) < prob
-        return Batch(dense.astype(np.float32), ids, offsets, clicks.astype(np.float32),
+        shown = [rows if names is None else names[rows] for rows, names in zip(ids, self.names)]
+        return Batch(dense.astype(np.float32), shown, offsets, clicks.astype(np.float32),
                      prob.astype(np.float32))
 
 
@@ -245,6 +258,24 @@ class LocalTables(torch.nn.Module):
         return {name: table(*features[name]) for name, table in self.tables.items()}
 
 
+class LocalHashed(torch.nn.Module):
+    """A plain ``torch.nn.EmbeddingBag`` of ``rows`` rows behind a map from 64-bit ids to
+    rows, each id given the next free row when first seen: ``mpisync.HashEmbeddingBag``'s
+    rule while its rows last (``--local``)."""
+
+    def __init__(self, first: torch.Tensor) -> None:
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag.from_pretrained(first, freeze=False, mode="sum",
+                                                         sparse=True)
+        self.slots: dict[int, int] = {}
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        rows = [self.slots.setdefault(i, len(self.slots)) for i in ids.tolist()]
+        if len(self.slots) > self.bag.num_embeddings:
+            raise ValueError(f"{len(self.slots)} distinct ids for {self.bag.num_embeddings} rows")
+        return self.bag(torch.tensor(rows, dtype=torch.int64), offsets)
+
+
 def feature_names(num_tables: int) -> list[str]:
     return [f"t{i}" for i in range(num_tables)]
 
@@ -264,17 +295,21 @@ def build(args, kind: str) -> tuple[DLRM, torch.optim.Optimizer]:
     torch.manual_seed(args.seed)                  # the same MLPs on every worker
     generator = torch.Generator().manual_seed(args.seed)
     names = feature_names(args.tables)
+    hashed = set(names[len(names) - args.hashed:]) if args.hashed else set()
     first = {name: initial_rows(args.rows, args.dim, generator) for name in names}
     if kind == "mpisync":
         # imported only here: --local runs without MPI
         import mpisync
         tables: torch.nn.Module = mpisync.EmbeddingBagCollection({
-            name: mpisync.EmbeddingBag(args.rows, args.dim, mode="sum", weight=first[name])
+            name: mpisync.HashEmbeddingBag(args.dim, capacity_per_shard=args.rows,
+                                           mode="sum", seed=args.seed) if name in hashed
+            else mpisync.EmbeddingBag(args.rows, args.dim, mode="sum", weight=first[name])
             for name in names})
     elif kind == "torch":
         tables = LocalTables({
-            name: torch.nn.EmbeddingBag.from_pretrained(first[name], freeze=False, mode="sum",
-                                                        sparse=True)
+            name: LocalHashed(first[name]) if name in hashed else
+            torch.nn.EmbeddingBag.from_pretrained(first[name], freeze=False, mode="sum",
+                                                  sparse=True)
             for name in names})
     else:
         raise ValueError(f"kind must be 'torch' or 'mpisync', got {kind!r}")
@@ -297,6 +332,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=256, help="samples per worker per step")
     parser.add_argument("--tables", type=int, default=8, help="sparse features, a table each")
     parser.add_argument("--rows", type=int, default=500, help="rows of each table")
+    parser.add_argument("--hashed", type=int, default=1,
+                        help="the last this many features carry 64-bit ids, looked up in "
+                             "mpisync.HashEmbeddingBag tables (a row per id seen)")
     parser.add_argument("--dim", type=int, default=16, help="width of the tables' rows")
     parser.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate")
     parser.add_argument("--test-samples", type=int, default=20_000)
@@ -309,6 +347,9 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got "
                          f"{getattr(args, name)}")
+    if not 0 <= args.hashed <= args.tables:
+        parser.error(f"--hashed must be between 0 and --tables ({args.tables}), got "
+                     f"{args.hashed}")
     return args
 
 
@@ -352,7 +393,8 @@ def evaluate(model: DLRM, test: Batch) -> dict[str, tuple[float, float]]:
 
 
 def header(args, test: Batch, where: str, num_workers: int) -> str:
-    return (f"dlrm: {args.tables} tables of {args.rows} rows x {args.dim}, {NUM_DENSE} dense "
+    return (f"dlrm: {args.tables} tables of {args.rows} rows x {args.dim} ({args.hashed} "
+            f"hashed), {NUM_DENSE} dense "
             f"features, {where}, global batch {args.batch * num_workers}, {args.steps} steps; "
             f"held-out click rate {float(test.clicks.mean()):.3f} on {len(test)} samples")
 
@@ -377,7 +419,7 @@ def report(scores, seconds: float, stats: dict | None = None,
 
 def train_local(args) -> None:
     """Train in this process alone, on ``torch.nn.EmbeddingBag`` tables."""
-    teacher = Teacher(args.seed, args.tables, args.rows)
+    teacher = Teacher(args.seed, args.tables, args.rows, args.hashed)
     test = teacher.draw(np.random.default_rng([args.seed, TEST_STREAM]), args.test_samples)
     model, opt = build(args, "torch")
     print(header(args, test, "one process", 1), flush=True)
@@ -390,7 +432,7 @@ def train_local(args) -> None:
 def train(args, cluster) -> None:
     """Train as one worker of an mpisync job; the chief evaluates and reports."""
     import mpisync
-    teacher = Teacher(args.seed, args.tables, args.rows)
+    teacher = Teacher(args.seed, args.tables, args.rows, args.hashed)
     model, adagrad = build(args, "mpisync")
     opt = mpisync.SyncReplicasOptimizer(adagrad, named_parameters=model.named_parameters(),
                                         cluster=cluster)

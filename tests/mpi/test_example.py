@@ -76,3 +76,4 @@ def test_dlrm_example_comes_close_to_the_true_model():
     model, true = map(float, got.groups())
     assert 0.7 < model < true and model > true - 0.08, out
     assert re.search(r"global_step 400, gradients_applied 800, gradients_dropped 0", out), out
+    assert "8 tables of 500 rows x 16 (1 hashed)" in out, out       # a HashEmbeddingBag too
