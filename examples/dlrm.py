@@ -25,8 +25,8 @@ first-order term per table (weighted more, so that a short run learns much of it
 logits scaled to a standard deviation of 1.6 and shifted to a click rate of about 25%. Each sample has 13 dense features and ``--tables`` bags of
 1 to 3 ids, drawn Zipf-like over each table's ``--rows`` rows (a few ids are common, most
 are rare); a hashed feature's ids are its rows' fixed random 64-bit names. Every worker draws its own batches from ``numpy.random.default_rng([seed,
-worker_index])`` (a fresh batch each step, no epochs); the held-out samples come from
-a stream no worker draws from.
+worker_index, step])`` (a fresh batch each step, no epochs); the held-out samples come
+from a stream no worker draws from.
 
 Optimizer: TorchRec's recipe steps the tables and the dense layers with different
 optimizers (the tables with a row-wise Adagrad fused into the backward pass, the MLPs
@@ -37,6 +37,13 @@ parameters. What mpisync offers today short of two optimizers: param groups with
 own hyper-parameters (e.g. another ``lr`` for the tables) in that one optimizer, and
 ``mpisync.RowWiseAdagrad`` (TorchRec's ``EXACT_ROWWISE_ADAGRAD``), which is then the rule
 for every parameter it holds, the MLPs' weights included (one accumulator per row).
+
+With ``--checkpoint-dir DIR`` the job writes a checkpoint there every
+``--checkpoint-every`` global steps (``mpisync.Checkpointer``) and resumes from the newest
+one at start: each worker's batch of a global step is drawn from
+``numpy.random.default_rng([seed, worker_index, step])``, so a job resumed (after a
+failure under ``python -m mpisync.launch --restarts N``, or requeued by Slurm) draws the
+batches an unbroken one draws.
 
 The chief evaluates on the held-out samples at the end and prints the model's AUC and
 log-loss beside the true model's; it exits non-zero unless the model's AUC is above
@@ -340,10 +347,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--test-samples", type=int, default=20_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=100, help="steps between log lines")
+    parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                        help="write checkpoints here and resume from the newest at start")
+    parser.add_argument("--checkpoint-every", type=int, default=100, metavar="STEPS",
+                        help="global steps between checkpoints (with --checkpoint-dir)")
     parser.add_argument("--local", action="store_true",
                         help="train in one plain process on torch.nn.EmbeddingBag tables")
     args = parser.parse_args()
-    for name in ("steps", "batch", "tables", "rows", "dim", "test_samples"):
+    for name in ("steps", "batch", "tables", "rows", "dim", "test_samples", "checkpoint_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got "
                          f"{getattr(args, name)}")
@@ -353,24 +364,28 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run_steps(args, model, opt, teacher: Teacher, rng: np.random.Generator, *,
-              log: bool = True, metric=None) -> None:
-    """``--steps`` steps, each on a fresh batch of ``--batch`` samples drawn from ``rng``.
+def run_steps(args, model, opt, teacher: Teacher, worker: int, *, first: int = 1,
+              log: bool = True, metric=None, ckpt=None) -> None:
+    """Steps ``first .. --steps``, each on a fresh batch of ``--batch`` samples drawn from
+    ``default_rng([seed, worker, step])``.
 
-    ``metric``: an ``mpisync.Mean`` that records each batch's loss locally.
+    ``metric``: an ``mpisync.Mean`` that records each batch's loss locally; ``ckpt``: an
+    ``mpisync.Checkpointer`` offered every step (``maybe_save``).
     """
     loss_fn = torch.nn.BCEWithLogitsLoss()
     recent, start = [], time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         # a SyncReplicasOptimizer with backup workers stops once the others have finished
         if getattr(opt, "stopped", False):
             return
-        batch = teacher.draw(rng, args.batch)
+        batch = teacher.draw(np.random.default_rng([args.seed, worker, step]), args.batch)
         dense, sparse = inputs(batch, model.features)
         opt.zero_grad()
         loss = loss_fn(model(dense, sparse), torch.from_numpy(batch.clicks))
         loss.backward()
         opt.step()
+        if ckpt is not None:
+            ckpt.maybe_save()
         if metric is not None:
             metric.update(loss.detach(), weight=len(batch))
         recent.append(loss.item())
@@ -424,7 +439,7 @@ def train_local(args) -> None:
     model, opt = build(args, "torch")
     print(header(args, test, "one process", 1), flush=True)
     start = time.perf_counter()
-    run_steps(args, model, opt, teacher, np.random.default_rng([args.seed, 0]))
+    run_steps(args, model, opt, teacher, 0)
     seconds = time.perf_counter() - start
     report(evaluate(model, test), seconds)
 
@@ -441,11 +456,18 @@ def train(args, cluster) -> None:
         test = teacher.draw(np.random.default_rng([args.seed, TEST_STREAM]), args.test_samples)
         where = f"{cluster.num_workers} workers, {cluster.num_ps} ps"
         print(header(args, test, where, cluster.num_workers), flush=True)
+    ckpt = None
+    if args.checkpoint_dir is not None:
+        ckpt = mpisync.Checkpointer(args.checkpoint_dir, model, opt,
+                                    every_steps=args.checkpoint_every, keep=2)
+        ckpt.resume()
+        if cluster.is_chief and opt.global_step:
+            print(f"dlrm: resumed from {args.checkpoint_dir} at global step "
+                  f"{opt.global_step}", flush=True)
     start = time.perf_counter()
     metric = mpisync.Mean()
-    run_steps(args, model, opt, teacher,
-              np.random.default_rng([args.seed, cluster.worker_index]),
-              log=cluster.is_chief, metric=metric)
+    run_steps(args, model, opt, teacher, cluster.worker_index, first=opt.global_step + 1,
+              log=cluster.is_chief, metric=metric, ckpt=ckpt)
     # the tables' rows live on the ps ranks: evaluate before close() stops them
     scores = evaluate(model, test) if test is not None else None
     opt.close()                               # on every worker, then collectives among them

@@ -20,11 +20,13 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.openmpi
 
 
-def run_example(script: str, timeout: float, env: dict[str, str] | None = None) -> str:
-    """``script`` on 2 workers and 1 ps under the launcher; exits 0; returns its output."""
+def run_example(script: str, timeout: float, env: dict[str, str] | None = None,
+                args=()) -> str:
+    """``script args`` on 2 workers and 1 ps under the launcher; exits 0; returns its output."""
     proc = subprocess.run(
         [sys.executable, "-m", "mpisync.launch", "--workers", "2", "--ps", "1",
-         "--timeout", str(timeout - 40), "--", sys.executable, str(ROOT / "examples" / script)],
+         "--timeout", str(timeout - 40), "--", sys.executable, str(ROOT / "examples" / script),
+         *map(str, args)],
         check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
         env=dict(os.environ, MPISYNC_TIMEOUT="120", OMP_NUM_THREADS="1", **(env or {})))
     out = proc.stdout + proc.stderr
@@ -69,11 +71,15 @@ def test_ctr_example_beats_the_constant_predictor():
                      r"click accuracy [0-9.]+", out), out
 
 
-def test_dlrm_example_comes_close_to_the_true_model():
-    out = run_example("dlrm.py", 240)
+def test_dlrm_example_comes_close_to_the_true_model(tmp_path):
+    out = run_example("dlrm.py", 240, args=["--checkpoint-dir", tmp_path,
+                                            "--checkpoint-every", 150])
     got = re.search(r"test AUC: ([0-9.]+) \(true model: ([0-9.]+)\)", out)
     assert got, out
     model, true = map(float, got.groups())
     assert 0.7 < model < true and model > true - 0.08, out
     assert re.search(r"global_step 400, gradients_applied 800, gradients_dropped 0", out), out
     assert "8 tables of 500 rows x 16 (1 hashed)" in out, out       # a HashEmbeddingBag too
+    # a checkpoint every 150 global steps, the newest two kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000150.pt",
+                                                          "ckpt-000000300.pt"], out
