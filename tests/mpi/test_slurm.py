@@ -3,7 +3,7 @@
 ``launch/slurm/local-cluster.sh start`` installs (apt) and starts munge, slurmctld and
 slurmd; each test submits ``launch/slurm/train.sbatch``, waits for it, and checks
 the job's exit code, Slurm's record of it (``sacct -c``: the job completion log), and the
-example's output. The two-node tests come last, so that the cluster restarts once (with
+example's output; one is signalled as before its time limit, requeues itself and resumes. The two-node tests come last, so that the cluster restarts once (with
 ``start --nodes 2``); a test asks for the size it needs, so any order works. Skipped,
 saying why, only where root or apt is missing.
 """
@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from mpi_helpers import run_mpi
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "launch" / "slurm" / "local-cluster.sh"
@@ -67,17 +69,7 @@ def submit(tmp_path: Path, *options: str, cancel_on: str | None = None,
     The wait reads Slurm's job completion log (``sacct -c``) every half second: ``sbatch
     --wait`` polls at 2, 4, 8 and then 10 s, which leaves a job of a few seconds waited
     on for up to twice its length."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    out = tmp_path / "job-%j.out"
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", "--time=00:05:00", f"--output={out}", *options,
-         "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())]),
-         str(TEMPLATE)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-        env=dict(os.environ, MPISYNC_VENV=str(Path(sys.executable).parents[1]),
-                 MPISYNC_TIMEOUT="120"))
-    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
-    job = submitted.stdout.strip().split(";")[0]
+    job, said = sbatch(tmp_path, *options, **env)
     deadline = time.monotonic() + 400
     record = ""
     while not record:
@@ -95,7 +87,23 @@ def submit(tmp_path: Path, *options: str, cancel_on: str | None = None,
     rc = (int(exit_code.group(1)) or int(exit_code.group(2))) if exit_code else -1
     if exit_code and not rc and not record.startswith("COMPLETED|"):
         rc = 1                                  # cancelled (or failed) without a code
-    return rc, text + submitted.stderr, record
+    return rc, text + said, record
+
+
+def sbatch(tmp_path: Path, *options: str, **env: str) -> tuple[str, str]:
+    """Submit the template with sbatch ``options``, its output in ``tmp_path/job-<id>.out``
+    and ``env`` added to the job's: the job's id and sbatch's stderr."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / "job-%j.out"
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--time=00:05:00", f"--output={out}", *options,
+         "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())]),
+         str(TEMPLATE)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        env=dict(os.environ, MPISYNC_VENV=str(Path(sys.executable).parents[1]),
+                 MPISYNC_TIMEOUT="120"))
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    return submitted.stdout.strip().split(";")[0], submitted.stderr
 
 
 def completed(job: str) -> str:
@@ -142,6 +150,66 @@ def test_a_job_whose_training_fails_fails_in_slurm(slurm, tmp_path):
     assert "ValueError: boom on purpose in user code" in out, out
 
 
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+         "PREEMPTED", "BOOT_FAIL", "DEADLINE")
+
+
+def test_a_job_warned_of_its_time_limit_requeues_and_resumes_bitwise(slurm, tmp_path):
+    """``sbatch --requeue --signal=B:USR1@30`` of the template running
+    tests/scripts/preemption.py (a Checkpointer, 12 deterministic steps), and mid-run
+    ``scancel --signal=USR1 --batch``: what Slurm sends the batch shell 30 s before the
+    time limit. The job saves a checkpoint, exits 75 and the template requeues it; Slurm
+    holds a requeued job about three minutes (its BeginTime, while the stopped run's
+    credential is revoked), which the test lifts after a few seconds as an operator would
+    (``scontrol update StartTime=now``); the job resumes from the
+    checkpoint and ends COMPLETED with the parameters of a run nothing stopped."""
+    unbroken = tmp_path / "unbroken"
+    (unbroken / "ckpt").mkdir(parents=True)
+    run_mpi("restarts.py", 2, 1, args=["none", unbroken / "ckpt", unbroken / "final.pt"])
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    job, said = sbatch(tmp_path / "job", "--requeue", "--signal=B:USR1@30",
+                       "--open-mode=append", SCRIPT="tests/scripts/preemption.py",
+                       ARGS=f"slow {ckpt}")
+    signalled = released = False
+    held_since: float | None = None
+    record, text = "", ""
+    deadline = time.monotonic() + 400
+    while not record.startswith(ENDED):
+        time.sleep(0.5)
+        text = "".join(p.read_text(errors="replace") for p in (tmp_path / "job").glob("*.out"))
+        if not signalled and "preemption.py: starts at global step 0" in text:
+            subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True,
+                           capture_output=True, timeout=60)
+            signalled = True
+        if signalled and not released and "requeueing" in text:
+            reason = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"],
+                                    capture_output=True, text=True, timeout=60, check=False)
+            held = reason.stdout.split() == ["PENDING", "BeginTime"]
+            held_since = (held_since or time.monotonic()) if held else None
+            # the stopped run's credential is revoked at the requeue, by the second: a
+            # start in that same second is refused ("Job credential revoked", FAILED)
+            if held_since and time.monotonic() - held_since > 3:
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
+                               check=True, capture_output=True, timeout=60)
+                released = True
+        record = completed(job)
+        if not record.startswith(ENDED) and time.monotonic() > deadline:
+            subprocess.run(["scancel", job], capture_output=True, timeout=60, check=False)
+            pytest.fail(f"job {job} not finished after 400 s ({record});\n{text}{said}")
+    assert record == "COMPLETED|0:0", (record, text)
+    stopped = re.findall(r"^mpisync: stopped by SIGUSR1 at global step (\d+); checkpoint "
+                         r"\S+; exit status 75$", text, re.MULTILINE)
+    assert len(stopped) == 1, text
+    assert "train.sbatch: the job stopped politely and saved a checkpoint; requeueing" in text
+    assert f"preemption.py: starts at global step {stopped[0]}" in text, text
+    assert 0 < int(stopped[0]) < 12, text
+    final, expected = torch.load(ckpt / "final.pt"), torch.load(unbroken / "final.pt")
+    assert sorted(final) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(final[name], value), (name, final[name] - value)
+
+
 def nodes_of_ps(out: str) -> dict[int, str]:
     """The node of each ps, from the digits example's "ranks by node" lines."""
     found = {}
@@ -161,3 +229,4 @@ def test_two_nodes_get_a_ps_each(slurm_two_nodes, tmp_path, launcher):
     assert f"on n[1-2]: 2 workers + 2 ps, {launcher}" in out, out
     assert float(re.search(r"test accuracy: ([0-9.]+)", out).group(1)) >= 0.9, out
     assert nodes_of_ps(out) == {0: "n1", 1: "n2"}, out
+

@@ -8,12 +8,17 @@ batch at global step t drawn from a generator seeded with t):
   global step SIGNAL_AT. Trains to STEPS otherwise.
 - ``term``: no Checkpointer; worker 0 sends SIGTERM to its process group (every rank and
   ``mpiexec``) at global step SIGNAL_AT and trains on: the job must end, not stall.
+- ``slow``: as ``usr1`` without the worker's own signal, worker 0 sleeping SLOW seconds
+  after each step (so that a signal from outside, e.g. Slurm's, comes mid-run); the chief
+  writes the final parameters to DIR/final.pt (``restarts.py``'s unbroken run ends with
+  the same).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import signal
+import time
 
 import torch
 from common import emit
@@ -22,12 +27,13 @@ from restarts import STEPS, batch, trained_model
 import mpisync
 
 SIGNAL_AT = 5
+SLOW = 0.5
 
 
 def worker(cluster, args) -> dict:
     w = cluster.worker_index
     m, opt = trained_model()
-    ckpt = mpisync.Checkpointer(args.dir, m, opt, every_steps=100) if args.mode == "usr1" \
+    ckpt = mpisync.Checkpointer(args.dir, m, opt, every_steps=100) if args.mode != "term" \
         else None
     if ckpt is not None:
         ckpt.resume()
@@ -46,15 +52,20 @@ def worker(cluster, args) -> dict:
             elif args.mode == "term" and w == 0:
                 os.killpg(os.getpgid(0), signal.SIGTERM)
         opt.step()
+        if args.mode == "slow" and w == 0:
+            time.sleep(SLOW)
         if ckpt is not None:
             ckpt.maybe_save()
+    if args.mode == "slow" and w == 0:
+        torch.save({n: p.detach().clone() for n, p in m.named_parameters()},
+                   os.path.join(args.dir, "final.pt"))
     opt.close()
     return {"started_at": started_at, "global_step": opt.global_step}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="preemption.py")
-    p.add_argument("mode", choices=("usr1", "term"))
+    p.add_argument("mode", choices=("usr1", "term", "slow"))
     p.add_argument("dir")
     args = p.parse_args()
     cluster = mpisync.init()
