@@ -20,6 +20,11 @@ reads it without mpisync. It holds a dict::
 batches and random numbers as one that never stopped. A file written before they existed
 loads as before.
 
+A ``Checkpointer`` writes chains (``full_every``): a full file, then files that hold the
+dense state whole but of each table on the ps ranks only the rows changed since the
+previous file, which they name as their base (``mpisync.ckptchain`` says what they hold
+and how a chain is merged on load).
+
 Embedding tables that live on the ps ranks are streamed into the file one shard at a
 time, never gathered whole in one process. Writes are atomic: a temporary file in the
 same directory, fsync, rename, fsync of the directory; an interrupted write leaves the

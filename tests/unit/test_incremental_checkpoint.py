@@ -206,3 +206,26 @@ def test_full_every_one_writes_every_file_full_and_bad_values_are_refused(rank, 
         with pytest.raises(ValueError, match=f"full_every must be a positive int, got {bad!r}"):
             mpisync.Checkpointer(tmp_path, net, opt, full_every=bad)
     opt.close()
+
+
+def test_the_save_after_a_failed_one_is_full(rank, tmp_path):
+    net, opt = build(rank, "adagrad")
+    ckpt = mpisync.Checkpointer(tmp_path, net, opt, every_steps=1, full_every=8)
+    train_step(net, opt, 0)
+    ckpt.maybe_save()
+    train_step(net, opt, 1)
+    (tmp_path / ckpt_name(2)).mkdir()                   # the rename onto it fails
+    with pytest.raises(OSError, match="failed on the chief"):
+        ckpt.maybe_save()
+    train_step(net, opt, 2)
+    ckpt.maybe_save()
+    assert torch.load(tmp_path / ckpt_name(3), weights_only=True)["base"] is None
+    train_step(net, opt, 3)
+    ckpt.maybe_save()
+    assert torch.load(tmp_path / ckpt_name(4), weights_only=True)["base"]["file"] == ckpt_name(3)
+    shard_rows = table(opt)
+    net2, opt2 = build(rank, "adagrad", seed=7)
+    mpisync.load(tmp_path / ckpt_name(4), net2, opt2)
+    same(table(opt2), shard_rows, "loaded after the failed save")
+    opt2.close()
+    opt.close()
