@@ -95,11 +95,20 @@ def ckpt_name(step: int) -> str:
     return f"ckpt-{step:09d}.pt"
 
 
-def run(rank, kind: str, tmp_path, steps: int = 5, **kw):
+def shrink(rows: torch.Tensor) -> None:
+    """An ``opt.update`` function that changes every row it is given."""
+    rows.mul_(0.5)
+
+
+def run(rank, kind: str, tmp_path, steps: int = 5, update: bool = False, **kw):
     """``steps`` steps saving each (``full_every=3``), and a full file of each step beside;
-    ``(ckpt dir, full dir, {step: the table}``, the optimizer closed."""
+    ``(ckpt dir, full dir, {step: the table}``, the optimizer closed. ``update``: every
+    row shrunk after each step (``opt.update``)."""
     d, full = tmp_path / "ckpt", tmp_path / "full"
     net, opt = build(rank, kind)
+    if update:
+        rank.cluster.helper_comm = lambda what: rank.worker_comm    # one worker: itself
+        opt.update(NAME, shrink, rows="all")
     ckpt = mpisync.Checkpointer(d, net, opt, every_steps=1, full_every=3, **kw)
     records = {}
     for t in range(steps):
@@ -111,9 +120,11 @@ def run(rank, kind: str, tmp_path, steps: int = 5, **kw):
     return d, full, records
 
 
-@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+@pytest.mark.parametrize("kind", [*OPTIMIZERS, "adagrad-update"])
 def test_an_incremental_chain_loads_bitwise_as_a_full_file_of_its_step(rank, kind, tmp_path):
-    d, full, records = run(rank, kind, tmp_path)
+    update = kind.endswith("-update")
+    kind = kind.removesuffix("-update")
+    d, full, records = run(rank, kind, tmp_path, update=update)
     files = {t: torch.load(d / ckpt_name(t), weights_only=True) for t in range(1, 6)}
     for t, base in ((1, None), (2, 1), (3, 2), (4, None), (5, 4)):
         got = files[t]["base"]
@@ -124,9 +135,9 @@ def test_an_incremental_chain_loads_bitwise_as_a_full_file_of_its_step(rank, kin
             assert files[t]["version"] == 2
     sizes = {t: os.path.getsize(d / ckpt_name(t)) for t in files}
     changed = sum(len(s["ids"]) for s in files[2]["tables"][NAME]["shards"])
-    if kind == "adagrad":                   # only the step's rows
+    if kind == "adagrad" and not update:    # only the step's rows
         assert 0 < changed <= HOT and sizes[2] * 10 < sizes[1]
-    else:                                   # a dense step over the table: every row
+    else:                   # a dense step over the table, or an update of all rows
         assert changed == ROWS
     net, opt = build(rank, kind, seed=7)
     for t in (3, 5, 2):
