@@ -20,6 +20,11 @@ reads it without mpisync. It holds a dict::
 batches and random numbers as one that never stopped. A file written before they existed
 loads as before.
 
+A ``Checkpointer`` writes chains (``full_every``): a full file, then files that hold the
+dense state whole but of each table on the ps ranks only the rows changed since the
+previous file, which they name as their base (``mpisync.ckptchain`` says what they hold
+and how a chain is merged on load).
+
 Embedding tables that live on the ps ranks are streamed into the file one shard at a
 time, never gathered whole in one process. Writes are atomic: a temporary file in the
 same directory, fsync, rename, fsync of the directory; an interrupted write leaves the
@@ -49,15 +54,15 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import ckptfile, resumestate
+from . import ckptchain, ckptfile, resumestate
 from .ckptfile import FORMAT, VERSION
 from .environ import PREEMPTED_EXIT
 from .errors import ConfigError
+from .plainstate import plain_state
 from .protocol.state import check_state
 from .protocol.tables import table_info
 from .runtime import stopping
@@ -74,14 +79,19 @@ _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 
 
 # -- save ----------------------------------------------------------------------------------
-def _tables_streamed(opt, w: ckptfile.Writer) -> dict:
-    """Every ``mpisync.Embedding`` table, shard by shard, each written as it arrives."""
+def _tables_streamed(opt, w: ckptfile.Writer, changed: bool | None) -> dict:
+    """Every ``mpisync.Embedding`` table, shard by shard, each written as it arrives:
+    whole, or (``changed``) the rows changed since the last file (``ckptchain``)."""
     out = {}
     for t in opt.spec.tables:
         if not t.resident:
             continue
         shards = []
-        for shard in opt.table_shards(t.name, with_state=True):
+        for shard in opt.table_shards(t.name, with_state=True, changed=changed):
+            if changed and t.hashed is None:
+                shards.append(ckptchain.changed_shard(shard, w.tensor))
+                del shard
+                continue
             shards.append({"ids": w.tensor(shard["ids"]), "weight": w.tensor(shard["weight"]),
                            "state": {k: w.tensor(v) if torch.is_tensor(v) else v
                                      for k, v in (shard.get("state") or {}).items()}})
@@ -92,6 +102,8 @@ def _tables_streamed(opt, w: ckptfile.Writer) -> dict:
         out[t.name] = {"num_rows": t.num_rows, "row_shape": list(t.row_shape),
                        "dtype": str(t.dtype).removeprefix("torch."), "strategy": t.strategy,
                        "shards": shards}
+        if changed and t.hashed is None:
+            out[t.name]["incremental"] = True
     return out
 
 
@@ -130,14 +142,20 @@ def save(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptim
     Raises:
         OSError: the chief could not write the file (on every worker; nothing changed).
     """
-    path = os.fspath(path)
+    return _save(os.fspath(path), model, opt, extra, None)
+
+
+def _save(path: str, model, opt, extra, chain: tuple | None) -> str:
+    """``save``; ``chain``, for a Checkpointer: (changed, base file, base id, this file's
+    id), ``changed`` as ``table_shards`` takes it (False: full, the ps ranks' marks
+    cleared; True: incremental over the base)."""
     cluster = opt.cluster
     error = None
     worker_states = cluster.worker_comm.gather(
         resumestate.capture_worker(cluster.worker_index), root=0)
     if cluster.is_chief:
         try:
-            _write(path, model, opt, extra, worker_states)
+            _write(path, model, opt, extra, worker_states, chain)
         except Exception as exc:  # noqa: BLE001 (every worker raises it below)
             error = f"{type(exc).__name__}: {exc}"
     agree(cluster.worker_comm, error, lambda errors: errors[0] and OSError(
@@ -145,7 +163,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptim
     return path
 
 
-def _write(path: str, model, opt, extra, worker_states: list) -> None:
+def _write(path: str, model, opt, extra, worker_states: list, chain: tuple | None) -> None:
+    changed, base, base_id, file_id = chain or (None, None, None, ckptchain.file_id())
     state, values = opt.state_and_values(tables=False)
     order = opt.group_order()
     table_index = {t.name: order.index(t.name) for t in opt.spec.tables
@@ -160,8 +179,9 @@ def _write(path: str, model, opt, extra, worker_states: list) -> None:
             raise
 
     def _fill(w: ckptfile.Writer) -> None:
-        tables = _tables_streamed(opt, w)
-        w.finish({"format": FORMAT, "version": VERSION,
+        tables = _tables_streamed(opt, w, changed)
+        w.finish({"format": FORMAT, "version": VERSION if changed else 1, "file_id": file_id,
+                  "base": {"file": os.path.basename(base), "id": base_id} if changed else None,
                   "global_step": int(state["mpisync"]["global_step"]),
                   "model": _model_state(model, opt, values), "optimizer": state,
                   "tables": tables, "table_index": table_index, "extra": extra,
@@ -240,11 +260,14 @@ def _verdict(path: str, model, opt) -> tuple[tuple, dict | None]:
     """
     try:
         ck = ckptfile.read(path)
+        files = ckptchain.chain(path, ck)     # an incremental file's bases, checked
     except (OSError, ValueError) as exc:      # its refusals of the file name the file
         return (str(exc),), None
     except Exception as exc:  # noqa: BLE001 (a malformed file: every worker raises it)
         return (ckptfile.malformed(path, exc),), None
     try:
+        if len(files) > 1:                    # its tables merged shard by shard, as read
+            ck = dict(ck, tables=ckptchain.merged_tables(files))
         problem = _check(ck, model, opt)
     except Exception as exc:  # noqa: BLE001 (a malformed file can make any check raise)
         return (ckptfile.malformed(path, exc),), None
@@ -361,10 +384,11 @@ def latest(directory: str | os.PathLike) -> str | None:
     """The newest complete checkpoint ``ckpt-<step>.pt`` in ``directory``, or None.
 
     A file cut short (a job killed while the rename had not happened cannot leave one,
-    but a copy or a full disk can) is passed over for the one before it.
+    but a copy or a full disk can) is passed over for the one before it, and so is an
+    incremental checkpoint whose chain of bases is not all there and complete.
     """
     for _, path in reversed(_listed(os.fspath(directory))):
-        if ckptfile.complete(path):
+        if ckptchain.chain_complete(path):
             return path
     return None
 
@@ -399,21 +423,41 @@ class Checkpointer:
     ``every_seconds`` the workers meet only where ``every_steps`` makes a checkpoint due:
     a signal takes effect there.
 
+    Incremental checkpoints: a file holds the dense state (model, optimizer state,
+    schedulers, per-worker states) whole, but of each table that lives on the ps ranks
+    (``mpisync.Embedding``, ``mpisync.EmbeddingBag``) only the rows that changed since
+    the previous file (their ids, values and optimizer state; a shard's non-row state
+    such as a ``step`` whole), and names that file as its base (``mpisync.ckptchain``).
+    Every ``full_every``-th file of a chain is full; so is the first save of a
+    Checkpointer, one after ``resume()`` and one after a failed save. A row counts as
+    changed when a step updated it (every row of a shard whose optimizer steps its dense
+    gradient: weight decay, momentum), an ``opt.update`` function over all rows ran, or
+    the table was loaded or written. Hash tables (``mpisync.HashEmbedding``,
+    ``HashEmbeddingBag``) are written whole in every file. ``load``, ``resume`` and
+    ``plain_state`` follow the chain and restore what a full file of the same step
+    restores, bitwise; ``latest`` passes over a file whose chain is not all there;
+    ``keep`` never removes a base that a kept file needs. One Checkpointer per optimizer
+    reads which rows changed (the ps ranks forget them as it reads them).
+
     Args:
         directory: where the checkpoints are written (by the chief) and looked for.
         model: the model whose parameters and buffers are saved and loaded.
         opt: the ``SyncReplicasOptimizer`` training ``model``.
-        keep: how many of the newest checkpoints to keep (default: all).
+        keep: how many of the newest checkpoints to keep (default: all), and the older
+            files their chains need.
         every_steps: save when the global step passes a multiple of it.
         every_seconds: save when this many seconds passed on the chief since the last save.
+        full_every: every how many files a chain starts again with a full one (default
+            8; 1: every file full).
 
     Raises:
-        ValueError: ``keep`` or ``every_steps`` not a positive int, ``every_seconds`` not
-            above 0 (on the worker that passed it).
+        ValueError: ``keep``, ``every_steps`` or ``full_every`` not a positive int,
+            ``every_seconds`` not above 0 (on the worker that passed it).
 
     Example::
 
-        ckpt = mpisync.Checkpointer("ckpt", model, opt, keep=3, every_steps=500)
+        ckpt = mpisync.Checkpointer("ckpt", model, opt, keep=3, every_steps=500,
+                                    full_every=8)
         start_epoch = ckpt.resume() or 0        # every worker
         for epoch in range(start_epoch, epochs):
             for x, y in loader:
@@ -426,7 +470,9 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, model: torch.nn.Module,
                  opt: SyncReplicasOptimizer, *,
                  keep: int | None = None, every_steps: int | None = None,
-                 every_seconds: float | None = None) -> None:
+                 every_seconds: float | None = None, full_every: int = 8) -> None:
+        if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+            raise ValueError(f"full_every must be a positive int, got {full_every!r}")
         for name, value in (("keep", keep), ("every_steps", every_steps)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
@@ -436,6 +482,9 @@ class Checkpointer:
         self.directory = os.fspath(directory)
         self.model, self.opt = model, opt
         self.keep, self.every_steps, self.every_seconds = keep, every_steps, every_seconds
+        self.full_every = full_every
+        self._chain: list[str] = []     # the files of the current chain: none, next full
+        self._last_id: str | None = None
         self.last_step = opt.global_step
         self.last_time = time.monotonic()
         opt._resumable = True          # no warning under --restarts (resumestate)
@@ -489,13 +538,31 @@ class Checkpointer:
         raise SystemExit(PREEMPTED_EXIT)
 
     def save(self, extra: Any = None) -> str:
-        """Save now (every worker), then remove all but the newest ``keep``."""
-        path = save(self.path(self.opt.global_step), self.model, self.opt, extra)
+        """Save now (every worker), then remove all but the newest ``keep`` and the files
+        their chains need. Incremental unless this file is to be full (``full_every``)."""
+        path = self.path(self.opt.global_step)
+        tables = any(t.resident and t.hashed is None for t in self.opt.spec.tables)
+        incremental = (tables and 0 < len(self._chain) < self.full_every
+                       and path not in self._chain)
+        file_id = ckptchain.file_id()
+        chain = ((True, self._chain[-1], self._last_id, file_id) if incremental
+                 else (False if tables else None, None, None, file_id))
+        try:
+            _save(path, self.model, self.opt, extra, chain)
+        except BaseException:
+            self._chain = []            # the ps ranks' marks may be gone: the next is full
+            raise
+        self._chain = [*self._chain, path] if incremental else [path]
+        self._last_id = file_id
         self.last_step, self.last_time = self.opt.global_step, time.monotonic()
         if self.keep is not None and self.opt.cluster.is_chief:
-            for _, old in _listed(self.directory)[:-self.keep]:
-                with contextlib.suppress(OSError):
-                    os.unlink(old)
+            listed = _listed(self.directory)
+            needed = {os.path.abspath(p) for _, newer in listed[-self.keep:]
+                      for p in ckptchain.needed(newer)}
+            for _, old in listed[:-self.keep]:
+                if os.path.abspath(old) not in needed:
+                    with contextlib.suppress(OSError):
+                        os.unlink(old)
         return path
 
     def resume(self) -> Any:
@@ -505,55 +572,6 @@ class Checkpointer:
         if found is None:
             return None
         extra = load(found, self.model, self.opt)
+        self._chain = []                # the next save is full
         self.last_step, self.last_time = self.opt.global_step, time.monotonic()
         return extra
-
-
-# -- one process ---------------------------------------------------------------------------
-def _tables_whole(tables: dict) -> Iterator[tuple[str, torch.Tensor, dict]]:
-    for name, t in tables.items():
-        if t["strategy"] == "hash":
-            continue                      # rows by id, no dense form
-        shards = t["shards"]
-        num_rows = t["num_rows"]
-        dtype = getattr(torch, t["dtype"])
-        weight = torch.empty(num_rows, *t["row_shape"], dtype=dtype)
-        state: dict = {}
-        for sh in shards:
-            weight[sh["ids"]] = sh["weight"].to(dtype)
-            for key, value in (sh.get("state") or {}).items():
-                if torch.is_tensor(value) and value.dim() and len(value) == len(sh["ids"]):
-                    if key not in state:
-                        state[key] = torch.zeros(num_rows, *value.shape[1:], dtype=value.dtype)
-                    state[key][sh["ids"]] = value
-                elif key not in state:
-                    state[key] = value
-        yield name, weight, state
-
-
-def plain_state(path: str | os.PathLike, model: torch.nn.Module | None = None
-                ) -> tuple[dict, dict]:
-    """``(model_state, optimizer_state)`` for a one-process model and torch optimizer.
-
-    The recipe to continue a distributed run in one process, with ``nn.Embedding`` in
-    place of ``mpisync.Embedding`` (the tables are assembled whole here)::
-
-        model_state, opt_state = mpisync.plain_state(path)
-        model.load_state_dict(model_state)
-        optimizer.load_state_dict(opt_state)   # the same param groups as in the job
-
-    The table's optimizer state goes to the table's place in the param groups, which
-    the job's optimizer numbered as here. ``model`` is not needed; it is accepted so
-    that a call can name it.
-    """
-    ck = ckptfile.read(os.fspath(path))
-    model_state = {k: v.clone() for k, v in ck["model"].items()}
-    opt_state = dict(ck["optimizer"])
-    opt_state["state"] = {int(k): v for k, v in opt_state["state"].items()}
-    table_index = ck.get("table_index", {})
-    for name, weight, state in _tables_whole(ck.get("tables", {})):
-        model_state[name] = weight
-        if name in table_index and state:
-            opt_state["state"][table_index[name]] = state
-    opt_state.pop("mpisync", None)
-    return model_state, opt_state

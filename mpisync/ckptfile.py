@@ -24,7 +24,7 @@ __all__ = ["FORMAT", "VERSION", "Writer", "atomic_write", "complete", "malformed
            "mpisync_version", "read"]
 
 FORMAT = "mpisync.checkpoint"
-VERSION = 1
+VERSION = 2   # full files are written as version 1, incremental ones as 2
 
 
 # -- writing a torch file whose big tensors arrive one at a time ---------------------------

@@ -355,16 +355,24 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         stats = dict(self.final_stats()) if self.closed else self._parts.link.stats()
         return {**stats, **own}
 
-    def table_shards(self, name: str, with_state: bool = True) -> Iterator[dict[str, Any]]:
+    def table_shards(self, name: str, with_state: bool = True, changed: bool | None = None
+                     ) -> Iterator[dict[str, Any]]:
         """Yield the shards of the ``mpisync.Embedding`` table ``name``, one at a time.
 
         Each is a dict: ``ids`` (the table rows it holds), ``weight`` (their values) and,
         with ``with_state``, ``state`` (the wrapped optimizer's state for those rows),
         read from the ps rank that holds it. Only one shard is in this worker's memory at
         a time; any worker may call it, for example the chief to export the table.
+
+        ``changed`` is for incremental checkpoints (``mpisync.Checkpointer``'s
+        ``full_every``), which rely on being its only caller: True yields only the rows
+        changed since the last call with ``changed`` given (``ids``, ``at``: their places
+        in the shard, ``weight``, ``per_row``: the per-row state entries' names, ``state``:
+        those entries' rows and the other entries whole), False every row in that form;
+        either way the ps ranks forget which rows changed. A hash table's shards are whole.
         """
         self._check_open("table_shards")
-        yield from self._parts.tables.read(name, with_state)
+        yield from self._parts.tables.read(name, with_state, changed)
 
     def state_dict(self, tables: bool = True) -> dict:
         """The optimizer state of the whole model, as a plain torch optimizer would hold it.

@@ -6,7 +6,7 @@ BAD_CAUSES = {
     "truncated": (r"not a complete checkpoint \(truncated, or not a file written by "
                   r"mpisync\.save\)"),
     "newer": (r"written in checkpoint format version 99 by mpisync .*; this mpisync "
-              r"\(.*\) reads version 1 and older"),
+              r"\(.*\) reads version 2 and older"),
     "other_model": r"the model does not match the checkpoint's",
     "not_a_checkpoint": r"not an mpisync checkpoint \(no format 'mpisync\.checkpoint'\)",
     "unreadable": r"not a readable checkpoint \(RuntimeError: .+\)",

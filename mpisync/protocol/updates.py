@@ -259,6 +259,8 @@ def _run_on_shard(fn, unit: str, t: torch.Tensor, n: int, touched: bool, table_r
         if held:
             changed = (t != before).reshape(len(t), -1).any(1).nonzero().reshape(-1)
             table_rows.changed_by_update(n, changed)
+        else:                           # a shard on the ps only: its checkpoint marks
+            table_rows.changed_by_update(n, True)
         return
     rows = t[ids]
     apply_fn(fn, rows, unit)

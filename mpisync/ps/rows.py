@@ -21,6 +21,7 @@ from ..runtime.progress import Poller
 from ..tables.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
 from ..tables.rowwise import RowWiseAdagrad
 from . import heap
+from .changes import Marks
 from .hashrows import HashRows
 
 __all__ = ["RowShards", "takes_sparse"]
@@ -48,13 +49,16 @@ def takes_sparse(optimizer: torch.optim.Optimizer, group: dict) -> bool:
 class _Unit:
     """One table shard held here."""
 
-    __slots__ = ("hashed", "k", "param", "scratch", "spec", "unit")
+    __slots__ = ("hashed", "k", "marks", "param", "scratch", "spec", "unit")
 
     def __init__(self, spec: TableSpec, k: int, param: torch.nn.Parameter, label: str = ""):
         self.spec, self.k, self.param = spec, k, param
         self.unit = spec.unit(k)
         self.hashed = None if spec.hashed is None else HashRows(spec, k, param, label)
         self.scratch = RowScratch()      # its reduced rows, kept until they are applied
+        # the rows changed since the last incremental checkpoint read them (resident only)
+        self.marks = Marks(spec.shard_rows[k]) if spec.resident and self.hashed is None \
+            else None
 
 
 def _without(ids: torch.Tensor, values: torch.Tensor, zeros: list[np.ndarray]) -> tuple:
@@ -421,6 +425,8 @@ class RowShards:
         start = time.perf_counter()
         for item in self.pending:
             ids, rows = item.sum()
+            if item.unit.marks is not None:
+                item.unit.marks.mark(ids)
             apply_rows(self.optimizer, item.group, item.unit.param, ids, rows, self.scratch,
                        item.div)
         self.pending = []
@@ -438,6 +444,8 @@ class RowShards:
     def _note(self, n: int, rows) -> None:
         """Rows of unit ``n`` the step changes: None, a tensor of local ids, or True (all)."""
         self.step_rows[n] = rows
+        if self.units[n].marks is not None:
+            self.units[n].marks.mark(rows)
         self._changed(n, rows)
 
     def _changed(self, n: int, rows) -> None:
@@ -463,8 +471,10 @@ class RowShards:
     def changed_by_update(self, n: int, rows: torch.Tensor) -> None:
         """Rows of unit ``n`` that a function of ``opt.update`` changed after the step: the
         workers holding the weight get them with the step's own (the rows the step itself
-        touched stay what ``rows="touched"`` functions get)."""
-        if len(rows):
+        touched stay what ``rows="touched"`` functions get); True: every row."""
+        if self.units[n].marks is not None:
+            self.units[n].marks.mark(rows)
+        if rows is True or len(rows):
             self._changed(n, rows)
 
     def send_changed(self, workers, step: int) -> None:
@@ -498,7 +508,10 @@ class RowShards:
 
     # -- reading and writing whole shards --------------------------------------------------
     def on_table_request(self, request, rank: int, optimizer) -> None:
-        """Answer a worker's read or write of one resident shard (pickled, off the step path)."""
+        """Answer a worker's read or write of one resident shard (pickled, off the step path):
+        ``("read", unit, with_state)``, ``("read_changed", unit, with_state, whole)`` (the
+        rows changed since the last such read, see ``mpisync.ps.changes``) or ``("write",
+        unit, weight, state)``."""
         self.settle()
         what, unit = request[0], request[1]
         u = self.by_unit.get(unit)
@@ -513,6 +526,10 @@ class RowShards:
             if request[2]:
                 out["state"] = {k: v.clone() if torch.is_tensor(v) else v
                                 for k, v in state.items()}
+            self.comm.send(out, dest=rank, tag=self.tags[Tag.TABLE])
+            return
+        if what == "read_changed":
+            out = u.marks.read(u.param, state, request[2], request[3])
             self.comm.send(out, dest=rank, tag=self.tags[Tag.TABLE])
             return
         _, _, weight, saved = request
@@ -548,6 +565,8 @@ class RowShards:
                                      f"{list(u.param.shape)}, the values given "
                                      f"{list(weight.shape)}")
                 u.param.copy_(weight)
+        if u.marks is not None:
+            u.marks.mark(True)
         self.full = [True] * self.W         # the workers holding it get the whole shard
         if saved is not None and optimizer is not None:
             state = optimizer.state[u.param]

@@ -296,6 +296,26 @@ class RowsChannel:
             got["ids"] = t.global_ids(k, torch.arange(t.shard_rows[k]))
         return got       # a hash shard's ps sends the ids it holds
 
+    def read_changed(self, name: str, k: int, with_state: bool = True, whole: bool = False
+                     ) -> dict:
+        """The rows of shard ``k`` of resident table ``name`` changed since the last call
+        for it (every row with ``whole``); its ps forgets them (``mpisync.ps.changes``).
+
+        Returns ``ids`` (global) and ``at`` (places in the shard) of those rows, their
+        ``weight``, ``per_row`` (the names of the per-row state entries) and, with
+        ``with_state``, ``state``: those rows of the per-row entries, the others whole.
+        """
+        t = next(tb.spec for tb in self.tables if tb.spec.name == name)
+        rank = self.cluster.ps_rank(t.owners[k])
+        self.comm.send(("read_changed", t.unit(k), with_state, whole), dest=rank,
+                       tag=self.tags[Tag.TABLE])
+        got = self.poller.wait_message(rank, self.tags[Tag.TABLE],
+                                       lambda: f"changed rows of shard {k} of table {name!r}")
+        at = got.pop("local")
+        got["at"] = torch.arange(t.shard_rows[k]) if at is None else at
+        got["ids"] = t.global_ids(k, got["at"])
+        return got
+
     def hash_stats(self) -> dict[str, dict[str, int]]:
         """Admitted, evicted and live rows of each hash table, summed over its shards."""
         out = {}

@@ -14,14 +14,18 @@ class TableShards:
     def __init__(self, spec, cluster, rows):
         self.spec, self.cluster, self.rows = spec, cluster, rows
 
-    def read(self, name: str, with_state: bool = True):
+    def read(self, name: str, with_state: bool = True, changed: bool | None = None):
         """Yield the shards of table ``name``, one at a time (see ``table_shards()``)."""
         tables = {t.name: t for t in self.spec.tables if t.resident}
         if name not in tables:
             raise KeyError(f"{self.cluster.label}: no mpisync.Embedding table {name!r} in this "
                            f"optimizer; it has {sorted(tables)}")
+        hashed = tables[name].hashed is not None        # read whole, always
         for k in range(tables[name].num_shards):
-            yield self.rows.read_shard(name, k, with_state)
+            if changed is None or hashed:
+                yield self.rows.read_shard(name, k, with_state)
+            else:
+                yield self.rows.read_changed(name, k, with_state, whole=not changed)
 
     def write_saved(self, tables: dict) -> None:
         """The chief writes the saved shards of the tables that live on the ps ranks; the

@@ -8,8 +8,9 @@ from it, with another number of ps ranks, must end bitwise equal to a run never 
 The runs that end normally share one job per layout (tests/scripts/checkpoint_jobs.py runs
 several programs in turn): 1 ps rank resumes the run killed at 2 ps, saves the tables of
 each reshard case, loads every bad file and interrupts a write; 2 ps ranks run the
-uninterrupted runs and load the tables; 3 ps ranks resume the run killed at 1 ps and load
-the tables. The killed runs and the job of 3 workers have their own. What makes a bad file
+uninterrupted runs, resume the run killed at 2 ps from its incremental chain (a full file
+of step 3 and the changed rows of step 6) and load the tables; 3 ps ranks resume the run
+killed at 1 ps and load the tables. The killed runs and the job of 3 workers have their own. What makes a bad file
 bad is decided by the chief from the file alone: each message is checked here, in one
 process, and the job proves that every worker refuses it and goes on. What needs no job
 (the verdict's fallbacks, what a file names, tables re-cut) is tests/unit/test_checkpoint.py's.
@@ -36,8 +37,10 @@ from mpisync import checkpoint, ckptfile
 
 assert rs.WORKERS == WORKERS                   # the reshard cases share the jobs' layouts
 
-# (moving averages, ps ranks of the killed run, ps ranks of the job that resumes it)
+# (moving averages, ps ranks of the killed run, ps ranks of the job that resumes it); the
+# run with moving averages writes incremental checkpoints (every FULL_EVERY-th file full)
 KILLED_AND_RESUMED = [(True, 2, 1), (False, 1, 3)]
+FULL_EVERY = 3
 
 
 def _groups(*groups: list[str]) -> list[str]:
@@ -59,14 +62,20 @@ def _flag(ema: bool) -> list[str]:
 def killed(tmp_path_factory):
     """``{ema: (dir, its newest checkpoint right after, a copy of that one)}``: each run
     killed by SIGKILL after the checkpoint of step KILL_AT (the jobs that resume it add
-    more files and remove older ones)."""
+    more files and remove older ones); ``"chain"``: a copy of the files of the run with
+    moving averages (an incremental chain)."""
     out = {}
     for ema, ps_before, _ in KILLED_AND_RESUMED:
         d = tmp_path_factory.mktemp(f"killed-ema{int(ema)}")
-        failing("resume.py", WORKERS, ps_before, ["kill", str(d)] + _flag(ema), timeout=180)
+        incremental = ["--full-every", str(FULL_EVERY)] if ema else []
+        failing("resume.py", WORKERS, ps_before, ["kill", str(d)] + _flag(ema) + incremental,
+                timeout=180)
         kept = tmp_path_factory.mktemp(f"kept-ema{int(ema)}") / f"ckpt-{KILL_AT:09d}.pt"
         shutil.copyfile(d / kept.name, kept)
         out[ema] = (d, mpisync.latest(d), kept)
+        if ema:
+            out["chain"] = tmp_path_factory.mktemp("chain")
+            shutil.copytree(d, out["chain"], dirs_exist_ok=True)
     return out
 
 
@@ -95,16 +104,19 @@ def at_one_ps(killed, bad, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def at_two_ps(at_one_ps, tmp_path_factory):
+def at_two_ps(killed, at_one_ps, tmp_path_factory):
     """The job of 2 workers and 2 ps ranks: the uninterrupted runs, without and with moving
-    averages, then every reshard case loaded. ``({case: {worker: record}}, {ema: dir})``."""
+    averages, the run killed at 2 ps resumed from its incremental chain, then every reshard
+    case loaded. ``({case: {worker: record}}, {ema: dir})``."""
     _, tables, _ = at_one_ps
     dirs = {ema: tmp_path_factory.mktemp(f"full-ema{int(ema)}") for ema in (False, True)}
     run = run_mpi("checkpoint_jobs.py", WORKERS, 2, _groups(
         *(["resume", "full", str(d)] + _flag(ema) for ema, d in dirs.items()),
+        ["resume", "resume", str(killed["chain"]), "--ema", "--full-every", str(FULL_EVERY)],
         ["tables_reshard", "load", str(tables), *rs.BY_NAME]),
-        timeout=_timeout(len(dirs) + 2 * len(rs.BY_NAME)))      # a load case trains twice
-    steps = {"full": STEPS, "full-ema": STEPS} | {name: rs.K + rs.M for name in rs.BY_NAME}
+        timeout=_timeout(len(dirs) + 1 + 2 * len(rs.BY_NAME)))  # a load case trains twice
+    steps = ({"full": STEPS, "full-ema": STEPS, "resume-ema-incr": STEPS}
+             | {name: rs.K + rs.M for name in rs.BY_NAME})
     return run.assert_every_case_ran(steps, WORKERS, steps.get), dirs
 
 
@@ -156,7 +168,7 @@ def test_a_bad_file_is_refused_by_the_check_of_the_file(bad, kind):
                       f"by mpisync.save)"),
         "newer": (f"{path}: written in checkpoint format version 99 by mpisync "
                   f"{mpisync.__version__}; this mpisync ({mpisync.__version__}) reads version "
-                  f"1 and older: upgrade mpisync"),
+                  f"2 and older: upgrade mpisync"),
         "other_model": (f"{path}: the model does not match the checkpoint's: 'body.weight' "
                         f"has shape [16, 13], the checkpoint's [3, 3]"),
         "not_a_checkpoint": f"{path}: not an mpisync checkpoint (no format 'mpisync.checkpoint')",
@@ -217,6 +229,20 @@ def test_killed_and_resumed_ends_bitwise_equal(full, killed, request, ema, ps_be
                 continue
             assert got[key] == want[w][key], (w, key)       # bitwise: the floats' reprs
         assert "averages" in got if ema else "averages" not in got
+
+
+def test_a_two_ps_job_resumes_bitwise_from_an_incremental_chain(full, killed, at_two_ps):
+    """The run killed at 2 ps wrote a full file at step 3 and the changed rows of step 6
+    over it; a job of 2 ps ranks resumes from the chain and ends as the unbroken run."""
+    ck = torch.load(killed["chain"] / f"ckpt-{KILL_AT:09d}.pt", weights_only=True)
+    assert ck["base"]["file"] == f"ckpt-{KILL_AT - 3:09d}.pt"
+    assert ck["tables"]["emb.weight"]["incremental"] is True
+    want, _ = full[True]
+    for w, got in at_two_ps[0]["resume-ema-incr"].items():
+        assert got["resumed_from"] == KILL_AT and got["global_step"] == STEPS
+        for key in want[w]:
+            if key not in ("resumed_from", "files", "case"):
+                assert got[key] == want[w][key], (w, key)       # bitwise: the floats' reprs
 
 
 def test_a_job_with_more_workers_and_ps_ranks_resumes_it(full, tmp_path):

@@ -6,9 +6,10 @@ checkpoint of step KILL_AT; ``resume`` loads the newest checkpoint in DIR and tr
 STEPS. Each worker's batch at global step t is drawn from a generator seeded with t, so
 a resumed run sees the data an uninterrupted one sees. The model has a dense part and an
 ``mpisync.Embedding`` table on the ps ranks; the loop has an LR scheduler and, with
-``--ema``, moving averages; everything runs in deterministic mode. Through
-checkpoint_jobs.py, ``full`` and ``resume`` share a job with other programs: their record is
-case ``MODE`` or ``MODE-ema``.
+``--ema``, moving averages; everything runs in deterministic mode. ``--full-every K``
+writes incremental checkpoints (every K-th file of a chain full; default 1: all full).
+Through checkpoint_jobs.py, ``full`` and ``resume`` share a job with other programs: their
+record is case ``MODE``, ``MODE-ema``, with ``-incr`` after it when K is above 1.
 """
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def worker(cluster, args) -> dict:
     w = cluster.worker_index
     m = Net()
     opt, sched = make(m, args.ema, args.dense)
-    ck = mpisync.Checkpointer(args.dir, m, opt, keep=2, every_steps=EVERY)
+    ck = mpisync.Checkpointer(args.dir, m, opt, keep=2, every_steps=EVERY,
+                              full_every=args.full_every)
     resumed_from = None
     if args.mode == "resume":
         extra = ck.resume()
@@ -103,13 +105,15 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("dir")
     p.add_argument("--ema", action="store_true")
     p.add_argument("--dense", default="ps")
+    p.add_argument("--full-every", type=int, default=1)
     return p.parse_args(argv)
 
 
 def cases(cluster, argv: list[str]):
     """The run that ``argv`` asks for, as one case of a checkpoint_jobs.py job."""
     args = parse(argv)
-    yield args.mode + ("-ema" if args.ema else ""), worker(cluster, args)
+    yield (args.mode + ("-ema" if args.ema else "") + ("-incr" if args.full_every > 1 else ""),
+           worker(cluster, args))
 
 
 def main() -> None:

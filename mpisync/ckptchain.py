@@ -1,0 +1,224 @@
+"""Incremental checkpoints: files that hold a table's changed rows over a base, and their chains.
+
+An incremental checkpoint (``mpisync.Checkpointer`` with ``full_every`` above 1) is a
+whole checkpoint file but for its resident tables (``mpisync.Embedding``,
+``mpisync.EmbeddingBag``): each of those, marked ``"incremental": True``, holds per
+saved shard only the rows that changed since the previous file of its chain::
+
+    {"ids": global ids, "at": their places in the shard, "weight": their rows,
+     "per_row": [names of the per-row state entries],
+     "state": {per-row entry: those rows, other entry (a "step"): whole}}
+
+and the file names that previous file, its base: ``"base": {"file": its file name in the
+same directory, "id": its "file_id"}``. Every file has a ``"file_id"`` of its own, so that
+a base replaced by another file of the same name is told from the real one. The first
+file of a chain is full; hash tables are always whole.
+
+Reading one merges its chain shard by shard (``merged_tables``): the base's shard, then
+each later file's rows for it in order, its non-row state from the newest file. Nothing
+holds more than one merged shard; the files' tensors are mapped (``torch.load(mmap=True)``)
+and read as they are needed.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from . import ckptfile
+
+__all__ = ["base_path", "chain", "chain_complete", "changed_shard", "file_id", "merged_tables",
+           "needed"]
+
+
+def file_id() -> str:
+    """A fresh id for a file that an incremental one may name as its base."""
+    return uuid.uuid4().hex
+
+
+def base_path(path: str, ck: dict) -> str | None:
+    """The path of the base that the checkpoint ``ck`` read from ``path`` names, or None
+    (a full file)."""
+    base = ck.get("base")
+    if base is None:
+        return None
+    if not isinstance(base, dict) or not isinstance(base.get("file"), str):
+        raise ValueError(f"{path}: a malformed mpisync checkpoint (its 'base' entry is "  # noqa: TRY004
+                         f"{base!r})")
+    return os.path.join(os.path.dirname(path), base["file"])
+
+
+def chain(path: str, ck: dict | None = None) -> list[tuple[str, dict]]:
+    """The files an incremental checkpoint needs, oldest (full) first, each read (mapped).
+
+    Raises:
+        FileNotFoundError, ValueError: a base is missing, cut short, not the file the
+            later one was written over, or not a checkpoint (the message names it).
+    """
+    files = [(path, ckptfile.read(path) if ck is None else ck)]
+    while (base := base_path(*files[0])) is not None:
+        later = files[0][0]
+        if len(files) > 10_000 or any(os.path.abspath(base) == os.path.abspath(p)
+                                      for p, _ in files):
+            raise ValueError(f"{later}: a malformed mpisync checkpoint (its chain of bases "
+                             f"loops at {base})")
+        if not os.path.exists(base):
+            raise FileNotFoundError(
+                f"{path}: an incremental checkpoint whose base {base} is missing (the chain "
+                f"{later} builds on); load an older full checkpoint")
+        if not ckptfile.complete(base):
+            raise ValueError(f"{path}: an incremental checkpoint whose base {base} is not "
+                             f"complete (truncated); load an older full checkpoint")
+        bck = ckptfile.read(base)
+        if bck.get("file_id") != files[0][1]["base"].get("id"):
+            raise ValueError(f"{path}: an incremental checkpoint whose base {base} was "
+                             f"replaced by another file of that name; load an older full "
+                             f"checkpoint")
+        files.insert(0, (base, bck))
+    return files
+
+
+def chain_complete(path: str) -> bool:
+    """Whether the file at ``path`` and every base of its chain are there and complete (a
+    complete file that is no checkpoint this mpisync reads counts: ``load`` says why)."""
+    if not ckptfile.complete(path):
+        return False
+    try:
+        ck = ckptfile.read(path)
+    except Exception:  # noqa: BLE001 (not for latest() to judge)
+        return True
+    try:
+        chain(path, ck)
+    except Exception:  # noqa: BLE001 (any file of the chain that cannot be read)
+        return False
+    return True
+
+
+def needed(path: str) -> list[str]:
+    """The files of ``path``'s chain that are there, newest first (for removing old ones:
+    a base missing or unreadable ends it)."""
+    out = [path]
+    while True:
+        try:
+            base = base_path(out[-1], ckptfile.read(out[-1]))
+        except Exception:  # noqa: BLE001 (a file that cannot be read names no base)
+            return out
+        if base is None or not os.path.exists(base) or base in out:
+            return out
+        out.append(base)
+
+
+# -- writing -------------------------------------------------------------------------------
+def changed_shard(shard: dict, tensor) -> dict:
+    """One shard's changed rows (``table_shards(changed=...)``) as an incremental file holds
+    them, each tensor passed through ``tensor`` (the writer's)."""
+    return {"ids": tensor(shard["ids"]), "at": tensor(shard["at"]),
+            "weight": tensor(shard["weight"]), "per_row": list(shard["per_row"]),
+            "state": {k: tensor(v) if torch.is_tensor(v) else v
+                      for k, v in (shard.get("state") or {}).items()}}
+
+
+# -- reading -------------------------------------------------------------------------------
+def merged_tables(files: list[tuple[str, dict]]) -> dict:
+    """The tables of the newest of ``files`` (a ``chain``) as a full checkpoint holds them,
+    each incremental table's shards merged one at a time as they are read."""
+    newest_path, newest = files[-1]
+    out = {}
+    for name, table in newest.get("tables", {}).items():
+        if not table.get("incremental"):
+            out[name] = table
+            continue
+        parts = []
+        for path, ck in files:
+            t = (ck.get("tables") or {}).get(name)
+            if t is None:
+                raise ValueError(f"{path}: a malformed mpisync checkpoint (no table {name!r}, "
+                                 f"which {newest_path} holds the changed rows of)")
+            if len(t["shards"]) != len(table["shards"]):
+                raise ValueError(f"{path}: a malformed mpisync checkpoint (table {name!r} "
+                                 f"has {len(t['shards'])} shards, {newest_path} "
+                                 f"{len(table['shards'])})")
+            if not parts and t.get("incremental"):
+                raise ValueError(f"{path}: a malformed mpisync checkpoint (the first file of "
+                                 f"its chain holds table {name!r} incrementally)")
+            parts.append(t["shards"])
+        out[name] = {k: v for k, v in table.items() if k != "incremental"} | {
+            "shards": _MergedShards(parts)}
+    return out
+
+
+class _MergedShards(Sequence):
+    """The shards of one table merged over a chain (the last one merged is kept)."""
+
+    def __init__(self, parts: list[list[dict]]):
+        self.parts = parts
+        self.last: tuple[int, _MergedShard] | None = None
+
+    def __len__(self) -> int:
+        return len(self.parts[0])
+
+    def __getitem__(self, s):
+        if isinstance(s, slice):
+            return [self[i] for i in range(*s.indices(len(self)))]
+        if s < 0:
+            s += len(self)
+        if not 0 <= s < len(self):
+            raise IndexError(s)
+        if self.last is None or self.last[0] != s:
+            self.last = (s, _MergedShard([p[s] for p in self.parts]))
+        return self.last[1]
+
+
+class _MergedShard(Mapping):
+    """Saved shard ``s`` of a chain: its ids from the full file; its rows and state merged
+    when first asked for."""
+
+    def __init__(self, pieces: list[dict]):
+        self.pieces = pieces
+        self.merged: dict | None = None
+
+    def __getitem__(self, key):
+        if key == "ids":
+            return self.pieces[0]["ids"]
+        if key not in ("weight", "state"):
+            raise KeyError(key)
+        if self.merged is None:
+            self.merged = _merge(self.pieces)
+        return self.merged[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("ids", "weight", "state"))
+
+    def __len__(self) -> int:
+        return 3
+
+
+def _merge(pieces: list[dict]) -> dict:
+    """A full shard and the changed rows of the later files, in order: the newest rows and
+    state, as the newest file's full shard would hold them."""
+    base = pieces[0]
+    rows = len(base["ids"])
+    weight = base["weight"].clone()
+    state = {k: v.clone() if torch.is_tensor(v) else v
+             for k, v in (base.get("state") or {}).items()}
+    for piece in pieces[1:]:
+        at = piece["at"]
+        if len(at) and (int(at.min()) < 0 or int(at.max()) >= rows):
+            raise ValueError(f"changed rows at places outside the shard's {rows} rows")
+        weight[at] = piece["weight"].to(weight.dtype)
+        per_row = set(piece["per_row"])
+        after = {}
+        for key, value in (piece.get("state") or {}).items():
+            if key not in per_row:
+                after[key] = value.clone() if torch.is_tensor(value) else value
+                continue
+            have = state.get(key)
+            if not (torch.is_tensor(have) and have.dim() and have.shape[0] == rows
+                    and have.dtype == value.dtype):
+                have = torch.zeros(rows, *value.shape[1:], dtype=value.dtype)
+            have[at] = value
+            after[key] = have
+        state = after
+    return {"weight": weight, "state": state}

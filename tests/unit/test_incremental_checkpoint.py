@@ -1,0 +1,242 @@
+"""Incremental checkpoints of a table on the ps, in one process (``test_refusals.OneRank``):
+files that hold the changed rows over a base load bitwise as a full file of the same step,
+a missing base is refused naming it, ``latest`` passes over broken chains and ``keep``
+keeps the bases the newest files need."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from test_refusals import OneRank
+
+import mpisync
+from mpisync import ckptchain
+
+ROWS, DIM, HOT = 10_000, 8, 40
+NAME = "emb.weight"
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*were written after the last step")
+
+
+class Net(torch.nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = mpisync.Embedding(ROWS, DIM, seed=seed)
+        self.head = torch.nn.Linear(DIM, 2)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+
+
+OPTIMIZERS = {
+    # sparse: only the rows of a step's ids change
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    # dense over the table (momentum): every row changes every step
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    # dense too (weight decay), though Adagrad
+    "adagrad-decay": lambda ps: torch.optim.Adagrad(ps, lr=0.1, weight_decay=0.01),
+}
+
+
+@pytest.fixture
+def rank():
+    r = OneRank()
+    r.cluster.worker_comm = r.worker_comm          # what save and load talk over
+    try:
+        yield r
+    finally:
+        r.end()
+
+
+def build(rank, kind: str, seed: int = 0):
+    net = Net(seed)
+    return net, rank.wrap(net, OPTIMIZERS[kind](net.parameters()))
+
+
+def train_step(net, opt, t: int) -> None:
+    g = torch.Generator().manual_seed(100 + t)
+    ids = torch.randint(0, HOT, (16, 3), generator=g) * (ROWS // HOT)   # a few rows only
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(net(ids), torch.randint(0, 2, (16,), generator=g)
+                                      ).backward()
+    opt.step()
+
+
+def table(opt) -> list:
+    """The table's shards as the ps ranks hold them, with their optimizer state."""
+    return [(s["ids"], s["weight"], s.get("state")) for s in opt.table_shards(NAME)]
+
+
+def record(net, opt) -> list:
+    """What a load restores: the table with its state, the model's state, the optimizer's."""
+    return [table(opt), net.state_dict(), opt.state_dict(tables=False)]
+
+
+def same(a, b, at: str = "") -> None:
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, at
+        assert torch.equal(a, b), at
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(map(str, a)) == sorted(map(str, b)), at
+        for k in a:
+            same(a[k], b[k], f"{at}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), at
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{at}[{i}]")
+    else:
+        assert a == b, at
+
+
+def ckpt_name(step: int) -> str:
+    return f"ckpt-{step:09d}.pt"
+
+
+def shrink(rows: torch.Tensor) -> None:
+    """An ``opt.update`` function that changes every row it is given."""
+    rows.mul_(0.5)
+
+
+def run(rank, kind: str, tmp_path, steps: int = 5, update: bool = False, **kw):
+    """``steps`` steps saving each (``full_every=3``), and a full file of each step beside;
+    ``(ckpt dir, full dir, {step: the table}``, the optimizer closed. ``update``: every
+    row shrunk after each step (``opt.update``)."""
+    d, full = tmp_path / "ckpt", tmp_path / "full"
+    net, opt = build(rank, kind)
+    if update:
+        rank.cluster.helper_comm = lambda what: rank.worker_comm    # one worker: itself
+        opt.update(NAME, shrink, rows="all")
+    ckpt = mpisync.Checkpointer(d, net, opt, every_steps=1, full_every=3, **kw)
+    records = {}
+    for t in range(steps):
+        train_step(net, opt, t)
+        assert ckpt.maybe_save() == str(d / ckpt_name(t + 1))
+        mpisync.save(full / f"{t + 1}.pt", net, opt)        # a plain save: marks untouched
+        records[t + 1] = table(opt)
+    opt.close()
+    return d, full, records
+
+
+@pytest.mark.parametrize("kind", [*OPTIMIZERS, "adagrad-update"])
+def test_an_incremental_chain_loads_bitwise_as_a_full_file_of_its_step(rank, kind, tmp_path):
+    update = kind.endswith("-update")
+    kind = kind.removesuffix("-update")
+    d, full, records = run(rank, kind, tmp_path, update=update)
+    files = {t: torch.load(d / ckpt_name(t), weights_only=True) for t in range(1, 6)}
+    for t, base in ((1, None), (2, 1), (3, 2), (4, None), (5, 4)):
+        got = files[t]["base"]
+        assert (got and got["file"]) == (base and ckpt_name(base)), t
+        if base is not None:
+            assert got["id"] == files[base]["file_id"]
+            assert files[t]["tables"][NAME]["incremental"] is True
+            assert files[t]["version"] == 2
+    sizes = {t: os.path.getsize(d / ckpt_name(t)) for t in files}
+    changed = sum(len(s["ids"]) for s in files[2]["tables"][NAME]["shards"])
+    if kind == "adagrad" and not update:    # only the step's rows
+        assert 0 < changed <= HOT and sizes[2] * 10 < sizes[1]
+    else:                   # a dense step over the table, or an update of all rows
+        assert changed == ROWS
+    net, opt = build(rank, kind, seed=7)
+    for t in (3, 5, 2):
+        mpisync.load(d / ckpt_name(t), net, opt)
+        chained = record(net, opt)
+        same(chained[0], records[t], f"the table of step {t}")
+        mpisync.load(full / f"{t}.pt", net, opt)
+        same(chained, record(net, opt), f"chain and full file of step {t}")
+    same(mpisync.plain_state(d / ckpt_name(3)), mpisync.plain_state(full / "3.pt"))
+    opt.close()
+
+
+def test_a_missing_base_is_refused_naming_it_and_latest_falls_back(rank, tmp_path):
+    d, _, records = run(rank, "adagrad", tmp_path)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for t in (2, 3):
+        shutil.copyfile(d / ckpt_name(t), cut / ckpt_name(t))
+    assert mpisync.latest(cut) is None                  # no chain is whole
+    net, opt = build(rank, "adagrad", seed=7)
+    before = record(net, opt)
+    with pytest.raises(mpisync.ConfigError,
+                       match=rf"{cut / ckpt_name(3)}: an incremental checkpoint whose base "
+                             rf"{cut / ckpt_name(1)} is missing"):
+        mpisync.load(cut / ckpt_name(3), net, opt)
+    same(record(net, opt), before, "nothing loaded")
+    with pytest.raises(FileNotFoundError, match=ckpt_name(1)):
+        mpisync.plain_state(cut / ckpt_name(3))
+
+    os.unlink(d / ckpt_name(4))                         # the base of 5: 3 is the newest whole
+    assert mpisync.latest(d) == str(d / ckpt_name(3))
+    shutil.copyfile(tmp_path / "full" / "4.pt", d / ckpt_name(4))
+    assert mpisync.latest(d) == str(d / ckpt_name(4))   # not the base 5 was written over
+    with pytest.raises(mpisync.ConfigError, match="replaced by another file of that name"):
+        mpisync.load(d / ckpt_name(5), net, opt)
+    with open(d / ckpt_name(4), "r+b") as f:            # a truncated file passes over too
+        f.truncate(os.path.getsize(d / ckpt_name(4)) // 2)
+    assert mpisync.latest(d) == str(d / ckpt_name(3))
+    ckpt = mpisync.Checkpointer(d, net, opt, every_steps=1, full_every=3)
+    ckpt.resume()
+    assert opt.global_step == 3
+    same(table(opt), records[3], "resumed")
+    train_step(net, opt, 3)
+    ckpt.maybe_save()                                   # after a resume: full
+    assert torch.load(d / ckpt_name(4), weights_only=True)["base"] is None
+    train_step(net, opt, 4)
+    ckpt.maybe_save()
+    assert torch.load(d / ckpt_name(5), weights_only=True)["base"]["file"] == ckpt_name(4)
+    same(table(opt), records[5], "resumed and trained on")
+    opt.close()
+
+
+def test_keep_keeps_the_bases_the_newest_file_needs(rank, tmp_path):
+    d = tmp_path / "ckpt"
+    net, opt = build(rank, "adagrad")
+    ckpt = mpisync.Checkpointer(d, net, opt, every_steps=1, full_every=3, keep=1)
+    listed = []
+    for t in range(5):
+        train_step(net, opt, t)
+        ckpt.maybe_save()
+        listed.append(sorted(p.name for p in d.iterdir()))
+    want = [[1], [1, 2], [1, 2, 3], [4], [4, 5]]
+    assert listed == [[ckpt_name(t) for t in names] for names in want]
+    assert ckptchain.needed(str(d / ckpt_name(5))) == [str(d / ckpt_name(t)) for t in (5, 4)]
+    opt.close()
+
+
+def test_full_every_one_writes_every_file_full_and_bad_values_are_refused(rank, tmp_path):
+    net, opt = build(rank, "adagrad")
+    ckpt = mpisync.Checkpointer(tmp_path, net, opt, every_steps=1, full_every=1)
+    for t in range(2):
+        train_step(net, opt, t)
+        ckpt.maybe_save()
+        ck = torch.load(tmp_path / ckpt_name(t + 1), weights_only=True)
+        assert ck["base"] is None and ck["version"] == 1 and "incremental" not in ck["tables"][NAME]
+    for bad in (0, -1, True, 2.0, None):
+        with pytest.raises(ValueError, match=f"full_every must be a positive int, got {bad!r}"):
+            mpisync.Checkpointer(tmp_path, net, opt, full_every=bad)
+    opt.close()
+
+
+def test_the_save_after_a_failed_one_is_full(rank, tmp_path):
+    net, opt = build(rank, "adagrad")
+    ckpt = mpisync.Checkpointer(tmp_path, net, opt, every_steps=1, full_every=8)
+    train_step(net, opt, 0)
+    ckpt.maybe_save()
+    train_step(net, opt, 1)
+    (tmp_path / ckpt_name(2)).mkdir()                   # the rename onto it fails
+    with pytest.raises(OSError, match="failed on the chief"):
+        ckpt.maybe_save()
+    train_step(net, opt, 2)
+    ckpt.maybe_save()
+    assert torch.load(tmp_path / ckpt_name(3), weights_only=True)["base"] is None
+    train_step(net, opt, 3)
+    ckpt.maybe_save()
+    assert torch.load(tmp_path / ckpt_name(4), weights_only=True)["base"]["file"] == ckpt_name(3)
+    shard_rows = table(opt)
+    net2, opt2 = build(rank, "adagrad", seed=7)
+    mpisync.load(tmp_path / ckpt_name(4), net2, opt2)
+    same(table(opt2), shard_rows, "loaded after the failed save")
+    opt2.close()
+    opt.close()
