@@ -16,7 +16,7 @@ from typing import TypeVar
 from .errors import ConfigError
 
 __all__ = ["LOST_WORKERS_EXIT", "NUM_PS_ENV", "OFF_WORDS", "PREEMPTED_EXIT", "SURVIVE_ENV", "VARIABLES", "Variable",
-           "check", "choice", "count", "default", "num_ps", "number", "problem",
+           "check", "choice", "count", "default", "misspelled", "num_ps", "number", "problem",
            "read_at_import", "switch", "text"]
 
 T = TypeVar("T")
@@ -364,6 +364,27 @@ def problem(environ: Mapping[str, str] | None = None,
             except ConfigError as exc:
                 return str(exc)
     return None
+
+
+def misspelled(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``MPISYNC_*`` variables of ``environ`` (default ``os.environ``) that mpisync does not
+    read but that are spelled almost as one it does (a letter off, an underscore
+    missing): one sentence
+    each, naming both. Other ``MPISYNC_*`` names (a program's own) are left alone."""
+    import difflib
+
+    environ = os.environ if environ is None else environ
+    said = []
+    for name in sorted(environ):
+        if name.startswith("MPISYNC_") and name not in VARIABLES:
+            close = difflib.get_close_matches(name, VARIABLES, n=1, cutoff=0.85)
+            if close:
+                said.append(f"{name} is set, but mpisync reads no such variable: did you "
+                            f"mean {close[0]}? (it is unset, so its default holds)"
+                            if close[0] not in environ else
+                            f"{name} is set beside {close[0]}: mpisync reads only "
+                            f"{close[0]}")
+    return said
 
 
 def num_ps(asked: int | None, environ: Mapping[str, str] | None = None,

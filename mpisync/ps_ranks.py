@@ -11,6 +11,7 @@ import functools
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence, Sized
 from typing import TYPE_CHECKING, Any
 
@@ -462,6 +463,8 @@ def check_environment(comm: MPI.Comm) -> None:
     (``mpisync.environ.problem``) and the ranks agree on what they found
     (``mpisync.runtime.agreement.agree``), so that a malformed value on one rank is the
     same error on all of them, not an error on that rank while the others wait for it.
+    Rank 0 then warns of each ``MPISYNC_*`` name that mpisync does not read but that is
+    spelled almost as one it does (``mpisync.environ.misspelled``).
 
     Raises:
         ConfigError: on every rank, naming the first rank with a malformed value, the
@@ -469,6 +472,9 @@ def check_environment(comm: MPI.Comm) -> None:
     """
     found = env.problem(os.environ, {HOSTMAP_ENV: decode_host_map})
     agree(comm, found, first_problem)
+    if comm.Get_rank() == 0:                 # a likely typo: said once for the job
+        for text in env.misspelled():
+            warnings.warn(f"rank 0: {text}", RuntimeWarning, stacklevel=3)
 
 
 def _survive(asked: bool | None, rank: int) -> bool:
