@@ -128,6 +128,10 @@ def test_a_value_read_at_import_is_refused_alone_and_left_to_init_in_a_job(monke
     assert environ.read_at_import(read, fallback) == 1800.0   # a rank of a job: init() will
 
 
+MEANT = ("{} is set, but mpisync reads no such variable: did you mean {}? (it is unset, "
+         "so its default holds)")
+
+
 def test_a_name_spelled_almost_as_a_variable_is_named_with_the_variable():
     """``MPISYNC_TIMOUT`` (one letter off) or ``MPISYNC_NUMPS`` are said, with the name
     meant; a program's own ``MPISYNC_*`` names and the variables themselves are not."""
@@ -135,27 +139,23 @@ def test_a_name_spelled_almost_as_a_variable_is_named_with_the_variable():
                                "MPISYNC_TIMEOUT_S": "1", "MPISYNC_STATS": "s.jsonl",
                                "MPISYNC_VENV": "/v", "MPISYNC_TEST_LAUNCH_LOG": "l",
                                "MPISYNC_STALL_WARNIGN": "5", "MPISYNC_STALL_WARNING": "9"})
-    assert said == [
-        "MPISYNC_NUMPS is set, but mpisync reads no such variable: did you mean "
-        "MPISYNC_NUM_PS? (it is unset, so its default holds)",
-        "MPISYNC_STALL_WARNIGN is set beside MPISYNC_STALL_WARNING: mpisync reads only "
-        "MPISYNC_STALL_WARNING",
-        "MPISYNC_TIMEOUT_S is set, but mpisync reads no such variable: did you mean "
-        "MPISYNC_TIMEOUT? (it is unset, so its default holds)",
-        "MPISYNC_TIMOUT is set, but mpisync reads no such variable: did you mean "
-        "MPISYNC_TIMEOUT? (it is unset, so its default holds)"]
+    beside = "MPISYNC_STALL_WARNIGN is set beside {0}: mpisync reads only {0}"
+    assert said == [MEANT.format("MPISYNC_NUMPS", "MPISYNC_NUM_PS"),
+                    beside.format("MPISYNC_STALL_WARNING"),
+                    MEANT.format("MPISYNC_TIMEOUT_S", "MPISYNC_TIMEOUT"),
+                    MEANT.format("MPISYNC_TIMOUT", "MPISYNC_TIMEOUT")]
     assert environ.misspelled({name: "1" for name in environ.VARIABLES}) == []
 
 
 def test_init_warns_of_a_misspelled_variable_on_rank_0(monkeypatch):
-    """In one process (an MPI singleton, rank 0 of its job): ``init`` says it once."""
+    """In one process (an MPI singleton, rank 0 of its job): ``init`` says it once, after
+    the environment's check and before the job's size is refused."""
     from mpi4py import MPI
 
     import mpisync
 
     monkeypatch.setenv("MPISYNC_TIMOUT", "30")
     with pytest.warns(RuntimeWarning) as seen, pytest.raises(mpisync.WorldTooSmallError):
-        mpisync.init(comm=MPI.COMM_SELF, abort_on_error=False)   # after the environment's check
+        mpisync.init(comm=MPI.COMM_SELF, abort_on_error=False)
     texts = [str(w.message) for w in seen if "MPISYNC_TIMOUT" in str(w.message)]
-    assert texts == ["rank 0: MPISYNC_TIMOUT is set, but mpisync reads no such variable: "
-                     "did you mean MPISYNC_TIMEOUT? (it is unset, so its default holds)"], texts
+    assert texts == ["rank 0: " + MEANT.format("MPISYNC_TIMOUT", "MPISYNC_TIMEOUT")], texts
