@@ -1,6 +1,7 @@
 """The one way tests start MPI jobs: mpisync.launch's run_job, a timeout, the RESULT records."""
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -65,6 +66,15 @@ class Run:
 
 
 @functools.cache
+def _results_parent() -> str:
+    """Where this test process's jobs leave their RESULT records and files (a test may read
+    them after the job): one directory, removed when the process exits."""
+    parent = tempfile.mkdtemp(prefix="mpisync-results-")
+    atexit.register(shutil.rmtree, parent, True)
+    return parent
+
+
+@functools.cache
 def _launcher() -> tuple[str, str]:
     mpiexec = find_mpiexec()
     if mpiexec is None:
@@ -87,7 +97,7 @@ def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 12
     the job must exit 0. ``hosts`` goes to ``mpiexec`` as the launcher passes it.
     """
     mpiexec, flavor = _launcher()
-    result_dir = tempfile.mkdtemp(prefix="mpisync-results-")
+    result_dir = tempfile.mkdtemp(prefix="job-", dir=_results_parent())
     extra_env = {"MPISYNC_TIMEOUT": "120", "OMP_NUM_THREADS": "1", "RESULT_DIR": result_dir}
     extra_env.update(env or {})
     cmd = mpiexec_command(
@@ -101,7 +111,6 @@ def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 12
     _log_launch(script, workers, ps, args, time.monotonic() - started)
     results = [json.loads(line) for f in sorted(Path(result_dir).glob("*.jsonl"))
                for line in f.read_text().splitlines()]
-    shutil.rmtree(result_dir, ignore_errors=True)
     run = Run(job.returncode, job.stdout, job.stderr, results, shown)
     if job.timed_out:
         pytest.fail(f"the job of {script} ran past {timeout} s and was killed; "
