@@ -54,6 +54,7 @@ import signal
 import sys
 import time
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,6 +68,7 @@ from .protocol.state import check_state
 from .protocol.tables import table_info
 from .runtime import stopping
 from .runtime.agreement import agree
+from .runtime.failures import FAILURE_DIR_ENV, write_stop
 from .tables import reshard
 from .tables.hashtables import check_saved_hash_table, place_hash_table
 
@@ -436,15 +438,18 @@ class Checkpointer:
     ``HashEmbeddingBag``) are written whole in every file. ``load``, ``resume`` and
     ``plain_state`` follow the chain and restore what a full file of the same step
     restores, bitwise; ``latest`` passes over a file whose chain is not all there;
-    ``keep`` never removes a base that a kept file needs. One Checkpointer per optimizer
-    reads which rows changed (the ps ranks forget them as it reads them).
+    ``keep`` never removes a base that a kept file needs. The first Checkpointer made over
+    an optimizer reads which rows changed (the ps ranks forget them as it reads them);
+    another one over the same optimizer (a second directory, say for the best model)
+    writes full files only, so that neither's files miss rows.
 
     Args:
         directory: where the checkpoints are written (by the chief) and looked for.
         model: the model whose parameters and buffers are saved and loaded.
         opt: the ``SyncReplicasOptimizer`` training ``model``.
-        keep: how many of the newest checkpoints to keep (default: all), and the older
-            files their chains need.
+        keep: how many of the newest checkpoints up to the step saved to keep (default:
+            all), and the older files their chains need; files of later steps are left
+            alone.
         every_steps: save when the global step passes a multiple of it.
         every_seconds: save when this many seconds passed on the chief since the last save.
         full_every: every how many files a chain starts again with a full one (default
@@ -488,6 +493,11 @@ class Checkpointer:
         self.last_step = opt.global_step
         self.last_time = time.monotonic()
         opt._resumable = True          # no warning under --restarts (resumestate)
+        # the ps ranks keep one record of the rows changed since the last incremental file:
+        # the first Checkpointer alive over ``opt`` owns it, any other writes full files
+        owner = getattr(opt, "_changes_owner", None)
+        if owner is None or owner() is None:
+            opt._changes_owner = weakref.ref(self)
         if not opt.closed and stopping.install():     # until the optimizer closes
             opt._hooks.on_remove(stopping.release)
 
@@ -535,6 +545,9 @@ class Checkpointer:
             print(f"mpisync: stopped by {signal.Signals(signum).name} at global step "
                   f"{step}; checkpoint {path}; exit status {PREEMPTED_EXIT}",
                   file=sys.stderr, flush=True)
+            where = os.environ.get(FAILURE_DIR_ENV)
+            if where:                   # python -m mpisync.launch --restarts: start again
+                write_stop(where, step)
         raise SystemExit(PREEMPTED_EXIT)
 
     def save(self, extra: Any = None) -> str:
@@ -542,11 +555,16 @@ class Checkpointer:
         their chains need. Incremental unless this file is to be full (``full_every``)."""
         path = self.path(self.opt.global_step)
         tables = any(t.resident and t.hashed is None for t in self.opt.spec.tables)
-        incremental = (tables and 0 < len(self._chain) < self.full_every
+        owner = getattr(self.opt, "_changes_owner", None)
+        if owner is None or owner() is None:       # the owner is gone: this one takes over
+            owner = self.opt._changes_owner = weakref.ref(self)
+            self._chain = []
+        owns = owner() is self
+        incremental = (tables and owns and 0 < len(self._chain) < self.full_every
                        and path not in self._chain)
         file_id = ckptchain.file_id()
         chain = ((True, self._chain[-1], self._last_id, file_id) if incremental
-                 else (False if tables else None, None, None, file_id))
+                 else (False if tables and owns else None, None, None, file_id))
         try:
             _save(path, self.model, self.opt, extra, chain)
         except BaseException:
@@ -556,7 +574,10 @@ class Checkpointer:
         self._last_id = file_id
         self.last_step, self.last_time = self.opt.global_step, time.monotonic()
         if self.keep is not None and self.opt.cluster.is_chief:
-            listed = _listed(self.directory)
+            # the newest up to this step: a file of a later step (a run that went further,
+            # a file cut short that resume() passed over) is neither counted nor removed,
+            # so that it never crowds out the file just written
+            listed = [(s, p) for s, p in _listed(self.directory) if s <= self.opt.global_step]
             needed = {os.path.abspath(p) for _, newer in listed[-self.keep:]
                       for p in ckptchain.needed(newer)}
             for _, old in listed[:-self.keep]:

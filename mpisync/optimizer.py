@@ -205,6 +205,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._ready = self.closed = False    # closed: close() was called
         self._stepped = False                # a step() ran (the restarts warning's moment)
         self._resumable = False              # a Checkpointer or load() could resume it
+        # a weak reference to the Checkpointer that reads the tables' changed rows
+        self._changes_owner: Callable[[], Any] | None = None
         self.wrapped = optimizer             # the torch optimizer given (same param groups)
         options = Options(replicas_to_aggregate, total_num_replicas, num_tokens, placement,
                           reduction, deterministic, ema_decay, ema_num_updates, asynchronous,

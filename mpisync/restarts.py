@@ -19,7 +19,14 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .environ import LOST_WORKERS_EXIT, PREEMPTED_EXIT
-from .runtime.failures import FAILURE_DIR_ENV, describe, origin, read_failures, same_failure
+from .runtime.failures import (
+    FAILURE_DIR_ENV,
+    describe,
+    origin,
+    read_failures,
+    read_stop,
+    same_failure,
+)
 
 __all__ = ["ATTEMPT_ENV", "Outcome", "restart_loop"]
 
@@ -61,7 +68,7 @@ def restart_loop(run: Callable[[dict[str, str]], Outcome], explain: Callable[[in
         say: prints one line for the user (stderr, after ``mpisync.launch:``).
         sleep: waits ``backoff`` seconds.
     """
-    attempt, failures, previous = 0, 0, None
+    attempt, failures, previous, stopped_at = 0, 0, None, None
     while True:
         failure_dir = os.path.join(base, f"attempt-{attempt}")
         os.makedirs(failure_dir, exist_ok=True)
@@ -69,9 +76,16 @@ def restart_loop(run: Callable[[dict[str, str]], Outcome], explain: Callable[[in
         status = result.returncode
         if status in (0, LOST_WORKERS_EXIT):
             return status
+        stop = read_stop(failure_dir) if status == PREEMPTED_EXIT else None
+        polite = stop is not None and stop != stopped_at      # a stop, and steps since
         why = ("the job ran past --timeout" if result.timed_out
-               else f"the job stopped after a signal and wrote a checkpoint (exit status "
-                    f"{status})" if status == PREEMPTED_EXIT else explain(status))
+               else f"the job stopped after a signal and wrote a checkpoint at global step "
+                    f"{stop} (exit status {status})" if polite
+               else f"the job stopped after a signal again at global step {stop}, no step "
+                    f"since the last stop (exit status {status})" if stop is not None
+               else f"the job exited with status {status} but recorded no polite stop "
+                    f"(mpisync.Checkpointer records one with its checkpoint)"
+               if status == PREEMPTED_EXIT else explain(status))
         if result.signalled is not None:
             say(f"{why}; not starting it again: this launcher was sent "
                 f"{signal.Signals(result.signalled).name}")
@@ -79,8 +93,8 @@ def restart_loop(run: Callable[[dict[str, str]], Outcome], explain: Callable[[in
         # attempts: those started so far and the next, and the failures that may follow
         attempt += 1
         total = attempt + 1 + restarts - failures
-        if status == PREEMPTED_EXIT:
-            previous = None
+        if polite:
+            previous, stopped_at = None, stop
             say(f"attempt {attempt + 1} of {total}: {why}; starting it again at once")
             continue
         first = origin(read_failures(failure_dir))

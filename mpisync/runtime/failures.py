@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 __all__ = ["FAILURE_DIR_ENV", "describe", "error_text", "origin", "read_failures",
-           "same_failure", "write_failure"]
+           "read_stop", "same_failure", "write_failure", "write_stop"]
 
 #: Where each rank that fails writes its record (set by the launcher, one per attempt).
 FAILURE_DIR_ENV = "MPISYNC_FAILURE_DIR"
@@ -42,6 +42,28 @@ def write_failure(directory: str | os.PathLike, rank: int, label: str, error: st
         return path
     except Exception:  # noqa: BLE001 (best effort while the rank fails)
         return None
+
+
+def write_stop(directory: str | os.PathLike, global_step: int) -> None:
+    """The chief's word that the attempt stopped politely after a signal, its checkpoint
+    written at ``global_step`` (``<dir>/stopped.json``): the launcher starts such an
+    attempt again at once. Never raises."""
+    try:
+        path = os.path.join(os.fspath(directory), "stopped.json")
+        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+            json.dump({"global_step": int(global_step)}, f)
+        os.replace(f"{path}.{os.getpid()}.tmp", path)
+    except Exception:  # noqa: BLE001, S110 (best effort: without it the exit counts as a failure)
+        pass
+
+
+def read_stop(directory: str | os.PathLike) -> int | None:
+    """The global step of the attempt's polite stop (``write_stop``), or None."""
+    try:
+        step = json.loads((Path(directory) / "stopped.json").read_text()).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 def error_text(exc_type: type, exc: object) -> str:
@@ -91,7 +113,8 @@ def describe(record: dict | None) -> str:
     """A record in words, ``worker 0 (rank 0 on h): RuntimeError: boom, at global step 7``;
     ``no rank recorded an error`` for None."""
     if record is None:
-        return "no rank recorded an error (a rank killed, out of memory, a crash?)"
+        return ("no rank recorded an error (an error before mpisync.init(): see the output "
+                "above; or a rank killed, out of memory, a crash)")
     label = record.get("label") or f"rank {record['rank']}"
     step = record.get("global_step")
     where = f", at global step {step}" if step is not None else ""

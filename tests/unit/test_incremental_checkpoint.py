@@ -240,3 +240,23 @@ def test_the_save_after_a_failed_one_is_full(rank, tmp_path):
     same(table(opt2), shard_rows, "loaded after the failed save")
     opt2.close()
     opt.close()
+
+
+def test_keep_never_removes_the_file_just_written_for_a_later_one(rank, tmp_path):
+    """A file of a later step in the directory (cut short, so resume() passed over it, or
+    left by a run that went further) is neither counted by ``keep`` nor removed: each save
+    stays (it used to be removed at once, and a restart lost every step)."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / ckpt_name(100)).write_bytes(b"cut short")
+    net, opt = build(rank, "adagrad")
+    ckpt = mpisync.Checkpointer(d, net, opt, every_steps=1, full_every=1, keep=1)
+    assert ckpt.resume() is None
+    listed = []
+    for t in range(3):
+        train_step(net, opt, t)
+        ckpt.maybe_save()
+        listed.append(sorted(p.name for p in d.iterdir()))
+    assert listed == [[ckpt_name(s), ckpt_name(100)] for s in (1, 2, 3)]
+    assert mpisync.latest(d) == str(d / ckpt_name(3))
+    opt.close()

@@ -460,10 +460,12 @@ def test_the_same_failure_is_the_same_error_at_the_same_global_step():
 
 
 class _Attempts:
-    """A job that ends with ``statuses`` in turn, each attempt writing ``records[k]``."""
+    """A job that ends with ``statuses`` in turn, each attempt writing ``records[k]`` and,
+    where ``stops[k]`` is a step, the chief's record of a polite stop there."""
 
-    def __init__(self, statuses, records=(), signalled=None):
+    def __init__(self, statuses, records=(), signalled=None, stops=()):
         self.statuses, self.records, self.signalled = list(statuses), list(records), signalled
+        self.stops = list(stops)
         self.envs: list[dict] = []
 
     def __call__(self, env):
@@ -472,6 +474,8 @@ class _Attempts:
         for record in (self.records[k] if k < len(self.records) else []):
             failures.write_failure(env["MPISYNC_FAILURE_DIR"], record["rank"], record["label"],
                                    record["error"], record["global_step"], record["peer"])
+        if k < len(self.stops) and self.stops[k] is not None:
+            failures.write_stop(env["MPISYNC_FAILURE_DIR"], self.stops[k])
         return JobResult(self.statuses[k], signalled=self.signalled)
 
 
@@ -491,8 +495,8 @@ def test_restarts_until_success_each_attempt_numbered_with_its_own_directory(tmp
         str(tmp_path / f"attempt-{k}") for k in range(3)]
     assert said == [
         ("attempt 2 of 3: the job failed with exit status 137; what failed first: no rank "
-         "recorded an error (a rank killed, out of memory, a crash?); starting the job again "
-         "in 1.5 s"),
+         "recorded an error (an error before mpisync.init(): see the output above; or a rank "
+         "killed, out of memory, a crash); starting the job again in 1.5 s"),
         ("attempt 3 of 3: the job failed with exit status 1; what failed first: worker 0 "
          "(rank 0 on h): RuntimeError: boom, at global step 7; starting the job again in "
          "1.5 s")]
@@ -518,20 +522,38 @@ def test_the_same_failure_twice_stops_the_restarts(tmp_path):
 
 
 def test_a_preempted_job_starts_again_at_once_not_counted(tmp_path):
-    job = _Attempts([75, 75, 1, 0], [[], [], [_record(0)]])
+    job = _Attempts([75, 75, 1, 0], [[], [], [_record(0)]], stops=[3, 6])
     status, said, slept = _loop(job, tmp_path, restarts=1)
     assert status == 0 and slept == [1.5] and len(job.envs) == 4
     assert said[0] == ("attempt 2 of 3: the job stopped after a signal and wrote a checkpoint "
-                       "(exit status 75); starting it again at once")
+                       "at global step 3 (exit status 75); starting it again at once")
     assert said[2].startswith("attempt 4 of 4: the job failed with exit status 1;")
 
 
+def test_status_75_without_a_polite_stop_or_without_progress_counts_as_a_failure(tmp_path):
+    """A program that exits 75 itself (no stop recorded) or stops again at the step it
+    stopped at last time is restarted as a failure: counted, with the backoff, so that it
+    cannot loop for ever."""
+    status, said, slept = _loop(_Attempts([75] * 5), tmp_path, restarts=2)
+    assert status == 75 and slept == [1.5, 1.5] and said[-1] == "gave up after 2 restarts"
+    assert said[0] == ("attempt 2 of 3: the job exited with status 75 but recorded no polite "
+                       "stop (mpisync.Checkpointer records one with its checkpoint); what "
+                       "failed first: no rank recorded an error (an error before "
+                       "mpisync.init(): see the output above; or a rank killed, out of "
+                       "memory, a crash); starting the job again in 1.5 s")
+    job = _Attempts([75, 75, 75, 75], stops=[4, 4, 4, 4])
+    status, said, slept = _loop(job, tmp_path / "b", restarts=1)
+    assert status == 75 and len(job.envs) == 3 and slept == [1.5]
+    assert said[1].startswith("attempt 3 of 3: the job stopped after a signal again at global "
+                              "step 4, no step since the last stop (exit status 75);")
+
+
 def test_a_signal_to_the_launcher_ends_the_restarts(tmp_path):
-    job = _Attempts([75, 0], signalled=signal.SIGTERM)
+    job = _Attempts([75, 0], signalled=signal.SIGTERM, stops=[2])
     status, said, slept = _loop(job, tmp_path)
     assert status == 75 and len(job.envs) == 1 and not slept
-    assert said == [("the job stopped after a signal and wrote a checkpoint (exit status "
-                     "75); not starting it again: this launcher was sent SIGTERM")]
+    assert said == [("the job stopped after a signal and wrote a checkpoint at global step 2 "
+                     "(exit status 75); not starting it again: this launcher was sent SIGTERM")]
 
 
 def test_the_job_gets_a_signal_the_launcher_gets_and_the_result_names_it():
@@ -559,6 +581,8 @@ open(sys.argv[1], "a").write(attempt + " " + os.path.basename(where) + "\\n")
 if attempt != "1":
     json.dump({{"rank": 0, "label": "worker 0", "error": "RuntimeError: boom",
                "global_step": 5, "peer": False}}, open(os.path.join(where, "rank-0.json"), "w"))
+else:
+    json.dump({{"global_step": 4}}, open(os.path.join(where, "stopped.json"), "w"))
 sys.exit({{"0": 1, "1": 75}}.get(attempt, 1))
 '''
 
