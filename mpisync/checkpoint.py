@@ -495,8 +495,7 @@ class Checkpointer:
         opt._resumable = True          # no warning under --restarts (resumestate)
         # the ps ranks keep one record of the rows changed since the last incremental file:
         # the first Checkpointer alive over ``opt`` owns it, any other writes full files
-        owner = getattr(opt, "_changes_owner", None)
-        if owner is None or owner() is None:
+        if opt._changes_owner is None or opt._changes_owner() is None:
             opt._changes_owner = weakref.ref(self)
         if not opt.closed and stopping.install():     # until the optimizer closes
             opt._hooks.on_remove(stopping.release)
@@ -555,7 +554,7 @@ class Checkpointer:
         their chains need. Incremental unless this file is to be full (``full_every``)."""
         path = self.path(self.opt.global_step)
         tables = any(t.resident and t.hashed is None for t in self.opt.spec.tables)
-        owner = getattr(self.opt, "_changes_owner", None)
+        owner = self.opt._changes_owner
         if owner is None or owner() is None:       # the owner is gone: this one takes over
             owner = self.opt._changes_owner = weakref.ref(self)
             self._chain = []

@@ -51,6 +51,25 @@ def _say(text: str) -> None:
     print(f"{_PREFIX} {text}", file=sys.stderr, flush=True)
 
 
+def _why(result: Outcome, stop: int | None, polite: bool,
+         explain: Callable[[int], str]) -> str:
+    """How an attempt ended, in words; ``stop``: the global step of its polite stop, if
+    recorded; ``polite``: a stop with steps since the last one."""
+    status = result.returncode
+    if result.timed_out:
+        return "the job ran past --timeout"
+    if status != PREEMPTED_EXIT:
+        return explain(status)
+    if polite:
+        return (f"the job stopped after a signal and wrote a checkpoint at global step "
+                f"{stop} (exit status {status})")
+    if stop is not None:
+        return (f"the job stopped after a signal again at global step {stop}, no step "
+                f"since the last stop (exit status {status})")
+    return (f"the job exited with status {status} but recorded no polite stop "
+            f"(mpisync.Checkpointer records one with its checkpoint)")
+
+
 def restart_loop(run: Callable[[dict[str, str]], Outcome], explain: Callable[[int], str],
                  restarts: int, backoff: float, base: str,
                  say: Callable[[str], None] = _say,
@@ -78,14 +97,7 @@ def restart_loop(run: Callable[[dict[str, str]], Outcome], explain: Callable[[in
             return status
         stop = read_stop(failure_dir) if status == PREEMPTED_EXIT else None
         polite = stop is not None and stop != stopped_at      # a stop, and steps since
-        why = ("the job ran past --timeout" if result.timed_out
-               else f"the job stopped after a signal and wrote a checkpoint at global step "
-                    f"{stop} (exit status {status})" if polite
-               else f"the job stopped after a signal again at global step {stop}, no step "
-                    f"since the last stop (exit status {status})" if stop is not None
-               else f"the job exited with status {status} but recorded no polite stop "
-                    f"(mpisync.Checkpointer records one with its checkpoint)"
-               if status == PREEMPTED_EXIT else explain(status))
+        why = _why(result, stop, polite, explain)
         if result.signalled is not None:
             say(f"{why}; not starting it again: this launcher was sent "
                 f"{signal.Signals(result.signalled).name}")

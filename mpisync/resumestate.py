@@ -173,7 +173,7 @@ def warn_if_restarts_start_over(opt, environ=None) -> bool:
     whether it warned."""
     environ = os.environ if environ is None else environ
     attempt = environ.get("MPISYNC_ATTEMPT")
-    if attempt is None or getattr(opt, "_resumable", False) or not opt.cluster.is_chief:
+    if attempt is None or opt._resumable or not opt.cluster.is_chief:
         return False
     warnings.warn(f"{opt.cluster.label}: " + START_OVER_WARNING.format(attempt=attempt),
                   RuntimeWarning, stacklevel=3)

@@ -15,6 +15,7 @@ failed (``origin``), and stops restarting a job that failed the same way twice
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -34,27 +35,27 @@ def write_failure(directory: str | os.PathLike, rank: int, label: str, error: st
         record = {"rank": int(rank), "label": str(label), "error": str(error),
                   "global_step": None if global_step is None else int(global_step),
                   "peer": bool(peer)}
-        path = os.path.join(os.fspath(directory), f"rank-{int(rank)}.json")
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, path)            # a reader sees a whole record or none
-        return path
+        return _write(directory, f"rank-{int(rank)}.json", record)
     except Exception:  # noqa: BLE001 (best effort while the rank fails)
         return None
+
+
+def _write(directory: str | os.PathLike, name: str, record: dict) -> str:
+    """``record`` as JSON into ``directory/name``, whole or not at all for a reader."""
+    path = os.path.join(os.fspath(directory), name)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+    return path
 
 
 def write_stop(directory: str | os.PathLike, global_step: int) -> None:
     """The chief's word that the attempt stopped politely after a signal, its checkpoint
     written at ``global_step`` (``<dir>/stopped.json``): the launcher starts such an
     attempt again at once. Never raises."""
-    try:
-        path = os.path.join(os.fspath(directory), "stopped.json")
-        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
-            json.dump({"global_step": int(global_step)}, f)
-        os.replace(f"{path}.{os.getpid()}.tmp", path)
-    except Exception:  # noqa: BLE001, S110 (best effort: without it the exit counts as a failure)
-        pass
+    with contextlib.suppress(Exception):   # without it the exit counts as a failure
+        _write(directory, "stopped.json", {"global_step": int(global_step)})
 
 
 def read_stop(directory: str | os.PathLike) -> int | None:

@@ -248,3 +248,36 @@ def test_under_restarts_a_job_that_nothing_resumes_warns_once_at_its_first_step(
         opt.close()
     finally:
         rank.end()
+
+
+def test_a_polite_stop_leaves_the_launchers_record_of_it(tmp_path, monkeypatch):
+    """SIGUSR1, then ``maybe_save()``: a checkpoint, ``SystemExit(75)``, and, under the
+    launcher's ``--restarts`` (MPISYNC_FAILURE_DIR), the chief's record of the stop at that
+    step, which makes the launcher start the job again at once."""
+    import signal
+
+    from mpisync.environ import PREEMPTED_EXIT
+    from mpisync.runtime import failures, stopping
+
+    monkeypatch.setenv("MPISYNC_FAILURE_DIR", str(tmp_path / "records"))
+    (tmp_path / "records").mkdir()
+    before = {s: signal.getsignal(s) for s in stopping.SIGNALS}
+    rank = OneRank()
+    rank.cluster.worker_comm = rank.worker_comm
+    try:
+        net, opt, sched, sampler = _build(rank)
+        ckpt = mpisync.Checkpointer(tmp_path / "ckpt", net, opt, every_steps=100)
+        _train(net, opt, sched, sampler, 2, iter(sampler))
+        assert failures.read_stop(tmp_path / "records") is None
+        signal.raise_signal(signal.SIGUSR1)
+        with pytest.raises(SystemExit) as stopped:
+            ckpt.maybe_save()
+        assert stopped.value.code == PREEMPTED_EXIT
+        assert failures.read_stop(tmp_path / "records") == 2
+        assert (tmp_path / "ckpt" / "ckpt-000000002.pt").exists()
+    finally:
+        rank.end()
+        while stopping.installed():
+            stopping.release()
+        for s, handler in before.items():
+            signal.signal(s, handler)
