@@ -22,6 +22,7 @@ from mpi4py import MPI
 from . import environ as env
 from .errors import ConfigError, MismatchError, StallError, WorldTooSmallError
 from .protocol.wire import WIRE_VERSION, Tag
+from .runtime import lazydynamo
 from .runtime.agreement import agree, first_problem
 from .runtime.exits import (
     FINALIZE_GRACE,
@@ -407,6 +408,11 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
     them round-robin), made torch's current CUDA device; ``cpu`` without CUDA. The ps
     ranks always compute on the CPU and never touch a GPU.
 
+    Torch's optimizers import ``torch._dynamo`` (over a second of CPU) the first time one is
+    built, only to keep ``torch.compile`` out of methods nothing compiles yet: from
+    ``init()`` on they import it when something else did (``torch.compile``), and behave
+    as before in every other way (``mpisync.runtime.lazydynamo``).
+
     Raises:
         WorldTooSmallError: on every rank, when the world cannot hold ``num_ps`` ps
             ranks and at least one worker.
@@ -420,6 +426,7 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
     """
     global _current
     comm = MPI.COMM_WORLD if comm is None else comm
+    lazydynamo.spare()
     if abort_on_error:
         install_excepthook(lambda: _current)
     if _current is not None and not _current.closed and not MPI.Is_finalized():

@@ -1,0 +1,81 @@
+"""Torch's optimizers without ``torch._dynamo`` until something compiles.
+
+``torch.optim.Optimizer.add_param_group`` (run by every optimizer's constructor),
+``zero_grad``, ``state_dict`` and ``load_state_dict`` are wrapped in torch's
+``_disable_dynamo``: on its first call the wrapper imports ``torch._dynamo`` (seconds of CPU, more
+than all of mpisync's own set-up) only to build ``torch._dynamo.disable(fn)``, which
+keeps ``torch.compile`` out of the method. Until ``torch._dynamo`` is imported nothing can
+compile, and that switch does nothing: a worker, which never steps a torch optimizer itself
+(its ps ranks do), paid for the import at start-up and never used it.
+
+``spare()`` gives each of those methods the switch torch caches on the function
+(``fn.__dynamo_disable``, read by torch's wrapper on every call), but a lazy one: while
+``torch._dynamo`` is not imported it calls the method as it is; from the first call after
+something imported it (``torch.compile`` does), it builds torch's own switch, caches it
+where torch would, and calls that. Dynamo never traces into the lazy switch (it is marked as
+torch marks its own disabled functions), so a compiled function that calls one of these
+methods breaks its graph there, as with torch's switch. Nothing else changes: the same
+methods run with the same arguments, in eager mode as under ``torch.compile``.
+
+A method whose switch torch built already (``torch._dynamo`` was imported first) keeps it.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+__all__ = ["METHODS", "spare", "spared"]
+
+#: The ``torch.optim.Optimizer`` methods torch wraps in ``torch._disable_dynamo``.
+METHODS = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
+
+# The attribute torch's `_disable_dynamo` wrapper caches its switch in (torch/_compile.py).
+_CACHE = "__dynamo_disable"
+
+
+def _lazy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def switch(*args: Any, **kwargs: Any) -> Any:
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None or not hasattr(dynamo, "disable"):    # absent, or importing now
+            return fn(*args, **kwargs)
+        disabled = dynamo.disable(fn, True, wrapping=False)    # what torch would cache
+        setattr(fn, _CACHE, disabled)
+        return disabled(*args, **kwargs)
+
+    switch._torchdynamo_disable = True    # type: ignore[attr-defined]  # dynamo: skip me
+    switch.__wrapped__ = fn               # type: ignore[attr-defined]
+    switch._mpisync_lazy = True           # type: ignore[attr-defined]
+    return switch
+
+
+def _original(name: str) -> Callable[..., Any] | None:
+    """The method torch's wrapper wraps, or None where torch does not wrap it (any more)."""
+    from torch.optim import Optimizer
+
+    wrapper = Optimizer.__dict__.get(name)
+    fn = getattr(wrapper, "__wrapped__", None)
+    if fn is None or getattr(wrapper, "__code__", None) is None:
+        return None
+    if "disable_fn" not in wrapper.__code__.co_varnames:      # not torch's _disable_dynamo
+        return None
+    return fn
+
+
+def spare() -> list[str]:
+    """Give torch's optimizer methods the lazy switch; the names of those that took it."""
+    if "torch._dynamo" in sys.modules:      # imported already: torch's switches cost nothing
+        return []
+    taken = []
+    for name in METHODS:
+        fn = _original(name)
+        if fn is not None and getattr(fn, _CACHE, None) is None:
+            setattr(fn, _CACHE, _lazy(fn))
+            taken.append(name)
+    return taken
+
+
+def spared(name: str) -> bool:
+    """Whether the method ``name`` holds the lazy switch now (not torch's own)."""
+    fn = _original(name)
+    switch = getattr(fn, _CACHE, None) if fn is not None else None
+    return getattr(switch, "_mpisync_lazy", False) is True

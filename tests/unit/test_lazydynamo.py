@@ -1,0 +1,90 @@
+"""Torch's optimizers built after init() import torch._dynamo only once something else did.
+
+Each case runs in a fresh Python (this process imported torch._dynamo long ago), once with
+``lazydynamo.spare()`` and once without, and prints what it computed: the two must be equal.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from mpisync.runtime import lazydynamo
+    spare = sys.argv[1] == "spare"
+    taken = lazydynamo.spare() if spare else []
+    out = {"taken": taken}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    model[0].bias.requires_grad_(False)                       # a frozen parameter
+    count = torch.zeros(2, dtype=torch.int64)                 # an integer one, never stepped
+    opt = torch.optim.Adam([{"params": [model[0].weight]}], lr=0.1, betas=(0.8, 0.9))
+    opt.add_param_group({"params": list(model[1].parameters()), "lr": torch.tensor(0.05)})
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    def step(set_to_none):
+        opt.zero_grad(set_to_none=set_to_none)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    opt.zero_grad(set_to_none=False)
+    saved = opt.state_dict()
+    opt.load_state_dict(saved)
+    out["dynamo_before_step"] = "torch._dynamo" in sys.modules
+    out["spared_before_step"] = [n for n in lazydynamo.METHODS if lazydynamo.spared(n)]
+    step(True)                                                # Adam.step imports torch._dynamo
+    step(False)
+    state = opt.state_dict()
+    opt.load_state_dict(state)
+    step(True)
+    out["spared_after_step"] = [n for n in lazydynamo.METHODS if lazydynamo.spared(n)]
+    import torch._dynamo                                     # then under torch.compile
+    from torch._dynamo.utils import counters
+    fresh = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    @torch.compile(backend="eager")
+    def train(inputs):
+        fresh.zero_grad()
+        return model(inputs).sum()
+
+    loss = train(x)
+    loss.backward()
+    fresh.step()
+    out["graph_breaks"] = sorted(counters["graph_break"])
+    out["params"] = [p.tolist() for p in model.parameters()] + [count.tolist()]
+    out["state"] = repr(opt.state_dict())
+    print(json.dumps(out))
+""")
+
+
+def _run(mode: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", SCRIPT, mode], check=False,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_spared_optimizers_compute_what_torchs_compute_and_import_dynamo_late():
+    spared, plain = _run("spare"), _run("plain")
+    assert spared["taken"] == ["add_param_group", "zero_grad", "state_dict", "load_state_dict"]
+    assert spared["dynamo_before_step"] is False      # the point: no import at construction
+    assert plain["dynamo_before_step"] is True        # what torch does alone
+    assert spared["spared_before_step"] == list(spared["taken"])
+    # torch's own switches, from each method's first call after the import (the constructor's
+    # add_param_group is not called again)
+    assert spared["spared_after_step"] == ["add_param_group"]
+    for key in ("params", "state", "graph_breaks"):
+        assert spared.get(key) == plain.get(key), key
+    # under torch.compile the method stays out of the graph, as torch keeps it
+    assert any("Optimizer.zero_grad" in reason for reason in spared["graph_breaks"])
+
+
+def test_nothing_changes_once_torch_imported_dynamo_first():
+    import torch._dynamo  # noqa: F401 (this process has it; torch's switches stand)
+
+    from mpisync.runtime import lazydynamo
+    assert lazydynamo.spare() == []
+    assert not any(lazydynamo.spared(name) for name in lazydynamo.METHODS)
