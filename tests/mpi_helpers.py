@@ -6,8 +6,10 @@ import functools
 import json
 import os
 import re
+import select
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -19,6 +21,9 @@ import pytest
 from mpisync.launch import detect_mpi_flavor, find_mpiexec, mpiexec_command, run_job
 
 SCRIPTS = Path(__file__).parent / "scripts"
+FORKSERVER = Path(__file__).parent / "forkserver.py"
+# What every job's ranks get beside the test's own variables.
+JOB_ENV = {"MPISYNC_TIMEOUT": "120", "OMP_NUM_THREADS": "1"}
 
 
 @dataclass
@@ -89,25 +94,32 @@ def mpi_flavor() -> str:
 
 def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 120,
             env: dict[str, str] | None = None, expect_ok: bool = True,
-            hosts: str | None = None) -> Run:
+            hosts: str | None = None, fork: bool = True) -> Run:
     """Launch ``workers + ps`` ranks of ``tests/scripts/<script>``; never hang the suite.
 
     The whole process group is killed when ``timeout`` passes, and the test fails with
     everything the ranks printed and the command that reruns the job. With ``expect_ok``
-    the job must exit 0. ``hosts`` goes to ``mpiexec`` as the launcher passes it.
+    the job must exit 0. ``hosts`` goes to ``mpiexec`` as the launcher passes it. The ranks
+    are forked by this process's fork servers where they can be (``_fork_servers``); with
+    ``fork=False`` always fresh Pythons.
     """
     mpiexec, flavor = _launcher()
     result_dir = tempfile.mkdtemp(prefix="job-", dir=_results_parent())
-    extra_env = {"MPISYNC_TIMEOUT": "120", "OMP_NUM_THREADS": "1", "RESULT_DIR": result_dir}
-    extra_env.update(env or {})
-    cmd = mpiexec_command(
-        [sys.executable, str(SCRIPTS / script), *map(str, args)], workers, ps,
-        mpiexec=mpiexec, flavor=flavor, env=extra_env, as_root=os.geteuid() == 0,
-        oversubscribe=True, hosts=hosts)
+    extra_env = dict(JOB_ENV, RESULT_DIR=result_dir, **(env or {}))
+    program = [str(SCRIPTS / script), *map(str, args)]
+
+    def command(python: list[str]) -> list[str]:
+        return mpiexec_command(
+            python + program, workers, ps, mpiexec=mpiexec, flavor=flavor, env=extra_env,
+            as_root=os.geteuid() == 0, oversubscribe=True, hosts=hosts)
+
+    job_env = dict(os.environ, **extra_env)
     shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra_env.items()
-                     if k != "RESULT_DIR") + " " + shlex.join(cmd)
+                     if k != "RESULT_DIR") + " " + shlex.join(command([sys.executable]))
+    forked = fork and _fork_servers(flavor, workers + ps, job_env)
+    cmd = command([sys.executable, str(FORKSERVER), forked] if forked else [sys.executable])
     started = time.monotonic()
-    job = run_job(cmd, timeout=timeout, env=dict(os.environ, **extra_env), capture=True)
+    job = run_job(cmd, timeout=timeout, env=job_env, capture=True)
     _log_launch(script, workers, ps, args, time.monotonic() - started)
     results = [json.loads(line) for f in sorted(Path(result_dir).glob("*.jsonl"))
                for line in f.read_text().splitlines()]
@@ -118,6 +130,50 @@ def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 12
     if expect_ok and run.returncode != 0:
         pytest.fail(f"{script} exited {run.returncode}; {run.describe()}")
     return run
+
+
+# Variables a rank reads only after the fork server forked it (mpisync's own, read at its
+# import or later, the job's result directory, pytest's own): jobs that differ from the servers'
+# environment in these alone start forked ranks.
+_READ_AFTER_FORK = ("MPISYNC_", "RESULT_DIR", "PYTEST_")
+
+
+@functools.cache
+def _servers() -> tuple[str, dict[str, str], dict[int, subprocess.Popen]]:
+    where = tempfile.mkdtemp(prefix="ranks-", dir=_results_parent())
+    return where, dict(os.environ, **JOB_ENV), {}
+
+
+def _fork_servers(flavor: str, ranks: int, job_env: dict[str, str]) -> str | None:
+    """The directory of this test process's fork servers (tests/forkserver.py), one per
+    rank index, started on first use; None where a job's ranks start as fresh Pythons: under
+    an MPI other than MPICH and Open MPI, with ``MPISYNC_TEST_FORK_RANKS=0``, under
+    coverage.py (it would not follow the forks), or when the job's environment differs from the servers' in
+    anything a rank reads before the fork (``_READ_AFTER_FORK``)."""
+    if (flavor not in ("mpich", "openmpi") or os.environ.get("MPISYNC_TEST_FORK_RANKS", "1") == "0"
+            or "coverage" in sys.modules):
+        return None
+    where, server_env, servers = _servers()
+    names = (set(job_env) | set(server_env))
+    if any(job_env.get(n) != server_env.get(n) for n in names
+           if not n.startswith(_READ_AFTER_FORK)):
+        return None
+    starting = {}
+    for index in range(ranks):
+        if index not in servers or servers[index].poll() is not None:
+            with open(os.path.join(where, f"{index}.log"), "ab") as log:
+                starting[index] = subprocess.Popen(
+                    [sys.executable, str(FORKSERVER), "serve", os.path.join(where, str(index))],
+                    env=server_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=log, start_new_session=True)
+    for index, server in starting.items():
+        ready = select.select([server.stdout], [], [], 300)[0]     # import torch, loaded
+        if not ready or server.stdout.readline().strip() != b"ready":
+            server.kill()
+            pytest.fail(f"the fork server for rank {index} did not start (log: "
+                        f"{where}/{index}.log); MPISYNC_TEST_FORK_RANKS=0 starts fresh ranks")
+        servers[index] = server
+    return where
 
 
 def _log_launch(script: str, workers: int, ps: int, args, seconds: float) -> None:
@@ -133,12 +189,13 @@ def _log_launch(script: str, workers: int, ps: int, args, seconds: float) -> Non
 
 
 def failing(script: str, workers: int, ps: int = 1, args=(), timeout: float = 90,
-            env: dict[str, str] | None = None) -> Run:
+            env: dict[str, str] | None = None, fork: bool = True) -> Run:
     """A job that must end non-zero, by itself, within ``timeout`` seconds: before the
     120 s MPISYNC_TIMEOUT that ``run_mpi`` sets, so a failure noticed only as a stall does
     not pass, with room for starting the ranks on a loaded machine (11-24 s seen with one
     other job beside the suite, 40-50 s with several)."""
-    run = run_mpi(script, workers, ps, args, timeout=timeout, env=env, expect_ok=False)
+    run = run_mpi(script, workers, ps, args, timeout=timeout, env=env, expect_ok=False,
+                  fork=fork)
     assert run.returncode != 0, f"{script} exited 0; {run.describe()}"
     return run
 
