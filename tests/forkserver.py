@@ -18,7 +18,7 @@ their import-time environment (a job whose environment differs in anything but
 server per rank index, so the ranks of a job still hash strings differently). NumPy's global
 generator is seeded afresh in each rank, as in a new process.
 
-    python tests/forkserver.py serve SOCKET      # a server: ready when it prints "ready"
+    python tests/forkserver.py serve SOCKET PID  # a server for process PID: prints "ready"
     python tests/forkserver.py SOCKET_DIR SCRIPT ARGS...   # a rank (what mpiexec runs)
 """
 from __future__ import annotations
@@ -92,14 +92,17 @@ def client(socket_dir: str, argv: list[str]) -> None:
 
 # --- the server ---------------------------------------------------------------------------
 
-def serve(path: str) -> None:
-    """Accept clients; fork a rank for each; tell each client how its rank ended."""
+def serve(path: str, parent: int) -> None:
+    """Accept clients; fork a rank for each; tell each client how its rank ended. Ends
+    when its ``parent`` (the test process) does."""
     import selectors
 
+    _die_with_parent()
+    if os.getppid() != parent:                      # gone before the line above
+        return
     import numpy  # noqa: F401 (imported once here, for every rank)
     import torch  # noqa: F401
 
-    _die_with_parent()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -107,7 +110,6 @@ def serve(path: str) -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     print("ready", flush=True)
-    parent = os.getppid()
     while os.getppid() == parent:
         for key, _ in selector.select(timeout=0.02):
             if key.fileobj is listener:
@@ -245,6 +247,6 @@ def _run(script: str) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
-        serve(sys.argv[2])
+        serve(sys.argv[2], int(sys.argv[3]))
     else:
         client(sys.argv[1], sys.argv[2:])

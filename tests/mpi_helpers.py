@@ -163,7 +163,8 @@ def _fork_servers(flavor: str, ranks: int, job_env: dict[str, str]) -> str | Non
         if index not in servers or servers[index].poll() is not None:
             with open(os.path.join(where, f"{index}.log"), "ab") as log:
                 starting[index] = subprocess.Popen(
-                    [sys.executable, str(FORKSERVER), "serve", os.path.join(where, str(index))],
+                    [sys.executable, str(FORKSERVER), "serve", os.path.join(where, str(index)),
+                     str(os.getpid())],
                     env=server_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                     stderr=log, start_new_session=True)
     for index, server in starting.items():

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import torchstep
 from .rowslib import address as _ptr
 from .rowslib import function as _fn
 
@@ -139,12 +140,12 @@ def _sgd_probe(dtype: torch.dtype, momentum: bool, dampening: bool, decay: bool,
     param = torch.nn.Parameter(start.clone())
     opt = torch.optim.SGD([param], **opts)
     param.grad = first
-    opt.step()                              # the momentum buffer made
+    torchstep.step(opt)                     # the momentum buffer made
     buf = opt.state[param].get("momentum_buffer")
     mine_p = param.detach().clone()
     mine_buf = None if buf is None else buf.clone()
     param.grad = (grads[0] + grads[1]) * 0.5
-    opt.step()
+    torchstep.step(opt)
     out = torch.empty(n, dtype=dtype)
     dense_sgd(out, grads, [(0, mine_p, mine_buf, sgd_settings(opt.param_groups[0], dtype))])
     return torch.equal(out, param.grad) and torch.equal(mine_p, param.detach()) and (
@@ -244,7 +245,7 @@ def _adam_probe(dtype: torch.dtype, decoupled: bool, decay: bool, small: bool,
     opt = torch.optim.Adam([param], **opts)
     for _ in range(2):                      # the moments made, the bias corrections not 0
         param.grad = torch.randn(n, generator=gen, dtype=dtype)
-        opt.step()
+        torchstep.step(opt)
     return _probe_step(opt, param, ("exp_avg", "exp_avg_sq"), adam_settings, dense_adam, gen)
 
 
@@ -316,7 +317,7 @@ def _adagrad_probe(dtype: torch.dtype, decay: bool, foreach: bool | None) -> boo
                               weight_decay=0.3 if decay else 0.0,
                               initial_accumulator_value=0.5, foreach=foreach)
     param.grad = torch.randn(n, generator=gen, dtype=dtype)
-    opt.step()
+    torchstep.step(opt)
     return _probe_step(opt, param, ("sum",), adagrad_settings, dense_adagrad, gen)
 
 
@@ -410,7 +411,7 @@ def _rmsprop_probe(dtype: torch.dtype, centered: bool, small: bool, momentum: bo
                               foreach=foreach)
     for _ in range(2):                      # the state made, the momentum buffer not zero
         param.grad = torch.randn(n, generator=gen, dtype=dtype)
-        opt.step()
+        torchstep.step(opt)
     return _probe_step(opt, param, rmsprop_keys(opt.param_groups[0]), rmsprop_settings,
                        dense_rmsprop, gen)
 
@@ -425,7 +426,7 @@ def _probe_step(opt: torch.optim.Optimizer, param: torch.nn.Parameter, keys: tup
     step = float(state["step"]) + 1
     grads = [torch.randn(n, generator=gen, dtype=dtype) for _ in range(2)]
     param.grad = (grads[0] + grads[1]) * 0.5
-    opt.step()
+    torchstep.step(opt)
     settings = settings_of(opt.param_groups[0], dtype, step)
     if settings is None:
         return False

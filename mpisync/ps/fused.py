@@ -43,7 +43,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..native import kernels
+from ..native import kernels, torchstep
 
 __all__ = ["ELEMENTWISE", "Applier", "only_params"]
 
@@ -72,14 +72,6 @@ def only_params(optimizer: torch.optim.Optimizer, params_per_group: list[list[to
     finally:
         optimizer.param_groups = groups
         optimizer.state = saved_state
-
-
-def _hooked(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` would run step hooks (its own or torch's global ones)."""
-    from torch.optim import optimizer as module
-    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-                or getattr(module, "_global_optimizer_pre_hooks", None)
-                or getattr(module, "_global_optimizer_post_hooks", None))
 
 
 #: Optimizers that count steps and whose step the compiled reduce takes: the state each
@@ -293,7 +285,7 @@ class Applier:
         (``kernels.sgd_settings``, ...) and the state torch makes on the first step made.
         None otherwise: the reduce, then ``apply(k)``."""
         opt, runs = self.optimizer, self.runs[k]
-        if self.mode != "fused" or not runs or _hooked(opt) or \
+        if self.mode != "fused" or not runs or torchstep.hooked(opt) or \
                 sum(r.param.numel() for r in runs) != out.numel():
             return None
         if type(opt) is torch.optim.SGD:
@@ -447,7 +439,7 @@ class Applier:
         for run in runs:
             per_group[run.group].append(run.param)
         with only_params(self.optimizer, per_group, self.run_state):
-            self.optimizer.step()
+            torchstep.step(self.optimizer)
         for run in runs:
             self._write_back(run)
 

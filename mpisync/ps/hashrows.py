@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..errors import ProtocolError
+from ..native import torchstep
 from ..protocol import hashing
 from ..protocol.tables import TableSpec
 
@@ -35,7 +36,7 @@ def fresh_state(optimizer: torch.optim.Optimizer, group: dict, row_shape: tuple[
         opt = cls([probe], **kwargs)
         grad = torch.zeros_like(probe)
         probe.grad = grad.to_sparse() if isinstance(opt, torch.optim.SparseAdam) else grad
-        opt.step()
+        torchstep.step(opt)
     except (TypeError, ValueError, RuntimeError):
         return {}                  # an optimizer that cannot be probed: zeros are used
     return {k: v[0].clone() for k, v in opt.state[probe].items() if _per_row(v, probe)}

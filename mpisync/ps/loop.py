@@ -224,7 +224,6 @@ class _Serving:
 
 def serve(cluster) -> dict | list[dict]:
     """Serve every optimizer the workers set up, until every worker left the job."""
-    _import_what_the_optimizer_needs()
     poller = Poller(cluster.p2p_comm, cluster.timeout, cluster.label,
                     spin_seconds(cluster.oversubscribed), cluster.losses)
     timeline.start(cluster, thread="shard server")
@@ -269,18 +268,6 @@ def _check_stopped(label: str, quiet_s: float) -> None:
             f"{label}: sent {signal.Signals(signum).name}, and nothing came from the workers "
             f"for {STALL_WARNING:g} s (MPISYNC_STALL_WARNING) since: they are not stopping "
             f"politely (only a program with an mpisync.Checkpointer does); ending the job")
-
-
-def _import_what_the_optimizer_needs() -> None:
-    """Import ``torch._dynamo`` now, while the workers build their models and optimizers.
-
-    Every torch optimizer imports it on its first construction (``add_param_group`` is
-    wrapped in ``torch._disable_dynamo``), and a ps rank builds the workers' optimizer only
-    once their set-up message arrives: imported there, it would hold every worker's first
-    step up for as long as the import takes. Imported here, it overlaps with the workers'
-    own construction of the same optimizer.
-    """
-    import torch._dynamo  # noqa: F401 (the import is the point)
 
 
 def _describe(jobs: dict) -> str:

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from ..accumulate import ShardAccumulator
-from ..native import kernels
+from ..native import kernels, torchstep
 from ..protocol.layouts import conversions
 from ..protocol.spec import JobSpec
 from ..protocol.wire import (
@@ -140,10 +140,10 @@ class ShardParameters:
         if self.rows.active:
             self.rows.set_grads(chosen, self.optimizer)
         if self.applier.steps_whole:
-            self.optimizer.step()
+            torchstep.step(self.optimizer)
         elif self.rows.active:
             with only_params(self.optimizer, self.table_params):
-                self.optimizer.step()
+                torchstep.step(self.optimizer)
         if self.rows.active:
             self.rows.apply_rows(self.optimizer)
 

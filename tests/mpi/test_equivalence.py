@@ -93,6 +93,9 @@ def test_workers_equal_one_big_batch(tmp_path, one_ps, name):
     assert {r["dropped"] for r in workers} == {0}
     # every worker ends with the same parameters
     assert len({r["checksum"] for r in workers}) == 1
+    # the ps rank stepped torch's optimizers without importing torch._dynamo for them
+    # (mpisync.native.torchstep)
+    assert [r["dynamo"] for r in one_ps.run.ps()] == [False] * len(ONE_PS)
 
 
 def test_state_dict_matches_plain_optimizer(tmp_path, two_ps):

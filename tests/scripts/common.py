@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -65,7 +66,8 @@ def run(worker: Callable, num_ps: int | None = None) -> None:
         served = cluster.serve()
         for stats in served if isinstance(served, list) else [served]:
             emit(role="ps", ps=cluster.ps_index, global_step=stats["global_step"],
-                 stats=stats if cluster.ps_index == 0 else None)
+                 stats=stats if cluster.ps_index == 0 else None,
+                 dynamo="torch._dynamo" in sys.modules)
         return
     record = worker(cluster)
     if record is not None:
