@@ -27,7 +27,7 @@ EXTRAS := $(subst $(space),$(comma),$(strip $(MPI_EXTRA) test examples))
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-ctr demo-dlrm check test test-openmpi coverage horovod demo-horovod lint docs bench clean distclean
+.PHONY: venv demo demo-ctr demo-dlrm check test test-openmpi coverage horovod horovod-unlocked demo-horovod lint docs bench clean distclean
 
 venv: $(STAMP)
 
@@ -156,7 +156,15 @@ HOROVOD_SPEC ?= horovod==0.28.1
 CMAKE_SPEC ?= cmake>=3.13,<5
 HOROVOD_STAMP := $(OMPI_VENV)/.horovod
 OMPI_BIN = $(abspath $(OMPI_VENV))/bin
+# One build at a time (.ci/run starts one before the suite's own): a second waits for the
+# first and then finds it done.
+HOROVOD_LOCK ?= $(OMPI_VENV).lock
 horovod:
+	@if command -v flock >/dev/null; then \
+	  flock $(HOROVOD_LOCK) $(MAKE) --no-print-directory horovod-unlocked; \
+	else $(MAKE) --no-print-directory horovod-unlocked; fi
+
+horovod-unlocked:
 	$(MAKE) venv VENV=$(OMPI_VENV) MPI_EXTRA=openmpi
 	$(MAKE) $(HOROVOD_STAMP)
 

@@ -14,6 +14,7 @@ __all__ = ["LOST_WORKERS_EXIT", "SURVIVE_ENV", "Losses", "improbe", "is_failure"
 _FAILURE_CLASSES = {getattr(MPI, name) for name in
                     ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
                     if hasattr(MPI, name)}
+_IN_STATUS = getattr(MPI, "ERR_IN_STATUS", None)
 
 
 def is_failure(exc: BaseException) -> bool:
@@ -52,11 +53,19 @@ class Losses:
         self._new: list[int] = []
 
     def note(self, exc: BaseException) -> bool:
-        """Record the ranks behind a failure ``exc``; False if ``exc`` is something else."""
-        if not is_failure(exc):
-            return False
-        self.refresh()
-        return True
+        """Record the ranks behind a failure ``exc``; False if ``exc`` is something else.
+
+        A wait on several requests (``Testall``, ``Waitall``) reports a rank's death as
+        ``ERR_IN_STATUS``, the failure being in one request's status: that is a failure
+        too when MPI knows of a dead rank of ``comm``.
+        """
+        if is_failure(exc):
+            self.refresh()
+            return True
+        if isinstance(exc, MPI.Exception) and exc.Get_error_class() == _IN_STATUS:
+            self.refresh()
+            return bool(self.lost)
+        return False
 
     def refresh(self) -> None:
         """Acknowledge the failures MPI knows of; remember the ranks that are new."""
