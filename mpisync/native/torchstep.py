@@ -6,8 +6,8 @@ a profiler label) around ``_use_grad_for_differentiable``, which turns autograd 
 the optimizer is ``differentiable`` and marks two graph breaks for ``torch.compile``, and
 imports ``torch._dynamo`` on every call to do so. Nothing compiles on a ps rank: while
 ``torch._dynamo`` is not imported, ``step()`` here runs what those wrappers run but the
-import (the hooks, when there are any, by calling ``optimizer.step()`` itself), so a ps rank
-never pays for it. Bitwise the same step: the same function on the same tensors, autograd
+import (the hooks, a step set on the instance, when there are any, by calling
+``optimizer.step()`` itself), so a ps rank never pays for it. Bitwise the same step: the same function on the same tensors, autograd
 off as torch turns it off.
 """
 from __future__ import annotations
@@ -44,7 +44,8 @@ def step(optimizer: torch.optim.Optimizer) -> None:
     """``optimizer.step()``: the same step, without the import of ``torch._dynamo``."""
     raw = None
     if "torch._dynamo" not in sys.modules and not hooked(optimizer) and \
-            not optimizer.defaults.get("differentiable", False):
+            not optimizer.defaults.get("differentiable", False) and \
+            "step" not in vars(optimizer):         # no step of its own (a scheduler's counter)
         raw = _unwrapped(type(optimizer))
     if raw is None:
         optimizer.step()

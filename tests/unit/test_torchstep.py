@@ -64,6 +64,16 @@ SCRIPT = textwrap.dedent("""
         run(a, opt_a, torchstep.step)
         if "torch._dynamo" not in sys.modules:
             out["short"].append(name)
+    # a scheduler counts the steps of the optimizer it is attached to (a step set on the
+    # instance): those go through it, and the scheduler sees them
+    import warnings
+    plain = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(plain, 1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torchstep.step(plain)
+        scheduler.step()             # warns when it saw no step of the optimizer before it
+    out["scheduler_warnings"] = [str(w.message) for w in seen]
     for name, ((a, opt_a), (b, opt_b)) in built.items():   # then torch's own
         run(b, opt_b, lambda opt: opt.step())
         sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
@@ -83,6 +93,7 @@ def test_the_ps_step_is_torchs_step_bitwise_without_importing_dynamo():
     assert all(out["equal"].values()), out["equal"]
     assert out["short"] == list(out["equal"]), out      # every one without the import
     assert out["dynamo_after"] is True          # torch's own step imports it
+    assert out["scheduler_warnings"] == [], out["scheduler_warnings"]
 
 
 def test_hooks_differentiable_optimizers_and_their_own_steps_go_through_torchs_step():
@@ -105,3 +116,5 @@ def test_hooks_differentiable_optimizers_and_their_own_steps_go_through_torchs_s
     assert torchstep._unwrapped(OwnStep) is None
     torchstep.step(OwnStep([torch.nn.Parameter(torch.ones(1))]))
     assert calls == ["post", "own"]
+
+
