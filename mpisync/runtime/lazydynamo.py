@@ -10,17 +10,18 @@ compile, and that switch does nothing: a worker, which never steps a torch optim
 
 ``spare()`` gives each of those methods the switch torch caches on the function
 (``fn.__dynamo_disable``, read by torch's wrapper on every call), but a lazy one: while
-``torch._dynamo`` is not imported it calls the method as it is; from the first call after
-something imported it (``torch.compile`` does), it builds torch's own switch, caches it
-where torch would, and calls that. Dynamo never traces into the lazy switch (it is marked as
-torch marks its own disabled functions), so a compiled function that calls one of these
-methods breaks its graph there, as with torch's switch. Nothing else changes: the same
-methods run with the same arguments, in eager mode as under ``torch.compile``.
+``torch._dynamo`` is not imported it calls the method as it is. The import of
+``torch._dynamo`` (``torch.compile`` makes it) puts torch's own switches in their place as
+soon as it is done, before anything can compile (an import hook that removes itself), so a
+compiled function meets torch's switches only, with torch's graph breaks; should a lazy
+switch be called with ``torch._dynamo`` imported anyway, it builds torch's switch there.
+Nothing else changes: the same methods run with the same arguments.
 
 A method whose switch torch built already (``torch._dynamo`` was imported first) keeps it.
 """
 from __future__ import annotations
 
+import importlib.util
 import sys
 from typing import Any, Callable
 
@@ -61,6 +62,35 @@ def _original(name: str) -> Callable[..., Any] | None:
     return fn
 
 
+def _restore(dynamo) -> None:
+    """Torch's own switch in place of every lazy one (``torch._dynamo`` is imported)."""
+    for name in METHODS:
+        fn = _original(name)
+        if fn is not None and spared(name):
+            setattr(fn, _CACHE, dynamo.disable(fn, True, wrapping=False))
+
+
+class _WhenImported:
+    """Puts torch's switches back the moment ``torch._dynamo`` has been imported, before
+    anything can compile: the lazy switch is then never on a frame Dynamo sees."""
+
+    def find_spec(self, name: str, path=None, target=None):
+        if name != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)                  # once; and not for the lookup below
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_restore(module) -> None:
+            exec_module(module)
+            _restore(module)
+
+        spec.loader.exec_module = exec_and_restore  # type: ignore[method-assign]
+        return spec
+
+
 def spare() -> list[str]:
     """Give torch's optimizer methods the lazy switch; the names of those that took it."""
     if "torch._dynamo" in sys.modules:      # imported already: torch's switches cost nothing
@@ -71,6 +101,8 @@ def spare() -> list[str]:
         if fn is not None and getattr(fn, _CACHE, None) is None:
             setattr(fn, _CACHE, _lazy(fn))
             taken.append(name)
+    if taken and not any(isinstance(f, _WhenImported) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WhenImported())
     return taken
 
 
