@@ -103,6 +103,8 @@ def serve(path: str, parent: int) -> None:
     import numpy  # noqa: F401 (imported once here, for every rank)
     import torch  # noqa: F401
 
+    if os.path.exists(path):                        # a server before this one died
+        os.unlink(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)

@@ -133,8 +133,8 @@ def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 12
 
 
 # Variables a rank reads only after the fork server forked it (mpisync's own, read at its
-# import or later, the job's result directory, pytest's own): jobs that differ from the servers'
-# environment in these alone start forked ranks.
+# import or later, the job's result directory, pytest's own): jobs that differ from the
+# servers' environment in these alone start forked ranks.
 _READ_AFTER_FORK = ("MPISYNC_", "RESULT_DIR", "PYTEST_")
 
 
@@ -148,14 +148,13 @@ def _fork_servers(flavor: str, ranks: int, job_env: dict[str, str]) -> str | Non
     """The directory of this test process's fork servers (tests/forkserver.py), one per
     rank index, started on first use; None where a job's ranks start as fresh Pythons: under
     an MPI other than MPICH and Open MPI, with ``MPISYNC_TEST_FORK_RANKS=0``, under
-    coverage.py (it would not follow the forks), or when the job's environment differs from the servers' in
-    anything a rank reads before the fork (``_READ_AFTER_FORK``)."""
-    if (flavor not in ("mpich", "openmpi") or os.environ.get("MPISYNC_TEST_FORK_RANKS", "1") == "0"
-            or "coverage" in sys.modules):
+    coverage.py (it would not follow the forks), or when the job's environment differs from
+    the servers' in anything a rank reads before the fork (``_READ_AFTER_FORK``)."""
+    if (flavor not in ("mpich", "openmpi") or "coverage" in sys.modules
+            or os.environ.get("MPISYNC_TEST_FORK_RANKS", "1") == "0"):
         return None
     where, server_env, servers = _servers()
-    names = (set(job_env) | set(server_env))
-    if any(job_env.get(n) != server_env.get(n) for n in names
+    if any(job_env.get(n) != server_env.get(n) for n in set(job_env) | set(server_env)
            if not n.startswith(_READ_AFTER_FORK)):
         return None
     starting = {}

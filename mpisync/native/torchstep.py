@@ -6,9 +6,10 @@ a profiler label) around ``_use_grad_for_differentiable``, which turns autograd 
 the optimizer is ``differentiable`` and marks two graph breaks for ``torch.compile``, and
 imports ``torch._dynamo`` on every call to do so. Nothing compiles on a ps rank: while
 ``torch._dynamo`` is not imported, ``step()`` here runs what those wrappers run but the
-import (the hooks, a step set on the instance, when there are any, by calling
-``optimizer.step()`` itself), so a ps rank never pays for it. Bitwise the same step: the same function on the same tensors, autograd
-off as torch turns it off.
+import. Step hooks, ``differentiable``, a step set on the instance (an LR scheduler's
+counter) or a class's own ``step`` go through ``optimizer.step()`` itself (an own step that
+calls ``super().step()`` then imports ``torch._dynamo``, as it would anyway). Bitwise the
+same step: the same function on the same tensors, autograd off as torch turns it off.
 """
 from __future__ import annotations
 

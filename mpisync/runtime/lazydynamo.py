@@ -34,14 +34,19 @@ METHODS = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
 _CACHE = "__dynamo_disable"
 
 
+def _torchs(fn: Callable[..., Any], dynamo) -> Callable[..., Any]:
+    """Torch's own switch for ``fn``, built and cached where torch's wrapper builds it."""
+    disabled = dynamo.disable(fn, True, wrapping=False)
+    setattr(fn, _CACHE, disabled)
+    return disabled
+
+
 def _lazy(fn: Callable[..., Any]) -> Callable[..., Any]:
     def switch(*args: Any, **kwargs: Any) -> Any:
         dynamo = sys.modules.get("torch._dynamo")
         if dynamo is None or not hasattr(dynamo, "disable"):    # absent, or importing now
             return fn(*args, **kwargs)
-        disabled = dynamo.disable(fn, True, wrapping=False)    # what torch would cache
-        setattr(fn, _CACHE, disabled)
-        return disabled(*args, **kwargs)
+        return _torchs(fn, dynamo)(*args, **kwargs)
 
     switch._torchdynamo_disable = True    # type: ignore[attr-defined]  # dynamo: skip me
     switch.__wrapped__ = fn               # type: ignore[attr-defined]
@@ -67,7 +72,7 @@ def _restore(dynamo) -> None:
     for name in METHODS:
         fn = _original(name)
         if fn is not None and spared(name):
-            setattr(fn, _CACHE, dynamo.disable(fn, True, wrapping=False))
+            _torchs(fn, dynamo)
 
 
 class _WhenImported:
