@@ -133,30 +133,32 @@ def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 12
 
 
 # Variables a rank reads only after the fork server forked it (mpisync's own, read at its
-# import or later, the job's result directory, pytest's own): jobs that differ from the
-# servers' environment in these alone start forked ranks.
+# import or later, the job's result directory, pytest's own): jobs that differ in these alone
+# share fork servers.
 _READ_AFTER_FORK = ("MPISYNC_", "RESULT_DIR", "PYTEST_")
 
 
 @functools.cache
-def _servers() -> tuple[str, dict[str, str], dict[int, subprocess.Popen]]:
+def _servers(environment: frozenset) -> tuple[str, dict[str, str], dict[int, subprocess.Popen]]:
+    """The fork servers of one environment (what ranks read before the fork): a test
+    process whose own environment changed (an MPI initialized in it sets variables) gets
+    servers of its new one, not fresh ranks from then on."""
     where = tempfile.mkdtemp(prefix="ranks-", dir=_results_parent())
-    return where, dict(os.environ, **JOB_ENV), {}
+    return where, dict(environment), {}
 
 
 def _fork_servers(flavor: str, ranks: int, job_env: dict[str, str]) -> str | None:
-    """The directory of this test process's fork servers (tests/forkserver.py), one per
-    rank index, started on first use; None where a job's ranks start as fresh Pythons: under
-    an MPI other than MPICH and Open MPI, with ``MPISYNC_TEST_FORK_RANKS=0``, under
-    coverage.py (it would not follow the forks), or when the job's environment differs from
-    the servers' in anything a rank reads before the fork (``_READ_AFTER_FORK``)."""
+    """The directory of the fork servers (tests/forkserver.py) for this job's environment,
+    one per rank index, started on first use; None where a job's ranks start as fresh
+    Pythons: under an MPI other than MPICH and Open MPI, with ``MPISYNC_TEST_FORK_RANKS=0``,
+    or under coverage.py (it would not follow the forks). The servers import torch with the
+    job's environment but for what a rank reads only after the fork (``_READ_AFTER_FORK``),
+    which they leave as this process had it when they started."""
     if (flavor not in ("mpich", "openmpi") or "coverage" in sys.modules
             or os.environ.get("MPISYNC_TEST_FORK_RANKS", "1") == "0"):
         return None
-    where, server_env, servers = _servers()
-    if any(job_env.get(n) != server_env.get(n) for n in set(job_env) | set(server_env)
-           if not n.startswith(_READ_AFTER_FORK)):
-        return None
+    before_fork = {n: v for n, v in job_env.items() if not n.startswith(_READ_AFTER_FORK)}
+    where, server_env, servers = _servers(frozenset(before_fork.items()))
     starting = {}
     for index in range(ranks):
         if index not in servers or servers[index].poll() is not None:
