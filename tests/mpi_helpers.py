@@ -132,6 +132,16 @@ def run_mpi(script: str, workers: int, ps: int = 1, args=(), timeout: float = 12
     return run
 
 
+def rank_python(ranks: int, env: dict[str, str]) -> list[str]:
+    """The command that starts a rank's Python in a job of ``ranks`` ranks that something
+    other than ``run_mpi`` launches (``python -m mpisync.launch``), whose ranks see ``env``:
+    a client of this process's fork servers where ranks can be forked (as ``run_mpi``'s),
+    else this Python."""
+    _, flavor = _launcher()
+    forked = _fork_servers(flavor, ranks, env)
+    return [sys.executable, str(FORKSERVER), forked] if forked else [sys.executable]
+
+
 # Variables a rank reads only after the fork server forked it (mpisync's own, read at its
 # import or later, the job's result directory, pytest's own): jobs that differ in these alone
 # share fork servers.

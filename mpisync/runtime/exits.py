@@ -51,9 +51,20 @@ def exit_status(cluster: Exiting) -> None:
     """A rank that saw workers lost ends with ``LOST_WORKERS_EXIT`` once MPI finalized.
 
     Open MPI's ``MPI_Finalize`` sometimes waits forever for a rank that died (the runtime's
-    last fence): after ``FINALIZE_GRACE`` seconds the rank exits without it.
+    last fence): after ``FINALIZE_GRACE`` seconds the rank exits without it. A rank that
+    never met the dead one itself (a worker whose messages all went to live ranks) asks
+    MPI first which ranks it knows to have died.
     """
-    if cluster.losses is None or not cluster.losses.lost or MPI.Is_finalized():
+    losses = cluster.losses
+    if losses is None or MPI.Is_finalized():
+        return
+    try:
+        if losses.comm == MPI.COMM_NULL:     # freed by cluster.close(): the same ranks
+            losses.comm = MPI.COMM_WORLD
+        losses.refresh()
+    except MPI.Exception:
+        pass
+    if not losses.lost:
         return
     sys.stdout.flush()
     sys.stderr.flush()
@@ -81,6 +92,7 @@ def abort_within(grace: float, code: int) -> None:
     ``finalize_within`` gives: mpi4py's ``Comm.Abort`` keeps the GIL while it waits, and an
     abort can wait for good once ranks have died (Open MPI with ULFM)."""
     threading.Timer(grace, os._exit, (code,)).start()
+    _save_coverage()
     comm = MPI.COMM_WORLD
     try:
         abort = ctypes.CDLL(MPI.__file__).MPI_Abort
@@ -92,6 +104,20 @@ def abort_within(grace: float, code: int) -> None:
     except (OSError, AttributeError, TypeError):
         comm.Abort(code)
     os._exit(code)
+
+
+def _save_coverage() -> None:
+    """Write coverage.py's data of this process so far, where it measures itself (``make
+    coverage``): ``MPI_Abort`` ends every rank without running exit handlers, so the lines
+    a failing job ran would be lost. Nothing where coverage.py is not running."""
+    coverage = sys.modules.get("coverage")
+    current = getattr(getattr(coverage, "Coverage", None), "current", None)
+    measuring = current() if current is not None else None
+    if measuring is not None:
+        try:
+            measuring.save()
+        except Exception:  # noqa: BLE001, S110 (never in the way of the abort)
+            pass
 
 
 def install_excepthook(current: Callable[[], Exiting | None]) -> None:
@@ -122,6 +148,7 @@ def install_excepthook(current: Callable[[], Exiting | None]) -> None:
             return  # raised on every rank alike: let each exit on its own
         if cluster is not None and not cluster.closed and not isinstance(exc, PeerError):
             notify_peers(cluster, f"{label} failed: {exc_type.__name__}: {exc}")
+        _save_coverage()  # before the first rank's abort ends every rank
         time.sleep(1.5)  # let every rank print why it stops before the abort ends them all
         # a job that survives lost ranks (Open MPI with ULFM) has seen an abort wait on for
         # good after ranks had died: this rank then ends itself, and the job with it

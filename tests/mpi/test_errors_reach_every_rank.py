@@ -18,7 +18,15 @@ import sys
 
 import pytest
 import torch
-from mpi_helpers import SCRIPTS, assert_every_rank_says, failing, labels, mpi_flavor, run_mpi
+from mpi_helpers import (
+    SCRIPTS,
+    assert_every_rank_says,
+    failing,
+    labels,
+    mpi_flavor,
+    rank_python,
+    run_mpi,
+)
 
 from mpisync.launch import run_job
 
@@ -368,10 +376,10 @@ def test_a_rank_that_dies_ends_the_whole_job(case):
     # asked (Open MPI can: tests/mpi/test_survive.py)
     before = set(os.listdir("/dev/shm"))
     survive = ["--survive-worker-loss"] if case == "killed" and mpi_flavor() == "mpich" else []
+    env = dict(os.environ, MPISYNC_TIMEOUT="120", OMP_NUM_THREADS="1")
     job = run_job([sys.executable, "-m", "mpisync.launch", *survive, "--workers", "2", "--ps",
-                   "2", "--timeout", "90", "--", sys.executable, str(SCRIPTS / "errors.py"),
-                   "--case", case, "--num-ps", "2"], timeout=150, capture=True,
-                  env=dict(os.environ, MPISYNC_TIMEOUT="120", OMP_NUM_THREADS="1"))
+                   "2", "--timeout", "90", "--", *rank_python(4, env), str(SCRIPTS / "errors.py"),
+                   "--case", case, "--num-ps", "2"], timeout=150, capture=True, env=env)
     assert job.returncode not in (0, 124), job.output
     assert re.search(r"signal 9|Killed", job.output), job.output
     assert re.search(r"mpisync\.launch: the job failed with exit status \d+: a rank ended by "

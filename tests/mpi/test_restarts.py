@@ -3,7 +3,8 @@ its newest checkpoint and ends bitwise where an unbroken run ends; a job that fa
 way twice is not started a third time.
 
 Each case is one launcher run of tests/scripts/restarts.py (2 workers + 1 ps, deterministic,
-a checkpoint every 3 global steps, 12 steps); the unbroken run is one plain job.
+a checkpoint every 3 global steps, 12 steps; each attempt's ranks forked by the suite's fork
+servers where it has them, as ``run_mpi``'s); the unbroken run is one plain job.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from mpi_helpers import SCRIPTS, run_mpi
+from mpi_helpers import SCRIPTS, rank_python, run_mpi
 
 sys.path.insert(0, str(SCRIPTS))
 from restarts import KILL_AT, RAISE_AT, STEPS
@@ -28,12 +29,12 @@ def launch(mode: str, tmp_path) -> tuple[subprocess.CompletedProcess, str]:
     final parameters' file."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "final.pt"
     ckpt.mkdir()
+    env = dict(os.environ, MPISYNC_TIMEOUT="120", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "mpisync.launch", "--workers", "2", "--ps", "1",
          "--restarts", "2", "--restart-backoff", "0", "--timeout", str(ATTEMPT_TIMEOUT), "--",
-         sys.executable, str(SCRIPTS / "restarts.py"), mode, str(ckpt), str(out)],
-        check=False, capture_output=True, text=True, timeout=RUN_TIMEOUT,
-        env=dict(os.environ, MPISYNC_TIMEOUT="120", OMP_NUM_THREADS="1"))
+         *rank_python(3, env), str(SCRIPTS / "restarts.py"), mode, str(ckpt), str(out)],
+        check=False, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=env)
     return proc, str(out)
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mpi_helpers import SCRIPTS, mpi_flavor
+from mpi_helpers import SCRIPTS, mpi_flavor, rank_python
 
 from mpisync.launch import run_job
 from mpisync.runtime.survival import LOST_WORKERS_EXIT
@@ -33,11 +33,11 @@ def survive(*args: str, timeout: float = 60):
     """3 workers (replicas_to_aggregate=2: one backup) and 1 ps, launched to survive."""
     result_dir = tempfile.mkdtemp(prefix="mpisync-results-")
     start = time.monotonic()
+    env = dict(os.environ, MPISYNC_TIMEOUT="60", OMP_NUM_THREADS="1", RESULT_DIR=result_dir)
     job = run_job([sys.executable, "-m", "mpisync.launch", "--survive-worker-loss",
                    "--workers", "3", "--ps", "1", "--timeout", str(timeout), "--",
-                   sys.executable, str(SCRIPTS / "survive.py"), *args], timeout=timeout + 30,
-                  capture=True, env=dict(os.environ, MPISYNC_TIMEOUT="60", OMP_NUM_THREADS="1",
-                                         RESULT_DIR=result_dir))
+                   *rank_python(4, env), str(SCRIPTS / "survive.py"), *args],
+                  timeout=timeout + 30, capture=True, env=env)
     records = [json.loads(line) for f in sorted(Path(result_dir).glob("*.jsonl"))
                for line in f.read_text().splitlines()]
     return job, records, time.monotonic() - start

@@ -219,6 +219,9 @@ def test_every_public_name_resolves():
         assert getattr(mpisync, name) is not None, name
     assert mpisync.hashing.__name__ == "mpisync.protocol.hashing"
     assert mpisync.placement.__name__ == "mpisync.placement"
+    assert set(mpisync.__all__) <= set(dir(mpisync))      # what completion offers
+    with pytest.raises(AttributeError, match="^module 'mpisync' has no attribute 'Optimiser'$"):
+        _ = mpisync.Optimiser
 
 
 # -- header fields by name -----------------------------------------------------------------

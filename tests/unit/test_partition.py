@@ -535,3 +535,10 @@ def test_a_partitioners_shards_hold_every_row_exactly_once(partitioner, shape, i
     for p in set(shard.tolist()):
         mine = shard == p
         assert torch.equal(unmap_ids(p, local[mine], rows, n, strategy), ids[mine])
+
+
+def test_a_float_tensor_is_not_a_count() -> None:
+    """A 0-d float tensor has ``__index__`` but is no int: refused as any other non-int."""
+    with pytest.raises(TypeError, match=r"^num_shards must be an int, got Tensor tensor\(2\.5000\)$"):
+        fixed_size(torch.tensor(2.5))
+    assert fixed_size(torch.tensor(3)) == fixed_size(3)
