@@ -425,6 +425,10 @@ class Checkpointer:
     ``every_seconds`` the workers meet only where ``every_steps`` makes a checkpoint due:
     a signal takes effect there.
 
+    A file is written beside its final name and renamed when complete, so a kill mid-write
+    never leaves a broken checkpoint; the chief's Checkpointer removes, when made, the
+    partial files that a writer on its host killed mid-write left in ``directory``.
+
     Incremental checkpoints: a file holds the dense state (model, optimizer state,
     schedulers, per-worker states) whole, but of each table that lives on the ps ranks
     (``mpisync.Embedding``, ``mpisync.EmbeddingBag``) only the rows that changed since
@@ -493,6 +497,8 @@ class Checkpointer:
         self.last_step = opt.global_step
         self.last_time = time.monotonic()
         opt._resumable = True          # no warning under --restarts (resumestate)
+        if opt.cluster.is_chief:       # what a chief killed mid-write left (it writes)
+            ckptfile.remove_stale_temporaries(self.directory)
         # the ps ranks keep one record of the rows changed since the last incremental file:
         # the first Checkpointer alive over ``opt`` owns it, any other writes full files
         if opt._changes_owner is None or opt._changes_owner() is None:

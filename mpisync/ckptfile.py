@@ -13,6 +13,8 @@ import contextlib
 import io
 import os
 import pickle
+import re
+import socket
 import sys
 import warnings
 import zipfile
@@ -21,7 +23,7 @@ import torch
 from torch.serialization import _open_zipfile_writer
 
 __all__ = ["FORMAT", "VERSION", "Writer", "atomic_write", "complete", "malformed",
-           "mpisync_version", "read"]
+           "mpisync_version", "read", "remove_stale_temporaries"]
 
 FORMAT = "mpisync.checkpoint"
 VERSION = 2   # full files are written as version 1, incremental ones as 2
@@ -124,7 +126,7 @@ def atomic_write(path: str, fill) -> None:
     """``fill(file)`` into a temporary file beside ``path``, then fsync and rename."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{_HOST}-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             fill(f)
@@ -140,6 +142,41 @@ def atomic_write(path: str, fill) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+_TEMPORARY = re.compile(r"^\..+\.tmp-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)$")
+
+
+def remove_stale_temporaries(directory: str) -> list[str]:
+    """Remove the temporary files (``atomic_write``'s) that a writer on this host left in
+    ``directory`` when it died mid-write (killed, out of memory, preempted): a file of a
+    process that is gone. Another host's files and a live process's stay. The paths
+    removed; nothing where ``directory`` does not exist."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        found = _TEMPORARY.match(name)
+        if found is None or found["host"] != _HOST or _alive(int(found["pid"])):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, name))
+            removed.append(os.path.join(directory, name))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def mpisync_version() -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -259,4 +261,31 @@ def test_keep_never_removes_the_file_just_written_for_a_later_one(rank, tmp_path
         listed.append(sorted(p.name for p in d.iterdir()))
     assert listed == [[ckpt_name(s), ckpt_name(100)] for s in (1, 2, 3)]
     assert mpisync.latest(d) == str(d / ckpt_name(3))
+    opt.close()
+
+
+def test_the_partial_files_of_a_writer_killed_mid_write_are_removed(rank, tmp_path):
+    """A chief killed while writing leaves ``.ckpt-<step>.pt.tmp-<host>-<pid>``; the next
+    chief's Checkpointer removes it (its writer is gone), not a live writer's, not another
+    host's, and no checkpoint."""
+    from mpisync import ckptfile
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = ckptfile._HOST
+    names = {"dead": f".ckpt-000000003.pt.tmp-{host}-{gone.pid}",
+             "alive": f".ckpt-000000006.pt.tmp-{host}-{os.getpid()}",
+             "elsewhere": f".ckpt-000000006.pt.tmp-{host}x-{gone.pid}",
+             "kept": ckpt_name(3)}
+    for name in names.values():
+        (d / name).write_bytes(b"partial")
+    net, opt = build(rank, "adagrad")
+    mpisync.Checkpointer(d, net, opt, every_steps=1)
+    assert sorted(p.name for p in d.iterdir()) == sorted(
+        names[k] for k in ("alive", "elsewhere", "kept"))
+    train_step(net, opt, 0)                  # a save leaves no partial file of its own
+    mpisync.save(d / ckpt_name(1), net, opt)
+    assert sorted(p.name for p in d.iterdir()) == sorted(
+        [names["alive"], names["elsewhere"], ckpt_name(1), ckpt_name(3)])
     opt.close()
