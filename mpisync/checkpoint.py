@@ -387,7 +387,8 @@ def latest(directory: str | os.PathLike) -> str | None:
 
     A file cut short (a job killed while the rename had not happened cannot leave one,
     but a copy or a full disk can) is passed over for the one before it, and so is an
-    incremental checkpoint whose chain of bases is not all there and complete.
+    incremental checkpoint whose chain of bases is not all there and complete, and, with
+    a warning, a whole file that torch cannot read back (damaged after it was written).
     """
     for _, path in reversed(_listed(os.fspath(directory))):
         if ckptchain.chain_complete(path):

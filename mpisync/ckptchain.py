@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -82,11 +83,17 @@ def chain(path: str, ck: dict | None = None) -> list[tuple[str, dict]]:
 
 def chain_complete(path: str) -> bool:
     """Whether the file at ``path`` and every base of its chain are there and complete (a
-    complete file that is no checkpoint this mpisync reads counts: ``load`` says why)."""
+    complete file that is no checkpoint this mpisync reads counts: ``load`` says why). A
+    file that torch cannot read back (damaged after it was written) is not, with a
+    warning that says so."""
     if not ckptfile.complete(path):
         return False
     try:
         ck = ckptfile.read(path)
+    except ckptfile.UnreadableCheckpoint as exc:
+        warnings.warn(f"{exc}: passed over for an older one", RuntimeWarning,
+                      stacklevel=2)
+        return False
     except Exception:  # noqa: BLE001 (not for latest() to judge)
         return True
     try:

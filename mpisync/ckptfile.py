@@ -22,10 +22,16 @@ import zipfile
 import torch
 from torch.serialization import _open_zipfile_writer
 
-__all__ = ["FORMAT", "VERSION", "Writer", "atomic_write", "complete", "malformed",
+__all__ = ["FORMAT", "VERSION", "UnreadableCheckpoint", "Writer", "atomic_write", "complete",
+           "malformed",
            "mpisync_version", "read", "remove_stale_temporaries"]
 
 FORMAT = "mpisync.checkpoint"
+
+
+class UnreadableCheckpoint(ValueError):
+    """A whole file that torch cannot read back (its bytes damaged after it was written)."""
+
 VERSION = 2   # full files are written as version 1, incremental ones as 2
 
 
@@ -201,8 +207,9 @@ def read(path: str) -> dict:
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 (torch raises several kinds for a broken file)
-        raise ValueError(f"{path}: not a readable checkpoint ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0]})") from None
+        raise UnreadableCheckpoint(f"{path}: not a readable checkpoint "
+                                   f"({type(exc).__name__}: {str(exc).splitlines()[0]})"
+                                   ) from None
     if not isinstance(ck, dict) or ck.get("format") != FORMAT:
         raise ValueError(f"{path}: not an mpisync checkpoint (no format {FORMAT!r})")
     if ck.get("version", 0) > VERSION:

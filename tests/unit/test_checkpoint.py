@@ -103,6 +103,23 @@ def test_latest_passes_over_a_cut_file(tmp_path):
     assert mpisync.latest(tmp_path / "missing") is None
 
 
+def test_latest_passes_over_a_whole_file_torch_cannot_read_and_says_so(tmp_path):
+    """A file damaged after it was written (its size whole, its bytes not): the one before
+    it, with a warning naming it; a file of a newer format is not passed over (load
+    refuses it, saying to upgrade)."""
+    torch.save({"x": 1}, tmp_path / "ckpt-000000004.pt")
+    damaged = tmp_path / "ckpt-000000008.pt"
+    with zipfile.ZipFile(damaged, "w") as z:       # a zip file, but not torch's
+        z.writestr("archive/data.pkl", b"\x80\x02damaged")
+    with pytest.warns(RuntimeWarning, match=re.escape(str(damaged)) +
+                      r": not a readable checkpoint \(.+\): passed over for an older one"):
+        assert mpisync.latest(tmp_path) == str(tmp_path / "ckpt-000000004.pt")
+    newer = tmp_path / "ckpt-000000012.pt"
+    with open(newer, "wb") as f:
+        ckptfile.Writer(f).finish({"format": ckptfile.FORMAT, "version": 99})
+    assert mpisync.latest(tmp_path) == str(newer)
+
+
 # -- tables and their optimizer state into another partitioning ------------------------------
 def _spec(rows: int, n: int, strategy: str, row_shape=(3,)) -> TableSpec:
     return TableSpec("emb.weight", rows, row_shape, torch.float32, strategy,
