@@ -11,7 +11,9 @@ fresh directory where a rank whose uncaught exception ends the job writes what f
 same global step is a bug, not a fault, and is not started again. A job stopped politely
 after a signal (exit status ``PREEMPTED_EXIT``, 75: it wrote a checkpoint) is started
 again at once, not counted among the R; one that the launcher itself passed SIGINT,
-SIGTERM, SIGHUP, SIGUSR1 or SIGUSR2 to is not.
+SIGTERM, SIGHUP, SIGUSR1 or SIGUSR2 to is not. One of those signals between attempts
+(during the backoff) ends the launcher at once, saying so: with status 128 + the signal,
+or ``PREEMPTED_EXIT`` for SIGUSR1 and SIGUSR2 (the newest checkpoint is where to resume).
 """
 
 from __future__ import annotations
@@ -510,14 +512,47 @@ def main(args: Sequence[str] | None = None) -> int:
         return 2
     if base is None:
         return _attempt(cmd, ns, mpiexec, flavor, explain=True).returncode
+    previous = _stop_on_signals()       # between attempts (while one runs, run_job's own)
     try:
         return restart_loop(
             lambda env: _attempt(_command(ns, mpiexec, flavor, hostfile_text, env), ns,
                                  mpiexec, flavor, explain=False),
             lambda status: explain_status(status, flavor, ns.survive_worker_loss),
             ns.restarts, ns.restart_backoff, base)
+    except _Signalled as got:
+        polite = got.signum in (signal.SIGUSR1, signal.SIGUSR2)
+        print(f"{_PREFIX} {signal.Signals(got.signum).name} between attempts: not starting "
+              f"the job again" + (f" (exit status {PREEMPTED_EXIT}: resume from its newest "
+                                  f"checkpoint)" if polite else ""), file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT if polite else 128 + got.signum
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         shutil.rmtree(base, ignore_errors=True)
+
+
+class _Signalled(Exception):
+    """A forwarded signal that came while no attempt ran (``_stop_on_signals``)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_on_signals() -> dict:
+    """Make each ``FORWARDED`` signal end the restart loop (``_Signalled``) while no attempt
+    runs, so that one sent during a backoff ends the launcher cleanly, saying so; the
+    previous handlers."""
+    def stop(signum: int, frame: object) -> None:
+        raise _Signalled(signum)
+
+    previous = {}
+    try:
+        for signum in FORWARDED:
+            previous[signum] = signal.signal(signum, stop)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        pass
+    return previous
 
 
 def _command(ns: argparse.Namespace, mpiexec: str, flavor: str, hostfile_text: str | None,

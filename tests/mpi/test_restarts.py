@@ -9,6 +9,7 @@ servers where it has them, as ``run_mpi``'s); the unbroken run is one plain job.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -81,3 +82,33 @@ def test_a_job_that_fails_the_same_way_twice_is_not_started_again(tmp_path):
     assert "attempt 3" not in text and "restarts.py: attempt 2" not in text, text
     assert text.count(" -n 3 ") == 2, text          # two attempts started
     assert not os.path.exists(out) and RAISE_AT < STEPS
+
+
+def test_a_signal_between_attempts_ends_the_launcher_saying_so(tmp_path):
+    """SIGTERM, or SIGUSR1 (a time limit's warning), during ``--restart-backoff``: no
+    attempt is started again, the launcher says why and ends with 128 + 15, or with 75
+    (resume from the newest checkpoint), leaving no failure records behind."""
+    for sig, status in ((signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGUSR1, 75)):
+        parent = tmp_path / sig.name
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "mpisync.launch", "--workers", "1", "--ps", "1",
+             "--restarts", "2", "--restart-backoff", "60", "--timeout", "60", "--",
+             sys.executable, "-c", "raise SystemExit(1)"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=dict(os.environ, MPISYNC_FAILURE_DIR=str(parent)))
+        try:
+            text = ""
+            for line in launcher.stdout:          # until the backoff starts
+                text += line
+                if "starting the job again in 60 s" in line:
+                    launcher.send_signal(sig)
+                    break
+            out, _ = launcher.communicate(timeout=60)
+        finally:
+            launcher.kill()
+        text += out
+        assert launcher.returncode == status, text
+        assert text.rstrip().splitlines()[-1].startswith(
+            f"mpisync.launch: {sig.name} between attempts: not starting the job again"), text
+        assert text.count(" -n 2 ") == 1, text          # one attempt started
+        assert list(parent.iterdir()) == [], text
