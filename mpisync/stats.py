@@ -23,8 +23,16 @@ PHASES = ("compute_ms", "push_ms", "wait_ms", "pull_ms")
 
 
 def read(path: str) -> tuple[dict, list[dict]]:
-    """The job's description and the step lines of a log (a line cut short is skipped)."""
-    job, lines = {}, []
+    """The job's description and the step lines of a log (a line cut short is skipped).
+
+    A log that attempts of a restarted job appended to (``python -m mpisync.launch
+    --restarts``): the description is the first attempt's, with ``"attempts"``, every
+    attempt's ``"job"`` line in order; each step line gets ``"attempt"``, the index of
+    its attempt in that list.
+    """
+    job: dict = {}
+    attempts: list[dict] = []
+    lines: list[dict] = []
     with open(path, encoding="utf-8") as f:
         for text in f:
             try:
@@ -32,9 +40,11 @@ def read(path: str) -> tuple[dict, list[dict]]:
             except ValueError:
                 continue           # the last line of a log that a crash cut short
             if "job" in record:
-                job = record["job"]
+                attempts.append(record["job"])
             else:
-                lines.append(record)
+                lines.append(dict(record, attempt=max(len(attempts) - 1, 0)))
+    if attempts:
+        job = dict(attempts[0], attempts=attempts)
     return job, lines
 
 
@@ -57,6 +67,11 @@ def summarize(job: dict, lines: list[dict]) -> dict:
 
     ``taken_per_worker``/``gradients_applied`` count the gradients of applied steps and
     ``dropped_per_worker``/``gradients_dropped`` the rest, as ``opt.stats`` counts them.
+    Of a restarted job (several attempts in one log): ``steps`` counts each global step
+    once, ``steps_trained_again`` the steps an attempt trained again after the one before
+    it stopped, ``seconds`` the attempts' training time without the time between them,
+    ``attempts`` each attempt (``_attempts``); the other counts and medians are over every
+    attempt's lines (the work done).
     """
     num_workers = job.get("num_workers") or 1 + max(
         (p["worker"] for line in lines for p in line["pushes"]), default=-1)
@@ -71,8 +86,10 @@ def summarize(job: dict, lines: list[dict]) -> dict:
             counts[p["worker"]] += 1
             for k in PHASES:
                 phases[p["worker"]][k].append(p.get(k))
-    start = job.get("t", applied[0]["t"] if applied else 0.0)
-    seconds = applied[-1]["t"] - start if applied else 0.0
+    runs = _attempts(job, lines)
+    seconds = sum(run["seconds"] for run in runs)
+    # a global step trained again after a restart counts once: the last attempt's
+    distinct = len({line["step"] for line in applied})
     workers = [dict(worker=w, taken=taken[w], dropped=dropped[w],
                     **{k: _median(phases[w][k]) for k in PHASES}) for w in range(num_workers)]
     ps = [{"ps": j,
@@ -84,17 +101,39 @@ def summarize(job: dict, lines: list[dict]) -> dict:
     return {
         "opt": job.get("opt", 0), "num_workers": num_workers, "num_ps": num_ps,
         "replicas_to_aggregate": job.get("replicas_to_aggregate"),
-        "steps": len(applied), "not_applied": len(lines) - len(applied),
-        "first_step": applied[0]["step"] if applied else None,
+        "steps": distinct, "not_applied": len(lines) - len(applied),
+        "first_step": min(line["step"] for line in applied) if applied else None,
         "last_step": applied[-1]["step"] if applied else None,
         "seconds": round(seconds, 3),
         "steps_per_s": round(len(applied) / seconds, 3) if seconds > 0 else None,
+        "steps_trained_again": len(applied) - distinct, "attempts": runs,
         "step_ms": _ms([line["step_ms"] for line in applied]),
         "decide_ms": _ms([line["decide_ms"] for line in applied]),
         "gradients_applied": sum(taken), "gradients_dropped": sum(dropped),
         "taken_per_worker": taken, "dropped_per_worker": dropped,
         "workers": workers, "ps": ps,
     }
+
+
+def _attempts(job: dict, lines: list[dict]) -> list[dict]:
+    """Per attempt of the job: the step it started from, its applied steps, its seconds
+    (from its ps's start to its last applied step) and the seconds since the attempt
+    before it applied its last step."""
+    headers = job.get("attempts") or [job]
+    runs, previous_end = [], None
+    for index, header in enumerate(headers):
+        applied = [line for line in lines if line.get("attempt", 0) == index
+                   and line["applied"]]
+        start = header.get("t", applied[0]["t"] if applied else 0.0)
+        end = applied[-1]["t"] if applied else start
+        runs.append({"attempt": header.get("attempt", index),
+                     "from_step": header.get("global_step"), "steps": len(applied),
+                     "first_step": applied[0]["step"] if applied else None,
+                     "last_step": applied[-1]["step"] if applied else None,
+                     "seconds": round(end - start, 3),
+                     "down_s": None if previous_end is None else round(start - previous_end, 3)})
+        previous_end = end
+    return runs
 
 
 def _fmt(x, width: int, digits: int = 2) -> str:
@@ -112,6 +151,15 @@ def render(path: str, s: dict) -> str:
         st, de = s["step_ms"], s["decide_ms"] or {"median": float("nan")}
         out.append(f"step ms: median {st['median']:.2f}, p90 {st['p90']:.2f}, max "
                    f"{st['max']:.2f}; first push to decision ms: median {de['median']:.2f}")
+    if len(s["attempts"]) > 1:
+        out.append(f"{len(s['attempts'])} attempts (a restarted job); global steps trained "
+                   f"again after a restart: {s['steps_trained_again']}")
+        for run in s["attempts"]:
+            down = "" if run["down_s"] is None else \
+                f", started {run['down_s']:.2f} s after the last step before it"
+            out.append(f"  attempt {run['attempt']}: from global step {run['from_step']}, "
+                       f"steps {run['first_step']}..{run['last_step']} ({run['steps']} "
+                       f"applied) in {run['seconds']:.2f} s{down}")
     out.append(f"gradients: {s['gradients_applied']} applied, {s['gradients_dropped']} dropped")
     out.append("worker   taken  dropped  compute ms  push ms  token wait ms  pull ms  (medians)")
     for w in s["workers"]:

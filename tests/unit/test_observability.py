@@ -15,7 +15,7 @@ from mpisync.observe import timeline
 from mpisync.observe.watch import Progress
 from mpisync.protocol.wire import Kind
 from mpisync.ps.steplog import StepLog, log_path
-from mpisync.stats import read, summarize
+from mpisync.stats import read, render, summarize
 
 
 # -- one process ---------------------------------------------------------------------------
@@ -120,6 +120,52 @@ def test_a_later_attempt_appends_to_the_step_log_from_the_step_it_loaded(tmp_pat
                                                               (True, None), (False, 4)]
     assert (records[0]["job"]["attempt"], records[0]["job"]["global_step"]) == (0, 0)
     assert (records[2]["job"]["attempt"], records[2]["job"]["global_step"]) == (2, 4)
+
+
+def _steps_log(path, steps: range, loaded: int | None = None) -> None:
+    """One attempt of one worker and one ps applying ``steps``, from a load at ``loaded``."""
+    log = StepLog(str(path), opt_id=0, num_workers=1, num_ps=1, replicas_to_aggregate=1,
+                  asynchronous=False, global_step=0)
+    if loaded is not None:
+        log.loaded(loaded)
+    for step in steps:
+        log.pushed(0, step, False, None, 1.0 + step)
+        log.decided(step, (1,), 1.1 + step)
+        log.step_applied(1.2 + step)
+    log.finish(steps[-1] + 1)
+
+
+def test_the_summary_of_a_restarted_job_counts_each_global_step_once(tmp_path, monkeypatch):
+    """Attempt 0 applies steps 0-4 and dies; attempt 1 resumes from the checkpoint at 3
+    and applies 3-7: 8 global steps, 2 trained again, each attempt on a line of its own."""
+    path = tmp_path / "s.jsonl"
+    monkeypatch.delenv("MPISYNC_ATTEMPT", raising=False)
+    _steps_log(path, range(5))
+    monkeypatch.setenv("MPISYNC_ATTEMPT", "1")
+    _steps_log(path, range(3, 8), loaded=3)
+    job, lines = read(str(path))
+    assert [a["attempt"] for a in job["attempts"]] == [0, 1] and job["attempt"] == 0
+    assert [line["attempt"] for line in lines if line["applied"]] == [0] * 5 + [1] * 5
+    summary = summarize(job, lines)
+    assert (summary["steps"], summary["steps_trained_again"]) == (8, 2)
+    assert (summary["first_step"], summary["last_step"]) == (0, 7)
+    first, second = summary["attempts"]
+    assert (first["from_step"], first["first_step"], first["last_step"], first["steps"],
+            first["down_s"]) == (0, 0, 4, 5, None)
+    assert (second["attempt"], second["from_step"], second["first_step"], second["last_step"],
+            second["steps"]) == (1, 3, 3, 7, 5)
+    assert second["down_s"] is not None
+    assert summary["seconds"] == round(first["seconds"] + second["seconds"], 3)
+    text = render(str(path), summary)
+    assert "2 attempts (a restarted job); global steps trained again after a restart: 2" in text
+    assert re.search(r"\n  attempt 1: from global step 3, steps 3\.\.7 \(5 applied\) in "
+                     r"[\d.]+ s, started -?[\d.]+ s after the last step before it\n", text), text
+    monkeypatch.delenv("MPISYNC_ATTEMPT")
+    _steps_log(path, range(2))                  # one attempt: no attempt lines
+    job, lines = read(str(path))
+    summary = summarize(job, lines)
+    assert len(summary["attempts"]) == 1 and summary["steps_trained_again"] == 0
+    assert "attempt" not in render(str(path), summary)
 
 
 def test_a_later_attempt_appends_to_the_timeline_and_marks_its_start(tmp_path,
