@@ -4,7 +4,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from mpi4py import MPI
@@ -214,6 +214,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             problem = joint_problem(optimizer, named_parameters)
             if problem is None:
                 optimizer = JointOptimizer(optimizer)
+        optimizer = cast(torch.optim.Optimizer, optimizer)   # a list only where refused
         self.wrapped = optimizer             # the torch optimizer given (same param groups)
         options = Options(replicas_to_aggregate, total_num_replicas, num_tokens, placement,
                           reduction, deterministic, ema_decay, ema_num_updates, asynchronous,

@@ -37,7 +37,9 @@ def joint_problem(optimizers: Any, named_parameters: Sequence[tuple[str, torch.T
     in two optimizers (or twice in one), and a trainable parameter of ``named_parameters``
     that no optimizer holds (each is named).
     """
-    if not isinstance(optimizers, (list, tuple)) or not optimizers:
+    if not isinstance(optimizers, (list, tuple)):
+        return f"expected a list of torch optimizers, got {type(optimizers).__name__}"
+    if not optimizers:
         return "the list of optimizers is empty; give at least one torch.optim.Optimizer"
     for i, opt in enumerate(optimizers):
         if not isinstance(opt, torch.optim.Optimizer):

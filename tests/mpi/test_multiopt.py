@@ -5,7 +5,8 @@ with momentum over two dense layers, and Adam over a head with ``torch.optim.Ada
 ``mpisync.RowWiseAdagrad`` over an ``mpisync.EmbeddingBag`` table, a StepLR scheduler on
 Adam. Parameters, the table, the optimizer state and the scheduled learning rates equal
 plain torch over the concatenated batches, and a job resumed from a checkpoint saved
-midway reaches the same values.
+midway reaches the same values. Before them, one worker's optimizers leave a parameter
+out: the set-up is refused on every worker, naming it, and the job goes on.
 """
 from __future__ import annotations
 
@@ -70,3 +71,12 @@ def test_resumed_from_checkpoint(job, name):
         assert got["resumed_step"] == STEPS
         for key, value in want.items():
             assert close(got["resumed"][key], value), (name, w, key)
+
+
+def test_a_parameter_no_optimizer_holds_is_refused_on_every_worker(job):
+    for w, got in job["refused"].items():
+        assert got["error"] is not None, w
+        assert got["error"].startswith(f"ConfigError: worker {w} "), got["error"]
+        assert "worker 1 (rank 1): parameter 'second.weight' of named_parameters is in " \
+               "none of the 1 optimizers" in got["error"], (w, got["error"])
+    assert sorted(job["refused"]) == list(range(WORKERS))

@@ -4,7 +4,8 @@ Each case named on the command line trains a model whose parameters two optimize
 out (an LR scheduler on the first), saves a checkpoint after ``SAVE`` steps, records its
 values after ``STEPS``, then resumes a second optimizer from the checkpoint and records
 the values it reaches. ``reference(name)`` is the same training in one process over the
-concatenated batches, with the same optimizers; the test compares the two.
+concatenated batches, with the same optimizers; the test compares the two. First of all,
+one worker gives optimizers that leave a parameter out: every worker must raise.
 """
 from __future__ import annotations
 
@@ -153,8 +154,21 @@ def train(cluster, name: str, path: str) -> dict:
     return out
 
 
+def refused(cluster) -> dict:
+    """Worker 1 leaves a parameter out of its optimizers: every worker raises, naming it."""
+    m, opts, _ = build("adam+sgd", plain=False)
+    given = opts[:1] if cluster.worker_index == 1 else opts
+    try:
+        mpisync.SyncReplicasOptimizer(given, named_parameters=m.named_parameters(),
+                                      cluster=cluster)
+    except Exception as exc:  # noqa: BLE001 (the test reads what was raised)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None}
+
+
 def worker(cluster):
     directory = sys.argv[1]
+    emit(role="worker", worker=cluster.worker_index, case="refused", **refused(cluster))
     for name in sys.argv[2:]:
         emit(role="worker", worker=cluster.worker_index, case=name,
              **train(cluster, name, os.path.join(directory, f"{name}.pt")))
