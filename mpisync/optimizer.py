@@ -56,7 +56,17 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: a ``torch.optim`` optimizer (or a subclass of one) over the model's
             parameters; it is rebuilt on the ps ranks over each shard: its class, its
-            constructor arguments, its attributes and its param groups.
+            constructor arguments, its attributes and its param groups. Or a list of
+            them over disjoint parameters (``[torch.optim.Adam(mlp_params),
+            mpisync.RowWiseAdagrad(table_params)]``): still one push, one token and one
+            pull per step; each keeps its own param groups, state and LR schedulers, and
+            the step is theirs in one process (``mpisync.protocol.multi``).
+            ``param_groups`` and ``state_dict()`` then hold their groups concatenated in
+            the list's order (``state_dict()["mpisync"]["optimizers"]``: groups per
+            optimizer); ``load_state_dict()`` also takes ``{"optimizers": [sd_a, sd_b]}``
+            of the same optimizers in one process. An empty list, an entry that is not an
+            optimizer, a parameter in two of them and a trainable parameter of
+            ``named_parameters`` in none are refused on every worker.
         named_parameters: ``model.named_parameters()``; names must match on every worker.
         replicas_to_aggregate: gradients averaged per step (default: the number of workers).
         total_num_replicas: the number of workers (default and only valid value: the number

@@ -47,6 +47,7 @@ def test_equals_plain_torch(job, name):
         assert got["lrs"] == [0.05 * 0.5 ** ((t + 1) // 2) for t in range(STEPS)]
         assert got["counts"] == [len(sd["param_groups"]) for sd in want["state"]]
         assert got["reloaded"], (name, w)
+        assert got["reloaded_apart"], (name, w)
 
 
 @pytest.mark.parametrize("name", CASES)

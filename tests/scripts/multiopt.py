@@ -2,7 +2,8 @@
 
 Each case named on the command line trains a model whose parameters two optimizers share
 out (an LR scheduler on the first), saves a checkpoint after ``SAVE`` steps, records its
-values after ``STEPS``, then resumes a second optimizer from the checkpoint and records
+values after ``STEPS``, then resumes a second optimizer from the checkpoint (the
+tables' cases through a ``Checkpointer``: a full file, then an incremental one) and records
 the values it reaches. ``reference(name)`` is the same training in one process over the
 concatenated batches, with the same optimizers; the test compares the two. First of all,
 one worker gives optimizers that leave a parameter out: every worker must raise.
@@ -16,6 +17,7 @@ import torch
 from common import emit, run
 
 import mpisync
+from mpisync.protocol.multi import split_state_dict
 
 WORKERS, BATCH, STEPS, SAVE = 2, 4, 5, 2
 ROWS, DIM, BAG, FEATURES, CLASSES = 12, 4, 3, 6, 3
@@ -117,10 +119,14 @@ def train(cluster, name: str, path: str) -> dict:
     m, opts, sched = build(name, plain=False)
     opt = mpisync.SyncReplicasOptimizer(opts, named_parameters=m.named_parameters(),
                                         cluster=cluster)
+    # the tables' cases through a Checkpointer: a full file, then an incremental one
+    ck = None if name == "adam+sgd" else mpisync.Checkpointer(path, m, opt, full_every=2)
     lrs = []
     for t in range(STEPS):
-        if t == SAVE:
+        if t == SAVE and ck is None:
             mpisync.save(path, m, opt, extra=sched.state_dict())
+        elif t in (SAVE - 1, SAVE) and ck is not None:
+            ck.save(extra=sched.state_dict())
         x, y = batch(name, t)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(m(x[rows]), y[rows]).backward()
@@ -133,15 +139,23 @@ def train(cluster, name: str, path: str) -> dict:
                      for i, s in state["state"].items()},
            "groups": [{k: v for k, v in g.items() if k in ("lr", "momentum", "params")}
                       for g in state["param_groups"]]}
-    # a round trip of the state dict: loading what was read changes nothing
+    # a round trip of the state dict, joined and one per optimizer: loading what was read
+    # changes nothing
     opt.load_state_dict(state)
-    out["reloaded"] = values(m, opt) == out["values"]
+    again = opt.state_dict(tables=False)
+    out["reloaded"] = values(m, opt) == out["values"] and _same(again["state"], state["state"])
+    apart = split_state_dict(state, state["mpisync"]["optimizers"])
+    opt.load_state_dict({"optimizers": apart, "mpisync": state["mpisync"]})
+    again = opt.state_dict(tables=False)
+    out["reloaded_apart"] = values(m, opt) == out["values"] and _same(again["state"],
+                                                                       state["state"])
     opt.close()
     # resume from the checkpoint in a new optimizer, and train the remaining steps
     m, opts, sched = build(name, plain=False)
     opt = mpisync.SyncReplicasOptimizer(opts, named_parameters=m.named_parameters(),
                                         cluster=cluster)
-    sched.load_state_dict(mpisync.load(path, m, opt))
+    ck = None if name == "adam+sgd" else mpisync.Checkpointer(path, m, opt, full_every=2)
+    sched.load_state_dict(mpisync.load(path, m, opt) if ck is None else ck.resume())
     for t in range(SAVE, STEPS):
         x, y = batch(name, t)
         opt.zero_grad()
@@ -166,12 +180,20 @@ def refused(cluster) -> dict:
     return {"error": None}
 
 
+def _same(x, y) -> bool:
+    if torch.is_tensor(x):
+        return torch.equal(x, y)
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
+    return x == y
+
+
 def worker(cluster):
     directory = sys.argv[1]
     emit(role="worker", worker=cluster.worker_index, case="refused", **refused(cluster))
     for name in sys.argv[2:]:
         emit(role="worker", worker=cluster.worker_index, case=name,
-             **train(cluster, name, os.path.join(directory, f"{name}.pt")))
+             **train(cluster, name, os.path.join(directory, name if name != "adam+sgd" else f"{name}.pt")))
 
 
 if __name__ == "__main__":
