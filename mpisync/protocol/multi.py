@@ -13,7 +13,10 @@ On a ps rank it is rebuilt from a :class:`JointRecipe`, one recipe per inner opt
 the joint optimizer of the inner optimizers rebuilt over that rank's shards (an inner
 optimizer with no shard there is built over empty groups, so that every rank numbers the
 groups alike). Code that picks a step by the optimizer's class (the tables' row updates)
-asks :func:`inner_of` which inner optimizer holds a group.
+asks :func:`inner_of` which inner optimizer holds a group. A ps rank whose dense
+parameters all belong to one inner optimizer steps them with that optimizer's fused or
+compiled step (:func:`sole_holder`); one that holds dense parameters of several steps them
+with torch's step of each inner optimizer, which is exact too.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import torch
 from ..native import torchstep
 
 __all__ = ["JointOptimizer", "JointRecipe", "inner_of", "inners", "join_state_dicts",
-           "joint_problem", "split_state_dict"]
+           "joint_problem", "sole_holder", "split_state_dict"]
 
 
 def joint_problem(optimizers: Any, named_parameters: Sequence[tuple[str, torch.Tensor]]
@@ -155,14 +158,31 @@ class JointOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:      # type: ignore[override]
-        """Step every inner optimizer that holds a parameter, in order."""
+        """Step every inner optimizer over the groups ``param_groups`` holds now, in order.
+
+        Where ``param_groups`` was replaced for a while by groups holding some of the
+        parameters only (``mpisync.ps.fused.only_params``: copies of the groups, each with
+        a subset of its parameters), each inner optimizer steps over its groups among
+        them, and only those.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for opt in self.optimizers:
-            if any(g["params"] for g in opt.param_groups):
+            groups = [g for g in self.param_groups if g["params"] and self.optimizer_of(g) is opt]
+            if not groups:
+                continue
+            if len(groups) == len(opt.param_groups) and all(
+                    a is b for a, b in zip(groups, opt.param_groups)):
                 torchstep.step(opt)
+                continue
+            saved = opt.param_groups
+            opt.param_groups = groups
+            try:
+                torchstep.step(opt)
+            finally:
+                opt.param_groups = saved
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -217,6 +237,18 @@ def inners(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimize
     if optimizer is None:
         return []
     return list(optimizer.optimizers) if isinstance(optimizer, JointOptimizer) else [optimizer]
+
+
+def sole_holder(optimizer: Any, params: Sequence[torch.Tensor]) -> Any:
+    """The one inner optimizer of a joint ``optimizer`` that holds every one of ``params``
+    (a ps rank's dense parameters: its fused and compiled steps then take that optimizer's
+    class); ``optimizer`` itself where it is not joint, or where none or several do."""
+    if not isinstance(optimizer, JointOptimizer) or not params:
+        return optimizer
+    holders = {id(optimizer.owner_of(p)): optimizer.owner_of(p) for p in params}
+    if len(holders) != 1 or None in holders.values():
+        return optimizer
+    return next(iter(holders.values()))
 
 
 def inner_of(optimizer: Any, group: dict) -> Any:

@@ -17,6 +17,7 @@ from mpisync.protocol.multi import (
     inner_of,
     join_state_dicts,
     joint_problem,
+    sole_holder,
     split_state_dict,
 )
 from mpisync.protocol.rebuild import changed_settings, recipe_of, settings_of
@@ -170,3 +171,42 @@ def test_a_sync_replicas_optimizer_in_the_list_is_refused():
     m = model()
     assert joint_problem([Wrapped(m.parameters(), lr=0.1)], []) == (
         "optimizers[0] is a SyncReplicasOptimizer; give the torch optimizers")
+
+
+def test_step_within_only_params_steps_those_parameters_only():
+    from mpisync.ps.fused import only_params
+    m = model()
+    joint = JointOptimizer(optimizers(m))
+    train(m, lambda: None, joint.zero_grad, steps=1)
+    before = [p.detach().clone() for p in m.parameters()]
+    with only_params(joint, [[], [m[0].bias], [m[2].weight]]):
+        joint.step()
+    changed = [not torch.equal(p, q) for p, q in zip(m.parameters(), before)]
+    assert changed == [False, True, True, False]
+    assert len(joint.param_groups) == 3 and len(joint.optimizers[0].param_groups) == 2
+    assert set(joint.state) == {m[0].bias, m[2].weight}
+
+
+def test_sole_holder_is_the_inner_optimizer_of_every_parameter_given():
+    m = model()
+    a, b = optimizers(m)
+    joint = JointOptimizer([a, b])
+    assert sole_holder(joint, [m[0].weight, m[0].bias]) is a
+    assert sole_holder(joint, [m[2].bias]) is b
+    assert sole_holder(joint, [m[0].weight, m[2].bias]) is joint
+    assert sole_holder(joint, []) is joint
+    assert sole_holder(a, [m[0].weight]) is a
+
+
+def test_a_changed_attribute_of_an_inner_optimizer_is_named_with_its_place():
+    from mpisync.errors import ConfigError
+    from mpisync.worker.refusals import check_settings
+    m = model()
+    a, b = optimizers(m)
+    b.custom = 3
+    joint = JointOptimizer([a, b])
+    settings = settings_of(joint)
+    b.custom = 4
+    with pytest.raises(ConfigError, match=r"worker 0: the wrapped SGD \(optimizer 1 of the "
+                                          r"list\)'s attribute 'custom' changed from 3 to 4"):
+        check_settings(settings, joint, "worker 0")
