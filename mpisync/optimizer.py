@@ -4,12 +4,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from mpi4py import MPI
 
 from .errors import ClosedError, ConfigError
+from .protocol.multi import JointOptimizer, join_state_dicts, joint_problem
 from .protocol.spec import Options
 from .ps.steplog import log_path
 from .resumestate import warn_if_restarts_start_over
@@ -55,7 +56,17 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: a ``torch.optim`` optimizer (or a subclass of one) over the model's
             parameters; it is rebuilt on the ps ranks over each shard: its class, its
-            constructor arguments, its attributes and its param groups.
+            constructor arguments, its attributes and its param groups. Or a list of
+            them over disjoint parameters (``[torch.optim.Adam(mlp_params),
+            mpisync.RowWiseAdagrad(table_params)]``): still one push, one token and one
+            pull per step; each keeps its own param groups, state and LR schedulers, and
+            the step is theirs in one process (``mpisync.protocol.multi``).
+            ``param_groups`` and ``state_dict()`` then hold their groups concatenated in
+            the list's order (``state_dict()["mpisync"]["optimizers"]``: groups per
+            optimizer); ``load_state_dict()`` also takes ``{"optimizers": [sd_a, sd_b]}``
+            of the same optimizers in one process. An empty list, an entry that is not an
+            optimizer, a parameter in two of them and a trainable parameter of
+            ``named_parameters`` in none are refused on every worker.
         named_parameters: ``model.named_parameters()``; names must match on every worker.
         replicas_to_aggregate: gradients averaged per step (default: the number of workers).
         total_num_replicas: the number of workers (default and only valid value: the number
@@ -182,7 +193,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
     # on this worker alone; step() refuses it (mpisync.worker.refusals.refuse_grad_scaler)
     _step_supports_amp_scaling = True
 
-    def __init__(self, optimizer: torch.optim.Optimizer,
+    def __init__(self, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
                  replicas_to_aggregate: int | None = None,
                  total_num_replicas: int | None = None,
@@ -207,6 +218,13 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._resumable = False              # a Checkpointer or load() could resume it
         # a weak reference to the Checkpointer that reads the tables' changed rows
         self._changes_owner: Callable[[], Any] | None = None
+        problem = None
+        if isinstance(optimizer, (list, tuple)):   # several: joined, refused on every rank
+            named_parameters = list(named_parameters)
+            problem = joint_problem(optimizer, named_parameters)
+            if problem is None:
+                optimizer = JointOptimizer(optimizer)
+        optimizer = cast(torch.optim.Optimizer, optimizer)   # a list only where refused
         self.wrapped = optimizer             # the torch optimizer given (same param groups)
         options = Options(replicas_to_aggregate, total_num_replicas, num_tokens, placement,
                           reduction, deterministic, ema_decay, ema_num_updates, asynchronous,
@@ -223,7 +241,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             opt_id = len(cluster.optimizers)
             self._stats_log = log_path(stats_log, opt_id)
             model, spec, routes = agreed_setup(optimizer, named_parameters, named_buffers,
-                                               options, cluster, opt_id, self._stats_log)
+                                               options, cluster, opt_id, self._stats_log,
+                                               problem)
             self._names = [n for n, _ in model.params]
             self._params = [p for _, p in model.params]
             self._spec, self.plan = spec, routes.plan
@@ -389,7 +408,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         """
         self._check_open("state_dict")
         self._parts.check_groups(self.param_groups)
-        return self.state_and_values(tables)[0]
+        state = self.state_and_values(tables)[0]
+        if isinstance(self.wrapped, JointOptimizer):
+            state["mpisync"]["optimizers"] = self.wrapped.counts()
+        return state
 
     def state_and_values(self, tables: bool) -> tuple[dict, dict[str, torch.Tensor]]:
         """``state_dict(tables)``, and the values of the parameters the ps ranks hold, read
@@ -405,6 +427,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         """
         self._check_open("load_state_dict")
         self._parts.check_groups(self.param_groups)
+        if "param_groups" not in state_dict and "optimizers" in state_dict:
+            state_dict = {**join_state_dicts(state_dict["optimizers"]),
+                          **{k: v for k, v in state_dict.items() if k != "optimizers"}}
         self._parts.state_io.load(state_dict, self.param_groups, self.group_order(),
                                   self.global_step, lambda: self._cycle.receive(count=False))
         self._mpisync_schedules.rebase(self.global_step)

@@ -194,12 +194,21 @@ def settings_of(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     The ps ranks rebuild the optimizer with them at set-up; ``changed_settings`` tells
     which were changed on the worker since.
     """
+    from .multi import JointOptimizer
+    if isinstance(optimizer, JointOptimizer):   # each inner optimizer's, as "{i}.{name}"
+        return {f"{i}.{k}": v for i, opt in enumerate(optimizer.optimizers)
+                for k, v in settings_of(opt).items()}
     return {k: copy.deepcopy(v) for k, v in _config_attrs(optimizer).items()
             if not _holds_tensor(v, 0)}
 
 
 def changed_settings(settings: dict[str, Any], optimizer: torch.optim.Optimizer) -> list[str]:
     """Names of the attributes in ``settings`` whose value on ``optimizer`` differs now."""
+    from .multi import JointOptimizer
+    if isinstance(optimizer, JointOptimizer):
+        return [f"{i}.{k}" for i, opt in enumerate(optimizer.optimizers)
+                for k in changed_settings({k.split(".", 1)[1]: v for k, v in settings.items()
+                                           if k.split(".", 1)[0] == str(i)}, opt)]
     now = vars(optimizer)
     return [k for k, v in settings.items() if k not in now or not _same(now[k], v, {})]
 

@@ -13,6 +13,7 @@ from .. import placement as placement_mod
 from ..accumulate import REDUCTIONS, SPARSE_REDUCTIONS
 from . import partition
 from .hyper import HyperCodec
+from .multi import JointOptimizer, JointRecipe, inners
 from .rebuild import OptimizerRecipe, recipe_of
 from .routes import (
     ALLREDUCE,
@@ -119,7 +120,7 @@ class JobSpec:
     owners: tuple[int, ...]
     buffers: tuple[tuple[str, tuple[int, ...], torch.dtype, int], ...]
     buffer_mode: str
-    recipe: OptimizerRecipe
+    recipe: OptimizerRecipe | JointRecipe
     hyper: HyperCodec
     replicas_to_aggregate: int
     num_tokens: int
@@ -462,13 +463,21 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
     _check_options(options)
     frozen = _check_model(optimizer, model)
     name_of = {id(p): n for n, p in model.params}
-    recipe = recipe_of(optimizer, name_of)
+    recipe: OptimizerRecipe | JointRecipe
+    if isinstance(optimizer, JointOptimizer):
+        recipe = JointRecipe(tuple(recipe_of(o, name_of) for o in optimizer.optimizers))
+    else:
+        recipe = recipe_of(optimizer, name_of)
     hyper = HyperCodec.from_groups(optimizer.param_groups)
     live = [(n, p) for n, p in model.params if n not in set(frozen)]
     tables = _tables(live, frozen, model, options.partitioner, num_ps)
-    _check_whole_tensor(optimizer, tables, live, options.partitioner)
-    if isinstance(optimizer, torch.optim.SparseAdam):
-        dense = [n for n, p in live if n not in tables and p.dtype.is_floating_point]
+    for inner in inners(optimizer):
+        _check_whole_tensor(inner, tables, live, options.partitioner)
+        if not isinstance(inner, torch.optim.SparseAdam):
+            continue
+        members = {id(p) for g in inner.param_groups for p in g["params"]}
+        dense = [n for n, p in live if n not in tables and p.dtype.is_floating_point
+                 and id(p) in members]
         if dense:
             raise ValueError(f"torch.optim.SparseAdam takes sparse gradients only, and parameter "
                              f"{dense[0]!r} gets a dense one (torch fails at its first step); "

@@ -15,6 +15,7 @@ import torch
 from ..errors import ProtocolError
 from ..native import torchstep
 from ..protocol import hashing
+from ..protocol.multi import inner_of
 from ..protocol.tables import TableSpec
 
 __all__ = ["HashRows", "fresh_state"]
@@ -28,7 +29,7 @@ def fresh_state(optimizer: torch.optim.Optimizer, group: dict, row_shape: tuple[
     a one-row parameter of zeros with a zero gradient (what the slots hold before any
     gradient: Adagrad's ``initial_accumulator_value``, zeros for moments and buffers).
     """
-    cls = type(optimizer)
+    cls = type(inner_of(optimizer, group))
     accepted = inspect.signature(cls.__init__).parameters
     kwargs = {k: v for k, v in group.items() if k != "params" and k in accepted}
     probe = torch.nn.Parameter(torch.zeros(1, *row_shape, dtype=dtype))

@@ -7,6 +7,7 @@ import torch
 from ..accumulate import ShardAccumulator
 from ..native import kernels, torchstep
 from ..protocol.layouts import conversions
+from ..protocol.multi import sole_holder
 from ..protocol.spec import JobSpec
 from ..protocol.wire import (
     PARAM_HEADER_BYTES,
@@ -76,8 +77,8 @@ class ShardParameters:
             size = e.dtype.itemsize
             a = (e.offset - regions[r][1]) // size
             places.append((r, a, a + e.nbytes // size))
-        self.applier = Applier(
-            self.optimizer, self.params, self.grads, places,
+        self.applier = Applier(      # a joint optimizer's: that of the dense parameters here
+            sole_holder(self.optimizer, self.params), self.params, self.grads, places,
             region_views(pt, PARAM_HEADER_BYTES, regions),
             [v if graded_dtype(v.dtype) else None
              for v in region_views(self.grad_buf, 0, regions)],

@@ -14,6 +14,7 @@ from ..errors import ProtocolError
 from ..native import kernels
 from ..observe import timeline
 from ..protocol import pooled
+from ..protocol.multi import inner_of
 from ..protocol.spec import JobSpec
 from ..protocol.tables import TableSpec
 from ..protocol.wire import ROWS_HEAD, RowsField, Tag, pack_rows, pad8, rows_mark, unpack_rows
@@ -35,8 +36,10 @@ def takes_sparse(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     Then the ps hands it a sparse gradient and only those rows change: SGD without
     momentum and weight decay, Adagrad without weight decay, SparseAdam,
     ``mpisync.RowWiseAdagrad``. Any other optimizer gets the dense gradient of the shard
-    and updates every row, as it would the weight of a dense ``nn.Embedding``.
+    and updates every row, as it would the weight of a dense ``nn.Embedding``. Where
+    ``optimizer`` joins several, the one that holds ``group`` decides.
     """
+    optimizer = inner_of(optimizer, group)
     if isinstance(optimizer, (torch.optim.SparseAdam, RowWiseAdagrad)):
         return True
     if isinstance(optimizer, torch.optim.Adagrad):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ..protocol.multi import inner_of
 from ..protocol.tables import TableSpec
 
 __all__ = ["check_table", "new_shard", "sources", "unread_counters"]
@@ -159,6 +160,7 @@ def unread_counters(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str,
     """The per-shard entries of a table's state that ``optimizer``'s update does not read:
     Adagrad's ``step`` without ``lr_decay``, ``mpisync.RowWiseAdagrad``'s ``step``."""
     from .rowwise import RowWiseAdagrad
+    optimizer = inner_of(optimizer, group)
     if type(optimizer) is RowWiseAdagrad or (type(optimizer) is torch.optim.Adagrad
                                              and not group.get("lr_decay")):
         return ("step",)

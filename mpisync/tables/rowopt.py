@@ -30,6 +30,7 @@ import torch
 from torch.optim.optimizer import _get_scalar_dtype, _get_value, _to_scalar
 
 from ..native import kernels
+from ..protocol.multi import inner_of
 from .rowwise import RowWiseAdagrad, rowwise_rows
 
 __all__ = ["BLOCK_ROWS", "RowScratch", "apply_rows", "handles_rows", "merge_rows"]
@@ -150,7 +151,9 @@ def handles_rows(optimizer: torch.optim.Optimizer, group: dict, param: torch.Ten
     True for exactly SGD (no momentum, no weight decay), Adagrad (no weight decay),
     SparseAdam and RowWiseAdagrad, on real floating-point parameters, without ``fused``,
     ``differentiable`` or AMP gradient scaling; otherwise ``optimizer.step()`` must.
+    Where ``optimizer`` joins several, the one that holds ``group`` is asked.
     """
+    optimizer = inner_of(optimizer, group)
     kind = type(optimizer)
     if kind not in _PLAIN or not param.dtype.is_floating_point or param.dim() < 1:
         return False
@@ -185,6 +188,7 @@ def apply_rows(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tenso
             the taken gradients), each element divided before anything else.
     """
     scratch = scratch or RowScratch()
+    optimizer = inner_of(optimizer, group)
     kind = type(optimizer)
     if kind is RowWiseAdagrad:
         rowwise_rows(optimizer.state_of(param), group, param, ids, rows, div)

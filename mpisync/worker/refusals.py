@@ -7,6 +7,7 @@ import operator
 import torch
 
 from ..errors import ConfigError
+from ..protocol.multi import JointOptimizer
 from ..protocol.rebuild import changed_settings
 
 __all__ = ["check_groups", "check_held", "check_settings", "refuse_add_param_group",
@@ -43,10 +44,15 @@ def check_settings(settings: dict, wrapped: torch.optim.Optimizer, label: str) -
     changed = changed_settings(settings, wrapped)
     if changed:
         name = changed[0]
+        owner, attribute, what = wrapped, name, type(wrapped).__name__
+        if isinstance(wrapped, JointOptimizer):      # "{i}.{attribute}" of its i-th optimizer
+            index, attribute = name.split(".", 1)
+            owner = wrapped.optimizers[int(index)]
+            what = f"{type(owner).__name__} (optimizer {index} of the list)"
         raise ConfigError(
-            f"{label}: the wrapped {type(wrapped).__name__}'s attribute "
-            f"{name!r} changed from {settings[name]!r} to "
-            f"{getattr(wrapped, name, '<deleted>')!r} after the SyncReplicasOptimizer was "
+            f"{label}: the wrapped {what}'s attribute "
+            f"{attribute!r} changed from {settings[name]!r} to "
+            f"{getattr(owner, attribute, '<deleted>')!r} after the SyncReplicasOptimizer was "
             f"created; the ps ranks rebuilt the optimizer with the old value. Keep values "
             f"that change during training in param_groups: they travel with every step")
 

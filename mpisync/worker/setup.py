@@ -29,13 +29,16 @@ def worker_cluster(cluster):
 
 
 def agreed_setup(optimizer: torch.optim.Optimizer, named_parameters, named_buffers,
-                 options: Options, cluster, opt_id: int, stats_log):
+                 options: Options, cluster, opt_id: int, stats_log,
+                 problem: str | None = None):
     """Read the model, agree on the spec with every worker (``agree_spec``) and send it to
     the ps ranks; with ``deterministic``, make torch's kernels deterministic here too.
 
-    Call on every worker. Returns ``(model, spec, routes)``.
+    Call on every worker. Returns ``(model, spec, routes)``. ``problem``: what the caller
+    found wrong already (every worker raises it, or another worker's).
     """
-    model, problem = model_of(named_parameters, named_buffers)
+    model, found = model_of(named_parameters, named_buffers)
+    problem = problem or found
     names = [n for n, _ in model.params]
     params = [p for _, p in model.params]
     # every worker's GPU, on every worker: "auto" picks NCCL only where none is shared
@@ -89,10 +92,11 @@ def agree_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
     spec = routes = None
     error = problem
     try:
-        spec, routes = build_spec(optimizer, model, options, opt_id=opt_id,
-                                  num_workers=cluster.num_workers, num_ps=cluster.num_ps)
+        if error is None:          # (a problem found may leave no optimizer to build over)
+            spec, routes = build_spec(optimizer, model, options, opt_id=opt_id,
+                                      num_workers=cluster.num_workers, num_ps=cluster.num_ps)
     except (ValueError, TypeError, NotImplementedError) as exc:
-        error = error or str(exc)
+        error = str(exc)
     found: list = []           # what the judge found: (exception type, text) or None
 
     def judge(gathered: list) -> Exception | None:
