@@ -28,15 +28,13 @@ are rare); a hashed feature's ids are its rows' fixed random 64-bit names. Every
 worker_index, step])`` (a fresh batch each step, no epochs); the held-out samples come
 from a stream no worker draws from.
 
-Optimizer: TorchRec's recipe steps the tables and the dense layers with different
-optimizers (the tables with a row-wise Adagrad fused into the backward pass, the MLPs
-with their own, e.g. Adagrad or SGD). A ``SyncReplicasOptimizer`` wraps one torch
-optimizer, so here one ``torch.optim.Adagrad`` steps every parameter, as in ``ctr.py``:
-the ps ranks apply it to the rows a step touched (sparse Adagrad) and to the dense
-parameters. What mpisync offers today short of two optimizers: param groups with their
-own hyper-parameters (e.g. another ``lr`` for the tables) in that one optimizer, and
-``mpisync.RowWiseAdagrad`` (TorchRec's ``EXACT_ROWWISE_ADAGRAD``), which is then the rule
-for every parameter it holds, the MLPs' weights included (one accumulator per row).
+Optimizers: DLRM's and TorchRec's recipe, a row-wise Adagrad for the tables
+(``mpisync.RowWiseAdagrad``, TorchRec's ``EXACT_ROWWISE_ADAGRAD``: one accumulator per
+row, ``--lr``) and Adam for the MLPs (``--dense-lr``), both in one
+``SyncReplicasOptimizer([adam, rowwise], ...)``: a step is one push, one token and one
+pull, the ps ranks applying each optimizer to its own parameters (the rows a step touched,
+the MLPs' weights). ``--optimizer adagrad`` steps every parameter with one
+``torch.optim.Adagrad`` instead, as ``ctr.py`` does.
 
 With ``--checkpoint-dir DIR`` the job writes a checkpoint there every
 ``--checkpoint-every`` global steps (``mpisync.Checkpointer``) and resumes from the newest
@@ -46,9 +44,10 @@ failure under ``python -m mpisync.launch --restarts N``, or requeued by Slurm) d
 batches an unbroken one draws.
 
 The chief evaluates on the held-out samples at the end and prints the model's AUC and
-log-loss beside the true model's; it exits non-zero unless the model's AUC is above
-``MIN_AUC``. With ``--local`` the same model trains in one plain process on
-``torch.nn.EmbeddingBag`` tables, without MPI or mpisync.
+log-loss beside the true model's and the constant predictor's (the click rate: AUC 0.5);
+it exits non-zero unless the model's AUC is above ``MIN_AUC``. With ``--local`` the same
+model trains in one plain process on ``torch.nn.EmbeddingBag`` tables, without MPI ranks
+(``mpisync.RowWiseAdagrad`` steps the tables there as any torch optimizer would).
 """
 from __future__ import annotations
 
@@ -293,8 +292,36 @@ def initial_rows(rows: int, dim: int, generator: torch.Generator) -> torch.Tenso
     return torch.empty(rows, dim).uniform_(-bound, bound, generator=generator)
 
 
-def build(args, kind: str) -> tuple[DLRM, torch.optim.Optimizer]:
-    """The model and its Adagrad optimizer, the same on every worker.
+def optimizers(args, model: DLRM, tables: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """``--optimizer``: Adam for the MLPs and a row-wise Adagrad for the tables, or one
+    Adagrad for every parameter."""
+    if args.optimizer == "adagrad":
+        return [torch.optim.Adagrad(model.parameters(), lr=args.lr)]
+    from mpisync import RowWiseAdagrad
+    in_tables = {id(p) for p in tables.parameters()}
+    mlps = [p for p in model.parameters() if id(p) not in in_tables]
+    return [torch.optim.Adam(mlps, lr=args.dense_lr),
+            RowWiseAdagrad(list(tables.parameters()), lr=args.lr)]
+
+
+class Stepped:
+    """Several torch optimizers stepped as one (``--local``: what a
+    ``SyncReplicasOptimizer`` given a list does on the ps ranks)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad()
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+
+def build(args, kind: str) -> tuple[DLRM, list[torch.optim.Optimizer]]:
+    """The model and its optimizers (``optimizers``), the same on every worker.
 
     ``kind``: ``"mpisync"`` puts the tables on the ps ranks (one shard per ps rank, the
     chief's initial rows shipped there), ``"torch"`` keeps them here.
@@ -321,7 +348,7 @@ def build(args, kind: str) -> tuple[DLRM, torch.optim.Optimizer]:
     else:
         raise ValueError(f"kind must be 'torch' or 'mpisync', got {kind!r}")
     model = DLRM(tables, names, args.dim)
-    return model, torch.optim.Adagrad(model.parameters(), lr=args.lr)
+    return model, optimizers(args, model, tables)
 
 
 def inputs(batch: Batch, names: list[str]) -> tuple[torch.Tensor, dict]:
@@ -337,13 +364,22 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400, help="training steps")
     parser.add_argument("--batch", type=int, default=256, help="samples per worker per step")
-    parser.add_argument("--tables", type=int, default=8, help="sparse features, a table each")
+    parser.add_argument("--tables", type=int, default=26, help="sparse features, a table each")
     parser.add_argument("--rows", type=int, default=500, help="rows of each table")
     parser.add_argument("--hashed", type=int, default=1,
                         help="the last this many features carry 64-bit ids, looked up in "
                              "mpisync.HashEmbeddingBag tables (a row per id seen)")
     parser.add_argument("--dim", type=int, default=16, help="width of the tables' rows")
-    parser.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate")
+    parser.add_argument("--optimizer", choices=("adam+rowwise", "adagrad"),
+                        default="adam+rowwise",
+                        help="adam+rowwise: Adam for the MLPs and mpisync.RowWiseAdagrad for "
+                             "the tables, in one SyncReplicasOptimizer; adagrad: one "
+                             "torch.optim.Adagrad for every parameter")
+    parser.add_argument("--lr", type=float, default=0.05,
+                        help="learning rate of the tables' Adagrad (of every parameter's "
+                             "with --optimizer adagrad)")
+    parser.add_argument("--dense-lr", type=float, default=0.003,
+                        help="Adam's learning rate, for the MLPs")
     parser.add_argument("--test-samples", type=int, default=20_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=100, help="steps between log lines")
@@ -403,7 +439,8 @@ def evaluate(model: DLRM, test: Batch) -> dict[str, tuple[float, float]]:
             dense, sparse = inputs(test.slice(i, min(i + EVAL_BATCH, len(test))),
                                    model.features)
             preds.append(torch.sigmoid(model(dense, sparse)))
-    scores = {"model": torch.cat(preds).numpy(), "true": test.true_prob}
+    scores = {"model": torch.cat(preds).numpy(), "true": test.true_prob,
+              "constant": np.full(len(test), float(test.clicks.mean()))}
     return {name: (auc(test.clicks, p), log_loss(test.clicks, p)) for name, p in scores.items()}
 
 
@@ -417,8 +454,10 @@ def header(args, test: Batch, where: str, num_workers: int) -> str:
 def report(scores, seconds: float, stats: dict | None = None,
            train_loss: float | None = None) -> None:
     (model_auc, model_ll), (true_auc, true_ll) = scores["model"], scores["true"]
-    print(f"test AUC: {model_auc:.4f} (true model: {true_auc:.4f})")
-    print(f"test log-loss: {model_ll:.4f} (true model: {true_ll:.4f})")
+    constant_ll = scores["constant"][1]
+    print(f"test AUC: {model_auc:.4f} (true model: {true_auc:.4f}, constant click rate: 0.5)")
+    print(f"test log-loss: {model_ll:.4f} (true model: {true_ll:.4f}, constant click rate: "
+          f"{constant_ll:.4f})")
     if train_loss is not None:
         print(f"every worker's training log-loss: {train_loss:.4f}")
     line = f"training took {seconds:.2f} s"
@@ -436,7 +475,8 @@ def train_local(args) -> None:
     """Train in this process alone, on ``torch.nn.EmbeddingBag`` tables."""
     teacher = Teacher(args.seed, args.tables, args.rows, args.hashed)
     test = teacher.draw(np.random.default_rng([args.seed, TEST_STREAM]), args.test_samples)
-    model, opt = build(args, "torch")
+    model, opts = build(args, "torch")
+    opt = Stepped(opts)
     print(header(args, test, "one process", 1), flush=True)
     start = time.perf_counter()
     run_steps(args, model, opt, teacher, 0)
@@ -448,8 +488,8 @@ def train(args, cluster) -> None:
     """Train as one worker of an mpisync job; the chief evaluates and reports."""
     import mpisync
     teacher = Teacher(args.seed, args.tables, args.rows, args.hashed)
-    model, adagrad = build(args, "mpisync")
-    opt = mpisync.SyncReplicasOptimizer(adagrad, named_parameters=model.named_parameters(),
+    model, opts = build(args, "mpisync")
+    opt = mpisync.SyncReplicasOptimizer(opts, named_parameters=model.named_parameters(),
                                         cluster=cluster)
     test = None
     if cluster.is_chief:
