@@ -8,10 +8,21 @@ differently, as separate processes do.
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 from mpi_helpers import failing, labels, run_mpi
 
 pytestmark = pytest.mark.openmpi
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _forking():
+    """Where the suite starts fresh ranks only (under coverage.py, which would not follow
+    the forks, or with ``MPISYNC_TEST_FORK_RANKS=0``) there is nothing to compare."""
+    if "coverage" in sys.modules or os.environ.get("MPISYNC_TEST_FORK_RANKS", "1") == "0":
+        pytest.skip("the suite forks no ranks here (coverage.py, or MPISYNC_TEST_FORK_RANKS=0)")
 ENV = {"MPISYNC_FORKED_MARK": "seen"}
 SAME = ("rank", "name", "argv", "cwd", "path0", "mark", "stdout_line_buffered",
         "stderr_line_buffered", "stdout_fd", "main")
