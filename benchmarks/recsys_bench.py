@@ -14,10 +14,13 @@ seeded generator (``numpy.random.default_rng([seed, worker_index])``), sum pooli
       .venv/bin/python -m mpisync.launch --workers 2 --ps 1 -- \\
           .venv/bin/python benchmarks/recsys_bench.py --kind mpisync
 
-  With ``--pool-on-ps`` the table is ``pool_on_ps=True``: a step sends each ps rank the
-  ids it owns with their bags and gets back 4,096 pooled sums, and the push carries each
-  bag's gradient with the ids instead of row gradients; every byte is then counted by
+  The table keeps the library's default ``pool_on_ps="auto"``, which pools these bags
+  (20 ids that rarely repeat) on the ps ranks: a step sends each ps rank the ids it owns
+  with their bags and gets back 4,096 pooled sums, and the push carries each bag's
+  gradient with the ids instead of row gradients; every byte is then counted by
   ``opt.stats`` (``bytes_per_ps``, ``lookup_sent_per_ps``, ``lookup_received_per_ps``).
+  ``--pool-on-ps off`` looks the unique rows up instead (``pool_on_ps=False``), ``on``
+  always pools.
 
 - ``local``: one plain process, ``nn.EmbeddingBag(rows, 64, mode="sum", sparse=True)`` and
   ``torch.optim.Adagrad`` on the combined batch of ``--workers`` workers (the same ids
@@ -33,8 +36,8 @@ the bytes moved per step, every rank's peak RSS.
 accumulator per row, TorchRec's ``EXACT_ROWWISE_ADAGRAD``), for every parameter.
 
 ``--all`` (a plain process, not under MPI) runs, one job after another, mpisync on 2
-workers and 1 ps rank and on 2 workers and 2 ps ranks (with ``--pool-on-ps``, each also
-pooled on the ps ranks), the one-process run (1 and 2
+workers and 1 ps rank and on 2 workers and 2 ps ranks (``--pool-on-ps`` passed on), the
+one-process run (1 and 2
 threads), and, where the peers' virtualenv exists (``make venv-peers``), TorchRec
 (``torchrec_bench.py``: exact and row-wise Adagrad), and prints one JSON document with
 mpisync's figures as ratios to TorchRec's and to the one process's.
@@ -75,9 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="adagrad: torch.optim.Adagrad; rowwise: mpisync.RowWiseAdagrad "
                              "(one accumulator per row, as TorchRec's EXACT_ROWWISE_ADAGRAD)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pool-on-ps", action="store_true",
-                        help="mpisync: pool the bags on the ps ranks (pool_on_ps=True); "
-                             "driver: also run the mpisync jobs that way")
+    parser.add_argument("--pool-on-ps", choices=("auto", "on", "off"), default="auto",
+                        help="mpisync: the table's pool_on_ps: 'auto' (the library's "
+                             "default: whichever moves fewer bytes), 'on' (True) or 'off' "
+                             "(False); driver: passed to every mpisync job")
     parser.add_argument("--workers", type=int, default=2,
                         help="local: workers whose batches are combined; driver: worker ranks")
     parser.add_argument("--threads", type=int, default=None,
@@ -248,8 +252,9 @@ def train_mpisync(cluster, args) -> dict:
     timer.wrap(worker_rows.RowsChannel, "lookup", "lookup_round_trip")
     timer.wrap(worker_rows.RowsChannel, "exchange", "lookup_round_trip")
     torch.manual_seed(args.seed)
+    pool_on_ps = {"auto": "auto", "on": True, "off": False}[args.pool_on_ps]
     emb = mpisync.EmbeddingBag(args.rows, DIM, mode="sum", partition_strategy="mod",
-                               seed=args.seed, pool_on_ps=args.pool_on_ps)
+                               seed=args.seed, pool_on_ps=pool_on_ps)
     head = torch.nn.Linear(DIM, 1)
     model = torch.nn.ModuleDict({"emb": emb, "head": head})
     loss_fn = torch.nn.BCEWithLogitsLoss()
@@ -266,6 +271,7 @@ def train_mpisync(cluster, args) -> dict:
     small = np.int32 if args.rows < 2**31 else np.int64
     batches = [(ids.astype(small), labels) for ids, labels in
                (draw(rng, args.rows, args.batch) for _ in range(args.warmup + args.steps))]
+    pooled = pools(pool_on_ps, batches, cluster.num_ps)
     before, profiled, cpu, faulted, ends = None, {}, 0.0, 0, []
     for i, (ids_np, labels_np) in enumerate(batches):
         if i == args.warmup:
@@ -288,13 +294,14 @@ def train_mpisync(cluster, args) -> dict:
     # the rows path's bytes from each step's unique ids, from the last warm-up step on
     # (that one: for the check); pooled, the count of one step (the bytes are opt.stats')
     unique, moved = [], []
-    for ids_np, _ in batches[max(args.warmup - 1, 0):][:1 if args.pool_on_ps else None]:
+    for ids_np, _ in batches[max(args.warmup - 1, 0):][:1 if pooled else None]:
         u = np.unique(ids_np.astype(np.int64))
         unique.append(len(u))
         moved.append(rows_bytes(u, cluster.num_ps))
     moved_bytes = pooled_bytes(unique, [counted_bytes(s) for s in (before, after) if s]) \
-        if args.pool_on_ps else worker_bytes(unique, moved, before, after)
-    return {**summarise_phases(phases), "pool_on_ps": args.pool_on_ps, **moved_bytes,
+        if pooled else worker_bytes(unique, moved, before, after)
+    return {**summarise_phases(phases), "pool_on_ps": pool_on_ps, "pooled": pooled,
+            **moved_bytes,
             # from the first timed step's end to the last one's, per step: every step
             # here holds the ps's work the step before it left (no gap between steps)
             "wall_ms_per_step": round((ends[-1] - ends[0]) * 1e3 / (len(ends) - 1), 2)
@@ -304,6 +311,23 @@ def train_mpisync(cluster, args) -> dict:
             "profile_ms_per_step": profile, "cpu_ms_per_step": cpu_ms,
             "page_faults_per_step": round(faulted / args.steps, 1),
             "setup_s": round(first_step_s, 2), "global_step": after["global_step"]}
+
+
+def pools(pool_on_ps, batches, num_ps: int) -> bool:
+    """Whether the steps pool on the ps ranks: ``pool_on_ps``, or what ``"auto"`` picks.
+
+    ``"auto"`` decides per forward (``mpisync.protocol.bags.pooling_pays``); the bytes are
+    counted one way for every step, so a run whose batches it would split is refused.
+    """
+    if pool_on_ps != "auto":
+        return pool_on_ps
+    from mpisync.protocol.bags import pooling_pays
+    picks = {pooling_pays(ids.size, len(np.unique(ids)), len(ids), DIM * 4, 0, num_ps)
+             for ids, _ in batches}
+    if len(picks) != 1:
+        raise SystemExit("pool_on_ps='auto' pools some of these batches and not others: "
+                         "pass --pool-on-ps on or off to count their bytes")
+    return picks.pop()
 
 
 def make_optimizer(args, params):
@@ -498,9 +522,7 @@ def configurations(args) -> list[tuple[str, list[str]]]:
     jobs = [(f"mpisync_{W}w{ps}p",
              [py, "-m", "mpisync.launch", "--workers", W, "--ps", str(ps),
               "--timeout", str(args.timeout), "--", py, me, "--kind", "mpisync",
-              *common_flags(args), *mine]) for ps in (1, 2)]
-    if args.pool_on_ps:
-        jobs += [(f"{name}_pooled", [*command, "--pool-on-ps"]) for name, command in jobs]
+              *common_flags(args), *mine, "--pool-on-ps", args.pool_on_ps]) for ps in (1, 2)]
     jobs += [(f"local_{t}t", [py, me, "--kind", "local", "--workers", W, "--threads", str(t),
                               *common_flags(args), *mine]) for t in (1, 2)]
     if args.peers == "auto" and os.path.exists(PEERS_PYTHON):

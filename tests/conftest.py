@@ -121,6 +121,21 @@ def pytest_runtest_protocol(item, nextitem):
     _running[0] = None
 
 
+@pytest.fixture(autouse=True)
+def _default_dtype_kept():
+    """A test that leaves torch's default dtype changed fails, naming itself, and the
+    dtype is put back: the tests after it in the same process would otherwise build
+    float64 models beside float32 data and fail far from the cause."""
+    import torch
+    before = torch.get_default_dtype()
+    yield
+    after = torch.get_default_dtype()
+    if after != before:
+        torch.set_default_dtype(before)
+        pytest.fail(f"the test left torch's default dtype {after} (it was {before}): "
+                    f"restore it (try/finally) where it is changed", pytrace=False)
+
+
 #: The files that take longest, slowest first (the rest follow in their usual order): each
 #: of the two pytest processes takes the next file when it is done with one, so the short
 #: files come last and the two end together. Seconds: one run of the MPICH part, 2 cores.

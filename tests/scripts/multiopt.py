@@ -58,8 +58,8 @@ class Bags(torch.nn.Module):
 
 
 def build(name: str, plain: bool):
-    """(model, [optimizers], scheduler on the first) of a case."""
-    torch.set_default_dtype(torch.float64)
+    """(model, [optimizers], scheduler on the first) of a case, in float64 (the default
+    dtype the ranks set at start and ``reference`` while it runs)."""
     if name == "adam+sgd":
         m = Dense()
         opts = [torch.optim.Adam(m.first.parameters(), lr=0.05),
@@ -99,18 +99,26 @@ def values(m, opt=None) -> dict:
 
 
 def reference(name: str) -> dict:
-    """Plain torch in one process: the same optimizers over the concatenated batches."""
-    m, opts, sched = build(name, plain=True)
-    for t in range(STEPS):
-        x, y = batch(name, t)
-        for o in opts:
-            o.zero_grad()
-        torch.nn.functional.cross_entropy(m(x), y).backward()
-        for o in opts:
-            o.step()
-        sched.step()
-    return {"values": values(m),
-            "state": [o.state_dict() for o in opts]}
+    """Plain torch in one process: the same optimizers over the concatenated batches.
+
+    Run in the test's own process: torch's default dtype is float64 only while it runs.
+    """
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        m, opts, sched = build(name, plain=True)
+        for t in range(STEPS):
+            x, y = batch(name, t)
+            for o in opts:
+                o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            for o in opts:
+                o.step()
+            sched.step()
+        return {"values": values(m),
+                "state": [o.state_dict() for o in opts]}
+    finally:
+        torch.set_default_dtype(before)
 
 
 def train(cluster, name: str, path: str) -> dict:
@@ -197,4 +205,5 @@ def worker(cluster):
 
 
 if __name__ == "__main__":
+    torch.set_default_dtype(torch.float64)
     run(worker)
