@@ -9,6 +9,7 @@ saying why, only where root or apt is missing.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -40,15 +41,33 @@ class LocalCluster:
         self.nodes = nodes
 
 
+#: The cluster's daemons are the machine's, not the checkout's: two suites (two checkouts)
+#: on one machine take turns with it, the second waiting here for the first's tests.
+MACHINE_LOCK = "/tmp/mpisync-local-slurm.lock"
+
+
 @pytest.fixture(scope="module")
 def local_cluster():
     if os.geteuid() != 0:
         pytest.skip("the local Slurm cluster needs root (apt-get, daemons)")
     if shutil.which("apt-get") is None and shutil.which("sbatch") is None:
         pytest.skip("neither Slurm nor apt-get to install it is here")
-    yield LocalCluster()
-    subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120,
-                   check=False)
+    with open(MACHINE_LOCK, "w") as lock:
+        deadline = time.monotonic() + 420     # within pytest-timeout's 600 s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"another suite held the local Slurm cluster ({MACHINE_LOCK}) "
+                                "for 7 minutes", pytrace=False)
+                time.sleep(1)
+        try:
+            yield LocalCluster()
+        finally:
+            subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120,
+                           check=False)
 
 
 @pytest.fixture
