@@ -101,7 +101,8 @@ def submit(tmp_path: Path, *options: str, cancel_on: str | None = None,
                              for p in tmp_path.glob("job-*.out")):
             subprocess.run(["scancel", job], capture_output=True, timeout=60, check=False)
             cancel_on = None
-    text = "".join(p.read_text() for p in tmp_path.glob("job-*.out"))
+    # errors="replace": slurmstepd's messages about a refused rank have held stray bytes
+    text = "".join(p.read_text(errors="replace") for p in tmp_path.glob("job-*.out"))
     exit_code = re.fullmatch(r"\w+\|(\d+):(\d+)", record)
     rc = (int(exit_code.group(1)) or int(exit_code.group(2))) if exit_code else -1
     if exit_code and not rc and not record.startswith("COMPLETED|"):
