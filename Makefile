@@ -80,7 +80,9 @@ BACKGROUND_MAKE = $(MAKE)
 # Slurm's PMI-2 server refuses ranks (tests/mpi/test_slurm.py, PMI_REFUSED) far more often
 # while other jobs run beside its two-node jobs: that file runs after the rest, alone.
 ALONE ?= tests/mpi/test_slurm.py
-SUITE = $(PYTEST) -q $(XDIST) $(addprefix --ignore=,$(ALONE)) $(PYTEST_FLAGS) && \
+# Each part ends with its slowest tests and their seconds (where the time goes, in CI's log).
+DURATIONS ?= --durations=12 --durations-min=5
+SUITE = $(PYTEST) -q $(XDIST) $(DURATIONS) $(addprefix --ignore=,$(ALONE)) $(PYTEST_FLAGS) && \
 	$(PYTEST) -q $(PYTEST_FLAGS) $(ALONE)
 test: venv
 	@built=$$([ -f $(HOROVOD_STAMP) ] && echo yes); \
@@ -138,7 +140,7 @@ OMPI_TESTS ?= tests/mpi/test_equivalence.py tests/mpi/test_backup_jobs.py \
 # test_survive.py: here only, as only Open MPI (with ULFM) survives a lost worker
 OMPI_PYTEST ?= $(OMPI_VENV)/bin/python -m pytest
 test-openmpi: horovod
-	@rc=0; ALLREDUCE_BACKENDS=horovod $(OMPI_PYTEST) -q -m openmpi $(XDIST) $(PYTEST_FLAGS) \
+	@rc=0; ALLREDUCE_BACKENDS=horovod $(OMPI_PYTEST) -q -m openmpi $(XDIST) $(DURATIONS) $(PYTEST_FLAGS) \
 	$(OMPI_TESTS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-openmpi: pytest collected no tests" >&2; fi; \
 	exit $$rc
