@@ -248,12 +248,12 @@ $(PEERS_STAMP):
 	'torchrec', torchrec.__version__)"
 	touch $@
 
-# mpisync (2 workers + 1 and + 2 ps, rows and pooled), one process and, when .venv-peers
+# mpisync (2 workers + 1 and + 2 ps, the library's defaults), one process and, when .venv-peers
 # exists, TorchRec, with exact Adagrad and then row-wise Adagrad on every side: one JSON
 # summary on the last line of each (one round: 1-4 minutes on 2 cores).
 bench-recsys: venv
-	$(VPY) benchmarks/recsys_bench.py --all --pool-on-ps
-	$(VPY) benchmarks/recsys_bench.py --all --pool-on-ps --optimizer rowwise
+	$(VPY) benchmarks/recsys_bench.py --all
+	$(VPY) benchmarks/recsys_bench.py --all --optimizer rowwise
 
 clean:
 	rm -rf build dist site *.egg-info .pytest_cache .ruff_cache
