@@ -460,10 +460,16 @@ def _forward_signals(proc: subprocess.Popen, received: list[int] | None = None) 
         except ProcessLookupError:
             pass
 
+    return _handle_forwarded(forward)
+
+
+def _handle_forwarded(handler) -> dict:
+    """``handler`` for each ``FORWARDED`` signal; the handlers it replaced (none off the
+    main thread, where signals cannot be handled)."""
     previous = {}
     try:
         for signum in FORWARDED:
-            previous[signum] = signal.signal(signum, forward)
+            previous[signum] = signal.signal(signum, handler)
     except ValueError:  # not the main thread: signals cannot be handled here
         pass
     return previous
@@ -546,13 +552,7 @@ def _stop_on_signals() -> dict:
     def stop(signum: int, frame: object) -> None:
         raise _Signalled(signum)
 
-    previous = {}
-    try:
-        for signum in FORWARDED:
-            previous[signum] = signal.signal(signum, stop)
-    except ValueError:  # not the main thread: signals cannot be handled here
-        pass
-    return previous
+    return _handle_forwarded(stop)
 
 
 def _command(ns: argparse.Namespace, mpiexec: str, flavor: str, hostfile_text: str | None,
