@@ -10,7 +10,7 @@ import torch
 from mpi4py import MPI
 
 from .errors import ClosedError, ConfigError
-from .protocol.multi import JointOptimizer, join_state_dicts, joint_problem
+from .protocol.multi import JointOptimizer, inners, join_state_dicts, joint_problem
 from .protocol.spec import Options
 from .ps.steplog import log_path
 from .resumestate import warn_if_restarts_start_over
@@ -59,8 +59,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             constructor arguments, its attributes and its param groups. Or a list of
             them over disjoint parameters (``[torch.optim.Adam(mlp_params),
             mpisync.RowWiseAdagrad(table_params)]``): still one push, one token and one
-            pull per step; each keeps its own param groups, state and LR schedulers, and
-            the step is theirs in one process (``mpisync.protocol.multi``).
+            pull per step; each keeps its own param groups, state and LR schedulers (one
+            built over it after this call is adopted as if built over this optimizer:
+            global step, checkpoints), and the step is theirs in one process (``mpisync.protocol.multi``).
             ``param_groups`` and ``state_dict()`` then hold their groups concatenated in
             the list's order (``state_dict()["mpisync"]["optimizers"]``: groups per
             optimizer); ``load_state_dict()`` also takes ``{"optimizers": [sd_a, sd_b]}``
@@ -192,6 +193,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
     # torch.amp.GradScaler then calls step() itself (found_inf set) instead of skipping it
     # on this worker alone; step() refuses it (mpisync.worker.refusals.refuse_grad_scaler)
     _step_supports_amp_scaling = True
+    _mpisync_wrapper = True   # what refuses a SyncReplicasOptimizer given to another one
 
     def __init__(self, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
@@ -254,6 +256,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                                               options.schedule)
             self._dense, self._rows, self._cycle = parts.dense, parts.rows, parts.cycle
             self._mpisync_schedules = parts.schedules     # what schedulers built over it find
+            for inner in inners(optimizer) if isinstance(optimizer, JointOptimizer) else ():
+                # and those built over one joined optimizer: they too follow the global
+                # step and are in checkpoints (a later SyncReplicasOptimizer takes them over)
+                inner._mpisync_schedules = parts.schedules
             cluster.optimizers.append(self)
             with self._poller.patience(SETUP_TIMEOUT):
                 self._cycle.receive(count=False)

@@ -47,7 +47,7 @@ def joint_problem(optimizers: Any, named_parameters: Sequence[tuple[str, torch.T
     for i, opt in enumerate(optimizers):
         if not isinstance(opt, torch.optim.Optimizer):
             return (f"optimizers[{i}] is a {type(opt).__name__}, not a torch.optim.Optimizer")
-        if hasattr(opt, "_mpisync_schedules"):
+        if getattr(opt, "_mpisync_wrapper", False):
             return f"optimizers[{i}] is a SyncReplicasOptimizer; give the torch optimizers"
     name_of = {id(p): n for n, p in named_parameters}
     held: dict[int, int] = {}

@@ -28,7 +28,8 @@ __all__ = ["TORCH_BOOKKEEPING", "OptimizerRecipe", "changed_settings", "recipe_o
            "settings_of"]
 
 #: Attributes that ``torch.optim.Optimizer`` (or torch's LR schedulers and AMP support) keeps on
-#: every optimizer: they are not configuration, so they are neither compared nor copied. An
+#: every optimizer (and mpisync on the optimizers it joins, ``_mpisync_schedules``): they are
+#: not configuration, so they are neither compared nor copied. An
 #: instance attribute ``step`` is ignored only when it is an LR scheduler's step counter wrapper.
 TORCH_BOOKKEEPING = frozenset({
     "defaults",
@@ -45,6 +46,7 @@ TORCH_BOOKKEEPING = frozenset({
     "_opt_called",
     "_step_supports_amp_scaling",
     "_need_device_dtype_check_for_fused",
+    "_mpisync_schedules",   # an optimizer joined in a SyncReplicasOptimizer: its schedulers
 })
 
 _CONSTRUCTIONS = ("call", "new")

@@ -457,7 +457,7 @@ def build_spec(optimizer: torch.optim.Optimizer, model: Model, options: Options,
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    if hasattr(optimizer, "_mpisync_schedules"):
+    if getattr(optimizer, "_mpisync_wrapper", False):
         raise TypeError("optimizer is already a SyncReplicasOptimizer")
     R, num_tokens = _check_counts(options, num_workers)
     _check_options(options)

@@ -3,7 +3,7 @@
 One job (2 workers, 2 ps ranks) runs every case of tests/scripts/multiopt.py: Adam and SGD
 with momentum over two dense layers, and Adam over a head with ``torch.optim.Adagrad`` or
 ``mpisync.RowWiseAdagrad`` over an ``mpisync.EmbeddingBag`` table, a StepLR scheduler on
-Adam. Parameters, the table, the optimizer state and the scheduled learning rates equal
+Adam and a LambdaLR on the other. Parameters, the table, the optimizer state and the scheduled learning rates equal
 plain torch over the concatenated batches, and a job resumed from a checkpoint saved
 midway reaches the same values. Before them, one worker's optimizers leave a parameter
 out: the set-up is refused on every worker, naming it, and the job goes on.
@@ -67,9 +67,12 @@ def test_state_dict_holds_every_optimizer(job, name):
 
 @pytest.mark.parametrize("name", CASES)
 def test_resumed_from_checkpoint(job, name):
+    """With the schedulers of each inner optimizer: saved as ``extra`` (adam+sgd), or by
+    the Checkpointer, which holds the schedulers built over the joined optimizers."""
     want = reference(name)["values"]
     for w, got in job[name].items():
         assert got["resumed_step"] == STEPS
+        assert got["resumed_lrs"] == pytest.approx(reference(name)["lrs"], abs=1e-15), w
         for key, value in want.items():
             assert close(got["resumed"][key], value), (name, w, key)
 

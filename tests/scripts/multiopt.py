@@ -1,7 +1,7 @@
 """Several torch optimizers in one SyncReplicasOptimizer, against plain torch.
 
 Each case named on the command line trains a model whose parameters two optimizers share
-out (an LR scheduler on the first), saves a checkpoint after ``SAVE`` steps, records its
+out (an LR scheduler on each), saves a checkpoint after ``SAVE`` steps, records its
 values after ``STEPS``, then resumes a second optimizer from the checkpoint (the
 tables' cases through a ``Checkpointer``: a full file, then an incremental one) and records
 the values it reaches. ``reference(name)`` is the same training in one process over the
@@ -58,8 +58,8 @@ class Bags(torch.nn.Module):
 
 
 def build(name: str, plain: bool):
-    """(model, [optimizers], scheduler on the first) of a case, in float64 (the default
-    dtype the ranks set at start and ``reference`` while it runs)."""
+    """(model, [optimizers]) of a case, in float64 (the default dtype the ranks set at
+    start and ``reference`` while it runs)."""
     if name == "adam+sgd":
         m = Dense()
         opts = [torch.optim.Adam(m.first.parameters(), lr=0.05),
@@ -69,8 +69,13 @@ def build(name: str, plain: bool):
         table = (torch.optim.Adagrad([m.emb.weight], lr=0.3) if name == "adam+adagrad"
                  else mpisync.RowWiseAdagrad([m.emb.weight], lr=0.3))
         opts = [torch.optim.Adam(m.head.parameters(), lr=0.05), table]
-    sched = torch.optim.lr_scheduler.StepLR(opts[0], step_size=2, gamma=0.5)
-    return m, opts, sched
+    return m, opts
+
+
+def schedulers(opts: list) -> list:
+    """StepLR on the first optimizer, LambdaLR on the second."""
+    return [torch.optim.lr_scheduler.StepLR(opts[0], step_size=2, gamma=0.5),
+            torch.optim.lr_scheduler.LambdaLR(opts[1], lambda t: 1 / (1 + t))]
 
 
 def batch(name: str, t: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +111,8 @@ def reference(name: str) -> dict:
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        m, opts, sched = build(name, plain=True)
+        m, opts = build(name, plain=True)
+        scheds = schedulers(opts)
         for t in range(STEPS):
             x, y = batch(name, t)
             for o in opts:
@@ -114,9 +120,10 @@ def reference(name: str) -> dict:
             torch.nn.functional.cross_entropy(m(x), y).backward()
             for o in opts:
                 o.step()
-            sched.step()
-        return {"values": values(m),
-                "state": [o.state_dict() for o in opts]}
+            for s in scheds:
+                s.step()
+        return {"values": values(m), "state": [o.state_dict() for o in opts],
+                "lrs": [g["lr"] for o in opts for g in o.param_groups]}
     finally:
         torch.set_default_dtype(before)
 
@@ -124,22 +131,27 @@ def reference(name: str) -> dict:
 def train(cluster, name: str, path: str) -> dict:
     w = cluster.worker_index
     rows = slice(w * BATCH, (w + 1) * BATCH)
-    m, opts, sched = build(name, plain=False)
+    # adam+sgd: schedulers built before the optimizers are joined, saved as ``extra``; the
+    # tables' cases: built over the joined optimizers, which a Checkpointer saves and
+    # restores (a full file, then an incremental one)
+    m, opts = build(name, plain=False)
+    scheds = schedulers(opts) if name == "adam+sgd" else None
     opt = mpisync.SyncReplicasOptimizer(opts, named_parameters=m.named_parameters(),
                                         cluster=cluster)
-    # the tables' cases through a Checkpointer: a full file, then an incremental one
     ck = None if name == "adam+sgd" else mpisync.Checkpointer(path, m, opt, full_every=2)
+    scheds = scheds or schedulers(opts)
     lrs = []
     for t in range(STEPS):
         if t == SAVE and ck is None:
-            mpisync.save(path, m, opt, extra=sched.state_dict())
+            mpisync.save(path, m, opt, extra=[s.state_dict() for s in scheds])
         elif t in (SAVE - 1, SAVE) and ck is not None:
-            ck.save(extra=sched.state_dict())
+            ck.save()
         x, y = batch(name, t)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(m(x[rows]), y[rows]).backward()
         opt.step()
-        sched.step()
+        for s in scheds:
+            s.step()
         lrs.append(opts[0].param_groups[0]["lr"])
     state = opt.state_dict(tables=False)
     out = {"values": values(m, opt), "lrs": lrs, "counts": state["mpisync"]["optimizers"],
@@ -159,18 +171,26 @@ def train(cluster, name: str, path: str) -> dict:
                                                                        state["state"])
     opt.close()
     # resume from the checkpoint in a new optimizer, and train the remaining steps
-    m, opts, sched = build(name, plain=False)
+    m, opts = build(name, plain=False)
+    scheds = schedulers(opts) if name == "adam+sgd" else None
     opt = mpisync.SyncReplicasOptimizer(opts, named_parameters=m.named_parameters(),
                                         cluster=cluster)
-    ck = None if name == "adam+sgd" else mpisync.Checkpointer(path, m, opt, full_every=2)
-    sched.load_state_dict(mpisync.load(path, m, opt) if ck is None else ck.resume())
+    if ck is None:
+        for s, saved in zip(scheds, mpisync.load(path, m, opt)):
+            s.load_state_dict(saved)
+    else:
+        ck = mpisync.Checkpointer(path, m, opt, full_every=2)
+        scheds = schedulers(opts)
+        ck.resume()
     for t in range(SAVE, STEPS):
         x, y = batch(name, t)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(m(x[rows]), y[rows]).backward()
         opt.step()
-        sched.step()
+        for s in scheds:
+            s.step()
     out["resumed"] = values(m, opt)
+    out["resumed_lrs"] = [g["lr"] for o in opts for g in o.param_groups]
     out["resumed_step"] = opt.global_step
     opt.close()
     return out
@@ -178,7 +198,7 @@ def train(cluster, name: str, path: str) -> dict:
 
 def refused(cluster) -> dict:
     """Worker 1 leaves a parameter out of its optimizers: every worker raises, naming it."""
-    m, opts, _ = build("adam+sgd", plain=False)
+    m, opts = build("adam+sgd", plain=False)
     given = opts[:1] if cluster.worker_index == 1 else opts
     try:
         mpisync.SyncReplicasOptimizer(given, named_parameters=m.named_parameters(),

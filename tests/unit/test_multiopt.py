@@ -166,11 +166,25 @@ def test_a_parameter_in_two_optimizers_or_in_none_is_refused_by_name():
 
 def test_a_sync_replicas_optimizer_in_the_list_is_refused():
     class Wrapped(torch.optim.SGD):
-        _mpisync_schedules = None
+        _mpisync_wrapper = True
 
     m = model()
     assert joint_problem([Wrapped(m.parameters(), lr=0.1)], []) == (
         "optimizers[0] is a SyncReplicasOptimizer; give the torch optimizers")
+
+
+def test_an_optimizer_joined_before_joins_again():
+    """A joined optimizer carries the Schedules its schedulers follow: not configuration,
+    and no sign of a SyncReplicasOptimizer (the same optimizers join a later one)."""
+    from mpisync.worker.schedule import Schedules
+    m = model()
+    a, b = optimizers(m)
+    a._mpisync_schedules = b._mpisync_schedules = Schedules()
+    named = list(m.named_parameters())
+    assert joint_problem([a, b], named) is None
+    name_of = {id(p): n for n, p in named}
+    assert "_mpisync_schedules" not in settings_of(JointOptimizer([a, b]))
+    assert recipe_of(a, name_of).build(dict(named)) is not None
 
 
 def test_step_within_only_params_steps_those_parameters_only():
