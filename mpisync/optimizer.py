@@ -259,7 +259,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             for inner in inners(optimizer) if isinstance(optimizer, JointOptimizer) else ():
                 # and those built over one joined optimizer: they too follow the global
                 # step and are in checkpoints (a later SyncReplicasOptimizer takes them over)
-                inner._mpisync_schedules = parts.schedules
+                inner._mpisync_schedules = parts.schedules  # type: ignore[attr-defined]
             cluster.optimizers.append(self)
             with self._poller.patience(SETUP_TIMEOUT):
                 self._cycle.receive(count=False)

@@ -46,7 +46,8 @@ def joint_problem(optimizers: Any, named_parameters: Sequence[tuple[str, torch.T
         return "the list of optimizers is empty; give at least one torch.optim.Optimizer"
     for i, opt in enumerate(optimizers):
         if not isinstance(opt, torch.optim.Optimizer):
-            return (f"optimizers[{i}] is a {type(opt).__name__}, not a torch.optim.Optimizer")
+            return (f"optimizers[{i}] is of type {type(opt).__name__}, not a "
+                    f"torch.optim.Optimizer")
         if getattr(opt, "_mpisync_wrapper", False):
             return f"optimizers[{i}] is a SyncReplicasOptimizer; give the torch optimizers"
     name_of = {id(p): n for n, p in named_parameters}

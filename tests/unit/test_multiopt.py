@@ -142,7 +142,7 @@ def test_add_param_group_is_refused():
 @pytest.mark.parametrize("given, expected", [
     ([], "the list of optimizers is empty"),
     ("optimizer", "expected a list of torch optimizers, got str"),
-    (["not one"], "optimizers[0] is a str, not a torch.optim.Optimizer"),
+    (["not one"], "optimizers[0] is of type str, not a torch.optim.Optimizer"),
 ])
 def test_refused_lists(given, expected):
     assert joint_problem(given, []).startswith(expected)
