@@ -128,6 +128,16 @@ def reference(name: str) -> dict:
         torch.set_default_dtype(before)
 
 
+def train_step(name: str, t: int, m, opt, scheds, rows) -> None:
+    """Global step ``t`` on this worker's rows of the batch, then every scheduler."""
+    x, y = batch(name, t)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(m(x[rows]), y[rows]).backward()
+    opt.step()
+    for s in scheds:
+        s.step()
+
+
 def train(cluster, name: str, path: str) -> dict:
     w = cluster.worker_index
     rows = slice(w * BATCH, (w + 1) * BATCH)
@@ -146,12 +156,7 @@ def train(cluster, name: str, path: str) -> dict:
             mpisync.save(path, m, opt, extra=[s.state_dict() for s in scheds])
         elif t in (SAVE - 1, SAVE) and ck is not None:
             ck.save()
-        x, y = batch(name, t)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(m(x[rows]), y[rows]).backward()
-        opt.step()
-        for s in scheds:
-            s.step()
+        train_step(name, t, m, opt, scheds, rows)
         lrs.append(opts[0].param_groups[0]["lr"])
     state = opt.state_dict(tables=False)
     out = {"values": values(m, opt), "lrs": lrs, "counts": state["mpisync"]["optimizers"],
@@ -183,12 +188,7 @@ def train(cluster, name: str, path: str) -> dict:
         scheds = schedulers(opts)
         ck.resume()
     for t in range(SAVE, STEPS):
-        x, y = batch(name, t)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(m(x[rows]), y[rows]).backward()
-        opt.step()
-        for s in scheds:
-            s.step()
+        train_step(name, t, m, opt, scheds, rows)
     out["resumed"] = values(m, opt)
     out["resumed_lrs"] = [g["lr"] for o in opts for g in o.param_groups]
     out["resumed_step"] = opt.global_step
