@@ -14,6 +14,8 @@ again at once, not counted among the R; one that the launcher itself passed SIGI
 SIGTERM, SIGHUP, SIGUSR1 or SIGUSR2 to is not. One of those signals between attempts
 (during the backoff) ends the launcher at once, saying so: with status 128 + the signal,
 or ``PREEMPTED_EXIT`` for SIGUSR1 and SIGUSR2 (the newest checkpoint is where to resume).
+A job passed SIGUSR1 or SIGUSR2 that fails instead of stopping politely (a rank ended by
+the signal before its ``Checkpointer`` listened for it) exits ``PREEMPTED_EXIT`` as well.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .environ import LOST_WORKERS_EXIT, NUM_PS_ENV, PREEMPTED_EXIT, SURVIVE_ENV
-from .restarts import ATTEMPT_ENV, restart_loop
+from .restarts import ATTEMPT_ENV, launcher_status, restart_loop
 from .runtime.failures import FAILURE_DIR_ENV
 from .runtime.nodes import HOSTMAP_ENV, encode_host_map, parse_hostfile, parse_hosts, rank_nodes
 
@@ -517,7 +519,7 @@ def main(args: Sequence[str] | None = None) -> int:
         print(f"{_PREFIX} {exc}", file=sys.stderr)
         return 2
     if base is None:
-        return _attempt(cmd, ns, mpiexec, flavor, explain=True).returncode
+        return launcher_status(_attempt(cmd, ns, mpiexec, flavor, explain=True))
     previous = _stop_on_signals()       # between attempts (while one runs, run_job's own)
     try:
         return restart_loop(

@@ -8,6 +8,12 @@ it passed on to the job, an attempt failed the same way as the failed attempt be
 politely after a signal (``PREEMPTED_EXIT``: it wrote a checkpoint) starts again at once and
 is not counted among the N. Each attempt's ranks get ``MPISYNC_ATTEMPT`` (0 for the first)
 and a fresh ``MPISYNC_FAILURE_DIR``.
+
+``launcher_status`` is what the launcher exits with: the last attempt's status, except that
+a job sent SIGUSR1 or SIGUSR2 through the launcher that then failed (a rank that made no
+``mpisync.Checkpointer`` yet, still importing or loading, is ended by the signal's default
+action) reports ``PREEMPTED_EXIT`` too: a preempted job resumes from its newest checkpoint
+however its ranks ended.
 """
 from __future__ import annotations
 
@@ -28,12 +34,16 @@ from .runtime.failures import (
     same_failure,
 )
 
-__all__ = ["ATTEMPT_ENV", "Outcome", "restart_loop"]
+__all__ = ["ATTEMPT_ENV", "Outcome", "launcher_status", "restart_loop"]
 
 #: Which attempt at the job the ranks run, 0 the first (set on every rank by the launcher).
 ATTEMPT_ENV = "MPISYNC_ATTEMPT"
 
 _PREFIX = "mpisync.launch:"
+
+#: The signals that ask a job to stop and be started again later (a preemption, a time
+#: limit's warning), as opposed to SIGINT, SIGTERM and SIGHUP, which ask it to end.
+POLITE = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 class Outcome(Protocol):
@@ -49,6 +59,23 @@ class Outcome(Protocol):
 
 def _say(text: str) -> None:
     print(f"{_PREFIX} {text}", file=sys.stderr, flush=True)
+
+
+def launcher_status(result: Outcome, say: Callable[[str], None] = _say) -> int:
+    """The launcher's exit status after its last attempt: the attempt's, or
+    ``PREEMPTED_EXIT`` (saying why) when this launcher passed SIGUSR1 or SIGUSR2 on to the
+    job and the job then failed instead of stopping politely: a rank that was not yet
+    listening for the signal (no ``mpisync.Checkpointer`` made yet) was ended by it, so
+    the newest checkpoint, if any, is where to resume (Slurm's template requeues on it)."""
+    status = result.returncode
+    if (result.signalled not in POLITE or result.timed_out
+            or status in (0, PREEMPTED_EXIT, LOST_WORKERS_EXIT)):
+        return status
+    say(f"exit status {PREEMPTED_EXIT}, not {status}: this launcher passed "
+        f"{signal.Signals(result.signalled).name} on to the job, which ended by it before "
+        f"every rank could stop politely (a rank ends by the signal until its "
+        f"mpisync.Checkpointer is made); resume from the newest checkpoint")
+    return PREEMPTED_EXIT
 
 
 def _why(result: Outcome, stop: int | None, polite: bool,
@@ -101,7 +128,7 @@ def restart_loop(run: Callable[[dict[str, str]], Outcome], explain: Callable[[in
         if result.signalled is not None:
             say(f"{why}; not starting it again: this launcher was sent "
                 f"{signal.Signals(result.signalled).name}")
-            return status
+            return launcher_status(result, say)
         # attempts: those started so far and the next, and the failures that may follow
         attempt += 1
         total = attempt + 1 + restarts - failures

@@ -1,17 +1,21 @@
 """Preemption and time limits: a job sent SIGUSR1 stops politely with exit status 75 and a
-checkpoint, and resumes from it; a job without a Checkpointer sent SIGTERM still ends.
+checkpoint, and resumes from it; one sent SIGUSR1 before its ranks listen for it exits 75
+too, having written nothing; a job without a Checkpointer sent SIGTERM still ends.
 
-tests/scripts/preemption.py under ``python -m mpisync.launch`` (2 workers + 1 ps).
+tests/scripts/preemption.py under ``python -m mpisync.launch`` (2 workers + 1 ps; the ranks
+forked by the suite's fork servers where it has them, as ``run_mpi``'s, but for the job
+that signals its whole process group).
 """
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
 import torch
-from mpi_helpers import SCRIPTS
+from mpi_helpers import SCRIPTS, rank_python
 
 sys.path.insert(0, str(SCRIPTS))
 from preemption import SIGNAL_AT
@@ -22,15 +26,25 @@ from mpisync.environ import PREEMPTED_EXIT
 TIMEOUT = 150
 
 
+def environment(stall_warning: str = "60") -> dict[str, str]:
+    return dict(os.environ, MPISYNC_TIMEOUT="120", OMP_NUM_THREADS="1",
+                MPISYNC_STALL_WARNING=stall_warning)
+
+
+def command(mode: str, directory, env: dict[str, str]) -> list[str]:
+    """The launcher's command line for ``preemption.py MODE DIRECTORY``: fresh ranks for
+    ``term`` (a forked rank's process group is its fork server's, not the job's)."""
+    python = [sys.executable] if mode == "term" else rank_python(3, env)
+    return [sys.executable, "-m", "mpisync.launch", "--workers", "2", "--ps", "1",
+            "--timeout", str(TIMEOUT), "--",
+            *python, str(SCRIPTS / "preemption.py"), mode, str(directory)]
+
+
 def launch(mode: str, directory, stall_warning: str = "60") -> subprocess.CompletedProcess:
     """``preemption.py MODE DIRECTORY`` under the launcher; its output, exit status."""
-    return subprocess.run(
-        [sys.executable, "-m", "mpisync.launch", "--workers", "2", "--ps", "1",
-         "--timeout", str(TIMEOUT), "--",
-         sys.executable, str(SCRIPTS / "preemption.py"), mode, str(directory)],
-        check=False, capture_output=True, text=True, timeout=TIMEOUT + 30,
-        env=dict(os.environ, MPISYNC_TIMEOUT="120", OMP_NUM_THREADS="1",
-                 MPISYNC_STALL_WARNING=stall_warning))
+    env = environment(stall_warning)
+    return subprocess.run(command(mode, directory, env), check=False, capture_output=True,
+                          text=True, timeout=TIMEOUT + 30, env=env)
 
 
 def test_sigusr1_stops_with_a_checkpoint_and_status_75_and_the_job_resumes(tmp_path):
@@ -62,3 +76,33 @@ def test_sigterm_to_every_rank_without_a_checkpointer_ends_the_job(tmp_path):
     assert proc.returncode not in (0, PREEMPTED_EXIT), text
     assert "ran past --timeout" not in text and "MPISYNC_TIMEOUT" not in text, text
     assert "mpisync: stopped by" not in text and not os.listdir(tmp_path), text
+
+
+def test_sigusr1_before_any_rank_listens_exits_75_having_written_nothing(tmp_path):
+    """A time limit's warning that comes while the ranks start (no Checkpointer yet, so
+    SIGUSR1 ends them): the launcher still exits 75 (Slurm's template requeues on it, and
+    the job resumes from its newest checkpoint), saying why."""
+    env = environment()
+    launcher = subprocess.Popen(command("early", tmp_path, env), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        text, waiting = "", 0
+        for line in launcher.stdout:          # until every rank sleeps, not listening
+            text += line
+            waiting += line.startswith("preemption.py: not listening yet")
+            if waiting == 3:
+                launcher.send_signal(signal.SIGUSR1)
+                break
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    text += out
+    assert waiting == 3, text
+    assert launcher.returncode == PREEMPTED_EXIT, text
+    assert text.rstrip().splitlines()[-1].startswith(
+        "mpisync.launch: exit status 75, not "), text
+    assert text.rstrip().endswith(
+        ": this launcher passed SIGUSR1 on to the job, which ended by it before every rank "
+        "could stop politely (a rank ends by the signal until its mpisync.Checkpointer is "
+        "made); resume from the newest checkpoint"), text
+    assert "ran past --timeout" not in text and not os.listdir(tmp_path), text

@@ -8,6 +8,8 @@ batch at global step t drawn from a generator seeded with t):
   global step SIGNAL_AT. Trains to STEPS otherwise.
 - ``term``: no Checkpointer; worker 0 sends SIGTERM to its process group (every rank and
   ``mpiexec``) at global step SIGNAL_AT and trains on: the job must end, not stall.
+- ``early``: every rank prints ``preemption.py: not listening yet`` and sleeps EARLY
+  seconds before ``mpisync.init()``, so that a signal finds no rank listening for it.
 - ``slow``: as ``usr1`` without the worker's own signal, worker 0 sleeping SLOW seconds
   after each step (so that a signal from outside, e.g. Slurm's, comes mid-run); the chief
   writes the final parameters to DIR/final.pt (``restarts.py``'s unbroken run ends with
@@ -28,6 +30,7 @@ import mpisync
 
 SIGNAL_AT = 5
 SLOW = 0.5
+EARLY = 60
 
 
 def worker(cluster, args) -> dict:
@@ -65,9 +68,12 @@ def worker(cluster, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="preemption.py")
-    p.add_argument("mode", choices=("usr1", "term", "slow"))
+    p.add_argument("mode", choices=("usr1", "term", "slow", "early"))
     p.add_argument("dir")
     args = p.parse_args()
+    if args.mode == "early":
+        print("preemption.py: not listening yet", flush=True)
+        time.sleep(EARLY)
     cluster = mpisync.init()
     if cluster.is_ps:
         cluster.serve()

@@ -23,7 +23,7 @@ from mpisync.launch import (
     run_command,
     run_job,
 )
-from mpisync.restarts import restart_loop
+from mpisync.restarts import launcher_status, restart_loop
 from mpisync.runtime import failures
 
 PROG = ["python", "train.py", "--epochs", "2"]
@@ -554,6 +554,31 @@ def test_a_signal_to_the_launcher_ends_the_restarts(tmp_path):
     assert status == 75 and len(job.envs) == 1 and not slept
     assert said == [("the job stopped after a signal and wrote a checkpoint at global step 2 "
                      "(exit status 75); not starting it again: this launcher was sent SIGTERM")]
+
+
+def test_a_job_ended_by_a_polite_signal_it_did_not_stop_on_exits_75_saying_so(tmp_path):
+    """SIGUSR1 or SIGUSR2 passed on to a job whose ranks were still starting (no
+    Checkpointer yet: the signal's default action ended them): the launcher's status is 75,
+    resume from the newest checkpoint; after SIGTERM, a timeout, success or a polite stop
+    the attempt's status stands."""
+    job = _Attempts([138, 0], signalled=signal.SIGUSR1)
+    status, said, slept = _loop(job, tmp_path)
+    assert status == 75 and len(job.envs) == 1 and not slept
+    assert said == [
+        ("the job failed with exit status 138; not starting it again: this launcher was sent "
+        "SIGUSR1"),
+        ("exit status 75, not 138: this launcher passed SIGUSR1 on to the job, which ended by "
+        "it before every rank could stop politely (a rank ends by the signal until its "
+        "mpisync.Checkpointer is made); resume from the newest checkpoint")]
+    said = []
+    assert launcher_status(JobResult(12, signalled=signal.SIGUSR2), said.append) == 75
+    assert said[0].startswith("exit status 75, not 12: this launcher passed SIGUSR2 on")
+    for result in (JobResult(143, signalled=signal.SIGTERM), JobResult(1),
+                   JobResult(124, timed_out=True, signalled=signal.SIGUSR1),
+                   JobResult(0, signalled=signal.SIGUSR1), JobResult(3, signalled=signal.SIGUSR1),
+                   JobResult(75, signalled=signal.SIGUSR1)):
+        assert launcher_status(result, said.append) == result.returncode
+    assert len(said) == 1
 
 
 def test_the_job_gets_a_signal_the_launcher_gets_and_the_result_names_it():
