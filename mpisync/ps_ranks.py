@@ -22,7 +22,7 @@ from mpi4py import MPI
 from . import environ as env
 from .errors import ConfigError, MismatchError, StallError, WorldTooSmallError
 from .protocol.wire import WIRE_VERSION, Tag
-from .runtime import lazydynamo
+from .runtime import lazydynamo, stopping
 from .runtime.agreement import agree, first_problem
 from .runtime.exits import (
     FINALIZE_GRACE,
@@ -408,6 +408,10 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
     them round-robin), made torch's current CUDA device; ``cpu`` without CUDA. The ps
     ranks always compute on the CPU and never touch a GPU.
 
+    From here on SIGUSR1 and SIGUSR2 (a preemption's or a time limit's warning) are noted,
+    not fatal, where the program set no handler for them: an ``mpisync.Checkpointer`` made
+    later stops the job politely at its first ``maybe_save()`` (``mpisync.runtime.stopping``).
+
     Torch's optimizers import ``torch._dynamo`` (over a second of CPU) the first time one is
     built, only to keep ``torch.compile`` out of methods nothing compiles yet: from
     ``init()`` on they import it when something else did (``torch.compile``), and behave
@@ -427,6 +431,7 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
     global _current
     comm = MPI.COMM_WORLD if comm is None else comm
     lazydynamo.spare()
+    stopping.listen_early()      # a preemption's warning before the Checkpointer: not lost
     if abort_on_error:
         install_excepthook(lambda: _current)
     if _current is not None and not _current.closed and not MPI.Is_finalized():

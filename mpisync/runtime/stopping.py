@@ -10,6 +10,13 @@ The handlers are counted: each ``install()`` that succeeded takes a share and ea
 ``release()`` gives one back; the last one out restores the handlers that were there
 before. Signals can be handled only by the main thread: elsewhere ``install()`` does
 nothing and says so.
+
+SIGUSR1 and SIGUSR2 are noted from ``mpisync.init()`` on (``listen_early``): a warning that
+comes before the ``Checkpointer`` exists (while the model is built or the tables placed)
+then stops the job at its first ``maybe_save()`` instead of ending the rank (their default
+action) or vanishing (MPICH's own handler, installed by ``MPI_Init``, drops them).
+SIGTERM keeps its default until a ``Checkpointer`` takes it: a program without one still
+ends on it.
 """
 from __future__ import annotations
 
@@ -17,10 +24,13 @@ import signal
 import threading
 from typing import Any
 
-__all__ = ["SIGNALS", "install", "installed", "received", "release", "reset"]
+__all__ = ["EARLY", "SIGNALS", "install", "installed", "listen_early", "received", "release",
+           "reset"]
 
 #: The signals that ask a job to stop politely.
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+#: The signals noted from ``mpisync.init()`` on (``listen_early``).
+EARLY = (signal.SIGUSR1, signal.SIGUSR2)
 
 _previous: dict[int, Any] = {}
 _shares = 0
@@ -30,6 +40,17 @@ _received: list[int] = []
 def _note(signum: int, frame: object) -> None:
     """The handler: note the signal, nothing else (it runs between two bytecodes)."""
     _received.append(signum)
+
+
+def listen_early() -> None:
+    """Note ``EARLY`` signals from now on where no Python handler has them yet (their
+    default, or a handler of native code such as MPI's); a handler the program set is left
+    alone. Main thread only (elsewhere nothing is done)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in EARLY:
+        if signal.getsignal(signum) in (signal.SIG_DFL, None):
+            signal.signal(signum, _note)
 
 
 def install() -> bool:

@@ -78,18 +78,17 @@ def test_sigterm_to_every_rank_without_a_checkpointer_ends_the_job(tmp_path):
     assert "mpisync: stopped by" not in text and not os.listdir(tmp_path), text
 
 
-def test_sigusr1_before_any_rank_listens_exits_75_having_written_nothing(tmp_path):
-    """A time limit's warning that comes while the ranks start (no Checkpointer yet, so
-    SIGUSR1 ends them): the launcher still exits 75 (Slurm's template requeues on it, and
-    the job resumes from its newest checkpoint), saying why."""
+def signal_when_ready(mode: str, directory, ready: str) -> tuple[int, str]:
+    """``preemption.py MODE DIRECTORY`` under the launcher, sent SIGUSR1 once each of the
+    three ranks printed ``ready``; its exit status and output."""
     env = environment()
-    launcher = subprocess.Popen(command("early", tmp_path, env), stdout=subprocess.PIPE,
+    launcher = subprocess.Popen(command(mode, directory, env), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=env)
     try:
         text, waiting = "", 0
-        for line in launcher.stdout:          # until every rank sleeps, not listening
+        for line in launcher.stdout:          # until every rank waits
             text += line
-            waiting += line.startswith("preemption.py: not listening yet")
+            waiting += line.startswith(ready)
             if waiting == 3:
                 launcher.send_signal(signal.SIGUSR1)
                 break
@@ -98,7 +97,15 @@ def test_sigusr1_before_any_rank_listens_exits_75_having_written_nothing(tmp_pat
         launcher.kill()
     text += out
     assert waiting == 3, text
-    assert launcher.returncode == PREEMPTED_EXIT, text
+    return launcher.returncode, text
+
+
+def test_sigusr1_before_any_rank_listens_exits_75_having_written_nothing(tmp_path):
+    """A time limit's warning that comes while the ranks start (before mpisync.init(), so
+    SIGUSR1 ends them): the launcher still exits 75 (Slurm's template requeues on it, and
+    the job resumes from its newest checkpoint), saying why."""
+    status, text = signal_when_ready("early", tmp_path, "preemption.py: not listening yet")
+    assert status == PREEMPTED_EXIT, text
     assert text.rstrip().splitlines()[-1].startswith(
         "mpisync.launch: exit status 75, not "), text
     assert text.rstrip().endswith(
@@ -106,3 +113,21 @@ def test_sigusr1_before_any_rank_listens_exits_75_having_written_nothing(tmp_pat
         "could stop politely (a rank ends by the signal until its mpisync.Checkpointer is "
         "made); resume from the newest checkpoint"), text
     assert "ran past --timeout" not in text and not os.listdir(tmp_path), text
+
+
+def test_sigusr1_after_init_before_the_checkpointer_stops_at_the_first_step(tmp_path):
+    """Noted from mpisync.init() on: the Checkpointer made after the signal stops the job
+    politely at its first maybe_save(), with a checkpoint the next job resumes from."""
+    status, text = signal_when_ready("init", tmp_path,
+                                     "preemption.py: listening, no Checkpointer yet")
+    assert status == PREEMPTED_EXIT, text
+    path = tmp_path / "ckpt-000000001.pt"
+    assert re.findall(r"^mpisync: stopped by SIGUSR1 at global step (\d+); checkpoint (\S+); "
+                      r"exit status 75$", text, re.MULTILINE) == [("1", str(path))], text
+    assert "Traceback" not in text and "BAD TERMINATION" not in text, text
+    assert os.listdir(tmp_path) == [path.name], text
+    again = launch("usr1", tmp_path)
+    text = again.stdout + again.stderr
+    assert again.returncode == 0, text
+    assert "preemption.py: starts at global step 1" in text, text
+    assert text.count(f'"global_step": {STEPS}') == 2, text

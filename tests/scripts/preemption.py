@@ -10,6 +10,9 @@ batch at global step t drawn from a generator seeded with t):
   ``mpiexec``) at global step SIGNAL_AT and trains on: the job must end, not stall.
 - ``early``: every rank prints ``preemption.py: not listening yet`` and sleeps EARLY
   seconds before ``mpisync.init()``, so that a signal finds no rank listening for it.
+- ``init``: as ``usr1`` without the worker's own signal, but every rank prints
+  ``preemption.py: listening, no Checkpointer yet`` after ``mpisync.init()`` and waits (up
+  to EARLY seconds) for a signal before anything else: one noted before the Checkpointer.
 - ``slow``: as ``usr1`` without the worker's own signal, worker 0 sleeping SLOW seconds
   after each step (so that a signal from outside, e.g. Slurm's, comes mid-run); the chief
   writes the final parameters to DIR/final.pt (``restarts.py``'s unbroken run ends with
@@ -27,6 +30,7 @@ from common import emit
 from restarts import STEPS, batch, trained_model
 
 import mpisync
+from mpisync.runtime import stopping
 
 SIGNAL_AT = 5
 SLOW = 0.5
@@ -68,13 +72,18 @@ def worker(cluster, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="preemption.py")
-    p.add_argument("mode", choices=("usr1", "term", "slow", "early"))
+    p.add_argument("mode", choices=("usr1", "term", "slow", "early", "init"))
     p.add_argument("dir")
     args = p.parse_args()
     if args.mode == "early":
         print("preemption.py: not listening yet", flush=True)
         time.sleep(EARLY)
     cluster = mpisync.init()
+    if args.mode == "init":
+        print("preemption.py: listening, no Checkpointer yet", flush=True)
+        deadline = time.monotonic() + EARLY
+        while stopping.received() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
     if cluster.is_ps:
         cluster.serve()
         return

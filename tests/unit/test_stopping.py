@@ -52,6 +52,27 @@ def test_the_handlers_note_each_signal_and_the_last_share_restores_the_previous(
     assert signal.getsignal(signal.SIGUSR1) is mine
 
 
+def test_from_init_on_sigusr1_and_sigusr2_are_noted_sigterm_is_not(own_handlers):
+    """``listen_early`` (``mpisync.init()``): a signal at its default is noted from then on,
+    a handler of the program's is left alone, SIGTERM is not taken; a Checkpointer's share
+    sees what was noted early, and its release puts the early note back."""
+    mine, seen = own_handlers
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)                # as in a new process
+    try:
+        stopping.listen_early()
+        early = signal.getsignal(signal.SIGUSR1)
+        assert early not in (signal.SIG_DFL, mine)
+        assert signal.getsignal(signal.SIGUSR2) is mine and signal.getsignal(signal.SIGTERM) is mine
+        signal.raise_signal(signal.SIGUSR1)                      # noted, not fatal
+        assert stopping.received() == signal.SIGUSR1 and not stopping.installed()
+        assert stopping.install() and stopping.received() == signal.SIGUSR1
+        stopping.release()
+        assert signal.getsignal(signal.SIGUSR1) is early and stopping.received() is None
+        assert seen == []
+    finally:
+        stopping.reset()
+
+
 def test_off_the_main_thread_nothing_is_installed(own_handlers):
     mine, _ = own_handlers
     took: list[bool] = []
