@@ -147,8 +147,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              accepted="an attempt number >= 0"),
     Variable("MPISYNC_FAILURE_DIR", "path", None,
              "Where a rank that fails writes what failed, at which global step (set by "
-             "`python -m mpisync.launch --restarts N`, which compares two attempts' "
-             "failures).", unset="unset (nothing written)"),
+             "`python -m mpisync.launch`, which compares two attempts' failures under "
+             "`--restarts N`, and fails a job whose mpiexec says 0 after a rank failed).",
+             unset="unset (nothing written)"),
     Variable("MPISYNC_PROGRESS", "steps", None,
              "`0` turns `mpisync.Progress` off; a number sets its steps between lines.",
              unset="unset (as `Progress` was created)", minimum=1,

@@ -14,6 +14,8 @@ again at once, not counted among the R; one that the launcher itself passed SIGI
 SIGTERM, SIGHUP, SIGUSR1 or SIGUSR2 to is not. One of those signals between attempts
 (during the backoff) ends the launcher at once, saying so: with status 128 + the signal,
 or ``PREEMPTED_EXIT`` for SIGUSR1 and SIGUSR2 (the newest checkpoint is where to resume).
+Every job's ranks get ``MPISYNC_FAILURE_DIR`` (with or without ``--restarts``): a job whose
+``mpiexec`` exits 0 though a rank recorded an uncaught error there exits 1, saying so.
 A job passed SIGUSR1 or SIGUSR2 that fails instead of stopping politely (a rank ended by
 the signal before its ``Checkpointer`` listened for it) exits ``PREEMPTED_EXIT`` as well.
 """
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 
 from .environ import LOST_WORKERS_EXIT, NUM_PS_ENV, PREEMPTED_EXIT, SURVIVE_ENV
 from .restarts import ATTEMPT_ENV, launcher_status, restart_loop
-from .runtime.failures import FAILURE_DIR_ENV
+from .runtime.failures import FAILURE_DIR_ENV, describe, origin, read_failures
 from .runtime.nodes import HOSTMAP_ENV, encode_host_map, parse_hostfile, parse_hosts, rank_nodes
 
 __all__ = [
@@ -508,23 +510,28 @@ def main(args: Sequence[str] | None = None) -> int:
         if ns.hostfile:
             with open(ns.hostfile) as f:
                 hostfile_text = f.read()
-        cmd = _command(ns, mpiexec, flavor, hostfile_text, None)
-        base = None
-        if ns.restarts:      # the attempts' failure records: under $MPISYNC_FAILURE_DIR if set
-            parent = os.environ.get(FAILURE_DIR_ENV) or None
-            if parent:
-                os.makedirs(parent, exist_ok=True)
-            base = tempfile.mkdtemp(prefix="mpisync-failures-", dir=parent)
+        _command(ns, mpiexec, flavor, hostfile_text, None)     # refuses bad arguments here
+        # the ranks' failure records (what failed, per attempt): under $MPISYNC_FAILURE_DIR
+        parent = os.environ.get(FAILURE_DIR_ENV) or None
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        base = tempfile.mkdtemp(prefix="mpisync-failures-", dir=parent)
     except (OSError, ValueError) as exc:
         print(f"{_PREFIX} {exc}", file=sys.stderr)
         return 2
-    if base is None:
-        return launcher_status(_attempt(cmd, ns, mpiexec, flavor, explain=True))
+    if not ns.restarts:
+        try:
+            env = {FAILURE_DIR_ENV: base}
+            return launcher_status(_attempt(_command(ns, mpiexec, flavor, hostfile_text, env),
+                                            ns, mpiexec, flavor, explain=True, failure_dir=base))
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
     previous = _stop_on_signals()       # between attempts (while one runs, run_job's own)
     try:
         return restart_loop(
             lambda env: _attempt(_command(ns, mpiexec, flavor, hostfile_text, env), ns,
-                                 mpiexec, flavor, explain=False),
+                                 mpiexec, flavor, explain=False,
+                                 failure_dir=env[FAILURE_DIR_ENV]),
             lambda status: explain_status(status, flavor, ns.survive_worker_loss),
             ns.restarts, ns.restart_backoff, base)
     except _Signalled as got:
@@ -569,15 +576,23 @@ def _command(ns: argparse.Namespace, mpiexec: str, flavor: str, hostfile_text: s
 
 
 def _attempt(cmd: list[str], ns: argparse.Namespace, mpiexec: str, flavor: str,
-             explain: bool) -> JobResult:
+             explain: bool, failure_dir: str) -> JobResult:
     """Run one attempt (status 127 when ``mpiexec`` cannot be run); with ``explain``, say
-    what a failed exit status means."""
+    what a failed exit status means. A job whose ``mpiexec`` says 0 though a rank recorded
+    an uncaught error in ``failure_dir`` (an MPI that lost count after ranks died) failed:
+    status 1, saying so."""
     print(f"{_PREFIX} {shlex.join(cmd)}", file=sys.stderr, flush=True)
     try:
         result = run_job(cmd, timeout=ns.timeout)
     except OSError as exc:
         print(f"{_PREFIX} cannot run {mpiexec}: {exc}", file=sys.stderr)
         return JobResult(127)
+    if result.returncode == 0 and (records := read_failures(failure_dir)):
+        print(f"{_PREFIX} {mpiexec} exited with status 0, but a rank ended by an uncaught "
+              f"error ({describe(origin(records))}): exit status 1", file=sys.stderr,
+              flush=True)
+        result.returncode = 1
+        return result
     if explain and result.returncode not in (0, TIMEOUT_EXIT_CODE):
         print(f"{_PREFIX} {explain_status(result.returncode, flavor, ns.survive_worker_loss)}",
               file=sys.stderr, flush=True)

@@ -71,7 +71,7 @@ def test_a_killed_backup_worker_is_survived_and_reported_once():
 
 
 def test_more_workers_lost_than_backups_ends_the_job_naming_them():
-    job, _, took = survive("--kill", "1,2", timeout=40)
+    job, _, took = survive("--kill", "1,2", timeout=90)
     assert job.returncode not in (0, LOST_WORKERS_EXIT, 124), job.output
     assert re.search(r"ps 0 \(rank 3 on [^)]*\): RuntimeError: .*lost workers \[1, 2\] \(rank "
                      r"[12], rank [12]\): the 1 left cannot complete a step of 2 gradients",
@@ -81,7 +81,7 @@ def test_more_workers_lost_than_backups_ends_the_job_naming_them():
 
 
 def test_a_killed_ps_ends_the_job_naming_it():
-    job, _, took = survive("--kill-ps", "--steps", "1000000", timeout=40)
+    job, _, took = survive("--kill-ps", "--steps", "1000000", timeout=90)
     assert job.returncode not in (0, LOST_WORKERS_EXIT, 124), job.output
     assert re.search(r"worker \d \(rank \d on [^)]*\): \w+: ps 0 \(rank 3 on [^)]*\) lost",
                      job.output), job.output

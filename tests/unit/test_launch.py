@@ -634,3 +634,33 @@ def test_main_restarts_the_command_with_each_attempt_in_the_environment(tmp_path
                                  "boom, at global step 5): not starting it again (a bug is "
                                  "not a fault)")
     assert os.listdir(tmp_path / "records") == []      # the attempts' records are removed
+
+
+RECORDS_AND_EXITS_0 = '''import json, os
+json.dump({"rank": 2, "label": "ps 0", "error": "RuntimeError: lost workers",
+           "global_step": 6, "peer": False},
+          open(os.path.join(os.environ["MPISYNC_FAILURE_DIR"], "rank-2.json"), "w"))
+'''
+
+
+def test_an_mpiexec_that_says_0_after_a_rank_recorded_an_error_is_a_failure(tmp_path, capsys,
+                                                                             monkeypatch):
+    """Every job gets a directory for its ranks' failure records (not only under
+    --restarts): an MPI that exits 0 though a rank ended by an uncaught error (Open MPI with
+    ULFM, after ranks died, now and then) gives status 1, naming the error; the directory
+    is removed after. A job that recorded nothing keeps its 0."""
+    mpiexec = tmp_path / "fake-mpi"
+    mpiexec.write_text(FAKE_MPIEXEC.format(python=sys.executable))
+    mpiexec.chmod(0o755)
+    prog = tmp_path / "prog.py"
+    prog.write_text(RECORDS_AND_EXITS_0)
+    monkeypatch.setenv("MPISYNC_FAILURE_DIR", str(tmp_path / "records"))
+    base = ["--workers", "1", "--ps", "1", "--mpiexec", str(mpiexec), "--"]
+    assert main([*base, sys.executable, str(prog)]) == 1
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith(
+        f"mpisync.launch: {mpiexec} exited with status 0, but a rank ended by an uncaught "
+        f"error (ps 0: RuntimeError: lost workers, at global step 6): exit status 1"), err
+    assert os.listdir(tmp_path / "records") == []
+    assert main([*base, sys.executable, "-c", "pass"]) == 0
+    assert "uncaught" not in capsys.readouterr().err
