@@ -168,6 +168,20 @@ stop_daemons() {
         done
         kill -KILL "$pid" 2>/dev/null || true
     done
+    # steps that outlived scancel and their daemons (ranks stuck in MPI_Init after Slurm's
+    # PMI server refused one of them): ended with every process under them
+    for pid in $(pgrep -x slurmstepd); do
+        kill_tree "$pid"
+    done
+}
+
+kill_tree() {
+    local child
+    kill -STOP "$1" 2>/dev/null || true
+    for child in $(pgrep -P "$1"); do
+        kill_tree "$child"
+    done
+    kill -KILL "$1" 2>/dev/null || true
 }
 
 case "${1:-}" in
