@@ -31,17 +31,26 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from .environ import LOST_WORKERS_EXIT, NUM_PS_ENV, PREEMPTED_EXIT, SURVIVE_ENV
-from .restarts import ATTEMPT_ENV, launcher_status, restart_loop
+from .restarts import ATTEMPT_ENV, POLITE, launcher_status, restart_loop
 from .runtime.failures import FAILURE_DIR_ENV, describe, origin, read_failures
+from .runtime.jobs import (
+    FORWARDED,
+    TIMEOUT_EXIT_CODE,
+    JobResult,
+    handle_forwarded,
+    run_command,
+    run_job,
+)
 from .runtime.nodes import HOSTMAP_ENV, encode_host_map, parse_hostfile, parse_hosts, rank_nodes
 
 __all__ = [
     "ATTEMPT_ENV",
     "FLAVORS",
+    "FORWARDED",
     "NUM_PS_ENV",
+    "TIMEOUT_EXIT_CODE",
     "JobResult",
     "detect_mpi_flavor",
     "explain_status",
@@ -56,13 +65,6 @@ __all__ = [
 
 #: MPI implementations whose ``mpiexec`` options this module knows.
 FLAVORS = ("openmpi", "mpich", "intel")
-
-#: Exit status when ``--timeout`` expires (the same as coreutils ``timeout``).
-TIMEOUT_EXIT_CODE = 124
-
-#: Signals the launcher passes on to the job's process group; after any of them it starts
-#: no further attempt (``--restarts``): whoever sent it wants the job to stop.
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 _PREFIX = "mpisync.launch:"
 
@@ -376,114 +378,6 @@ def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
     return ns
 
 
-def _kill_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 5.0) -> None:
-    """Send ``sig`` to the job's process group, then SIGKILL what is left.
-
-    The launcher gets ``grace`` seconds to exit after ``sig``; whatever is still in its
-    group afterwards (a rank that ignored the signal, an orphaned grandchild) is killed.
-    """
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-
-
-def _exit_code(returncode: int) -> int:
-    # A launcher killed by a signal reports -signum; a shell would say 128 + signum.
-    return 128 - returncode if returncode < 0 else returncode
-
-
-@dataclass
-class JobResult:
-    """How a job ended: its exit status, what it printed (when captured), a timeout, and
-    the first signal this process received and passed on to the job (``signalled``)."""
-
-    returncode: int
-    stdout: str = ""
-    stderr: str = ""
-    timed_out: bool = False
-    signalled: int | None = None
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-
-def run_job(cmd: Sequence[str], timeout: float | None = None,
-            env: Mapping[str, str] | None = None, capture: bool = False,
-            cwd: str | None = None) -> JobResult:
-    """Run ``cmd`` in its own process group; never leave anything of it running.
-
-    The whole group (mpiexec and the ranks it started on this host) is killed when the
-    timeout expires (status 124, ``timed_out``) or when this process gets SIGINT, SIGTERM
-    or SIGHUP, which are passed on to the job first so that it can stop cleanly (SIGUSR1
-    and SIGUSR2 are passed on too: a job may stop politely on them). With ``capture`` the
-    job's stdout and stderr are returned as text.
-    """
-    pipe = subprocess.PIPE if capture else None
-    proc = subprocess.Popen(list(cmd), start_new_session=True, stdout=pipe, stderr=pipe,
-                            text=capture, env=None if env is None else dict(env), cwd=cwd)
-    received: list[int] = []
-    previous = _forward_signals(proc, received)
-    try:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-            return JobResult(_exit_code(proc.returncode), out or "", err or "",
-                             signalled=received[0] if received else None)
-        except subprocess.TimeoutExpired:
-            print(f"{_PREFIX} the job ran past --timeout {timeout:g} s; killing it",
-                  file=sys.stderr, flush=True)
-            _kill_group(proc)
-            out, err = proc.communicate()
-            return JobResult(TIMEOUT_EXIT_CODE, out or "", err or "", timed_out=True,
-                             signalled=received[0] if received else None)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if proc.poll() is None:  # leave nothing behind, whatever happened above
-            _kill_group(proc)
-
-
-def _forward_signals(proc: subprocess.Popen, received: list[int] | None = None) -> dict:
-    """Pass ``FORWARDED`` signals on to the job's group, noting each in ``received``; the
-    previous handlers."""
-    def forward(signum: int, frame: object) -> None:
-        if received is not None:
-            received.append(signum)
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            pass
-
-    return _handle_forwarded(forward)
-
-
-def _handle_forwarded(handler) -> dict:
-    """``handler`` for each ``FORWARDED`` signal; the handlers it replaced (none off the
-    main thread, where signals cannot be handled)."""
-    previous = {}
-    try:
-        for signum in FORWARDED:
-            previous[signum] = signal.signal(signum, handler)
-    except ValueError:  # not the main thread: signals cannot be handled here
-        pass
-    return previous
-
-
-def run_command(cmd: Sequence[str], timeout: float | None = None) -> int:
-    """Run ``cmd`` as ``run_job`` does, output not captured; return its exit status."""
-    return run_job(cmd, timeout=timeout).returncode
-
-
 def main(args: Sequence[str] | None = None) -> int:
     """Command-line entry point: ``python -m mpisync.launch --workers N --ps P -- prog``."""
     ns = parse_args(args)
@@ -535,7 +429,7 @@ def main(args: Sequence[str] | None = None) -> int:
             lambda status: explain_status(status, flavor, ns.survive_worker_loss),
             ns.restarts, ns.restart_backoff, base)
     except _Signalled as got:
-        polite = got.signum in (signal.SIGUSR1, signal.SIGUSR2)
+        polite = got.signum in POLITE
         print(f"{_PREFIX} {signal.Signals(got.signum).name} between attempts: not starting "
               f"the job again" + (f" (exit status {PREEMPTED_EXIT}: resume from its newest "
                                   f"checkpoint)" if polite else ""), file=sys.stderr, flush=True)
@@ -561,7 +455,7 @@ def _stop_on_signals() -> dict:
     def stop(signum: int, frame: object) -> None:
         raise _Signalled(signum)
 
-    return _handle_forwarded(stop)
+    return handle_forwarded(stop)
 
 
 def _command(ns: argparse.Namespace, mpiexec: str, flavor: str, hostfile_text: str | None,
