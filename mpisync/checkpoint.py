@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import sys
 import time
@@ -60,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import ckptchain, ckptfile, resumestate
+from .ckptchain import latest
 from .ckptfile import FORMAT, VERSION
 from .environ import PREEMPTED_EXIT
 from .errors import ConfigError
@@ -77,7 +77,6 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMAT", "VERSION", "Checkpointer", "latest", "load", "plain_state", "save"]
 
-_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 
 
 # -- save ----------------------------------------------------------------------------------
@@ -372,30 +371,6 @@ def _place_tables(saved: dict, opt) -> None:
 
 
 # -- periodic checkpoints ------------------------------------------------------------------
-def _listed(directory: str) -> list[tuple[int, str]]:
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    found = [(int(m.group(1)), os.path.join(directory, n))
-             for n in names if (m := _NAME.match(n))]
-    return sorted(found)
-
-
-def latest(directory: str | os.PathLike) -> str | None:
-    """The newest complete checkpoint ``ckpt-<step>.pt`` in ``directory``, or None.
-
-    A file cut short (a job killed while the rename had not happened cannot leave one,
-    but a copy or a full disk can) is passed over for the one before it, and so is an
-    incremental checkpoint whose chain of bases is not all there and complete, and, with
-    a warning, a whole file that torch cannot read back (damaged after it was written).
-    """
-    for _, path in reversed(_listed(os.fspath(directory))):
-        if ckptchain.chain_complete(path):
-            return path
-    return None
-
-
 def _lockstep(opt) -> bool:
     """Whether every worker's ``step()`` is one global step (strict synchronous training),
     so that the workers call ``maybe_save()`` equally often."""
@@ -583,7 +558,7 @@ class Checkpointer:
             # the newest up to this step: a file of a later step (a run that went further,
             # a file cut short that resume() passed over) is neither counted nor removed,
             # so that it never crowds out the file just written
-            listed = [(s, p) for s, p in _listed(self.directory) if s <= self.opt.global_step]
+            listed = [(s, p) for s, p in ckptchain.listed(self.directory) if s <= self.opt.global_step]
             needed = {os.path.abspath(p) for _, newer in listed[-self.keep:]
                       for p in ckptchain.needed(newer)}
             for _, old in listed[:-self.keep]:

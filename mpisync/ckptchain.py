@@ -22,6 +22,7 @@ and read as they are needed.
 from __future__ import annotations
 
 import os
+import re
 import uuid
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,8 +31,8 @@ import torch
 
 from . import ckptfile
 
-__all__ = ["base_path", "chain", "chain_complete", "changed_shard", "file_id", "merged_tables",
-           "needed"]
+__all__ = ["base_path", "chain", "chain_complete", "changed_shard", "file_id", "latest",
+           "listed", "merged_tables", "needed"]
 
 
 def file_id() -> str:
@@ -229,3 +230,31 @@ def _merge(pieces: list[dict]) -> dict:
             after[key] = have
         state = after
     return {"weight": weight, "state": state}
+
+
+_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+
+
+def listed(directory: str) -> list[tuple[int, str]]:
+    """The checkpoints ``ckpt-<step>.pt`` in ``directory``, oldest first, with their steps."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), os.path.join(directory, n))
+             for n in names if (m := _NAME.match(n))]
+    return sorted(found)
+
+
+def latest(directory: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint ``ckpt-<step>.pt`` in ``directory``, or None.
+
+    A file cut short (a job killed while the rename had not happened cannot leave one,
+    but a copy or a full disk can) is passed over for the one before it, and so is an
+    incremental checkpoint whose chain of bases is not all there and complete, and, with
+    a warning, a whole file that torch cannot read back (damaged after it was written).
+    """
+    for _, path in reversed(listed(os.fspath(directory))):
+        if chain_complete(path):
+            return path
+    return None
