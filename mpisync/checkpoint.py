@@ -520,6 +520,7 @@ class Checkpointer:
         due, signum = self._agree()
         if signum is None:
             return self.save(extra) if due else None
+        stopping.ignore_from_now()      # stopping: a second signal must not end a rank now
         path, step = self.save(extra), self.opt.global_step
         self.opt.close()
         if self.opt.cluster.is_chief:
@@ -568,12 +569,49 @@ class Checkpointer:
         return path
 
     def resume(self) -> Any:
-        """Load the newest complete checkpoint, if any (every worker); its ``extra``."""
-        found = latest(self.directory) if self.opt.cluster.is_chief else None
-        found = self.opt.cluster.worker_comm.bcast(found, root=0)
+        """Load the newest complete checkpoint, if any (every worker); its ``extra``.
+
+        Newer checkpoint files that cannot be loaded (cut short, or an incremental one
+        whose chain of bases is broken) are passed over with a warning that names them and
+        why.
+
+        Raises:
+            ConfigError: on every worker, when the directory holds checkpoints but none
+                that loads, and one of them is whole but its chain is broken or torch
+                cannot read it back (each named, with why): the job would otherwise start
+                again from step 0 and in time write over them. Files cut short alone hold
+                nothing to resume from: the job starts from step 0 (warned).
+        """
+        found = passed = None
+        refuse = False
+        if self.opt.cluster.is_chief:
+            found, passed, refuse = _newest_loadable(self.directory)
+        found, passed, refuse = self.opt.cluster.worker_comm.bcast((found, passed, refuse),
+                                                                   root=0)
+        if passed and self.opt.cluster.is_chief and not refuse:
+            warnings.warn(f"{self.opt.cluster.label}: Checkpointer.resume(): passed over "
+                          f"{passed}", RuntimeWarning, stacklevel=2)
+        if refuse:
+            raise ConfigError(
+                f"{self.opt.cluster.label}: Checkpointer.resume(): {self.directory} holds "
+                f"checkpoints but none can be loaded ({passed}); starting from step 0 would "
+                f"write over them: move them away, or give another directory, to start "
+                f"afresh", collective=True)
         if found is None:
             return None
         extra = load(found, self.model, self.opt)
         self._chain = []                # the next save is full
         self.last_step, self.last_time = self.opt.global_step, time.monotonic()
         return extra
+
+
+def _newest_loadable(directory: str) -> tuple[str | None, str | None, bool]:
+    """The newest checkpoint of ``directory`` that loads with its chain (``latest``); what
+    newer files were passed over and why (None when none was); whether to refuse to start
+    afresh: none loads, and one passed over is more than a file cut short."""
+    found = latest(directory)
+    files = [path for _, path in ckptchain.listed(directory)]
+    newer = files[files.index(found) + 1:] if found in files else files
+    reasons = [ckptchain.unusable(p) or f"{p}: not loadable" for p in reversed(newer)]
+    refuse = found is None and any(not ckptchain.only_cut_short(p) for p in newer)
+    return found, "; ".join(reasons) or None, refuse

@@ -32,7 +32,7 @@ import torch
 from . import ckptfile
 
 __all__ = ["base_path", "chain", "chain_complete", "changed_shard", "file_id", "latest",
-           "listed", "merged_tables", "needed"]
+           "listed", "merged_tables", "needed", "only_cut_short", "unusable"]
 
 
 def file_id() -> str:
@@ -87,21 +87,38 @@ def chain_complete(path: str) -> bool:
     complete file that is no checkpoint this mpisync reads counts: ``load`` says why). A
     file that torch cannot read back (damaged after it was written) is not, with a
     warning that says so."""
+    why = unusable(path)
+    if why is not None and why.startswith(_UNREADABLE):
+        warnings.warn(f"{why[len(_UNREADABLE):]}: passed over for an older one",
+                      RuntimeWarning, stacklevel=2)
+    return why is None
+
+
+_UNREADABLE = "unreadable: "
+
+
+def only_cut_short(path: str) -> bool:
+    """Whether the file at ``path`` is cut short itself (nothing of it can be read)."""
+    return not ckptfile.complete(path)
+
+
+def unusable(path: str) -> str | None:
+    """Why the checkpoint at ``path`` cannot be loaded with its chain (cut short, a base
+    missing, cut short or replaced, torch cannot read it back), or None where it can (a
+    complete file that is no checkpoint this mpisync reads counts: ``load`` says why)."""
     if not ckptfile.complete(path):
-        return False
+        return f"{path}: cut short (not a complete checkpoint file)"
     try:
         ck = ckptfile.read(path)
     except ckptfile.UnreadableCheckpoint as exc:
-        warnings.warn(f"{exc}: passed over for an older one", RuntimeWarning,
-                      stacklevel=2)
-        return False
+        return f"{_UNREADABLE}{exc}"
     except Exception:  # noqa: BLE001 (not for latest() to judge)
-        return True
+        return None
     try:
         chain(path, ck)
-    except Exception:  # noqa: BLE001 (any file of the chain that cannot be read)
-        return False
-    return True
+    except Exception as exc:  # noqa: BLE001 (any file of the chain that cannot be read)
+        return str(exc)
+    return None
 
 
 def needed(path: str) -> list[str]:

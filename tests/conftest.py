@@ -168,3 +168,15 @@ def pytest_collection_modifyitems(config, items):
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)        # stable: each file keeps the order of its own tests
+
+
+def pytest_configure(config):
+    """Compile mpisync's modules and the jobs' programs once, before any rank starts (in the
+    first pytest process only): every rank imports them, and where Python writes no bytecode
+    itself (``PYTHONDONTWRITEBYTECODE``, a read-only checkout's neighbours) each rank of each
+    job would compile them again, a tenth of the suite's CPU."""
+    if hasattr(config, "workerinput"):          # a pytest-xdist worker: the first did it
+        return
+    import compileall
+    for folder in (TESTS.parent / "mpisync", TESTS / "scripts", TESTS):
+        compileall.compile_dir(str(folder), quiet=2, maxlevels=0 if folder == TESTS else 10)

@@ -28,7 +28,7 @@ from ..protocol.wire import (
     entry_views,
     timing_view,
 )
-from ..runtime import shm
+from ..runtime import lazydynamo, shm
 from ..runtime.progress import Poller
 from ..runtime.survival import Losses, improbe, settle
 from .averages import MovingAverages
@@ -95,7 +95,7 @@ class ShardServer:
         self.notify = with_hyper           # the coordinator lives on this rank
         self.eager = strict_sync(spec)
         if spec.deterministic:
-            torch.use_deterministic_algorithms(True)
+            lazydynamo.deterministic()
         self.layout = layout = layouts_of(spec)[ps_index]
         self.wire = wire_layouts_of(spec)[ps_index]
         self.buckets, self.wbuckets = buckets_of(spec, layout, self.wire)

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["FORWARDED", "TIMEOUT_EXIT_CODE", "JobResult", "handle_forwarded", "run_command",
-           "run_job"]
+           "run_job", "signal_job"]
 
 #: Exit status when ``--timeout`` expires (the same as coreutils ``timeout``).
 TIMEOUT_EXIT_CODE = 124
@@ -106,12 +106,57 @@ def _forward_signals(proc: subprocess.Popen, received: list[int] | None = None) 
     def forward(signum: int, frame: object) -> None:
         if received is not None:
             received.append(signum)
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            pass
+        signal_job(proc.pid, signum)
 
     return handle_forwarded(forward)
+
+
+def signal_job(leader: int, signum: int) -> None:
+    """Send ``signum`` to the job whose process group ``leader`` leads (its ``mpiexec``).
+
+    To the whole group, but SIGUSR2 under MPICH's (or Intel MPI's) Hydra: its ``mpiexec``
+    and ``hydra_pmi_proxy`` pass SIGUSR1 on to the ranks (each in a session of its own) but
+    end on SIGUSR2, and the job with them, so SIGUSR2 goes to the processes under them on
+    this host (the ranks) instead."""
+    tree = _tree(leader) if signum == signal.SIGUSR2 else []
+    if not any(name == "hydra_pmi_proxy" for _, name in tree):
+        try:
+            os.killpg(leader, signum)
+        except ProcessLookupError:
+            pass
+        return
+    for pid, name in tree:
+        if pid != leader and not name.startswith("hydra_"):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def _tree(root: int) -> list[tuple[int, str]]:
+    """``(pid, command name)`` of ``root`` and every process under it (Linux's /proc; none
+    where it cannot be read)."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    try:
+        pids = [int(n) for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name, _, rest = stat.partition(" (")[2].rpartition(") ")
+        _state, parent, *_ = [*rest.split(), "", ""]
+        if parent.isdigit():
+            children.setdefault(int(parent), []).append((pid, name))
+    out, todo = [(root, "")], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child[0])
+    return out
 
 
 def handle_forwarded(handler) -> dict:

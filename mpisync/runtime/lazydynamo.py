@@ -18,6 +18,10 @@ switch be called with ``torch._dynamo`` imported anyway, it builds torch's switc
 Nothing else changes: the same methods run with the same arguments.
 
 A method whose switch torch built already (``torch._dynamo`` was imported first) keeps it.
+
+``deterministic()`` is ``torch.use_deterministic_algorithms(True)`` without the import of
+``torch._inductor`` (and with it ``torch._dynamo``) that torch's function makes only to set
+``torch._inductor.config.deterministic``: the config takes the setting when it is imported.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import importlib.util
 import sys
 from typing import Any, Callable
 
-__all__ = ["METHODS", "spare", "spared"]
+__all__ = ["METHODS", "deterministic", "spare", "spared"]
 
 #: The ``torch.optim.Optimizer`` methods torch wraps in ``torch._disable_dynamo``.
 METHODS = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
@@ -116,3 +120,45 @@ def spared(name: str) -> bool:
     fn = _original(name)
     switch = getattr(fn, _CACHE, None) if fn is not None else None
     return getattr(switch, "_mpisync_lazy", False) is True
+
+
+_INDUCTOR_CONFIG = "torch._inductor.config"
+
+
+def deterministic() -> None:
+    """``torch.use_deterministic_algorithms(True)``, importing nothing: where
+    ``torch._inductor.config`` is not imported yet, it is set as torch's function sets it
+    the moment it is (an import hook that removes itself)."""
+    import torch
+
+    config = sys.modules.get(_INDUCTOR_CONFIG)
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if setter is None or (config is not None and hasattr(config, "deterministic")):
+        torch.use_deterministic_algorithms(True)        # torch's own: nothing to spare
+        return
+    setter(True, warn_only=False)
+    if not any(isinstance(f, _ConfigWhenImported) for f in sys.meta_path):
+        sys.meta_path.insert(0, _ConfigWhenImported())
+
+
+class _ConfigWhenImported:
+    """Sets ``torch._inductor.config.deterministic`` as torch's switch stands when the
+    config is imported (``deterministic`` spared that import)."""
+
+    def find_spec(self, name: str, path=None, target=None):
+        if name != _INDUCTOR_CONFIG:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_set(module) -> None:
+            exec_module(module)
+            import torch
+            if torch.are_deterministic_algorithms_enabled():
+                module.deterministic = True
+
+        spec.loader.exec_module = exec_and_set  # type: ignore[method-assign]
+        return spec

@@ -20,12 +20,13 @@ ends on it.
 """
 from __future__ import annotations
 
+import atexit
 import signal
 import threading
 from typing import Any
 
-__all__ = ["EARLY", "SIGNALS", "install", "installed", "listen_early", "received", "release",
-           "reset"]
+__all__ = ["EARLY", "SIGNALS", "ignore_from_now", "install", "installed", "listen_early",
+           "received", "release", "reset"]
 
 #: The signals that ask a job to stop politely.
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -46,11 +47,43 @@ def listen_early() -> None:
     """Note ``EARLY`` signals from now on where no Python handler has them yet (their
     default, or a handler of native code such as MPI's); a handler the program set is left
     alone. Main thread only (elsewhere nothing is done)."""
+    global _at_exit
     if threading.current_thread() is not threading.main_thread():
         return
     for signum in EARLY:
         if signal.getsignal(signum) in (signal.SIG_DFL, None):
             signal.signal(signum, _note)
+    if not _at_exit:
+        atexit.register(_quiet_at_exit)
+        _at_exit = True
+
+
+_at_exit = False
+
+
+def _quiet_at_exit() -> None:
+    """At exit, a signal that asks for a polite stop has nothing left to stop: ignored from
+    here on where it was noted, so that one that comes while MPI finalizes (after Python
+    gave its signals their defaults back) does not end the rank, and turn a job that
+    stopped politely into a failed one. SIGTERM too where a stop was asked for already."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in SIGNALS:
+        if signal.getsignal(signum) is _note and (signum in EARLY or _received):
+            signal.signal(signum, signal.SIG_IGN)
+
+
+def ignore_from_now() -> None:
+    """Ignore ``SIGNALS`` from now on (the job stops politely already: a second signal, as a
+    time limit's warning followed by its SIGTERM, has nothing left to ask); a later
+    ``release()`` does not restore them. Main thread only."""
+    global _shares
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    _previous.clear()
+    _shares = 0
 
 
 def install() -> bool:

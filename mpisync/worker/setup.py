@@ -10,6 +10,7 @@ from ..protocol.compare import first_failure, model_summary, setup_summary, vers
 from ..protocol.spec import Model, Options, build_spec, encode, model_of, unit_parts
 from ..protocol.state import split_state, split_units
 from ..protocol.wire import Tag
+from ..runtime import lazydynamo
 from ..runtime.agreement import agree
 from .allreduce import backend_problem
 from .devices import default_backend, gpu_identity
@@ -49,7 +50,7 @@ def agreed_setup(optimizer: torch.optim.Optimizer, named_parameters, named_buffe
                               problem or setup_problem(optimizer, options, cluster, names,
                                                        params, gpus))
     if options.deterministic:
-        torch.use_deterministic_algorithms(True)
+        lazydynamo.deterministic()
     return model, spec, routes
 
 

@@ -1,6 +1,6 @@
-"""Preemption and time limits: a job sent SIGUSR1 stops politely with exit status 75 and a
-checkpoint, and resumes from it; one sent SIGUSR1 before its ranks listen for it exits 75
-too, having written nothing; a job without a Checkpointer sent SIGTERM still ends.
+"""Preemption and time limits: a job sent SIGUSR1 or SIGUSR2 stops politely with exit status
+75 and a checkpoint, and resumes from it; one sent SIGUSR1 before its ranks listen for it
+exits 75 too, having written nothing; a job without a Checkpointer sent SIGTERM still ends.
 
 tests/scripts/preemption.py under ``python -m mpisync.launch`` (2 workers + 1 ps; the ranks
 forked by the suite's fork servers where it has them, as ``run_mpi``'s, but for the job
@@ -78,8 +78,9 @@ def test_sigterm_to_every_rank_without_a_checkpointer_ends_the_job(tmp_path):
     assert "mpisync: stopped by" not in text and not os.listdir(tmp_path), text
 
 
-def signal_when_ready(mode: str, directory, ready: str) -> tuple[int, str]:
-    """``preemption.py MODE DIRECTORY`` under the launcher, sent SIGUSR1 once each of the
+def signal_when_ready(mode: str, directory, ready: str,
+                      signum: int = signal.SIGUSR1) -> tuple[int, str]:
+    """``preemption.py MODE DIRECTORY`` under the launcher, sent ``signum`` once each of the
     three ranks printed ``ready``; its exit status and output."""
     env = environment()
     launcher = subprocess.Popen(command(mode, directory, env), stdout=subprocess.PIPE,
@@ -90,7 +91,7 @@ def signal_when_ready(mode: str, directory, ready: str) -> tuple[int, str]:
             text += line
             waiting += line.startswith(ready)
             if waiting == 3:
-                launcher.send_signal(signal.SIGUSR1)
+                launcher.send_signal(signum)
                 break
         out, _ = launcher.communicate(timeout=60)
     finally:
@@ -115,14 +116,16 @@ def test_sigusr1_before_any_rank_listens_exits_75_having_written_nothing(tmp_pat
     assert "ran past --timeout" not in text and not os.listdir(tmp_path), text
 
 
-def test_sigusr1_after_init_before_the_checkpointer_stops_at_the_first_step(tmp_path):
+def test_sigusr2_after_init_before_the_checkpointer_stops_at_the_first_step(tmp_path):
     """Noted from mpisync.init() on: the Checkpointer made after the signal stops the job
-    politely at its first maybe_save(), with a checkpoint the next job resumes from."""
+    politely at its first maybe_save(), with a checkpoint the next job resumes from. SIGUSR2
+    (``sbatch --signal=B:USR2``) reaches the ranks, not MPICH's mpiexec, which it would end."""
     status, text = signal_when_ready("init", tmp_path,
-                                     "preemption.py: listening, no Checkpointer yet")
+                                     "preemption.py: listening, no Checkpointer yet",
+                                     signal.SIGUSR2)
     assert status == PREEMPTED_EXIT, text
     path = tmp_path / "ckpt-000000001.pt"
-    assert re.findall(r"^mpisync: stopped by SIGUSR1 at global step (\d+); checkpoint (\S+); "
+    assert re.findall(r"^mpisync: stopped by SIGUSR2 at global step (\d+); checkpoint (\S+); "
                       r"exit status 75$", text, re.MULTILINE) == [("1", str(path))], text
     assert "Traceback" not in text and "BAD TERMINATION" not in text, text
     assert os.listdir(tmp_path) == [path.name], text

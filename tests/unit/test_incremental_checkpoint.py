@@ -179,7 +179,10 @@ def test_a_missing_base_is_refused_naming_it_and_latest_falls_back(rank, tmp_pat
         f.truncate(os.path.getsize(d / ckpt_name(4)) // 2)
     assert mpisync.latest(d) == str(d / ckpt_name(3))
     ckpt = mpisync.Checkpointer(d, net, opt, every_steps=1, full_every=3)
-    ckpt.resume()
+    with pytest.warns(RuntimeWarning, match=rf"resume\(\): passed over {d / ckpt_name(5)}: .*"
+                                            rf"base {d / ckpt_name(4)} is not complete.*; {d / ckpt_name(4)}: "
+                                            rf"cut short"):
+        ckpt.resume()
     assert opt.global_step == 3
     same(table(opt), records[3], "resumed")
     train_step(net, opt, 3)
@@ -189,6 +192,22 @@ def test_a_missing_base_is_refused_naming_it_and_latest_falls_back(rank, tmp_pat
     ckpt.maybe_save()
     assert torch.load(d / ckpt_name(5), weights_only=True)["base"]["file"] == ckpt_name(4)
     same(table(opt), records[5], "resumed and trained on")
+    opt.close()
+
+    net, opt = build(rank, "adagrad", seed=7)           # only the broken chain: refused
+    before = [table(opt), {k: v.clone() for k, v in net.state_dict().items()}]
+    saved = {p.name: p.read_bytes() for p in cut.iterdir()}
+    ckpt = mpisync.Checkpointer(cut, net, opt, every_steps=1, full_every=3)
+    with pytest.raises(mpisync.ConfigError,
+                       match=rf"holds checkpoints but none can be loaded \({cut / ckpt_name(3)}: "
+                             rf"an incremental checkpoint whose base {cut / ckpt_name(1)} is "
+                             rf"missing.*{cut / ckpt_name(2)}: .*; starting from step 0 would "
+                             rf"write over them") as refused:
+        ckpt.resume()                                   # not step 0 over the files there
+    assert refused.value.collective
+    assert opt.global_step == 0
+    same(record(net, opt)[:2], before, "nothing loaded")
+    assert {p.name: p.read_bytes() for p in cut.iterdir()} == saved
     opt.close()
 
 
@@ -253,7 +272,8 @@ def test_keep_never_removes_the_file_just_written_for_a_later_one(rank, tmp_path
     (d / ckpt_name(100)).write_bytes(b"cut short")
     net, opt = build(rank, "adagrad")
     ckpt = mpisync.Checkpointer(d, net, opt, every_steps=1, full_every=1, keep=1)
-    assert ckpt.resume() is None
+    with pytest.warns(RuntimeWarning, match=rf"passed over {d / ckpt_name(100)}: cut short"):
+        assert ckpt.resume() is None                    # nothing to resume from in it
     listed = []
     for t in range(3):
         train_step(net, opt, t)

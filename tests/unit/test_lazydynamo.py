@@ -17,6 +17,8 @@ SCRIPT = textwrap.dedent("""
     spare = sys.argv[1] == "spare"
     taken = lazydynamo.spare() if spare else []
     out = {"taken": taken}
+    if sys.argv[2] == "deterministic":
+        lazydynamo.deterministic() if spare else torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
     model[0].bias.requires_grad_(False)                       # a frozen parameter
@@ -34,6 +36,7 @@ SCRIPT = textwrap.dedent("""
     saved = opt.state_dict()
     opt.load_state_dict(saved)
     out["dynamo_before_compile"] = "torch._dynamo" in sys.modules
+    out["inductor_before_compile"] = "torch._inductor" in sys.modules
     out["spared_before_compile"] = [n for n in lazydynamo.METHODS if lazydynamo.spared(n)]
     import torch._dynamo                              # what torch.compile imports
     from torch._dynamo.utils import counters
@@ -57,22 +60,33 @@ SCRIPT = textwrap.dedent("""
     step(True)
     out["params"] = [p.tolist() for p in model.parameters()] + [count.tolist()]
     out["state"] = repr(opt.state_dict())
+    import torch._inductor.config
+    out["deterministic"] = [torch.are_deterministic_algorithms_enabled(),
+                            torch._inductor.config.deterministic]
     print(json.dumps(out))
 """)
 
 
-def _run(mode: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", SCRIPT, mode], check=False,
+def _run(mode: str, deterministic: bool = False) -> dict:
+    done = subprocess.run([sys.executable, "-c", SCRIPT, mode,
+                           "deterministic" if deterministic else "default"], check=False,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
 
 def test_spared_optimizers_compute_what_torchs_compute_and_import_dynamo_late():
-    spared, plain = _run("spare"), _run("plain")
+    """With deterministic algorithms (``deterministic=True``'s set-up):
+    ``lazydynamo.deterministic()`` in place of ``torch.use_deterministic_algorithms(True)``,
+    which imports torch._inductor and torch._dynamo only to set the inductor's config (set
+    here once it is imported)."""
+    deterministic = True
+    spared, plain = _run("spare", deterministic), _run("plain", deterministic)
     assert spared["taken"] == ["add_param_group", "zero_grad", "state_dict", "load_state_dict"]
     assert spared["dynamo_before_compile"] is False   # the point: no import at construction
+    assert spared["inductor_before_compile"] is False
     assert plain["dynamo_before_compile"] is True     # what torch does alone
+    assert spared["deterministic"] == plain["deterministic"] == [deterministic] * 2
     assert spared["spared_before_compile"] == list(spared["taken"])
     assert spared["spared_after_import"] == []       # torch's own switches, at once
     for key in ("params", "state", "frames", "graph_breaks"):

@@ -73,6 +73,33 @@ def test_from_init_on_sigusr1_and_sigusr2_are_noted_sigterm_is_not(own_handlers)
         stopping.reset()
 
 
+def test_once_stopping_a_second_signal_is_ignored_to_the_end(own_handlers):
+    """A job that stops politely ignores further signals (a time limit's warning, then its
+    SIGTERM) from the moment it knows, and a release does not undo that; at exit, the
+    signals still noted are ignored (MPI finalizes after Python gave them their defaults
+    back), SIGTERM only where a stop was asked for."""
+    _mine, seen = own_handlers
+    try:
+        assert stopping.install()
+        stopping.ignore_from_now()
+        assert all(signal.getsignal(s) is signal.SIG_IGN for s in stopping.SIGNALS)
+        stopping.release()
+        assert all(signal.getsignal(s) is signal.SIG_IGN for s in stopping.SIGNALS)
+        signal.raise_signal(signal.SIGTERM)                      # ignored: still here
+        for s in stopping.SIGNALS:
+            signal.signal(s, stopping._note)
+        stopping._quiet_at_exit()                                # nothing asked for a stop
+        assert [signal.getsignal(s) is signal.SIG_IGN for s in stopping.SIGNALS] == [
+            False, True, True]                                   # SIGTERM, SIGUSR1, SIGUSR2
+        signal.signal(signal.SIGUSR1, stopping._note)
+        signal.raise_signal(signal.SIGUSR1)
+        stopping._quiet_at_exit()                                # a stop was asked for
+        assert all(signal.getsignal(s) is signal.SIG_IGN for s in stopping.SIGNALS)
+        assert seen == []
+    finally:
+        stopping.reset()
+
+
 def test_off_the_main_thread_nothing_is_installed(own_handlers):
     mine, _ = own_handlers
     took: list[bool] = []
