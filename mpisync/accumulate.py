@@ -121,6 +121,7 @@ class StepCoordinator:
         self.decided: tuple[int, ...] = ()        # taken counts of the step being applied
         self.loading: set[int] = set()            # asked to load a state, waiting for all
         self.parked: set[int] = set()             # in a collective among the workers
+        self.departed: set[int] = set()           # left the job: their program ended
         self.failed = False
         self.asynchronous = asynchronous
         self.max_staleness = max_staleness
@@ -214,12 +215,20 @@ class StepCoordinator:
         self.parked.discard(worker)
         self.failed = False
 
+    def depart(self, worker: int) -> list[Action]:
+        """Worker ``worker`` left the job (its program ended): it joins no collective again."""
+        self.departed.add(worker)
+        return self._check_deadlock()
+
     def deadlocked(self) -> bool:
         """No step and no load can complete: workers wait inside step() or in
         load_state_dict() for workers that are in a collective among the workers, or that
-        are themselves waiting (a load on some workers only)."""
+        are themselves waiting (a load on some workers only), or workers in a collective
+        after another one left the job."""
         if self.applying or self.queue or not (self.parked or self.loading):
             return False             # a step nobody can complete otherwise: a stall (STOP)
+        if self.parked and self.departed - self.parked:
+            return True              # a collective that a worker who left can never join
         if self.loading and self.loading >= set(range(self.num_workers)) - self.closed:
             return False             # every open worker asked: the state is loaded
         blocked = set(self.waiting) | self.held | self.loading

@@ -472,7 +472,7 @@ class Checkpointer:
         self._last_id: str | None = None
         self.last_step = opt.global_step
         self.last_time = time.monotonic()
-        opt._resumable = True          # no warning under --restarts (resumestate)
+        opt._checkpointed = True       # a warning under --restarts unless resume() is called
         if opt.cluster.is_chief:       # what a chief killed mid-write left (it writes)
             ckptfile.remove_stale_temporaries(self.directory)
         # the ps ranks keep one record of the rows changed since the last incremental file:
@@ -582,6 +582,7 @@ class Checkpointer:
                 again from step 0 and in time write over them. Files cut short alone hold
                 nothing to resume from: the job starts from step 0 (warned).
         """
+        self.opt._resumable = True     # no warning under --restarts (resumestate)
         found = passed = None
         refuse = False
         if self.opt.cluster.is_chief:

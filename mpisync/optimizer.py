@@ -217,7 +217,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self.cluster = cluster = worker_cluster(_current if cluster is None else cluster)
         self._ready = self.closed = False    # closed: close() was called
         self._stepped = False                # a step() ran (the restarts warning's moment)
-        self._resumable = False              # a Checkpointer or load() could resume it
+        self._resumable = False              # a Checkpointer's resume() or load() resumed it
+        self._checkpointed = False           # a Checkpointer saves it
         # a weak reference to the Checkpointer that reads the tables' changed rows
         self._changes_owner: Callable[[], Any] | None = None
         problem = None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import warnings
 from typing import Any
 
@@ -32,8 +33,8 @@ import torch
 
 from .data import live_samplers
 
-__all__ = ["START_OVER_WARNING", "capture_rng", "capture_worker", "decode_numpy", "decode_random", "encode_numpy",
-           "encode_random", "restore_rng", "restore_schedulers", "restore_worker",
+__all__ = ["START_OVER_NO_RESUME", "START_OVER_WARNING", "capture_rng", "capture_worker",
+           "decode_numpy", "decode_random", "encode_numpy", "encode_random", "restore_rng", "restore_schedulers", "restore_worker",
            "scheduler_states", "schedulers_of", "warn_if_restarts_start_over"]
 
 
@@ -166,15 +167,39 @@ START_OVER_WARNING = (
     "before training and `ckpt.maybe_save()` after each step")
 
 
+#: ... and when it made a Checkpointer but did not call its ``resume()``.
+START_OVER_NO_RESUME = (
+    "this job runs under `python -m mpisync.launch --restarts` (MPISYNC_ATTEMPT={attempt}) "
+    "and made an mpisync.Checkpointer, but did not call its resume() before the first step: "
+    "an attempt after a failure starts again from step 0 and writes its checkpoints over "
+    "the first attempt's. Call `ckpt.resume()` before training")
+
+
 def warn_if_restarts_start_over(opt, environ=None) -> bool:
     """After the first ``step()`` of ``opt``: under ``python -m mpisync.launch --restarts``
-    (``MPISYNC_ATTEMPT`` set), the chief warns, once, where no ``Checkpointer`` was made
-    over ``opt`` and no checkpoint was loaded into it (``opt._resumable``). Returns
-    whether it warned."""
+    (``MPISYNC_ATTEMPT`` set), the chief of the first attempt warns, once, where no
+    checkpoint was loaded into ``opt`` and no ``Checkpointer``'s ``resume()`` was called
+    (``opt._resumable``; which of the two it says: ``opt._checkpointed``), at the line of
+    the program that stepped. Returns whether it
+    warned."""
     environ = os.environ if environ is None else environ
     attempt = environ.get("MPISYNC_ATTEMPT")
-    if attempt is None or opt._resumable or not opt.cluster.is_chief:
+    if attempt not in ("0", "") or opt._resumable or not opt.cluster.is_chief:
         return False
-    warnings.warn(f"{opt.cluster.label}: " + START_OVER_WARNING.format(attempt=attempt),
-                  RuntimeWarning, stacklevel=3)
+    text = START_OVER_NO_RESUME if opt._checkpointed else START_OVER_WARNING
+    warnings.warn(f"{opt.cluster.label}: " + text.format(attempt=attempt),
+                  RuntimeWarning, stacklevel=_program_level())
     return True
+
+
+_NOT_THE_PROGRAM = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+                    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
+def _program_level() -> int:
+    """The ``stacklevel`` of the first frame outside mpisync and torch, for a warning given
+    by this module's caller (the line of the user's program that stepped)."""
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_NOT_THE_PROGRAM):
+        frame, level = frame.f_back, level + 1
+    return level

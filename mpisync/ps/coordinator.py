@@ -237,6 +237,10 @@ class Coordinator:
                 if self.losses is None or not self.losses.note(exc):
                     raise
 
+    def depart(self, w: int) -> None:
+        """Worker ``w`` left the job (its program ended): no collective can wait for it."""
+        self._emit(self.steps.depart(w))
+
     def lose(self, w: int, host: str) -> None:
         """Worker ``w`` died on ``host``: named once, absent from every step from now on
         (as if it had closed); the job ends when the others cannot complete a step."""
@@ -365,6 +369,15 @@ class Coordinator:
 
     def _deadlock_text(self, blocked: list[int], parked: list[int], step: int,
                        loading: list[int]) -> str:
+        gone = sorted(self.steps.departed - set(parked))
+        if parked and gone and not loading:
+            return (f"{self.label}: workers {parked} are in a collective on worker_comm that "
+                    f"workers {gone} can never join: they left the job at global step "
+                    f"{self.steps.global_step} (their program ended: sys.exit(), an exception "
+                    f"caught outside mpisync, or the end of the script) while the others "
+                    f"trained on. Every worker must reach each collective among the workers "
+                    f"(a Checkpointer's maybe_save() is one) or end training with opt.close()"
+                    f" on every worker before it")
         if loading:
             others = sorted(set(blocked) - set(loading))
             where = (f"workers {others} wait inside step() for global step {step}"

@@ -76,6 +76,11 @@ class Job:
                                tag=self.notice_tag)
         return progressed or self.shard.moved or len(self.shard.queue) != queued
 
+    def depart(self, w: int) -> None:
+        """Worker ``w`` left the job (it closed first): it joins no collective again."""
+        if self.coord is not None:
+            self.coord.depart(w)
+
     def lose(self, w: int, host: str) -> None:
         """Worker ``w`` died (on ``host``): absent from now on, as if it had closed."""
         self.shard.lose(w)
@@ -191,7 +196,10 @@ class _Serving:
         msg = improbe(comm, self.losses, MPI.ANY_SOURCE, Tag.DONE, status)
         if msg is not None:
             msg.recv()
-            self.left.add(layout.worker_ranks.index(status.Get_source()))
+            w = layout.worker_ranks.index(status.Get_source())
+            self.left.add(w)
+            for job in self.jobs.values():
+                job.depart(w)
             progressed = True
         return self._turn_jobs(rare=True) or progressed
 

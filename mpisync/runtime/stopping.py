@@ -75,15 +75,17 @@ def _quiet_at_exit() -> None:
 
 def ignore_from_now() -> None:
     """Ignore ``SIGNALS`` from now on (the job stops politely already: a second signal, as a
-    time limit's warning followed by its SIGTERM, has nothing left to ask); a later
-    ``release()`` does not restore them. Main thread only."""
-    global _shares
+    time limit's warning followed by its SIGTERM, has nothing left to ask); the last
+    ``release()`` leaves them ignored. Main thread only."""
+    global _ignoring
     if threading.current_thread() is not threading.main_thread():
         return
     for signum in SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    _previous.clear()
-    _shares = 0
+    _ignoring = True
+
+
+_ignoring = False
 
 
 def install() -> bool:
@@ -101,16 +103,19 @@ def install() -> bool:
 
 def release() -> None:
     """Give back one share; the last restores the handlers found by the first
-    ``install()`` and forgets what was received. Call from the main thread."""
-    global _shares
+    ``install()`` (unless ``ignore_from_now`` was called) and forgets what was received.
+    Call from the main thread."""
+    global _shares, _ignoring
     if _shares == 0:
         return
     _shares -= 1
     if _shares == 0:
         for signum, handler in _previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+            if not _ignoring:
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         _previous.clear()
         _received.clear()
+        _ignoring = False
 
 
 def installed() -> bool:

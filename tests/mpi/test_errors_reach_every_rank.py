@@ -286,6 +286,20 @@ def test_a_collective_that_a_step_waits_for_fails_fast_on_every_worker(case, wor
     assert re.search(r"this worker is in worker_comm\.allreduce\(\)", run.output)
 
 
+@pytest.mark.openmpi
+def test_a_worker_whose_program_ends_mid_training_ends_the_job_not_a_wait():
+    """Worker 1 calls sys.exit(3) after global step 5 (no exception, so no hook: only its
+    exit, which closes its optimizer and leaves the job) while worker 0 meets it in its
+    Checkpointer's maybe_save(): worker 0 is told at once, not after MPISYNC_TIMEOUT."""
+    run = failing("errors.py", 2, 1, ["--case", "exit_mid_training"])
+    assert re.search(r"worker 0 \(rank 0 on [^)]*\): DeadlockError: ps 0 \(rank 2 on [^)]*\): "
+                     r"workers \[0\] are in a collective on worker_comm that workers \[1\] "
+                     r"can never join: they left the job at global step 5 \(their program "
+                     r"ended: sys\.exit\(\).*\(this worker is in worker_comm\.allgather\(\)\)",
+                     run.output), run.describe()
+    assert "MPISYNC_TIMEOUT" not in run.output and "Stall" not in run.output, run.describe()
+
+
 def test_a_metric_collective_after_every_step_in_strict_sync_is_fine(completed):
     records = completed.by_case()["metric_every_step"]
     assert {r["global_step"] for r in records.values()} == {60}

@@ -7,6 +7,7 @@ import ast
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -35,6 +36,9 @@ class ScaledSGD(torch.optim.SGD):
 def train(opt, net, steps: int, w: int) -> None:
     x, y = dataset(64, seed=w)
     scaler = torch.amp.GradScaler("cpu") if CASE == "grad_scaler" else None
+    ckpt = (mpisync.Checkpointer(tempfile.mkdtemp(dir=os.environ.get("RESULT_DIR")), net, opt,
+                                 every_steps=100)
+            if CASE == "exit_mid_training" else None)   # maybe_save() meets the other workers
     for i in range(steps):
         if opt.stopped:
             break
@@ -67,6 +71,14 @@ def train(opt, net, steps: int, w: int) -> None:
             with torch.no_grad():
                 net[0].bias.add_(1.0)             # ... and so does this write
         opt.step()
+        after_step(ckpt, w, i)
+
+
+def after_step(ckpt, w: int, i: int) -> None:
+    if CASE == "exit_mid_training" and w == 1 and i == 4:
+        sys.exit(3)                               # no exception hook: only its exit
+    if ckpt is not None:
+        ckpt.maybe_save()
 
 
 def cluster_of(opt):

@@ -868,6 +868,24 @@ def test_backup_workers_complete_steps_while_one_is_parked():
     assert c.park(2) == [Action(Kind.FAIL, 1, (1,), (0, 2))]
 
 
+def test_a_collective_that_a_departed_worker_can_never_join_fails():
+    """Worker 1 closed and left the job (its program ended) while worker 0 is, or later
+    goes, into a collective among the workers: that can never complete."""
+    c = started(2, 2)
+    c.close(1)
+    assert c.park(0) == []                     # closed, still here: it may join
+    assert c.depart(1) == [Action(Kind.FAIL, 0, (), (0,))]
+    assert c.depart(1) == []                   # said once
+    c.unpark(0)                                # it was not in it after all
+    assert c.park(0) == [Action(Kind.FAIL, 0, (), (0,))]   # any later one fails
+    d = started(2, 2)
+    d.close(1)
+    assert d.depart(1) == [] and d.park(0) == [Action(Kind.FAIL, 0, (), (0,))]
+    e = started(2, 2)
+    assert e.park(0) == [] and e.park(1) == []          # both in one: they meet
+    assert e.depart(1) == []                             # ... itself parked: not departed
+
+
 def test_a_held_async_worker_waiting_for_a_parked_one_fails():
     c = async_started(2, max_staleness=0)
     c.push(1, 0)

@@ -219,32 +219,38 @@ def test_another_number_of_workers_restores_the_schedulers_and_warns(tmp_path):
         rank.end()
 
 
-@pytest.mark.parametrize("resumes", ["nothing", "checkpointer", "load", "not-restarted"])
+@pytest.mark.parametrize("resumes", ["nothing", "checkpointer", "load", "not-restarted",
+                                     "later-attempt", "checkpointer-never-resumed"])
 def test_under_restarts_a_job_that_nothing_resumes_warns_once_at_its_first_step(
         tmp_path, monkeypatch, resumes):
     """``python -m mpisync.launch --restarts`` sets MPISYNC_ATTEMPT: a chief that made no
-    Checkpointer and loaded no checkpoint before its first step says, once, that a
-    restarted attempt would begin from step 0; with either, or not under the launcher's
-    restarts, nothing is said."""
+    Checkpointer and loaded no checkpoint before its first step says, once, in its first
+    attempt, at the program's line that stepped, that a restarted attempt would begin from
+    step 0; with either, not under the launcher's restarts, or in a later attempt (said
+    already), nothing is said."""
     if resumes == "not-restarted":
         monkeypatch.delenv("MPISYNC_ATTEMPT", raising=False)
     else:
-        monkeypatch.setenv("MPISYNC_ATTEMPT", "0")
+        monkeypatch.setenv("MPISYNC_ATTEMPT", "1" if resumes == "later-attempt" else "0")
     rank = OneRank()
     rank.cluster.worker_comm = rank.worker_comm
     try:
         net, opt, sched, sampler = _build(rank)
         if resumes == "checkpointer":
             mpisync.Checkpointer(tmp_path, net, opt, every_steps=10).resume()
+        elif resumes == "checkpointer-never-resumed":
+            mpisync.Checkpointer(tmp_path, net, opt, every_steps=10)
         elif resumes == "load":
             mpisync.load(mpisync.save(tmp_path / "c.pt", net, opt), net, opt)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             _train(net, opt, sched, sampler, 3, iter(sampler))
         said = [str(w.message) for w in seen if "--restarts" in str(w.message)]
-        expected = [f"{opt.cluster.label}: "
-                    + resumestate.START_OVER_WARNING.format(attempt="0")]
-        assert said == (expected if resumes == "nothing" else []), said
+        text = {"nothing": resumestate.START_OVER_WARNING,
+                "checkpointer-never-resumed": resumestate.START_OVER_NO_RESUME}.get(resumes)
+        expected = [f"{opt.cluster.label}: " + text.format(attempt="0")] if text else []
+        assert said == expected, said
+        assert all(w.filename == __file__ for w in seen if "--restarts" in str(w.message))
         opt.close()
     finally:
         rank.end()

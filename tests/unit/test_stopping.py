@@ -85,6 +85,7 @@ def test_once_stopping_a_second_signal_is_ignored_to_the_end(own_handlers):
         assert all(signal.getsignal(s) is signal.SIG_IGN for s in stopping.SIGNALS)
         stopping.release()
         assert all(signal.getsignal(s) is signal.SIG_IGN for s in stopping.SIGNALS)
+        assert not stopping.installed() and stopping.received() is None
         signal.raise_signal(signal.SIGTERM)                      # ignored: still here
         for s in stopping.SIGNALS:
             signal.signal(s, stopping._note)
