@@ -79,12 +79,16 @@ def _restore(dynamo) -> None:
             _torchs(fn, dynamo)
 
 
-class _WhenImported:
-    """Puts torch's switches back the moment ``torch._dynamo`` has been imported, before
-    anything can compile: the lazy switch is then never on a frame Dynamo sees."""
+class _AfterImport:
+    """Runs ``then(module)`` the moment the module ``name`` has been imported (an import
+    hook that removes itself): for ``torch._dynamo``, torch's switches back before anything
+    can compile, so that the lazy switch is never on a frame Dynamo sees."""
+
+    def __init__(self, name: str, then: Callable[[Any], None]):
+        self.name, self.then = name, then
 
     def find_spec(self, name: str, path=None, target=None):
-        if name != "torch._dynamo":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)                  # once; and not for the lookup below
         spec = importlib.util.find_spec(name)
@@ -92,12 +96,18 @@ class _WhenImported:
             return spec
         exec_module = spec.loader.exec_module
 
-        def exec_and_restore(module) -> None:
+        def exec_and_then(module) -> None:
             exec_module(module)
-            _restore(module)
+            self.then(module)
 
-        spec.loader.exec_module = exec_and_restore  # type: ignore[method-assign]
+        spec.loader.exec_module = exec_and_then  # type: ignore[method-assign]
         return spec
+
+
+def _after_import(name: str, then: Callable[[Any], None]) -> None:
+    """``then(module)`` once ``name`` is imported (one hook per module name)."""
+    if not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, then))
 
 
 def spare() -> list[str]:
@@ -110,8 +120,8 @@ def spare() -> list[str]:
         if fn is not None and getattr(fn, _CACHE, None) is None:
             setattr(fn, _CACHE, _lazy(fn))
             taken.append(name)
-    if taken and not any(isinstance(f, _WhenImported) for f in sys.meta_path):
-        sys.meta_path.insert(0, _WhenImported())
+    if taken:
+        _after_import("torch._dynamo", _restore)
     return taken
 
 
@@ -137,28 +147,12 @@ def deterministic() -> None:
         torch.use_deterministic_algorithms(True)        # torch's own: nothing to spare
         return
     setter(True, warn_only=False)
-    if not any(isinstance(f, _ConfigWhenImported) for f in sys.meta_path):
-        sys.meta_path.insert(0, _ConfigWhenImported())
+    _after_import(_INDUCTOR_CONFIG, _set_config)
 
 
-class _ConfigWhenImported:
-    """Sets ``torch._inductor.config.deterministic`` as torch's switch stands when the
-    config is imported (``deterministic`` spared that import)."""
+def _set_config(config) -> None:
+    """``torch._inductor.config.deterministic`` as torch's switch stands (just imported)."""
+    import torch
 
-    def find_spec(self, name: str, path=None, target=None):
-        if name != _INDUCTOR_CONFIG:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_set(module) -> None:
-            exec_module(module)
-            import torch
-            if torch.are_deterministic_algorithms_enabled():
-                module.deterministic = True
-
-        spec.loader.exec_module = exec_and_set  # type: ignore[method-assign]
-        return spec
+    if torch.are_deterministic_algorithms_enabled():
+        config.deterministic = True
