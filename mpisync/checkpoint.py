@@ -614,5 +614,6 @@ def _newest_loadable(directory: str) -> tuple[str | None, str | None, bool]:
     files = [path for _, path in ckptchain.listed(directory)]
     newer = files[files.index(found) + 1:] if found in files else files
     reasons = [ckptchain.unusable(p) or f"{p}: not loadable" for p in reversed(newer)]
+    reasons = [r.removeprefix(ckptchain.UNREADABLE) for r in reasons]
     refuse = found is None and any(not ckptchain.only_cut_short(p) for p in newer)
     return found, "; ".join(reasons) or None, refuse

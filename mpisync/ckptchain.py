@@ -31,8 +31,20 @@ import torch
 
 from . import ckptfile
 
-__all__ = ["base_path", "chain", "chain_complete", "changed_shard", "file_id", "latest",
-           "listed", "merged_tables", "needed", "only_cut_short", "unusable"]
+__all__ = [
+    "UNREADABLE",
+    "base_path",
+    "chain",
+    "chain_complete",
+    "changed_shard",
+    "file_id",
+    "latest",
+    "listed",
+    "merged_tables",
+    "needed",
+    "only_cut_short",
+    "unusable",
+]
 
 
 def file_id() -> str:
@@ -88,18 +100,24 @@ def chain_complete(path: str) -> bool:
     file that torch cannot read back (damaged after it was written) is not, with a
     warning that says so."""
     why = unusable(path)
-    if why is not None and why.startswith(_UNREADABLE):
-        warnings.warn(f"{why[len(_UNREADABLE):]}: passed over for an older one",
+    if why is not None and why.startswith(UNREADABLE):
+        warnings.warn(f"{why[len(UNREADABLE):]}: passed over for an older one",
                       RuntimeWarning, stacklevel=2)
     return why is None
 
 
-_UNREADABLE = "unreadable: "
+#: What ``unusable`` says first of a file torch cannot read back.
+UNREADABLE = "unreadable: "
 
 
 def only_cut_short(path: str) -> bool:
-    """Whether the file at ``path`` is cut short itself (nothing of it can be read)."""
-    return not ckptfile.complete(path)
+    """Whether ``path`` is a checkpoint file cut short (empty, or the start of a torch
+    file), nothing of which can be read; not a file of something else, not a directory."""
+    if not os.path.isfile(path) or ckptfile.complete(path):
+        return False
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return b"PK\x03\x04".startswith(head)       # a zip file's first bytes, or none
 
 
 def unusable(path: str) -> str | None:
@@ -107,11 +125,13 @@ def unusable(path: str) -> str | None:
     missing, cut short or replaced, torch cannot read it back), or None where it can (a
     complete file that is no checkpoint this mpisync reads counts: ``load`` says why)."""
     if not ckptfile.complete(path):
-        return f"{path}: cut short (not a complete checkpoint file)"
+        if only_cut_short(path):
+            return f"{path}: cut short (not a complete checkpoint file)"
+        return f"{path}: not a checkpoint file (a torch file starts otherwise)"
     try:
         ck = ckptfile.read(path)
     except ckptfile.UnreadableCheckpoint as exc:
-        return f"{_UNREADABLE}{exc}"
+        return f"{UNREADABLE}{exc}"
     except Exception:  # noqa: BLE001 (not for latest() to judge)
         return None
     try:

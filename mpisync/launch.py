@@ -427,7 +427,7 @@ def main(args: Sequence[str] | None = None) -> int:
                                  mpiexec, flavor, explain=False,
                                  failure_dir=env[FAILURE_DIR_ENV]),
             lambda status: explain_status(status, flavor, ns.survive_worker_loss),
-            ns.restarts, ns.restart_backoff, base)
+            ns.restarts, ns.restart_backoff, base, lost_ok=ns.survive_worker_loss)
     except _Signalled as got:
         polite = got.signum in POLITE
         print(f"{_PREFIX} {signal.Signals(got.signum).name} between attempts: not starting "

@@ -100,7 +100,7 @@ def _why(result: Outcome, stop: int | None, polite: bool,
 def restart_loop(run: Callable[[dict[str, str]], Outcome], explain: Callable[[int], str],
                  restarts: int, backoff: float, base: str,
                  say: Callable[[str], None] = _say,
-                 sleep: Callable[[float], None] = time.sleep) -> int:
+                 sleep: Callable[[float], None] = time.sleep, lost_ok: bool = True) -> int:
     """Run attempts of a job until it need not, or must not, start again; the exit status
     of the last one.
 
@@ -113,6 +113,9 @@ def restart_loop(run: Callable[[dict[str, str]], Outcome], explain: Callable[[in
             ``<base>/attempt-<k>`` (made here).
         say: prints one line for the user (stderr, after ``mpisync.launch:``).
         sleep: waits ``backoff`` seconds.
+        lost_ok: exit status ``LOST_WORKERS_EXIT`` means the job trained to its end (it
+            survives lost workers); else it is a failure like any other (a program's own
+            ``sys.exit(3)``).
     """
     attempt, failures, previous, stopped_at = 0, 0, None, None
     while True:
@@ -120,7 +123,7 @@ def restart_loop(run: Callable[[dict[str, str]], Outcome], explain: Callable[[in
         os.makedirs(failure_dir, exist_ok=True)
         result = run({ATTEMPT_ENV: str(attempt), FAILURE_DIR_ENV: failure_dir})
         status = result.returncode
-        if status in (0, LOST_WORKERS_EXIT):
+        if status == 0 or (status == LOST_WORKERS_EXIT and lost_ok):
             return status
         stop = read_stop(failure_dir) if status == PREEMPTED_EXIT else None
         polite = stop is not None and stop != stopped_at      # a stop, and steps since

@@ -259,6 +259,8 @@ def serve(cluster) -> dict | list[dict]:
             warned_at = serving.check_idle(idle_s, warned_at)
     finally:
         if flagging:
+            if stopping.received() is not None:     # the job stops: a second signal must
+                stopping.ignore_from_now()          # not end this rank while it exits
             stopping.release()
         rowthreads.close()
         heap.release()

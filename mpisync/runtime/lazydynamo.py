@@ -25,8 +25,10 @@ A method whose switch torch built already (``torch._dynamo`` was imported first)
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
+import threading
 from typing import Any, Callable
 
 __all__ = ["METHODS", "deterministic", "spare", "spared"]
@@ -147,12 +149,19 @@ def deterministic() -> None:
         torch.use_deterministic_algorithms(True)        # torch's own: nothing to spare
         return
     setter(True, warn_only=False)
-    _after_import(_INDUCTOR_CONFIG, _set_config)
+    _after_import(_INDUCTOR_CONFIG, functools.partial(_set_config, threading.get_ident()))
 
 
-def _set_config(config) -> None:
-    """``torch._inductor.config.deterministic`` as torch's switch stands (just imported)."""
+def _set_config(caller: int, config) -> None:
+    """``torch._inductor.config.deterministic`` as torch's switch stands (just imported):
+    set as torch sets it, for this thread (a config setting is per thread); imported by
+    another thread than the one that asked (``caller``), the setting's default as well,
+    so that the asking thread sees it too."""
     import torch
 
-    if torch.are_deterministic_algorithms_enabled():
-        config.deterministic = True
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    config.deterministic = True
+    entry = getattr(config, "_config", {}).get("deterministic")
+    if threading.get_ident() != caller and hasattr(entry, "default"):
+        entry.default = True

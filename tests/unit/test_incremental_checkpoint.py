@@ -269,7 +269,7 @@ def test_keep_never_removes_the_file_just_written_for_a_later_one(rank, tmp_path
     stays (it used to be removed at once, and a restart lost every step)."""
     d = tmp_path / "ckpt"
     d.mkdir()
-    (d / ckpt_name(100)).write_bytes(b"cut short")
+    (d / ckpt_name(100)).write_bytes(b"PK\x03\x04cut short")  # a torch file cut short
     net, opt = build(rank, "adagrad")
     ckpt = mpisync.Checkpointer(d, net, opt, every_steps=1, full_every=1, keep=1)
     with pytest.warns(RuntimeWarning, match=rf"passed over {d / ckpt_name(100)}: cut short"):
@@ -281,6 +281,32 @@ def test_keep_never_removes_the_file_just_written_for_a_later_one(rank, tmp_path
         listed.append(sorted(p.name for p in d.iterdir()))
     assert listed == [[ckpt_name(s), ckpt_name(100)] for s in (1, 2, 3)]
     assert mpisync.latest(d) == str(d / ckpt_name(3))
+    opt.close()
+
+
+@pytest.mark.parametrize("what", ["text", "directory", "empty", "zip-start"])
+def test_a_file_that_is_no_checkpoint_is_refused_one_cut_short_passed_over(rank, tmp_path,
+                                                                          what):
+    """Only a checkpoint cut short (empty, or a torch file's first bytes) holds nothing to
+    resume from; a file of something else, or a directory, under a checkpoint's name is
+    refused, untouched, rather than written over."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    f = d / ckpt_name(1)
+    if what == "directory":
+        f.mkdir()
+    else:
+        f.write_bytes({"text": b"hello world\n", "empty": b"",
+                       "zip-start": b"PK\x03\x04\x14\x00"}[what])
+    net, opt = build(rank, "adagrad")
+    ckpt = mpisync.Checkpointer(d, net, opt, every_steps=1)
+    if what in ("text", "directory"):
+        with pytest.raises(mpisync.ConfigError, match=rf"{f}: not a checkpoint file"):
+            ckpt.resume()
+        assert f.is_dir() if what == "directory" else f.read_bytes() == b"hello world\n"
+    else:
+        with pytest.warns(RuntimeWarning, match=rf"passed over {f}: cut short"):
+            assert ckpt.resume() is None
     opt.close()
 
 

@@ -479,11 +479,23 @@ class _Attempts:
         return JobResult(self.statuses[k], signalled=self.signalled)
 
 
-def _loop(job, tmp_path, restarts=2):
+def _loop(job, tmp_path, restarts=2, lost_ok=True):
     said, slept = [], []
     status = restart_loop(job, lambda s: f"the job failed with exit status {s}", restarts, 1.5,
-                          str(tmp_path), say=said.append, sleep=slept.append)
+                          str(tmp_path), say=said.append, sleep=slept.append, lost_ok=lost_ok)
     return status, said, slept
+
+
+@pytest.mark.parametrize("survives", [True, False])
+def test_status_3_ends_the_loop_only_where_the_job_survives_lost_workers(tmp_path, survives):
+    """LOST_WORKERS_EXIT (3) is how a job that survived lost workers ends (done); without
+    --survive-worker-loss it is a program's own status, a failure that is started again."""
+    job = _Attempts([3, 0], [[_record(0)]])
+    status, said, slept = _loop(job, tmp_path, lost_ok=survives)
+    assert status == (3 if survives else 0)
+    assert len(job.envs) == (1 if survives else 2) and len(slept) == (0 if survives else 1)
+    assert said == [] if survives else said[0].startswith(
+        "attempt 2 of 3: the job failed with exit status 3; what failed first: "), said
 
 
 def test_restarts_until_success_each_attempt_numbered_with_its_own_directory(tmp_path):

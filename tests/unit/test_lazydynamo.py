@@ -101,3 +101,23 @@ def test_nothing_changes_once_torch_imported_dynamo_first():
     from mpisync.runtime import lazydynamo
     assert lazydynamo.spare() == []
     assert not any(lazydynamo.spared(name) for name in lazydynamo.METHODS)
+
+
+def test_deterministic_holds_where_another_thread_imports_the_inductors_config():
+    """A config setting is per thread: imported first by another thread, the config still
+    says deterministic in the thread that asked for it (where it compiles)."""
+    code = textwrap.dedent("""
+        import importlib, threading, torch
+        from mpisync.runtime import lazydynamo
+        lazydynamo.deterministic()
+        t = threading.Thread(target=importlib.import_module, args=("torch._inductor.config",))
+        t.start()
+        t.join()
+        import torch._inductor.config as config
+        print(config.deterministic, torch.are_deterministic_algorithms_enabled())
+    """)
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "True"], done.stdout
+
