@@ -89,7 +89,7 @@ def signal_when_ready(mode: str, directory, ready: str,
         text, waiting = "", 0
         for line in launcher.stdout:          # until every rank waits
             text += line
-            waiting += line.startswith(ready)
+            waiting += line.count(ready)          # two ranks may print on one line
             if waiting == 3:
                 launcher.send_signal(signum)
                 break
