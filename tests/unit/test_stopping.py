@@ -104,11 +104,17 @@ def test_once_stopping_a_second_signal_is_ignored_to_the_end(own_handlers):
 def test_off_the_main_thread_nothing_is_installed(own_handlers):
     mine, _ = own_handlers
     took: list[bool] = []
-    t = threading.Thread(target=lambda: took.append(stopping.install()))
+    def elsewhere():
+        took.append(stopping.install())
+        stopping.listen_early()
+        stopping.ignore_from_now()
+        stopping._quiet_at_exit()
+
+    t = threading.Thread(target=elsewhere)
     t.start()
     t.join()
     assert took == [False] and not stopping.installed()
-    assert signal.getsignal(signal.SIGTERM) is mine
+    assert all(signal.getsignal(s) is mine for s in stopping.SIGNALS)
 
 
 def test_a_ps_rank_ends_the_job_when_the_workers_do_not_stop_after_a_signal(own_handlers):
