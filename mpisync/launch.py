@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 
 from .environ import LOST_WORKERS_EXIT, NUM_PS_ENV, PREEMPTED_EXIT, SURVIVE_ENV
 from .restarts import ATTEMPT_ENV, POLITE, launcher_status, restart_loop
-from .runtime.failures import FAILURE_DIR_ENV, describe, origin, read_failures
+from .runtime.failures import FAILURE_DIR_ENV, describe, origin, read_failures, read_stop
 from .runtime.jobs import (
     FORWARDED,
     TIMEOUT_EXIT_CODE,
@@ -416,8 +416,9 @@ def main(args: Sequence[str] | None = None) -> int:
     if not ns.restarts:
         try:
             env = {FAILURE_DIR_ENV: base}
-            return launcher_status(_attempt(_command(ns, mpiexec, flavor, hostfile_text, env),
-                                            ns, mpiexec, flavor, explain=True, failure_dir=base))
+            result = _attempt(_command(ns, mpiexec, flavor, hostfile_text, env), ns, mpiexec,
+                              flavor, explain=True, failure_dir=base)
+            return launcher_status(result, stopped_at=read_stop(base))
         finally:
             shutil.rmtree(base, ignore_errors=True)
     previous = _stop_on_signals()       # between attempts (while one runs, run_job's own)

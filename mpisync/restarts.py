@@ -61,7 +61,8 @@ def _say(text: str) -> None:
     print(f"{_PREFIX} {text}", file=sys.stderr, flush=True)
 
 
-def launcher_status(result: Outcome, say: Callable[[str], None] = _say) -> int:
+def launcher_status(result: Outcome, say: Callable[[str], None] = _say,
+                    stopped_at: int | None = None) -> int:
     """The launcher's exit status after its last attempt: the attempt's, or
     ``PREEMPTED_EXIT`` (saying why) when this launcher passed SIGUSR1 or SIGUSR2 on to the
     job and the job then failed instead of stopping politely: a rank that was not yet
@@ -71,8 +72,14 @@ def launcher_status(result: Outcome, say: Callable[[str], None] = _say) -> int:
     if (result.signalled not in POLITE or result.timed_out
             or status in (0, PREEMPTED_EXIT, LOST_WORKERS_EXIT)):
         return status
+    name = signal.Signals(result.signalled).name
+    if stopped_at is not None:      # the chief's record: it stopped and wrote its checkpoint
+        say(f"exit status {PREEMPTED_EXIT}, not {status}: this launcher passed {name} on to "
+            f"the job, which stopped politely at global step {stopped_at} with a checkpoint; "
+            f"a signal ended its ranks while they exited; resume from that checkpoint")
+        return PREEMPTED_EXIT
     say(f"exit status {PREEMPTED_EXIT}, not {status}: this launcher passed "
-        f"{signal.Signals(result.signalled).name} on to the job, which ended by it before "
+        f"{name} on to the job, which ended by it before "
         f"every rank could stop politely (a rank ends by the signal until its "
         f"mpisync.Checkpointer is made); resume from the newest checkpoint")
     return PREEMPTED_EXIT
@@ -131,7 +138,7 @@ def restart_loop(run: Callable[[dict[str, str]], Outcome], explain: Callable[[in
         if result.signalled is not None:
             say(f"{why}; not starting it again: this launcher was sent "
                 f"{signal.Signals(result.signalled).name}")
-            return launcher_status(result, say)
+            return launcher_status(result, say, read_stop(failure_dir))
         # attempts: those started so far and the next, and the failures that may follow
         attempt += 1
         total = attempt + 1 + restarts - failures
