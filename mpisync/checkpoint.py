@@ -58,19 +58,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import ckptchain, ckptfile, resumestate
+from . import ckptchain, ckptfile, ckptfit, resumestate
 from .ckptchain import latest
 from .ckptfile import FORMAT, VERSION
 from .environ import PREEMPTED_EXIT
 from .errors import ConfigError
 from .plainstate import plain_state
-from .protocol.state import check_state
-from .protocol.tables import table_info
 from .runtime import stopping
 from .runtime.agreement import agree
 from .runtime.failures import FAILURE_DIR_ENV, write_stop
 from .tables import reshard
-from .tables.hashtables import check_saved_hash_table, place_hash_table
+from .tables.hashtables import place_hash_table
 
 if TYPE_CHECKING:
     from .optimizer import SyncReplicasOptimizer
@@ -196,61 +194,6 @@ def _write(path: str, model, opt, extra, worker_states: list, chain: tuple | Non
 
 
 # -- load ----------------------------------------------------------------------------------
-def _check_model(ck: dict, model: torch.nn.Module) -> str | None:
-    mine = model.state_dict()
-    saved = ck["model"]
-    missing = [k for k in mine if k not in saved]
-    unexpected = [k for k in saved if k not in mine]
-    if missing or unexpected:
-        return (f"the model does not match the checkpoint's: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}")
-    for k, v in mine.items():
-        if tuple(v.shape) != tuple(saved[k].shape):
-            return (f"the model does not match the checkpoint's: {k!r} has shape "
-                    f"{list(v.shape)}, the checkpoint's {list(saved[k].shape)}")
-    return None
-
-
-def _check_tables(ck: dict, opt) -> str | None:
-    mine = {t.name: t for t in opt.spec.tables if t.resident}
-    saved = ck.get("tables", {})
-    if set(mine) != set(saved):
-        return f"the checkpoint has tables {sorted(saved)}, this optimizer {sorted(mine)}"
-    for name, t in mine.items():
-        s = saved[name]
-        if (s["strategy"] == "hash") != (t.hashed is not None):
-            return (f"table {name!r} was saved as a {s['strategy']!r} table, this one is a "
-                    f"{t.strategy!r} table")
-        if t.hashed is not None:
-            problem = check_saved_hash_table(s, t)
-            if problem:
-                return problem
-            continue                      # any number of rows, re-hashed on load
-        problem = reshard.check_table(s, t, _unread(opt, t.name))
-        if problem:
-            return problem
-    return None
-
-
-def _unread(opt, name: str) -> tuple[str, ...]:
-    """The state entries of table ``name`` its optimizer's update does not read."""
-    for group in opt.wrapped.param_groups:
-        for p in group["params"]:
-            info = table_info(p)
-            if info is not None and info.name == name:
-                return reshard.unread_counters(opt.wrapped, group)
-    return ()
-
-
-def _check(ck: dict, model, opt) -> str | None:
-    problem = _check_tables(ck, opt) or _check_model(ck, model)   # a table by name
-    if problem:
-        return problem
-    order = opt.group_order()
-    shapes = {n: tuple(p.shape) for n, p in opt.named_parameters()}
-    return check_state(ck["optimizer"], opt.param_groups, order, shapes, {})
-
-
 def _verdict(path: str, model, opt) -> tuple[tuple, dict | None]:
     """The chief's verdict on the file at ``path``, for every worker; it never raises.
 
@@ -269,7 +212,7 @@ def _verdict(path: str, model, opt) -> tuple[tuple, dict | None]:
     try:
         if len(files) > 1:                    # its tables merged shard by shard, as read
             ck = dict(ck, tables=ckptchain.merged_tables(files))
-        problem = _check(ck, model, opt)
+        problem = ckptfit.fits(ck, model, opt)
     except Exception as exc:  # noqa: BLE001 (a malformed file can make any check raise)
         return (ckptfile.malformed(path, exc),), None
     if problem:
@@ -363,7 +306,7 @@ def _place_tables(saved: dict, opt) -> None:
             continue
         table = saved[t.name]
         from_shards, _ = reshard.sources(table, t)
-        unread = _unread(opt, t.name)
+        unread = ckptfit.unread(opt, t.name)
         for k in range(t.num_shards):
             weight, state = reshard.new_shard(table, t, k, from_shards[k], unread)
             opt.rows_channel.write_shard(t.name, k, weight, state)
@@ -586,7 +529,7 @@ class Checkpointer:
         found = passed = None
         refuse = False
         if self.opt.cluster.is_chief:
-            found, passed, refuse = _newest_loadable(self.directory)
+            found, passed, refuse = ckptchain.newest_loadable(self.directory)
         found, passed, refuse = self.opt.cluster.worker_comm.bcast((found, passed, refuse),
                                                                    root=0)
         if passed and self.opt.cluster.is_chief and not refuse:
@@ -604,16 +547,3 @@ class Checkpointer:
         self._chain = []                # the next save is full
         self.last_step, self.last_time = self.opt.global_step, time.monotonic()
         return extra
-
-
-def _newest_loadable(directory: str) -> tuple[str | None, str | None, bool]:
-    """The newest checkpoint of ``directory`` that loads with its chain (``latest``); what
-    newer files were passed over and why (None when none was); whether to refuse to start
-    afresh: none loads, and one passed over is more than a file cut short."""
-    found = latest(directory)
-    files = [path for _, path in ckptchain.listed(directory)]
-    newer = files[files.index(found) + 1:] if found in files else files
-    reasons = [ckptchain.unusable(p) or f"{p}: not loadable" for p in reversed(newer)]
-    reasons = [r.removeprefix(ckptchain.UNREADABLE) for r in reasons]
-    refuse = found is None and any(not ckptchain.only_cut_short(p) for p in newer)
-    return found, "; ".join(reasons) or None, refuse

@@ -42,6 +42,7 @@ __all__ = [
     "listed",
     "merged_tables",
     "needed",
+    "newest_loadable",
     "only_cut_short",
     "unusable",
 ]
@@ -295,3 +296,16 @@ def latest(directory: str | os.PathLike) -> str | None:
         if chain_complete(path):
             return path
     return None
+
+
+def newest_loadable(directory: str) -> tuple[str | None, str | None, bool]:
+    """The newest checkpoint of ``directory`` that loads with its chain (``latest``); what
+    newer files were passed over and why (None when none was); whether to refuse to start
+    afresh: none loads, and one passed over is more than a file cut short."""
+    found = latest(directory)
+    files = [path for _, path in listed(directory)]
+    newer = files[files.index(found) + 1:] if found in files else files
+    reasons = [unusable(p) or f"{p}: not loadable" for p in reversed(newer)]
+    reasons = [r.removeprefix(UNREADABLE) for r in reasons]
+    refuse = found is None and any(not only_cut_short(p) for p in newer)
+    return found, "; ".join(reasons) or None, refuse

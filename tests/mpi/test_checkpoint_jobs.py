@@ -33,7 +33,7 @@ from checkpoint_errors import BAD_KINDS, bad_files
 from resume import KILL_AT, STEPS, WORKERS, Net, batch
 
 import mpisync
-from mpisync import checkpoint, ckptfile
+from mpisync import ckptfile, ckptfit
 
 assert rs.WORKERS == WORKERS                   # the reshard cases share the jobs' layouts
 
@@ -154,7 +154,7 @@ def _refusal(path: str) -> str:
     except (OSError, ValueError) as exc:
         return str(exc)
     try:
-        return f"{path}: {checkpoint._check_model(ck, Net())}"
+        return f"{path}: {ckptfit._model(ck, Net())}"
     except Exception as exc:  # noqa: BLE001 (as the chief's verdict)
         return ckptfile.malformed(path, exc)
 

@@ -21,7 +21,7 @@ from checkpoint_errors import BAD_KINDS
 from resume import Net
 
 import mpisync
-from mpisync import checkpoint, ckptfile
+from mpisync import checkpoint, ckptfile, ckptfit
 from mpisync.protocol import partition
 from mpisync.protocol.tables import TableSpec
 from mpisync.tables import reshard
@@ -44,7 +44,7 @@ def test_whatever_reading_or_checking_a_file_raises_is_the_chiefs_verdict(monkey
     assert checkpoint._verdict("d/bad.pt", Net(), None) == (
         ("d/bad.pt: a malformed mpisync checkpoint (TypeError: '>' not supported)",), None)
     monkeypatch.setattr(ckptfile, "read", lambda path: {})
-    monkeypatch.setattr(checkpoint, "_check", raising(KeyError("ids")))
+    monkeypatch.setattr(ckptfit, "fits", raising(KeyError("ids")))
     assert checkpoint._verdict("d/bad.pt", Net(), None) == (
         ("d/bad.pt: a malformed mpisync checkpoint (KeyError: 'ids')",), None)
 
