@@ -97,11 +97,15 @@ def _tables_streamed(opt, w: ckptfile.Writer, changed: bool | None) -> dict:
             if "counters" in shard:       # a hash shard: its rows' sighting counts, recency
                 shards[-1]["counters"] = {k: w.tensor(v) if torch.is_tensor(v) else v
                                           for k, v in shard["counters"].items()}
+            if changed:     # a hash shard's changed rows: and the ids evicted (None: whole)
+                removed = shard["removed"]
+                shards[-1]["removed"] = None if removed is None else w.tensor(removed)
+                shards[-1]["per_row"] = list(shard["per_row"])
             del shard                     # one shard in memory at a time
         out[t.name] = {"num_rows": t.num_rows, "row_shape": list(t.row_shape),
                        "dtype": str(t.dtype).removeprefix("torch."), "strategy": t.strategy,
                        "shards": shards}
-        if changed and t.hashed is None:
+        if changed:
             out[t.name]["incremental"] = True
     return out
 
@@ -357,8 +361,9 @@ class Checkpointer:
     Checkpointer, one after ``resume()`` and one after a failed save. A row counts as
     changed when a step updated it (every row of a shard whose optimizer steps its dense
     gradient: weight decay, momentum), an ``opt.update`` function over all rows ran, or
-    the table was loaded or written. Hash tables (``mpisync.HashEmbedding``,
-    ``HashEmbeddingBag``) are written whole in every file. ``load``, ``resume`` and
+    the table was loaded or written; of a hash table (``mpisync.HashEmbedding``,
+    ``HashEmbeddingBag``), the rows whose values, state or counts changed (each id a
+    lookup sighted), by id, and the ids evicted since. ``load``, ``resume`` and
     ``plain_state`` follow the chain and restore what a full file of the same step
     restores, bitwise; ``latest`` passes over a file whose chain is not all there;
     ``keep`` never removes a base that a kept file needs. The first Checkpointer made over
@@ -456,10 +461,15 @@ class Checkpointer:
     def maybe_save(self, extra: Any = None) -> str | None:
         """Save if one is due (call on every worker after each step); the path or None.
 
+        None, and nothing asked of the other workers, once ``opt.stopped`` (workers that
+        closed before this one can join no save: uneven data ends the loop on its own).
+
         Raises:
             SystemExit: ``PREEMPTED_EXIT`` on every worker, once a worker was sent SIGTERM,
                 SIGUSR1 or SIGUSR2: after saving and closing the optimizer.
         """
+        if self.opt.stopped:
+            return None
         due, signum = self._agree()
         if signum is None:
             return self.save(extra) if due else None
@@ -479,7 +489,7 @@ class Checkpointer:
         """Save now (every worker), then remove all but the newest ``keep`` and the files
         their chains need. Incremental unless this file is to be full (``full_every``)."""
         path = self.path(self.opt.global_step)
-        tables = any(t.resident and t.hashed is None for t in self.opt.spec.tables)
+        tables = any(t.resident for t in self.opt.spec.tables)
         owner = self.opt._changes_owner
         if owner is None or owner() is None:       # the owner is gone: this one takes over
             owner = self.opt._changes_owner = weakref.ref(self)

@@ -12,7 +12,10 @@ saved shard only the rows that changed since the previous file of its chain::
 and the file names that previous file, its base: ``"base": {"file": its file name in the
 same directory, "id": its "file_id"}``. Every file has a ``"file_id"`` of its own, so that
 a base replaced by another file of the same name is told from the real one. The first
-file of a chain is full; hash tables are always whole.
+file of a chain is full. A hash table's shard (``mpisync.HashEmbedding``) holds, by id, the
+rows whose values, state or counts changed, as a full file holds its rows, with
+``"per_row"`` and ``"removed"``: the ids evicted since the previous file (None: the shard is
+whole in this file).
 
 Reading one merges its chain shard by shard (``merged_tables``): the base's shard, then
 each later file's rows for it in order, its non-row state from the newest file. Nothing
@@ -79,18 +82,20 @@ def chain(path: str, ck: dict | None = None) -> list[tuple[str, dict]]:
                                       for p, _ in files):
             raise ValueError(f"{later}: a malformed mpisync checkpoint (its chain of bases "
                              f"loops at {base})")
+        if later == path:
+            whose = f"{path}: an incremental checkpoint whose base {base}"
+        else:
+            whose = (f"{path}: an incremental checkpoint whose chain of bases needs {base} "
+                     f"(the base of {later}), which")
         if not os.path.exists(base):
-            raise FileNotFoundError(
-                f"{path}: an incremental checkpoint whose base {base} is missing (the chain "
-                f"{later} builds on); load an older full checkpoint")
+            raise FileNotFoundError(f"{whose} is missing; load an older full checkpoint")
         if not ckptfile.complete(base):
-            raise ValueError(f"{path}: an incremental checkpoint whose base {base} is not "
-                             f"complete (truncated); load an older full checkpoint")
+            raise ValueError(f"{whose} is not complete (truncated); load an older full "
+                             f"checkpoint")
         bck = ckptfile.read(base)
         if bck.get("file_id") != files[0][1]["base"].get("id"):
-            raise ValueError(f"{path}: an incremental checkpoint whose base {base} was "
-                             f"replaced by another file of that name; load an older full "
-                             f"checkpoint")
+            raise ValueError(f"{whose} was replaced by another file of that name; load an "
+                             f"older full checkpoint")
         files.insert(0, (base, bck))
     return files
 
@@ -191,16 +196,16 @@ def merged_tables(files: list[tuple[str, dict]]) -> dict:
                                  f"its chain holds table {name!r} incrementally)")
             parts.append(t["shards"])
         out[name] = {k: v for k, v in table.items() if k != "incremental"} | {
-            "shards": _MergedShards(parts)}
+            "shards": _MergedShards(parts, table.get("strategy") == "hash")}
     return out
 
 
 class _MergedShards(Sequence):
     """The shards of one table merged over a chain (the last one merged is kept)."""
 
-    def __init__(self, parts: list[list[dict]]):
-        self.parts = parts
-        self.last: tuple[int, _MergedShard] | None = None
+    def __init__(self, parts: list[list[dict]], hashed: bool = False):
+        self.parts, self.hashed = parts, hashed
+        self.last: tuple[int, Mapping] | None = None
 
     def __len__(self) -> int:
         return len(self.parts[0])
@@ -213,7 +218,8 @@ class _MergedShards(Sequence):
         if not 0 <= s < len(self):
             raise IndexError(s)
         if self.last is None or self.last[0] != s:
-            self.last = (s, _MergedShard([p[s] for p in self.parts]))
+            pieces = [p[s] for p in self.parts]
+            self.last = (s, _merge_hash(pieces) if self.hashed else _MergedShard(pieces))
         return self.last[1]
 
 
@@ -268,6 +274,47 @@ def _merge(pieces: list[dict]) -> dict:
             after[key] = have
         state = after
     return {"weight": weight, "state": state}
+
+
+def _merge_hash(pieces: list[dict]) -> dict:
+    """A hash shard merged over a chain: the full shard, then each later file's rows by id
+    (the ids it names as ``removed`` dropped, its ids' rows, state and counts replacing or
+    joining the others; ``removed`` None: the file holds the whole shard), ids sorted as
+    the newest file's full shard would hold them."""
+    base = pieces[0]
+    ids, weight = base["ids"], base["weight"]
+    counters = dict(base.get("counters") or {})
+    state = dict(base.get("state") or {})
+    for piece in pieces[1:]:
+        new, got = piece["ids"], dict(piece.get("counters") or {})
+        if piece.get("removed") is None:
+            ids, weight, counters = new, piece["weight"], got
+            state = dict(piece.get("state") or {})
+            continue
+        keep = ~torch.isin(ids, torch.cat([piece["removed"].to(ids.dtype), new]))
+        order = torch.argsort(torch.cat([ids[keep], new]))
+
+        def joined(old, fresh, keep=keep, order=order):
+            return torch.cat([old[keep], fresh.to(old.dtype)])[order]
+
+        per_row = set(piece.get("per_row") or ())
+        after = {}
+        for key, value in (piece.get("state") or {}).items():
+            have = state.get(key)
+            if key not in per_row:
+                after[key] = value
+            elif torch.is_tensor(have) and have.dim() and len(have) == len(ids):
+                after[key] = joined(have, value)
+            else:
+                raise ValueError(f"changed rows of a hash shard with state {key!r} per row "
+                                 f"that its base does not hold per row")
+        for key in ("count", "last"):
+            if key in got:
+                counters[key] = joined(counters[key], got[key]) if key in counters \
+                    else got[key]
+        counters["clock"] = got.get("clock", counters.get("clock", 0))
+        ids, weight, state = joined(ids, new), joined(weight, piece["weight"]), after
+    return {"ids": ids, "weight": weight, "state": state, "counters": counters}
 
 
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")

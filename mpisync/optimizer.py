@@ -397,7 +397,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         changed since the last call with ``changed`` given (``ids``, ``at``: their places
         in the shard, ``weight``, ``per_row``: the per-row state entries' names, ``state``:
         those entries' rows and the other entries whole), False every row in that form;
-        either way the ps ranks forget which rows changed. A hash table's shards are whole.
+        either way the ps ranks forget which rows changed. A hash table's (``changed``
+        given): the rows changed, by id, as without ``changed``, with ``per_row`` and
+        ``removed`` (the ids held at the last such call and evicted since; None where every
+        row is given).
         """
         self._check_open("table_shards")
         yield from self._parts.tables.read(name, with_state, changed)

@@ -6,7 +6,8 @@ bool per row of each ``mpisync.Embedding`` shard it holds, set by everything tha
 changes a row here: a step's row updates (the ids the step touched, or every row when
 the optimizer steps the shard's dense gradient), a function of ``opt.update`` over all
 rows, and a write of the shard (a load). Reading them clears the marks, so the next
-read answers the rows changed since this one. Hash shards are always read whole.
+read answers the rows changed since this one. A hash shard's marks are over its slots
+(``mpisync.ps.hashrows``): a lookup that sights an id changes its counts too.
 
 A step costs one indexed write of its touched local ids into the marks (no allocation
 beyond torch's index temporaries).

@@ -17,6 +17,7 @@ from ..native import torchstep
 from ..protocol import hashing
 from ..protocol.multi import inner_of
 from ..protocol.tables import TableSpec
+from .changes import Marks
 
 __all__ = ["HashRows", "fresh_state"]
 
@@ -58,6 +59,12 @@ class HashRows:
         self.slots = hashing.SlotMap(h.capacity, h.eviction, h.admit_after)
         self.fresh: list[np.ndarray] = []       # slots admitted since the last settle
         self._fresh_rows: dict | None = None
+        # incremental checkpoints: the slots whose row, state or counts changed since the
+        # last read_changed (lookups, steps, opt.update), and the ids and state entries that
+        # read held (None: none yet, the next is whole)
+        self.marks = Marks(len(param))
+        self.read_ids: np.ndarray | None = None
+        self.read_keys: tuple[str, ...] | None = None
 
     def _check(self, ids: torch.Tensor, what: str) -> np.ndarray:
         a = ids.numpy()
@@ -88,6 +95,7 @@ class HashRows:
                     self.param[torch.from_numpy(new)] = hashing.initial_rows(
                         admitted, self.spec.row_shape[0], self.spec.seed, self.spec.dtype)
                 self.fresh.append(new)
+            self.marks.mark(torch.from_numpy(slots[slots >= 0]))     # counts, recency
         out = torch.zeros(len(a), *self.spec.row_shape, dtype=self.spec.dtype)
         hit = torch.from_numpy(slots >= 0)
         out[hit] = self.param.detach()[torch.from_numpy(slots[slots >= 0])]
@@ -148,6 +156,40 @@ class HashRows:
                             for k, v in state.items()}
         return out
 
+    def read_changed(self, optimizer, with_state: bool, whole: bool) -> dict:
+        """The rows changed since the last call (every row held with ``whole``, the first
+        time, or where the optimizer's state entries are not those of the last call), and
+        forget them: ``read()``'s entries for those ids, ``removed`` (the ids held at the
+        last call and no longer: evicted) and ``per_row`` (the names of the per-row state
+        entries); None for ``removed`` where every row is given."""
+        self.settle(optimizer)
+        state = optimizer.state.get(self.param, {}) if optimizer is not None else {}
+        keys = tuple(state)
+        got = self.slots.export()
+        if self.read_ids is None or (with_state and keys != self.read_keys):
+            whole = True
+        if whole:
+            pick, removed = slice(None), None
+        else:
+            pick = torch.from_numpy(self.marks.changed.numpy()[got["slots"]])
+            removed = torch.from_numpy(np.setdiff1d(self.read_ids, got["ids"],
+                                                    assume_unique=True))
+        slots = torch.from_numpy(got["slots"])[pick]
+        out = {"ids": torch.from_numpy(got["ids"])[pick], "removed": removed,
+               "weight": self.param.detach()[slots],
+               "per_row": [k for k, v in state.items() if _per_row(v, self.param)],
+               "counters": {"count": torch.from_numpy(got["count"])[pick],
+                            "last": torch.from_numpy(got["last"])[pick],
+                            "clock": self.slots.clock}}
+        if with_state:
+            out["state"] = {k: (v[slots].clone() if _per_row(v, self.param) else
+                                v.clone() if torch.is_tensor(v) else v)
+                            for k, v in state.items()}
+            self.read_keys = keys
+        self.read_ids = got["ids"]
+        self.marks.changed.fill_(False)
+        return out
+
     def write(self, saved: dict, optimizer) -> None:
         """Hold exactly the saved rows (ids, weight, state, counters) of this shard."""
         ids = saved["ids"].to(torch.int64)
@@ -162,6 +204,7 @@ class HashRows:
                                                    np.asarray(last),
                                                    int(counters.get("clock", 0))))
         self.fresh = []
+        self.read_ids = None                     # the next incremental read is whole
         with torch.no_grad():
             self.param.zero_()
             self.param[slots] = saved["weight"].to(self.spec.dtype)

@@ -59,9 +59,10 @@ class _Unit:
         self.unit = spec.unit(k)
         self.hashed = None if spec.hashed is None else HashRows(spec, k, param, label)
         self.scratch = RowScratch()      # its reduced rows, kept until they are applied
-        # the rows changed since the last incremental checkpoint read them (resident only)
-        self.marks = Marks(spec.shard_rows[k]) if spec.resident and self.hashed is None \
-            else None
+        # the rows changed since the last incremental checkpoint read them (resident only;
+        # a hash shard's: its slots, kept by its HashRows)
+        self.marks = self.hashed.marks if self.hashed is not None else \
+            Marks(spec.shard_rows[k]) if spec.resident else None
 
 
 def _without(ids: torch.Tensor, values: torch.Tensor, zeros: list[np.ndarray]) -> tuple:
@@ -547,6 +548,8 @@ class RowShards:
         what = request[0]
         if what == "read":
             answer = u.hashed.read(optimizer, request[2])
+        elif what == "read_changed":
+            answer = u.hashed.read_changed(optimizer, request[2], request[3])
         elif what == "hash_stats":
             answer = u.hashed.stats()
         else:

@@ -303,7 +303,10 @@ class RowsChannel:
 
         Returns ``ids`` (global) and ``at`` (places in the shard) of those rows, their
         ``weight``, ``per_row`` (the names of the per-row state entries) and, with
-        ``with_state``, ``state``: those rows of the per-row entries, the others whole.
+        ``with_state``, ``state``: those rows of the per-row entries, the others whole. A
+        hash shard's: ``ids``, ``weight``, ``per_row``, ``state``, ``counters`` as
+        ``read_shard`` gives them for those ids, and ``removed``: the ids it held at the
+        last call and holds no more (None with every row).
         """
         t = next(tb.spec for tb in self.tables if tb.spec.name == name)
         rank = self.cluster.ps_rank(t.owners[k])
@@ -311,6 +314,8 @@ class RowsChannel:
                        tag=self.tags[Tag.TABLE])
         got = self.poller.wait_message(rank, self.tags[Tag.TABLE],
                                        lambda: f"changed rows of shard {k} of table {name!r}")
+        if t.hashed is not None:
+            return got
         at = got.pop("local")
         got["at"] = torch.arange(t.shard_rows[k]) if at is None else at
         got["ids"] = t.global_ids(k, got["at"])

@@ -20,9 +20,8 @@ class TableShards:
         if name not in tables:
             raise KeyError(f"{self.cluster.label}: no mpisync.Embedding table {name!r} in this "
                            f"optimizer; it has {sorted(tables)}")
-        hashed = tables[name].hashed is not None        # read whole, always
         for k in range(tables[name].num_shards):
-            if changed is None or hashed:
+            if changed is None:
                 yield self.rows.read_shard(name, k, with_state)
             else:
                 yield self.rows.read_changed(name, k, with_state, whole=not changed)

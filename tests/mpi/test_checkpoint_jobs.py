@@ -17,6 +17,7 @@ process, and the job proves that every worker refuses it and goes on. What needs
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import sys
@@ -29,7 +30,7 @@ from shared_checkpoint import BAD_CAUSES
 
 sys.path.insert(0, str(SCRIPTS))
 import tables_reshard as rs
-from checkpoint_errors import BAD_KINDS, bad_files
+from checkpoint_errors import BAD_KINDS, UNEVEN, bad_files
 from resume import KILL_AT, STEPS, WORKERS, Net, batch
 
 import mpisync
@@ -96,10 +97,12 @@ def at_one_ps(killed, bad, tmp_path_factory):
         ["resume", "resume", str(killed[True][0]), "--ema"],
         ["tables_reshard", "save", str(tables), *rs.BY_NAME],
         ["checkpoint_errors", "load_bad", *bad.values()],
-        ["checkpoint_errors", "interrupted", str(interrupted)]),
-        timeout=_timeout(1 + len(rs.BY_NAME) + len(bad) + 1))
+        ["checkpoint_errors", "interrupted", str(interrupted)],
+        ["checkpoint_errors", "uneven", str(tmp_path_factory.mktemp("uneven"))]),
+        timeout=_timeout(1 + len(rs.BY_NAME) + len(bad) + 2))
     steps = ({"resume-ema": STEPS} | {name: rs.K for name in rs.BY_NAME}
-             | {f"load_bad:{kind}": 3 + i for i, kind in enumerate(bad)} | {"interrupted": None})
+             | {f"load_bad:{kind}": 3 + i for i, kind in enumerate(bad)} | {"interrupted": None}
+             | {"uneven": 2 + min(UNEVEN)})
     return run.assert_every_case_ran(steps, WORKERS, steps.get), tables, interrupted
 
 
@@ -202,6 +205,18 @@ def test_a_bad_file_is_refused_on_every_worker_and_nothing_is_loaded(at_one_ps, 
                             + re.escape(_refusal(bad[how])), got["error"]), got["error"]
         assert got["unchanged"], w
         assert got["step_at_load"] == 2 + BAD_KINDS.index(how), got
+
+
+def test_uneven_data_ends_a_loop_of_steps_and_saves_without_waiting_for_a_closed_worker(
+        at_one_ps):
+    """Worker 1 closes first; worker 0's later steps and maybe_save() calls are no-ops
+    (``opt.stopped``), not a collective that worker 1 can never join."""
+    got = at_one_ps[0]["uneven"]
+    saved = [f"ckpt-{3 + i:09d}.pt" for i in range(min(UNEVEN))]
+    assert got[1] == dict(got[1], saved=saved, stopped=False), got
+    assert got[0] == dict(got[0], stopped=True,
+                          saved=saved + [None] * (UNEVEN[0] - UNEVEN[1])), got
+    assert sorted(os.listdir(got[0]["dir"])) == saved
 
 
 def test_an_interrupted_write_leaves_the_previous_checkpoint(at_one_ps):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from mpi_helpers import SCRIPTS, assert_every_rank_says, failing, labels, run_mpi
 
+import mpisync
 from mpisync import hashing
 
 sys.path.insert(0, str(SCRIPTS))
@@ -23,7 +24,7 @@ TOLERANCE = 1e-5
 # -- under MPI -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hash") / "ckpt.pt"
+    path = tmp_path_factory.mktemp("hash")
     run = run_mpi("hashtables.py", WORKERS, 1, ["--save", path, *[c.name for c in CASES]],
                   timeout=300)
     return run, run.by_case(), path
@@ -85,12 +86,19 @@ def test_admission_and_eviction_follow_the_reference(saved, name):
 @pytest.fixture(scope="module")
 def loaded(saved):
     _, _, path = saved
-    return failing("hashtables_load.py", WORKERS, 2, ["--load", path], timeout=120)
+    return failing("hashtables_load.py", WORKERS, 2, ["--load", mpisync.latest(path)],
+                   timeout=120)
 
 
 def test_a_checkpoint_at_one_ps_loads_at_two_by_id(saved, loaded):
-    _, by_case, _ = saved
+    """The newest file of an incremental chain (each file the rows changed and the ids
+    evicted since the one before) loads as the table was, by id."""
+    _, by_case, path = saved
     before = by_case["evict-lru-adagrad-saved"][0]
+    newest = torch.load(mpisync.latest(path), weights_only=True)
+    assert newest["base"] is not None and newest["global_step"] == before["global_step"]
+    table = newest["tables"]["emb.weight"]
+    assert table["incremental"] is True and table["shards"][0]["removed"] is not None
     for w, got in loaded.by_worker().items():
         assert got["num_ps"] == 2 and len(got["table"]["shards"]) == 2, loaded.describe()
         assert got["table"]["rows"] == before["table"]["rows"], (w, loaded.describe())

@@ -4,7 +4,9 @@ way twice is not started a third time.
 
 Each case is one launcher run of tests/scripts/restarts.py (2 workers + 1 ps, deterministic,
 a checkpoint every 3 global steps, 12 steps; each attempt's ranks forked by the suite's fork
-servers where it has them, as ``run_mpi``'s); the unbroken run is one plain job.
+servers where it has them, as ``run_mpi``'s); the unbroken run is one plain job. The killed
+ranks are killed in turn in one run: the ps, then the chief, then a worker that is not the
+chief, one per attempt (under MPICH and Open MPI).
 """
 from __future__ import annotations
 
@@ -18,24 +20,25 @@ import torch
 from mpi_helpers import SCRIPTS, rank_python, run_mpi
 
 sys.path.insert(0, str(SCRIPTS))
-from restarts import KILL_AT, RAISE_AT, STEPS
+from restarts import EACH, EVERY, RAISE_AT, STEPS
 
-#: One attempt's limit (--timeout) and the whole run's: two attempts and the launcher.
+#: One attempt's limit (--timeout); a run's is that for each attempt and a minute.
 ATTEMPT_TIMEOUT = 150
-RUN_TIMEOUT = 2 * ATTEMPT_TIMEOUT + 60
 
 
-def launch(mode: str, tmp_path) -> tuple[subprocess.CompletedProcess, str]:
-    """``restarts.py MODE`` under the launcher with ``--restarts 2``; its output, the chief's
-    final parameters' file."""
+def launch(mode: str, tmp_path, restarts: int = 2) -> tuple[subprocess.CompletedProcess, str]:
+    """``restarts.py MODE`` under the launcher with ``--restarts RESTARTS``; its output, the
+    chief's final parameters' file."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "final.pt"
     ckpt.mkdir()
     env = dict(os.environ, MPISYNC_TIMEOUT="120", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "mpisync.launch", "--workers", "2", "--ps", "1",
-         "--restarts", "2", "--restart-backoff", "0", "--timeout", str(ATTEMPT_TIMEOUT), "--",
+         "--restarts", str(restarts), "--restart-backoff", "0", "--timeout",
+         str(ATTEMPT_TIMEOUT), "--",
          *rank_python(3, env), str(SCRIPTS / "restarts.py"), mode, str(ckpt), str(out)],
-        check=False, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=env)
+        check=False, capture_output=True, text=True,
+        timeout=(restarts + 1) * ATTEMPT_TIMEOUT + 60, env=env)
     return proc, str(out)
 
 
@@ -48,19 +51,28 @@ def unbroken(tmp_path_factory) -> dict[str, torch.Tensor]:
     return torch.load(tmp / "final.pt")
 
 
-@pytest.mark.parametrize("mode", ["kill-ps", "kill-chief",
-                                  pytest.param("kill-worker1", marks=pytest.mark.openmpi)])
-def test_a_killed_rank_restarts_the_job_which_resumes_bitwise(mode, tmp_path, unbroken):
-    proc, out = launch(mode, tmp_path)
+@pytest.mark.openmpi
+def test_a_killed_ps_chief_or_worker_restarts_the_job_which_resumes_bitwise(tmp_path, unbroken):
+    """The ps, the chief, then worker 1 die by SIGKILL, one per attempt: each attempt starts
+    from the newest checkpoint before its kill, and the last ends where an unbroken run
+    ends, bitwise."""
+    proc, out = launch("kill-each", tmp_path, restarts=len(EACH))
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
-    assert "mpisync.launch: attempt 2 of 3: the job failed with exit status" in text, text
-    assert "no rank recorded an error" in text, text
+    attempts = len(EACH) + 1
+    for n in range(2, attempts + 1):
+        assert f"mpisync.launch: attempt {n} of {attempts}: the job failed with exit status" \
+            in text, text
+    assert text.count("no rank recorded an error") == len(EACH), text
     assert "made no mpisync.Checkpointer" not in text, text       # it makes one
     assert "restarts.py: attempt 0 starts at global step 0" in text, text
-    last = (KILL_AT // 3) * 3                 # the newest checkpoint before the kill
-    assert f"restarts.py: attempt 1 starts at global step {last}" in text, text
-    assert "attempt 3" not in text and "restarts.py: attempt 2" not in text, text
+    for n, (victim, step) in sorted(EACH.items()):
+        last = (step // EVERY) * EVERY            # the newest checkpoint before the kill
+        assert f"restarts.py: attempt {n + 1} starts at global step {last}" in text, \
+            (victim, text)
+    assert f"attempt {attempts + 1}" not in text, text
+    assert f"restarts.py: attempt {attempts}" not in text, text
+    assert text.count(" -n 3 ") == attempts, text
     final = torch.load(out)
     assert sorted(final) == sorted(unbroken)
     for name, value in unbroken.items():

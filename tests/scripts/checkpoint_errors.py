@@ -1,9 +1,13 @@
-"""Checkpoint files that go wrong on purpose: ``load_bad FILE...``, ``interrupted DIR``.
+"""Checkpoint files that go wrong on purpose: ``load_bad FILE...``, ``interrupted DIR``,
+``uneven DIR``.
 
 ``load_bad``: one model and optimizer train 2 steps, then load each FILE in turn: every
 worker catches the refusal, checks that nothing was loaded, trains a step and goes on to
 the next file (case ``load_bad:<the file's folder>``). ``interrupted``: a save whose write
-fails after the tables went in (case ``interrupted``). ``bad_files`` writes the bad files
+fails after the tables went in (case ``interrupted``). ``uneven``: uneven data, worker 1
+closes after UNEVEN[1] steps while worker 0 goes on stepping and calling a Checkpointer's
+``maybe_save()`` for UNEVEN[0]: its steps and saves become no-ops, none waits for worker 1
+(case ``uneven``). ``bad_files`` writes the bad files
 from a good checkpoint (the test calls it, and checks each file's refusal in one process):
 some are no checkpoint, some lack an entry (``no_model``, ``no_optimizer``, ``no_strategy``:
 a table's), and ``not_a_tensor`` makes the chief's check itself raise.
@@ -22,6 +26,8 @@ import mpisync
 
 BAD_KINDS = ("truncated", "newer", "other_model", "not_a_checkpoint", "unreadable", "missing",
              "no_model", "no_optimizer", "no_strategy", "not_a_tensor")
+#: uneven: the steps each worker's loop runs (worker 1 closes first)
+UNEVEN = (6, 2)
 
 
 def bad_files(good, directory) -> dict[str, str]:
@@ -111,11 +117,26 @@ def interrupted(w: int, where: str) -> dict:
     return out
 
 
+def uneven(w: int, where: str) -> dict:
+    m, opt = make(w)
+    ck = mpisync.Checkpointer(where, m, opt, every_steps=1)
+    saved = []
+    for _ in range(UNEVEN[w]):
+        train_one(m, opt, w)
+        path = ck.maybe_save()
+        saved.append(path and os.path.basename(path))
+    out = {"saved": saved, "stopped": opt.stopped, "dir": where, "global_step": opt.global_step}
+    opt.close()
+    return out
+
+
 def cases(cluster, argv: list[str]):
-    """``argv`` = ``load_bad FILE...`` or ``interrupted DIR``."""
+    """``argv`` = ``load_bad FILE...``, ``interrupted DIR`` or ``uneven DIR``."""
     mode, where = argv[0], argv[1:]
     if mode == "load_bad":
         yield from load_bad(cluster.worker_index, where)
+    elif mode == "uneven":
+        yield "uneven", uneven(cluster.worker_index, where[0])
     else:
         yield "interrupted", interrupted(cluster.worker_index, where[0])
 

@@ -10,8 +10,9 @@ plain reference shard (hash_reference.py) deciding what is held. ``shared`` case
 workers look up the same batch each step, with ``admit_after=2``: the second lookup of a
 new id admits it, whichever worker's it is; the worker whose lookup read zeros has its
 gradient for that id dropped, the other's counts (``simulate`` does both lookups).
-A case with ``save`` writes a checkpoint (``--save PATH``) that hashtables_load.py loads
-into another number of ps ranks.
+A case with ``save`` writes a checkpoint after every step into ``--save DIR`` (a
+``Checkpointer`` chain: the first file full, the later ones the rows changed and the ids
+evicted since), whose newest file hashtables_load.py loads into another number of ps ranks.
 """
 from __future__ import annotations
 
@@ -131,6 +132,8 @@ def train(cluster, case: Case, save: str | None) -> dict:
     model = build(case)
     opt = mpisync.SyncReplicasOptimizer(make_optimizer(case, model.parameters()),
                                         named_parameters=model.named_parameters())
+    ckpt = (mpisync.Checkpointer(save, model, opt, every_steps=1, full_every=1000)
+            if case.save and save else None)
     for step in data(case):
         ids, y, at = step[w]
         opt.zero_grad()
@@ -139,6 +142,8 @@ def train(cluster, case: Case, save: str | None) -> dict:
             loss = loss + loss_of(case, model["twin"], model["twin_head"], at, y)
         loss.backward()
         opt.step()
+        if ckpt is not None:
+            ckpt.maybe_save()
     out = {"global_step": opt.global_step, "table": table_by_id(opt),
            "hash_stats": opt.stats["hash_tables"]["emb.weight"]}
     got = out["table"]["rows"]
@@ -157,8 +162,6 @@ def train(cluster, case: Case, save: str | None) -> dict:
                         for k in ("head", "twin_head")]
     else:
         out["head"] = [p.detach().tolist() for p in model["head"].parameters()]
-    if case.save and save:
-        mpisync.save(save, model, opt)
     opt.close()
     return out
 

@@ -8,9 +8,10 @@ Each worker's batch at global step t is drawn from a generator seeded with t, so
 run sees the data an unbroken one sees. MODE says what fails:
 
 - ``none``: nothing;
-- ``kill-ps``, ``kill-chief``, ``kill-worker1``: in attempt 0 (``MPISYNC_ATTEMPT``) that
-  rank kills itself with SIGKILL at global step KILL_AT (the ps rank once the chief, at
-  that step, left a word in DIR and waits);
+- ``kill-each``: one rank of each kind kills itself with SIGKILL, one per attempt
+  (``MPISYNC_ATTEMPT``), at the global step EACH names: the ps in attempt 0 (once the
+  chief, at that step, left a word in DIR and waits), the chief in attempt 1, worker 1 in
+  attempt 2; attempt 3 ends the training;
 - ``raise``: the chief raises RuntimeError at global step RAISE_AT, in every attempt.
 """
 from __future__ import annotations
@@ -26,8 +27,10 @@ from common import CLASSES, FEATURES, emit, model
 
 import mpisync
 
-WORKERS, BATCH, STEPS, EVERY, KILL_AT, RAISE_AT = 2, 8, 12, 3, 7, 5
-MODES = ("none", "kill-ps", "kill-chief", "kill-worker1", "raise")
+WORKERS, BATCH, STEPS, EVERY, RAISE_AT = 2, 8, 12, 3, 5
+MODES = ("none", "kill-each", "raise")
+#: kill-each: the rank that dies in each attempt, and at which global step
+EACH = {0: ("ps", 4), 1: ("chief", 8), 2: ("worker1", 11)}
 
 
 def attempt() -> int:
@@ -43,12 +46,18 @@ def batch(t: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[rows], y[rows]
 
 
+def kill_plan(mode: str) -> tuple[str, int] | None:
+    """The rank that dies in this attempt ("ps", "chief" or "worker1") and at which global
+    step, or None."""
+    return EACH.get(attempt()) if mode == "kill-each" else None
+
+
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)       # no excepthook, no atexit, no record
 
 
 def ps_dies_on_word(path: str) -> None:
-    """The ps rank kills itself once ``path`` exists (the chief writes it at KILL_AT)."""
+    """The ps rank kills itself once ``path`` exists (the chief writes it at the step)."""
     def watch() -> None:
         while not os.path.exists(path):
             time.sleep(0.01)
@@ -74,7 +83,9 @@ def worker(cluster, args) -> dict:
     if w == 0:
         print(f"restarts.py: attempt {attempt()} starts at global step {resumed_from}",
               flush=True)
-    target = {"kill-chief": 0, "kill-worker1": 1, "kill-ps": 0}.get(args.mode)
+    plan = kill_plan(args.mode)
+    victim, kill_at = plan if plan else (None, -1)
+    target = {"chief": 0, "worker1": 1, "ps": 0}.get(victim)
     while opt.global_step < STEPS:
         x, y = batch(opt.global_step, w)
         opt.zero_grad()
@@ -83,10 +94,10 @@ def worker(cluster, args) -> dict:
         ckpt.maybe_save()
         if args.mode == "raise" and w == 0 and opt.global_step == RAISE_AT:
             raise RuntimeError("boom")
-        if attempt() == 0 and w == target and opt.global_step == KILL_AT:
-            if args.mode != "kill-ps":
+        if w == target and opt.global_step == kill_at:
+            if victim != "ps":
                 die()
-            with open(os.path.join(args.dir, "kill-ps"), "w"):
+            with open(os.path.join(args.dir, f"kill-ps-{attempt()}"), "w"):
                 pass
             time.sleep(120)            # the job ends with the ps rank long before
             raise RuntimeError("the ps rank did not die")
@@ -105,8 +116,9 @@ def main() -> None:
     args = p.parse_args()
     cluster = mpisync.init()
     if cluster.is_ps:
-        if args.mode == "kill-ps" and attempt() == 0:
-            ps_dies_on_word(os.path.join(args.dir, "kill-ps"))
+        plan = kill_plan(args.mode)
+        if plan and plan[0] == "ps":
+            ps_dies_on_word(os.path.join(args.dir, f"kill-ps-{attempt()}"))
         cluster.serve()
         return
     emit(role="worker", worker=cluster.worker_index, **worker(cluster, args))

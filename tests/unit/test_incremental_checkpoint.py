@@ -162,8 +162,9 @@ def test_a_missing_base_is_refused_naming_it_and_latest_falls_back(rank, tmp_pat
     net, opt = build(rank, "adagrad", seed=7)
     before = record(net, opt)
     with pytest.raises(mpisync.ConfigError,
-                       match=rf"{cut / ckpt_name(3)}: an incremental checkpoint whose base "
-                             rf"{cut / ckpt_name(1)} is missing"):
+                       match=rf"{cut / ckpt_name(3)}: an incremental checkpoint whose chain of "
+                             rf"bases needs {cut / ckpt_name(1)} \(the base of "
+                             rf"{cut / ckpt_name(2)}\), which is missing"):
         mpisync.load(cut / ckpt_name(3), net, opt)
     same(record(net, opt), before, "nothing loaded")
     with pytest.raises(FileNotFoundError, match=ckpt_name(1)):
@@ -200,8 +201,9 @@ def test_a_missing_base_is_refused_naming_it_and_latest_falls_back(rank, tmp_pat
     ckpt = mpisync.Checkpointer(cut, net, opt, every_steps=1, full_every=3)
     with pytest.raises(mpisync.ConfigError,
                        match=rf"holds checkpoints but none can be loaded \({cut / ckpt_name(3)}: "
-                             rf"an incremental checkpoint whose base {cut / ckpt_name(1)} is "
-                             rf"missing.*{cut / ckpt_name(2)}: .*; starting from step 0 would "
+                             rf"an incremental checkpoint whose chain of bases needs "
+                             rf"{cut / ckpt_name(1)} \(the base of {cut / ckpt_name(2)}\), "
+                             rf"which is missing.*{cut / ckpt_name(2)}: .*; starting from step 0 would "
                              rf"write over them") as refused:
         ckpt.resume()                                   # not step 0 over the files there
     assert refused.value.collective
@@ -334,4 +336,97 @@ def test_the_partial_files_of_a_writer_killed_mid_write_are_removed(rank, tmp_pa
     mpisync.save(d / ckpt_name(1), net, opt)
     assert sorted(p.name for p in d.iterdir()) == sorted(
         [names["alive"], names["elsewhere"], ckpt_name(1), ckpt_name(3)])
+    opt.close()
+
+
+# -- hash tables ----------------------------------------------------------------------------
+HASH_CAPACITY, HASH_POOL, HASH_STEPS, HASH_BATCH = 40, 150, 10, 8
+HASH_OPTIMIZERS = {
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    "rowwise": lambda ps: mpisync.RowWiseAdagrad(ps, lr=0.1),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),   # every slot
+}
+
+
+class HashNet(torch.nn.Module):
+    def __init__(self, seed: int, eviction: str, admit_after: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = mpisync.HashEmbedding(DIM, capacity_per_shard=HASH_CAPACITY, seed=seed,
+                                         eviction=eviction, admit_after=admit_after)
+        self.head = torch.nn.Linear(DIM, 2)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+
+
+def hash_step(net, opt, t: int) -> None:
+    """A step over 3 ids a sample of a pool of unbounded 64-bit ids, common ones more often:
+    the shard fills up after a few steps and evicts from then on."""
+    g = torch.Generator().manual_seed(100 + t)
+    pool = torch.randint(0, 2**62, (HASH_POOL,), generator=torch.Generator().manual_seed(3))
+    at = (torch.rand(HASH_BATCH, 3, generator=g) ** 2 * HASH_POOL).long()
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(net(pool[at]), torch.randint(0, 2, (HASH_BATCH,),
+                                                                   generator=g)).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("kind, eviction, admit_after",
+                         [("adagrad", "lru", 1), ("rowwise", "lfu", 2),
+                          ("sgd-momentum", "lru", 1)])
+def test_a_hash_table_chain_merges_to_the_full_file_of_its_step(rank, tmp_path, kind, eviction,
+                                                                 admit_after):
+    """Each file of a chain holds the rows whose weight, state or counts changed since the
+    one before and the ids evicted since; merged, the chain is the full file of its step,
+    and loads as it does."""
+    d, full = tmp_path / "ckpt", tmp_path / "full"
+
+    def build_hash(seed):
+        net = HashNet(seed, eviction, admit_after)
+        return net, rank.wrap(net, HASH_OPTIMIZERS[kind](net.parameters()))
+
+    net, opt = build_hash(0)
+    ckpt = mpisync.Checkpointer(d, net, opt, every_steps=1, full_every=4)
+    records, steps = {}, HASH_STEPS
+    for t in range(steps):
+        hash_step(net, opt, t)
+        ckpt.maybe_save()
+        mpisync.save(full / f"{t + 1}.pt", net, opt)
+        records[t + 1] = table(opt)
+    opt.close()
+    files = {t: torch.load(d / ckpt_name(t), weights_only=True) for t in range(1, steps + 1)}
+    removed = fewer = 0
+    for t, ck in files.items():
+        shards = ck["tables"][NAME]["shards"]
+        if t % 4 == 1:                              # full_every=4
+            assert ck["base"] is None and "incremental" not in ck["tables"][NAME], t
+            continue
+        assert ck["tables"][NAME]["incremental"] is True, t
+        held = sum(len(s["ids"]) for s in torch.load(full / f"{t}.pt")["tables"][NAME]["shards"])
+        changed = sum(len(s["ids"]) for s in shards)
+        removed += sum(len(s["removed"]) for s in shards if s["removed"] is not None)
+        if any(s["removed"] is None for s in shards):
+            # whole: the optimizer's state appeared since the base (admit_after=2: no
+            # row, no gradient, no state at step 1)
+            assert (t, admit_after) == (2, 2) and changed == held, t
+        elif kind == "sgd-momentum":                # a dense step: every row held
+            assert changed == held, t
+        else:                                       # the rows a step sighted
+            assert 0 < changed <= min(3 * HASH_BATCH, held), t
+            fewer += changed < held
+        merged = ckptchain.merged_tables(ckptchain.chain(str(d / ckpt_name(t))))[NAME]
+        whole = torch.load(full / f"{t}.pt", weights_only=True)["tables"][NAME]
+        for got, want in zip(merged["shards"], whole["shards"], strict=True):
+            same(dict(got), want, f"shard of step {t}")
+    assert removed > 0, "no file named an evicted id: the test does not evict"
+    assert fewer or kind == "sgd-momentum", "no file held fewer rows than the table"
+    net, opt = build_hash(7)
+    for t in (4, 7, 10, 2):
+        mpisync.load(d / ckpt_name(t), net, opt)
+        chained = record(net, opt)
+        same(chained[0], records[t], f"the table of step {t}")
+        mpisync.load(full / f"{t}.pt", net, opt)
+        same(chained, record(net, opt), f"chain and full file of step {t}")
+    same(mpisync.plain_state(d / ckpt_name(7)), mpisync.plain_state(full / "7.pt"))
     opt.close()
