@@ -15,6 +15,11 @@ a plain ``mpisync.save`` writes a full file of the same step. Worker 0 reports e
 file's bytes and write time (the chief's wall time of the collective save), and the load
 time of the incremental chain and of the full file (``mpisync.load`` into the same job).
 The files go to ``--dir`` (default: a temporary directory, removed after).
+
+``--hash``: the table is an ``mpisync.HashEmbedding`` of 64-bit ids instead (capacity 20%
+above R per shard), filled with R ids by ten steps before the first file; the step
+between the two files looks up 1% of those ids again (their rows, state and counts
+change). ``--hash --big`` needs about 12 GiB on the ps rank.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--big", action="store_true", help="10^7 rows")
     p.add_argument("--shards", type=int, default=8, help="table shards on the one ps rank")
     p.add_argument("--touched", type=float, default=0.01, help="fraction of rows a step touches")
+    p.add_argument("--hash", action="store_true", help="an mpisync.HashEmbedding table")
     p.add_argument("--dir", default=None, help="where the files go (default: a temporary one)")
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)   # a rank of the job
     p.add_argument("--timeout", type=int, default=1800, help="launch --timeout, seconds")
@@ -54,10 +60,11 @@ def job(args: argparse.Namespace) -> None:
         return
     rows = args.rows
     torch.manual_seed(0)
-    model = torch.nn.ModuleDict({
-        "emb": mpisync.Embedding(rows, DIM, partitioner=mpisync.fixed_size(args.shards),
-                                 seed=1),
-        "head": torch.nn.Linear(DIM, 1)})
+    parts = mpisync.fixed_size(args.shards)
+    table = (mpisync.HashEmbedding(DIM, capacity_per_shard=rows * 6 // 5 // args.shards + 64,
+                                   partitioner=parts, seed=1) if args.hash else
+             mpisync.Embedding(rows, DIM, partitioner=parts, seed=1))
+    model = torch.nn.ModuleDict({"emb": table, "head": torch.nn.Linear(DIM, 1)})
     opt = mpisync.SyncReplicasOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.1),
                                         named_parameters=model.named_parameters(),
                                         cluster=cluster)
@@ -69,13 +76,22 @@ def job(args: argparse.Namespace) -> None:
         out = fn()
         return out, time.perf_counter() - start
 
+    def step(ids):
+        mine = ids[cluster.worker_index::cluster.num_workers]
+        opt.zero_grad()
+        model["head"](model["emb"](mine)).pow(2).mean().backward()
+        opt.step()
+
+    # a hash table's ids: R unbounded 64-bit ids (an odd multiplier of 0..R-1), all held
+    name = (torch.arange(rows, dtype=torch.int64) * 0x5851F42D4C957F2D if args.hash
+            else torch.arange(rows, dtype=torch.int64))
+    if args.hash:
+        for chunk in name.chunk(10):
+            step(chunk)
     full_path, full_s = timed(ckpt.save)
     touched = int(rows * args.touched)
     ids = torch.randperm(rows, generator=torch.Generator().manual_seed(2))[:touched]
-    mine = ids[cluster.worker_index::cluster.num_workers]
-    opt.zero_grad()
-    model["head"](model["emb"](mine)).pow(2).mean().backward()
-    opt.step()
+    step(name[ids])
     incr_path, incr_s = timed(ckpt.save)
     plain = os.path.join(args.dir, "full.pt")
     _, full2_s = timed(lambda: mpisync.save(plain, model, opt))
@@ -88,6 +104,7 @@ def job(args: argparse.Namespace) -> None:
         print(RESULT + json.dumps({
             "rows": rows, "dim": DIM, "shards": args.shards, "touched_rows": touched,
             "changed_rows_written": changed, "optimizer": "Adagrad",
+            "table": "HashEmbedding" if args.hash else "Embedding",
             "workers": cluster.num_workers, "ps": cluster.num_ps,
             "full_bytes": os.path.getsize(full_path), "full_write_s": round(full_s, 3),
             "full_write_after_step_s": round(full2_s, 3),
@@ -109,7 +126,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "mpisync.launch", "--workers", "2", "--ps", "1",
            "--timeout", str(args.timeout), "--", sys.executable, os.path.abspath(__file__),
            "--job", "--rows", str(args.rows), "--shards", str(args.shards),
-           "--touched", str(args.touched), "--dir", where]
+           "--touched", str(args.touched), "--dir", where, *(["--hash"] if args.hash else [])]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
                               env=dict(os.environ, OMP_NUM_THREADS="1"))

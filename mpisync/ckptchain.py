@@ -219,7 +219,7 @@ class _MergedShards(Sequence):
             raise IndexError(s)
         if self.last is None or self.last[0] != s:
             pieces = [p[s] for p in self.parts]
-            self.last = (s, _merge_hash(pieces) if self.hashed else _MergedShard(pieces))
+            self.last = (s, _MergedHashShard(pieces) if self.hashed else _MergedShard(pieces))
         return self.last[1]
 
 
@@ -276,45 +276,86 @@ def _merge(pieces: list[dict]) -> dict:
     return {"weight": weight, "state": state}
 
 
-def _merge_hash(pieces: list[dict]) -> dict:
-    """A hash shard merged over a chain: the full shard, then each later file's rows by id
-    (the ids it names as ``removed`` dropped, its ids' rows, state and counts replacing or
-    joining the others; ``removed`` None: the file holds the whole shard), ids sorted as
-    the newest file's full shard would hold them."""
-    base = pieces[0]
-    ids, weight = base["ids"], base["weight"]
-    counters = dict(base.get("counters") or {})
-    state = dict(base.get("state") or {})
-    for piece in pieces[1:]:
-        new, got = piece["ids"], dict(piece.get("counters") or {})
-        if piece.get("removed") is None:
-            ids, weight, counters = new, piece["weight"], got
-            state = dict(piece.get("state") or {})
-            continue
-        keep = ~torch.isin(ids, torch.cat([piece["removed"].to(ids.dtype), new]))
-        order = torch.argsort(torch.cat([ids[keep], new]))
+class _MergedHashShard(Mapping):
+    """Saved shard ``s`` of a hash table over a chain: the full shard, then each later
+    file's rows by id (the ids it names as ``removed`` dropped, its ids' rows, state and
+    counts replacing or joining the others; ``removed`` None: the file holds the whole
+    shard), ids sorted as the newest file's full shard would hold them. ``ids`` and
+    ``counters`` are merged when first asked for, ``weight`` and ``state`` (the most of it)
+    when one of them is."""
 
-        def joined(old, fresh, keep=keep, order=order):
-            return torch.cat([old[keep], fresh.to(old.dtype)])[order]
+    def __init__(self, pieces: list[dict]):
+        start = max(i for i, p in enumerate(pieces) if i == 0 or p.get("removed") is None)
+        self.pieces = pieces[start:]              # from the newest whole one
+        self.steps: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.cache: dict = {}
 
-        per_row = set(piece.get("per_row") or ())
-        after = {}
-        for key, value in (piece.get("state") or {}).items():
-            have = state.get(key)
-            if key not in per_row:
-                after[key] = value
-            elif torch.is_tensor(have) and have.dim() and len(have) == len(ids):
-                after[key] = joined(have, value)
+    def __iter__(self) -> Iterator[str]:
+        return iter(("ids", "weight", "state", "counters"))
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, key):
+        if key not in self.cache:
+            if key in ("weight", "state"):
+                self.cache.update(self._rows())
+            elif key in ("ids", "counters"):
+                self.cache.update(self._ids())
             else:
-                raise ValueError(f"changed rows of a hash shard with state {key!r} per row "
-                                 f"that its base does not hold per row")
-        for key in ("count", "last"):
-            if key in got:
-                counters[key] = joined(counters[key], got[key]) if key in counters \
-                    else got[key]
-        counters["clock"] = got.get("clock", counters.get("clock", 0))
-        ids, weight, state = joined(ids, new), joined(weight, piece["weight"]), after
-    return {"ids": ids, "weight": weight, "state": state, "counters": counters}
+                raise KeyError(key)
+        return self.cache[key]
+
+    def _ids(self) -> dict:
+        """The merged ids and counts; each later file's (kept rows, order) for ``_rows``."""
+        base = self.pieces[0]
+        ids, counters = base["ids"], dict(base.get("counters") or {})
+        self.steps = []
+        for piece in self.pieces[1:]:
+            new, got = piece["ids"], piece.get("counters") or {}
+            keep = ~torch.isin(ids, torch.cat([piece["removed"].to(ids.dtype), new]))
+            order = torch.argsort(torch.cat([ids[keep], new]))
+            self.steps.append((keep, order))
+            for key in ("count", "last"):
+                if key in got and key in counters:
+                    counters[key] = _joined(counters[key], got[key], keep, order)
+                elif key in got:
+                    counters[key] = got[key]
+            counters["clock"] = got.get("clock", counters.get("clock", 0))
+            ids = _joined(ids, new, keep, order)
+        return {"ids": ids, "counters": counters}
+
+    def _rows(self) -> dict:
+        if self.steps is None:
+            self.cache.update(self._ids())
+        base = self.pieces[0]
+        weight, state = base["weight"], dict(base.get("state") or {})
+        for piece, (keep, order) in zip(self.pieces[1:], self.steps):
+            per_row = set(piece.get("per_row") or ())
+            after = {}
+            for key, value in (piece.get("state") or {}).items():
+                have = state.get(key)
+                if key not in per_row:
+                    after[key] = value
+                elif torch.is_tensor(have) and have.dim() and len(have) == len(keep):
+                    after[key] = _joined(have, value, keep, order)
+                else:
+                    raise ValueError(f"changed rows of a hash shard with state {key!r} per "
+                                     f"row that its base does not hold per row")
+            weight, state = _joined(weight, piece["weight"], keep, order), after
+        return {"weight": weight, "state": state}
+
+
+def _joined(old: torch.Tensor, new: torch.Tensor, keep: torch.Tensor, order: torch.Tensor
+            ) -> torch.Tensor:
+    """The rows of ``old`` kept, then ``new``'s, in ``order``."""
+    out = torch.empty(len(order), *old.shape[1:], dtype=old.dtype)
+    kept = int(keep.sum())
+    where = torch.empty(len(order), dtype=torch.int64)
+    where[order] = torch.arange(len(order))          # the place of each joined row
+    out[where[:kept]] = old[keep]
+    out[where[kept:]] = new.to(old.dtype)
+    return out
 
 
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")

@@ -252,21 +252,40 @@ def check_saved_hash_table(saved: dict[str, Any], t: TableSpec) -> str | None:
 def place_hash_table(shards: list[dict[str, Any]], t: TableSpec, rows: RowsChannel) -> None:
     """Send each shard of hash table ``t`` the saved rows whose ids hash to it (with their
     optimizer state and counts), through the worker's ``RowsChannel`` ``rows``."""
-    located = [t.locate(sh["ids"])[0] for sh in shards]
-    clock = max([int((sh.get("counters") or {}).get("clock", 0)) for sh in shards] + [0])
+    # each saved shard read once here, and below only for the new shards it has rows for
+    # (a chain's shards are merged as they are read, one held at a time: ckptchain)
+    located, clock = [], 0
+    for sh in shards:                           # ids and counts only
+        located.append(t.locate(sh["ids"])[0])
+        clock = max(clock, int((sh.get("counters") or {}).get("clock", 0)))
+    empty: dict[str, torch.Tensor] = {}         # each per-row state entry, no rows
+    scalars0: dict[str, Any] = {}               # the other entries, shard 0's first
+    any_state = False
+    for sh in shards:                           # shard 0's state, mostly (the first new
+        state = sh.get("state") or {}           # shard reads it next)
+        any_state = any_state or bool(state)
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() and len(value) == len(sh["ids"]):
+                empty.setdefault(key, value[:0])
+            else:
+                scalars0.setdefault(key, value)
+        if state:
+            break
     for k in range(t.num_shards):
-        picked = [(sh, (part == k).nonzero().flatten()) for sh, part in zip(shards, located)]
-        ids: list[torch.Tensor] = []
-        weight: list[torch.Tensor] = []
-        count: list[torch.Tensor] = []
-        last: list[torch.Tensor] = []
-        per_row: dict[str, list[torch.Tensor]] = {}
-        scalars: dict[str, Any] = {}
-        for sh, mine in picked:
+        ids: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)]
+        weight: list[torch.Tensor] = [torch.empty(0, *t.row_shape, dtype=t.dtype)]
+        count: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)]
+        last: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)]
+        per_row: dict[str, list[torch.Tensor]] = {key: [v] for key, v in empty.items()}
+        for s, part in enumerate(located):
+            mine = (part == k).nonzero().flatten()
+            if not len(mine):
+                continue
+            sh = shards[s]
             counters = sh.get("counters") or {}
             size = len(sh["ids"])
             ids.append(sh["ids"][mine])
-            weight.append(sh["weight"][mine])
+            weight.append(sh["weight"][mine].to(t.dtype))
             count.append(counters["count"][mine] if "count" in counters
                          else torch.ones(len(mine), dtype=torch.int64))
             last.append(counters["last"][mine] if "last" in counters
@@ -274,11 +293,10 @@ def place_hash_table(shards: list[dict[str, Any]], t: TableSpec, rows: RowsChann
             for key, value in (sh.get("state") or {}).items():
                 if torch.is_tensor(value) and value.dim() and len(value) == size:
                     per_row.setdefault(key, []).append(value[mine])
-                else:
-                    scalars.setdefault(key, value)
+            del sh
         state: dict[str, Any] = {key: torch.cat(values) for key, values in per_row.items()}
-        state.update(scalars)
+        state.update(scalars0)
         rows.write_shard(t.name, k, None, {
             "ids": torch.cat(ids), "weight": torch.cat(weight),
             "counters": {"count": torch.cat(count), "last": torch.cat(last), "clock": clock},
-            "state": state if any(sh.get("state") for sh in shards) else None})
+            "state": state if any_state else None})
