@@ -246,6 +246,23 @@ class _MergedShard(Mapping):
     def __len__(self) -> int:
         return 3
 
+    def weight_shape(self) -> tuple[int, ...]:
+        """The shape of the merged rows, without merging them (``reshard.check_table``)."""
+        return tuple(self.pieces[0]["weight"].shape)
+
+    def shard_entries(self) -> dict:
+        """The merged state's entries that are not per row, without merging the rows: the
+        newest file's (``reshard.check_table``)."""
+        rows = len(self.pieces[0]["ids"])
+        if self.merged is not None or len(self.pieces) == 1:
+            state = self["state"]
+        else:
+            newest = self.pieces[-1]
+            per_row = set(newest["per_row"])
+            state = {k: v for k, v in (newest.get("state") or {}).items() if k not in per_row}
+        return {k: v for k, v in state.items()
+                if not (torch.is_tensor(v) and v.dim() and v.shape[0] == rows)}
+
 
 def _merge(pieces: list[dict]) -> dict:
     """A full shard and the changed rows of the later files, in order: the newest rows and

@@ -88,9 +88,10 @@ def check_table(saved: dict, spec: TableSpec, unread: tuple[str, ...] = ()) -> s
     if total != spec.num_rows:
         return f"table {name!r} in the checkpoint holds {total} rows of {spec.num_rows}"
     for s, sh in enumerate(shards):
-        if tuple(sh["weight"].shape) != (len(sh["ids"]), *spec.row_shape):
+        shape = _weight_shape(sh)
+        if shape != (len(sh["ids"]), *spec.row_shape):
             return (f"shard {s} of table {name!r} in the checkpoint has rows of shape "
-                    f"{list(sh['weight'].shape)} for {len(sh['ids'])} ids")
+                    f"{list(shape)} for {len(sh['ids'])} ids")
     try:
         from_shards, rows = sources(saved, spec)
     except ValueError as exc:
@@ -109,14 +110,29 @@ def check_table(saved: dict, spec: TableSpec, unread: tuple[str, ...] = ()) -> s
     return None
 
 
+def _weight_shape(sh) -> tuple[int, ...]:
+    """The shape of a saved shard's rows (a chain's merged shard says it without merging)."""
+    shape = getattr(sh, "weight_shape", None)
+    return tuple(sh["weight"].shape) if shape is None else tuple(shape())
+
+
+def _shard_entries(sh) -> dict:
+    """A saved shard's state entries that are not per row (a chain's merged shard gives
+    them without merging its rows)."""
+    entries = getattr(sh, "shard_entries", None)
+    if entries is not None:
+        return entries()
+    n = len(sh["ids"])
+    return {k: v for k, v in (sh.get("state") or {}).items() if not _per_row(v, n)}
+
+
 def _disagreement(shards: list[dict], saved_shards: list[int], unread: tuple[str, ...]
                   ) -> str | None:
     """The first per-shard state entry on which two of ``saved_shards`` differ, described."""
     first: dict = {}
     for s in saved_shards:
-        state, n = shards[s].get("state") or {}, len(shards[s]["ids"])
-        for key, value in state.items():
-            if _per_row(value, n) or key in unread:
+        for key, value in _shard_entries(shards[s]).items():
+            if key in unread:
                 continue
             if key not in first:
                 first[key] = (s, value)
