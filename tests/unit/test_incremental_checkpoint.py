@@ -141,14 +141,20 @@ def test_an_incremental_chain_loads_bitwise_as_a_full_file_of_its_step(rank, kin
         assert 0 < changed <= HOT and sizes[2] * 10 < sizes[1]
     else:                   # a dense step over the table, or an update of all rows
         assert changed == ROWS
-    net, opt = build(rank, kind, seed=7)
-    for t in (3, 5, 2):
+    loads_as_full_files(*build(rank, kind, seed=7), d, full, records, (3, 5, 2))
+
+
+def loads_as_full_files(net, opt, d, full, records: dict, steps) -> None:
+    """Each step's chain loads what the full file of that step loads (its table as it
+    was), and ``plain_state`` reads the same from both; ``opt`` closed after."""
+    for t in steps:
         mpisync.load(d / ckpt_name(t), net, opt)
         chained = record(net, opt)
         same(chained[0], records[t], f"the table of step {t}")
         mpisync.load(full / f"{t}.pt", net, opt)
         same(chained, record(net, opt), f"chain and full file of step {t}")
-    same(mpisync.plain_state(d / ckpt_name(3)), mpisync.plain_state(full / "3.pt"))
+    t = steps[0]
+    same(mpisync.plain_state(d / ckpt_name(t)), mpisync.plain_state(full / f"{t}.pt"))
     opt.close()
 
 
@@ -421,12 +427,4 @@ def test_a_hash_table_chain_merges_to_the_full_file_of_its_step(rank, tmp_path, 
             same(dict(got), want, f"shard of step {t}")
     assert removed > 0, "no file named an evicted id: the test does not evict"
     assert fewer or kind == "sgd-momentum", "no file held fewer rows than the table"
-    net, opt = build_hash(7)
-    for t in (4, 7, 10, 2):
-        mpisync.load(d / ckpt_name(t), net, opt)
-        chained = record(net, opt)
-        same(chained[0], records[t], f"the table of step {t}")
-        mpisync.load(full / f"{t}.pt", net, opt)
-        same(chained, record(net, opt), f"chain and full file of step {t}")
-    same(mpisync.plain_state(d / ckpt_name(7)), mpisync.plain_state(full / "7.pt"))
-    opt.close()
+    loads_as_full_files(*build_hash(7), d, full, records, (7, 4, 10, 2))
