@@ -262,14 +262,14 @@ def place_hash_table(shards: list[dict[str, Any]], t: TableSpec, rows: RowsChann
     scalars0: dict[str, Any] = {}               # the other entries, shard 0's first
     any_state = False
     for sh in shards:                           # shard 0's state, mostly (the first new
-        state = sh.get("state") or {}           # shard reads it next)
-        any_state = any_state or bool(state)
-        for key, value in state.items():
+        saved = sh.get("state") or {}           # shard reads it next)
+        any_state = any_state or bool(saved)
+        for key, value in saved.items():
             if torch.is_tensor(value) and value.dim() and len(value) == len(sh["ids"]):
                 empty.setdefault(key, value[:0])
             else:
                 scalars0.setdefault(key, value)
-        if state:
+        if saved:
             break
     for k in range(t.num_shards):
         ids: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)]
