@@ -31,7 +31,7 @@ same directory, fsync, rename, fsync of the directory; an interrupted write leav
 previous checkpoint as it was (``mpisync.ckptfile`` writes the file and reads it back).
 Loading re-places everything for the job that loads it, which may have another number of
 ps ranks or workers; hash tables' rows are re-hashed into the loading job's shards, with
-their optimizer state and counts.
+their optimizer state and counts (and the ids seen but not admitted yet).
 
 Tables reshard: a job with another number of ps ranks, partitioner or partition
 strategy loads them, each row moving to its new shard with its optimizer state
@@ -97,6 +97,9 @@ def _tables_streamed(opt, w: ckptfile.Writer, changed: bool | None) -> dict:
             if "counters" in shard:       # a hash shard: its rows' sighting counts, recency
                 shards[-1]["counters"] = {k: w.tensor(v) if torch.is_tensor(v) else v
                                           for k, v in shard["counters"].items()}
+                # and the ids seen but not admitted yet (admit_after above 1), whole
+                shards[-1]["candidates"] = {k: w.tensor(v)
+                                            for k, v in shard["candidates"].items()}
             if changed:     # a hash shard's changed rows: and the ids evicted (None: whole)
                 removed = shard["removed"]
                 shards[-1]["removed"] = None if removed is None else w.tensor(removed)

@@ -15,7 +15,8 @@ a base replaced by another file of the same name is told from the real one. The 
 file of a chain is full. A hash table's shard (``mpisync.HashEmbedding``) holds, by id, the
 rows whose values, state or counts changed, as a full file holds its rows, with
 ``"per_row"`` and ``"removed"``: the ids evicted since the previous file (None: the shard is
-whole in this file).
+whole in this file); its ``"candidates"`` (ids seen, not admitted yet) are whole in every
+file.
 
 Reading one merges its chain shard by shard (``merged_tables``): the base's shard, then
 each later file's rows for it in order, its non-row state from the newest file. Nothing
@@ -308,12 +309,15 @@ class _MergedHashShard(Mapping):
         self.cache: dict = {}
 
     def __iter__(self) -> Iterator[str]:
-        return iter(("ids", "weight", "state", "counters"))
+        keys = ("ids", "weight", "state", "counters")
+        return iter((*keys, "candidates") if "candidates" in self.pieces[-1] else keys)
 
     def __len__(self) -> int:
-        return 4
+        return len(tuple(iter(self)))
 
     def __getitem__(self, key):
+        if key == "candidates" and key in self.pieces[-1]:
+            return self.pieces[-1][key]           # whole in every file
         if key not in self.cache:
             if key in ("weight", "state"):
                 self.cache.update(self._rows())

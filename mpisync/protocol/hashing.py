@@ -236,13 +236,18 @@ class SlotMap:
         if due.any():
             keep = ~np.isin(self.cand_keys, ids[due], assume_unique=True)
             self._keep_candidates(keep)
+        self._forget_excess_candidates()
+        return due
+
+    def _forget_excess_candidates(self) -> None:
+        """At most ``capacity`` candidates: the least recently seen, then the smallest
+        ids, are forgotten."""
         excess = len(self.cand_keys) - self.capacity
-        if excess > 0:            # forget the least recently seen, then the smallest ids
+        if excess > 0:
             order = np.lexsort((self.cand_keys, self.cand_last))
             keep = np.ones(len(self.cand_keys), bool)
             keep[order[:excess]] = False
             self._keep_candidates(keep)
-        return due
 
     def _keep_candidates(self, keep: np.ndarray) -> None:
         self.cand_keys = self.cand_keys[keep]
@@ -268,16 +273,23 @@ class SlotMap:
 
     # -- whole shards (checkpoints) ---------------------------------------------------------
     def export(self) -> dict[str, np.ndarray]:
-        """The rows held, by id: ``ids`` (sorted), ``slots``, ``count``, ``last``."""
+        """The rows held, by id: ``ids`` (sorted), ``slots``, ``count``, ``last``; and the
+        ids seen but not admitted yet (``admit_after`` above 1): ``cand_ids`` (sorted),
+        ``cand_count``, ``cand_last``."""
         return {"ids": self.keys.copy(), "slots": self.key_slot.copy(),
-                "count": self.count[self.key_slot], "last": self.last[self.key_slot]}
+                "count": self.count[self.key_slot], "last": self.last[self.key_slot],
+                "cand_ids": self.cand_keys.copy(), "cand_count": self.cand_count.copy(),
+                "cand_last": self.cand_last.copy()}
 
-    def reload(self, ids: np.ndarray, count: np.ndarray, last: np.ndarray, clock: int
+    def reload(self, ids: np.ndarray, count: np.ndarray, last: np.ndarray, clock: int,
+               candidates: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
                ) -> np.ndarray:
         """Hold exactly ``ids`` (unique), in slots ``0..len(ids)-1``; returns those slots.
 
-        Candidates are forgotten and the counters start again: ``admitted`` is the rows
-        given, ``evicted`` zero.
+        ``candidates``: the ids seen but not admitted yet, with their sightings and last
+        sighting (``export``'s), kept as they were (the least recently seen forgotten
+        beyond ``capacity``, ids held dropped); none if not given. The counters start
+        again: ``admitted`` is the rows given, ``evicted`` zero.
         """
         ids = np.asarray(ids, np.int64)
         if len(ids) > self.capacity:
@@ -294,6 +306,16 @@ class SlotMap:
         self.keys, self.key_slot = ids[order], slots[order]
         self.clock = max(int(clock), int(np.max(last)) if n else 0)
         self.admitted = n
+        if candidates is not None and len(candidates[0]):
+            c_ids, c_count, c_last = (np.asarray(a, np.int64) for a in candidates)
+            keep = ~np.isin(c_ids, ids)
+            c_order = np.argsort(c_ids[keep], kind="stable")
+            self.cand_keys = c_ids[keep][c_order]
+            if len(self.cand_keys) > 1 and not (np.diff(self.cand_keys) > 0).all():
+                raise ValueError("the ids given as candidates for a hash shard repeat")
+            self.cand_count, self.cand_last = c_count[keep][c_order], c_last[keep][c_order]
+            self._forget_excess_candidates()
+            self.clock = max(self.clock, int(np.max(c_last)))
         return slots
 
     def stats(self) -> dict[str, int]:

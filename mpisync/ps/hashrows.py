@@ -148,7 +148,8 @@ class HashRows:
         out = {"ids": torch.from_numpy(got["ids"]), "weight": self.param.detach()[slots],
                "counters": {"count": torch.from_numpy(got["count"]),
                             "last": torch.from_numpy(got["last"]),
-                            "clock": self.slots.clock}}
+                            "clock": self.slots.clock},
+               "candidates": _candidates(got)}
         if with_state:
             state = optimizer.state.get(self.param, {}) if optimizer is not None else {}
             out["state"] = {k: (v[slots].clone() if _per_row(v, self.param) else
@@ -180,7 +181,8 @@ class HashRows:
                "per_row": [k for k, v in state.items() if _per_row(v, self.param)],
                "counters": {"count": torch.from_numpy(got["count"])[pick],
                             "last": torch.from_numpy(got["last"])[pick],
-                            "clock": self.slots.clock}}
+                            "clock": self.slots.clock},
+               "candidates": _candidates(got)}     # whole (none with admit_after=1)
         if with_state:
             out["state"] = {k: (v[slots].clone() if _per_row(v, self.param) else
                                 v.clone() if torch.is_tensor(v) else v)
@@ -200,9 +202,15 @@ class HashRows:
         n = len(ids)
         count = counters.get("count", torch.full((n,), self.spec.hashed.admit_after))
         last = counters.get("last", torch.zeros(n, dtype=torch.int64))
-        slots = torch.from_numpy(self.slots.reload(ids.numpy(), np.asarray(count),
-                                                   np.asarray(last),
-                                                   int(counters.get("clock", 0))))
+        cand = saved.get("candidates")
+        if cand is not None and len(cand["ids"]) and \
+                (hashing.shard_of(cand["ids"], self.spec.num_shards) != self.k).any():
+            raise ValueError(f"{self.label}: candidates given to hash shard "
+                             f"{self.spec.unit(self.k)} whose ids hash to another shard")
+        slots = torch.from_numpy(self.slots.reload(
+            ids.numpy(), np.asarray(count), np.asarray(last), int(counters.get("clock", 0)),
+            None if cand is None else (np.asarray(cand["ids"]), np.asarray(cand["count"]),
+                                       np.asarray(cand["last"]))))
         self.fresh = []
         self.read_ids = None                     # the next incremental read is whole
         with torch.no_grad():
@@ -226,6 +234,13 @@ class HashRows:
 
     def stats(self) -> dict[str, int]:
         return self.slots.stats()
+
+
+def _candidates(got: dict) -> dict[str, torch.Tensor]:
+    """The ids seen, not admitted yet, of a ``SlotMap.export``: ids, sightings, last seen."""
+    return {"ids": torch.from_numpy(got["cand_ids"]),
+            "count": torch.from_numpy(got["cand_count"]),
+            "last": torch.from_numpy(got["cand_last"])}
 
 
 def _per_row(value, param: torch.Tensor) -> bool:

@@ -134,8 +134,8 @@ class HashEmbedding(_HashModule):
     the job ends.
 
     ``opt.stats["hash_tables"]`` counts each table's admitted, evicted and live rows.
-    ``mpisync.save``/``load`` keep each shard's ids, rows, optimizer state and counts and
-    re-hash them into the loading job's shards (any ps count).
+    ``mpisync.save``/``load`` keep each shard's ids, rows, optimizer state and counts (and
+    the ids seen but not admitted yet, with their sightings) and re-hash them into the loading job's shards (any ps count).
 
     Args:
         embedding_dim: the row width.
@@ -249,6 +249,21 @@ def check_saved_hash_table(saved: dict[str, Any], t: TableSpec) -> str | None:
     return None
 
 
+def _candidates_of(shards, t: TableSpec, k: int) -> dict[str, torch.Tensor]:
+    """The saved ids seen but not admitted yet (``admit_after`` above 1: few) whose ids hash
+    to shard ``k`` of ``t``, with their sightings and last sighting."""
+    keys = ("ids", "count", "last")
+    out: dict[str, list[torch.Tensor]] = {key: [torch.empty(0, dtype=torch.int64)]
+                                          for key in keys}
+    for sh in shards:
+        seen = sh.get("candidates")
+        if seen is not None and len(seen["ids"]):
+            to_k = t.locate(seen["ids"])[0] == k
+            for key in keys:
+                out[key].append(seen[key][to_k])
+    return {key: torch.cat(values) for key, values in out.items()}
+
+
 def place_hash_table(shards: list[dict[str, Any]], t: TableSpec, rows: RowsChannel) -> None:
     """Send each shard of hash table ``t`` the saved rows whose ids hash to it (with their
     optimizer state and counts), through the worker's ``RowsChannel`` ``rows``."""
@@ -299,4 +314,5 @@ def place_hash_table(shards: list[dict[str, Any]], t: TableSpec, rows: RowsChann
         rows.write_shard(t.name, k, None, {
             "ids": torch.cat(ids), "weight": torch.cat(weight),
             "counters": {"count": torch.cat(count), "last": torch.cat(last), "clock": clock},
+            "candidates": _candidates_of(shards, t, k),
             "state": state if any_state else None})

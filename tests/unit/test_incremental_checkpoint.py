@@ -428,3 +428,38 @@ def test_a_hash_table_chain_merges_to_the_full_file_of_its_step(rank, tmp_path, 
     assert removed > 0, "no file named an evicted id: the test does not evict"
     assert fewer or kind == "sgd-momentum", "no file held fewer rows than the table"
     loads_as_full_files(*build_hash(7), d, full, records, (7, 4, 10, 2))
+
+
+def test_ids_seen_but_not_admitted_yet_keep_their_sightings_across_a_load(rank, tmp_path):
+    """admit_after=2: an id seen once before a checkpoint and once after it is admitted
+    whether or not the job stopped and loaded the checkpoint in between, from a full
+    file or a chain."""
+    def build_hash(seed):
+        net = HashNet(seed, "lru", 2)
+        return net, rank.wrap(net, torch.optim.Adagrad(net.parameters(), lr=0.1))
+
+    def step(net, opt, ids):
+        opt.zero_grad()
+        net(torch.tensor(ids)).sum().backward()
+        opt.step()
+
+    net, opt = build_hash(0)
+    ckpt = mpisync.Checkpointer(tmp_path, net, opt, every_steps=1, full_every=4)
+    step(net, opt, [[1, 2]])
+    step(net, opt, [[1, 3]])                    # 1 admitted; 2 and 3 seen once
+    ckpt.maybe_save()
+    step(net, opt, [[1, 5]])                    # 5 seen once
+    ckpt.maybe_save()                           # incremental
+    step(net, opt, [[2, 5]])                    # 2 and 5 admitted
+    unbroken = table(opt)
+    opt.close()
+    assert sorted(unbroken[0][0].tolist()) == [1, 2, 5]
+    for t in (3, 2):                            # the chain, then its full base
+        net, opt = build_hash(0)                # the table's seed: admitted ids' rows
+        step(net, opt, [[7, 8], [7, 9]])        # something else, before the load
+        mpisync.load(tmp_path / ckpt_name(t), net, opt)
+        if t == 2:
+            step(net, opt, [[1, 5]])
+        step(net, opt, [[2, 5]])
+        same(table(opt), unbroken, f"loaded at step {t}, trained on")
+        opt.close()
