@@ -371,13 +371,11 @@ class Coordinator:
                        loading: list[int]) -> str:
         gone = sorted(self.steps.departed - set(parked))
         if parked and gone and not loading:
-            how = (f"they closed (opt.close()) and left the job at global step "
-                   f"{self.steps.global_step}" if all(w in self.steps.closed for w in gone) else
-                   f"they left the job at global step {self.steps.global_step} (their "
-                   f"program ended: sys.exit(), an exception caught outside mpisync, or the "
-                   f"end of the script)")
             return (f"{self.label}: workers {parked} are in a collective on worker_comm that "
-                    f"workers {gone} can never join: {how} while the others "
+                    f"workers {gone} can never join: they left the job at global step "
+                    f"{self.steps.global_step} (they closed, or their program ended: "
+                    f"sys.exit(), an exception caught outside mpisync, or the end of the "
+                    f"script) while the others "
                     f"trained on. Every worker must reach each collective among the workers "
                     f"(a Checkpointer's maybe_save() is one) or end training with opt.close()"
                     f" on every worker before it")

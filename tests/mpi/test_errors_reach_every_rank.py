@@ -294,8 +294,8 @@ def test_a_worker_whose_program_ends_mid_training_ends_the_job_not_a_wait():
     run = failing("errors.py", 2, 1, ["--case", "exit_mid_training"])
     assert re.search(r"worker 0 \(rank 0 on [^)]*\): DeadlockError: ps 0 \(rank 2 on [^)]*\): "
                      r"workers \[0\] are in a collective on worker_comm that workers \[1\] "
-                     r"can never join: they left the job at global step 5 \(their program "
-                     r"ended: sys\.exit\(\).*\(this worker is in worker_comm\.allgather\(\)\)",
+                     r"can never join: they left the job at global step 5 \(they closed, or their "
+                     r"program ended: sys\.exit\(\).*\(this worker is in worker_comm\.allgather\(\)\)",
                      run.output), run.describe()
     assert "MPISYNC_TIMEOUT" not in run.output and "Stall" not in run.output, run.describe()
 
