@@ -465,7 +465,9 @@ class Checkpointer:
         """Save if one is due (call on every worker after each step); the path or None.
 
         None, and nothing asked of the other workers, once ``opt.stopped`` (workers that
-        closed before this one can join no save: uneven data ends the loop on its own).
+        closed before this one can join no save: in strict synchronous training, uneven
+        data ends the loop on its own; with backup workers the others train on without
+        the closed ones, and a save they are due then is a ``DeadlockError`` naming them).
 
         Raises:
             SystemExit: ``PREEMPTED_EXIT`` on every worker, once a worker was sent SIGTERM,
