@@ -143,19 +143,7 @@ class HashRows:
     def read(self, optimizer, with_state: bool) -> dict:
         """The rows held, by id: ids, weight, optimizer state rows and the counts."""
         self.settle(optimizer)
-        got = self.slots.export()
-        slots = torch.from_numpy(got["slots"])
-        out = {"ids": torch.from_numpy(got["ids"]), "weight": self.param.detach()[slots],
-               "counters": {"count": torch.from_numpy(got["count"]),
-                            "last": torch.from_numpy(got["last"]),
-                            "clock": self.slots.clock},
-               "candidates": _candidates(got)}
-        if with_state:
-            state = optimizer.state.get(self.param, {}) if optimizer is not None else {}
-            out["state"] = {k: (v[slots].clone() if _per_row(v, self.param) else
-                                v.clone() if torch.is_tensor(v) else v)
-                            for k, v in state.items()}
-        return out
+        return self._rows(self.slots.export(), slice(None), optimizer, with_state)
 
     def read_changed(self, optimizer, with_state: bool, whole: bool) -> dict:
         """The rows changed since the last call (every row held with ``whole``, the first
@@ -167,29 +155,35 @@ class HashRows:
         state = optimizer.state.get(self.param, {}) if optimizer is not None else {}
         keys = tuple(state)
         got = self.slots.export()
-        if self.read_ids is None or (with_state and keys != self.read_keys):
-            whole = True
-        if whole:
+        if whole or self.read_ids is None or (with_state and keys != self.read_keys):
             pick, removed = slice(None), None
         else:
             pick = torch.from_numpy(self.marks.changed.numpy()[got["slots"]])
             removed = torch.from_numpy(np.setdiff1d(self.read_ids, got["ids"],
                                                     assume_unique=True))
+        out = self._rows(got, pick, optimizer, with_state)
+        out["removed"] = removed
+        out["per_row"] = [k for k, v in state.items() if _per_row(v, self.param)]
+        if with_state:
+            self.read_keys = keys
+        self.read_ids = got["ids"]
+        self.marks.changed.fill_(False)
+        return out
+
+    def _rows(self, got: dict, pick, optimizer, with_state: bool) -> dict:
+        """The rows ``pick`` selects of those ``got`` (``SlotMap.export``) lists: ids,
+        weight, counts, optimizer state (``with_state``); the candidates whole."""
         slots = torch.from_numpy(got["slots"])[pick]
-        out = {"ids": torch.from_numpy(got["ids"])[pick], "removed": removed,
-               "weight": self.param.detach()[slots],
-               "per_row": [k for k, v in state.items() if _per_row(v, self.param)],
+        out = {"ids": torch.from_numpy(got["ids"])[pick], "weight": self.param.detach()[slots],
                "counters": {"count": torch.from_numpy(got["count"])[pick],
                             "last": torch.from_numpy(got["last"])[pick],
                             "clock": self.slots.clock},
                "candidates": _candidates(got)}     # whole (none with admit_after=1)
         if with_state:
+            state = optimizer.state.get(self.param, {}) if optimizer is not None else {}
             out["state"] = {k: (v[slots].clone() if _per_row(v, self.param) else
                                 v.clone() if torch.is_tensor(v) else v)
                             for k, v in state.items()}
-            self.read_keys = keys
-        self.read_ids = got["ids"]
-        self.marks.changed.fill_(False)
         return out
 
     def write(self, saved: dict, optimizer) -> None:
