@@ -82,17 +82,28 @@ def job(args: argparse.Namespace) -> None:
         model["head"](model["emb"](mine)).pow(2).mean().backward()
         opt.step()
 
+    def saved(ckpt):
+        """A Checkpointer's save: (path, the longest a worker was held, until written)."""
+        cluster.worker_comm.Barrier()
+        start = time.perf_counter()
+        path = ckpt.save()
+        held = time.perf_counter() - start
+        held = max(cluster.worker_comm.allgather(held))
+        ckpt.wait()
+        return path, held, time.perf_counter() - start
+
     # a hash table's ids: R unbounded 64-bit ids (an odd multiplier of 0..R-1), all held
     name = (torch.arange(rows, dtype=torch.int64) * 0x5851F42D4C957F2D if args.hash
             else torch.arange(rows, dtype=torch.int64))
     if args.hash:
         for chunk in name.chunk(10):
             step(chunk)
-    full_path, full_s = timed(ckpt.save)
+    full_path, full_held_s, full_s = saved(ckpt)
     touched = int(rows * args.touched)
     ids = torch.randperm(rows, generator=torch.Generator().manual_seed(2))[:touched]
     step(name[ids])
-    incr_path, incr_s = timed(ckpt.save)
+    incr_path, incr_held_s, incr_s = saved(ckpt)
+    beside = beside_a_write(args, cluster, model, opt, lambda: step(name[ids[:512]]))
     plain = os.path.join(args.dir, "full.pt")
     _, full2_s = timed(lambda: mpisync.save(plain, model, opt))
     _, load_incr_s = timed(lambda: mpisync.load(incr_path, model, opt))
@@ -110,9 +121,38 @@ def job(args: argparse.Namespace) -> None:
             "full_write_after_step_s": round(full2_s, 3),
             "incremental_bytes": os.path.getsize(incr_path),
             "incremental_write_s": round(incr_s, 3),
+            "full_workers_held_s": round(full_held_s, 3),
+            "incremental_workers_held_s": round(incr_held_s, 3), **beside,
             "load_incremental_chain_s": round(load_incr_s, 3),
             "load_full_s": round(load_full_s, 3)}), flush=True)
     opt.close()
+
+
+def beside_a_write(args, cluster, model, opt, step) -> dict:
+    """Steps of 512 ids before a full file and while the chief writes it (a second
+    Checkpointer: full files only): their medians, and how many the workers took."""
+    import statistics
+
+    import mpisync
+
+    def timed_step() -> float:
+        start = time.perf_counter()
+        step()
+        return time.perf_counter() - start
+
+    before = [timed_step() for _ in range(5)]
+    ckpt = mpisync.Checkpointer(os.path.join(args.dir, "beside"), model, opt)
+    path = ckpt.save()
+    during: list[float] = []
+    while len(during) < 5000:
+        during.append(timed_step())
+        # the chief sees the file once it is renamed into place; every worker follows it
+        if cluster.worker_comm.bcast(os.path.exists(path) if cluster.is_chief else None):
+            break
+    ckpt.wait()
+    return {"step_before_write_median_s": round(statistics.median(before), 4),
+            "steps_during_full_write": len(during),
+            "step_during_write_median_s": round(statistics.median(during), 4)}
 
 
 def main() -> None:

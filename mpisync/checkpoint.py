@@ -57,8 +57,9 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from mpi4py import MPI
 
-from . import ckptchain, ckptfile, ckptfit, resumestate
+from . import ckptchain, ckptfile, ckptfit, ckptwrite, resumestate
 from .ckptchain import latest
 from .ckptfile import FORMAT, VERSION
 from .environ import PREEMPTED_EXIT
@@ -78,56 +79,6 @@ __all__ = ["FORMAT", "VERSION", "Checkpointer", "latest", "load", "plain_state",
 
 
 # -- save ----------------------------------------------------------------------------------
-def _tables_streamed(opt, w: ckptfile.Writer, changed: bool | None) -> dict:
-    """Every ``mpisync.Embedding`` table, shard by shard, each written as it arrives:
-    whole, or (``changed``) the rows changed since the last file (``ckptchain``)."""
-    out = {}
-    for t in opt.spec.tables:
-        if not t.resident:
-            continue
-        shards = []
-        for shard in opt.table_shards(t.name, with_state=True, changed=changed):
-            if changed and t.hashed is None:
-                shards.append(ckptchain.changed_shard(shard, w.tensor))
-                del shard
-                continue
-            shards.append({"ids": w.tensor(shard["ids"]), "weight": w.tensor(shard["weight"]),
-                           "state": {k: w.tensor(v) if torch.is_tensor(v) else v
-                                     for k, v in (shard.get("state") or {}).items()}})
-            if "counters" in shard:       # a hash shard: its rows' sighting counts, recency
-                shards[-1]["counters"] = {k: w.tensor(v) if torch.is_tensor(v) else v
-                                          for k, v in shard["counters"].items()}
-                # and the ids seen but not admitted yet (admit_after above 1), whole
-                shards[-1]["candidates"] = {k: w.tensor(v)
-                                            for k, v in shard["candidates"].items()}
-            if changed:     # a hash shard's changed rows: and the ids evicted (None: whole)
-                removed = shard["removed"]
-                shards[-1]["removed"] = None if removed is None else w.tensor(removed)
-                shards[-1]["per_row"] = list(shard["per_row"])
-            del shard                     # one shard in memory at a time
-        out[t.name] = {"num_rows": t.num_rows, "row_shape": list(t.row_shape),
-                       "dtype": str(t.dtype).removeprefix("torch."), "strategy": t.strategy,
-                       "shards": shards}
-        if changed:
-            out[t.name]["incremental"] = True
-    return out
-
-
-def _model_state(model: torch.nn.Module, opt, values: dict) -> dict:
-    """``model.state_dict()`` with the ps ranks' parameter values of the saved step."""
-    state = model.state_dict()
-    names = {id(p): n for n, p in model.named_parameters()}
-    key_of = {}
-    for key, v in model.state_dict(keep_vars=True).items():
-        if id(v) in names:
-            key_of[names[id(v)]] = key
-    for name, value in values.items():
-        found = key_of.get(name)
-        if found is not None and tuple(state[found].shape) == tuple(value.shape):
-            state[found] = value
-    return state
-
-
 def save(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptimizer,
          extra: Any = None) -> str:
     """Write a checkpoint of ``model`` and ``opt`` at the current global step.
@@ -148,56 +99,48 @@ def save(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptim
     Raises:
         OSError: the chief could not write the file (on every worker; nothing changed).
     """
-    return _save(os.fspath(path), model, opt, extra, None)
+    path = os.fspath(path)
+    _settle_writing(opt, "mpisync.save()")
+    _save(path, model, opt, extra, None)
+    return path
 
 
-def _save(path: str, model, opt, extra, chain: tuple | None) -> str:
+def _settle_writing(opt, where: str) -> None:
+    """Wait for the checkpoint file the chief writes beside training, if any (every worker,
+    a collective); an OSError on every worker when it could not be written."""
+    cluster = opt.cluster
+    writing, opt._writing = opt._writing, None
+    error = None
+    if writing is not None and writing.wait():
+        error = f"{writing.path} could not be written: {writing.error}"
+        writing.owner._chain = []       # the ps ranks' marks are gone: the next one is full
+    agree(cluster.worker_comm, error, lambda errors: errors[0] and OSError(
+        f"{cluster.label}: {where}: the checkpoint {errors[0]} (on the chief)"))
+
+
+def _save(path: str, model, opt, extra, chain: tuple | None, aside: bool = False
+          ) -> ckptwrite.Writing | None:
     """``save``; ``chain``, for a Checkpointer: (changed, base file, base id, this file's
     id), ``changed`` as ``table_shards`` takes it (False: full, the ps ranks' marks
-    cleared; True: incremental over the base)."""
+    cleared; True: incremental over the base). With ``aside`` the chief's file is to be
+    written while training goes on: the returned ``Writing`` (the chief's; None on the
+    others; ``start()`` it), whose failure a Checkpointer reports later; the workers wait
+    only for the dense state and the ps ranks' snapshot of the tables."""
     cluster = opt.cluster
-    error = None
+    error, writing = None, None
     worker_states = cluster.worker_comm.gather(
         resumestate.capture_worker(cluster.worker_index), root=0)
     if cluster.is_chief:
         try:
-            _write(path, model, opt, extra, worker_states, chain)
+            writing = ckptwrite.begin(path, model, opt, extra, worker_states, chain, aside)
+            if not aside:
+                writing.run()
+                error, writing = writing.error, None
         except Exception as exc:  # noqa: BLE001 (every worker raises it below)
             error = f"{type(exc).__name__}: {exc}"
     agree(cluster.worker_comm, error, lambda errors: errors[0] and OSError(
         f"{cluster.label}: mpisync.save({path!r}) failed on the chief: {errors[0]}"))
-    return path
-
-
-def _write(path: str, model, opt, extra, worker_states: list, chain: tuple | None) -> None:
-    changed, base, base_id, file_id = chain or (None, None, None, ckptchain.file_id())
-    state, values = opt.state_and_values(tables=False)
-    order = opt.group_order()
-    table_index = {t.name: order.index(t.name) for t in opt.spec.tables
-                   if t.resident and t.name in order}
-
-    def fill(f) -> None:
-        w = ckptfile.Writer(f)
-        try:
-            _fill(w)
-        except BaseException:
-            w.abort()
-            raise
-
-    def _fill(w: ckptfile.Writer) -> None:
-        tables = _tables_streamed(opt, w, changed)
-        w.finish({"format": FORMAT, "version": VERSION if changed else 1, "file_id": file_id,
-                  "base": {"file": os.path.basename(base), "id": base_id} if changed else None,
-                  "global_step": int(state["mpisync"]["global_step"]),
-                  "model": _model_state(model, opt, values), "optimizer": state,
-                  "tables": tables, "table_index": table_index, "extra": extra,
-                  "workers": opt.cluster.num_workers,
-                  "ps": opt.cluster.num_ps, "time": time.time(),
-                  "mpisync_version": ckptfile.mpisync_version(),
-                  "schedulers": resumestate.scheduler_states(opt),
-                  "worker_states": worker_states})
-
-    ckptfile.atomic_write(path, fill)
+    return writing
 
 
 # -- load ----------------------------------------------------------------------------------
@@ -252,6 +195,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptim
     path = os.fspath(path)
     cluster = opt.cluster
     opt._resumable = True              # resumed by hand: no warning under --restarts
+    _settle_writing(opt, "mpisync.load()")
     payload, ck = None, None
     if cluster.is_chief:
         payload, ck = _verdict(path, model, opt)
@@ -350,6 +294,17 @@ class Checkpointer:
     worker's ``step()`` calls do not line up with the others', so without
     ``every_seconds`` the workers meet only where ``every_steps`` makes a checkpoint due:
     a signal takes effect there.
+
+    Written while training goes on: a save holds the workers while the chief reads the
+    dense state and the ps ranks take a snapshot of the tables (copy on write, row by
+    row, ``mpisync.ps.snapshot``); the chief writes the file on a thread while every
+    worker trains on. ``maybe_save()`` and ``save()`` return the path the file will have;
+    ``wait()`` returns once it is written, and the next save, ``resume()``,
+    ``mpisync.load``, ``mpisync.save`` and ``opt.close()`` wait for it first. A failed
+    write is raised as an ``OSError`` naming the file on every worker at the next
+    ``maybe_save()`` that meets the others, ``save()``, ``wait()`` or ``resume()`` (on
+    the chief at ``opt.close()``), and the next file is full. Under an MPI without
+    ``MPI_THREAD_MULTIPLE`` the file is written before ``save()`` returns.
 
     A file is written beside its final name and renamed when complete, so a kill mid-write
     never leaves a broken checkpoint; the chief's Checkpointer removes, when made, the
@@ -458,8 +413,13 @@ class Checkpointer:
             # backup workers, K-batch or asynchronous: workers' step() calls do not line
             # up, so they meet only where a checkpoint is due (each reaches it once)
             return False, None
-        said = self.opt.cluster.worker_comm.allgather((due, stopping.received()))
-        return said[0][0], next((s for _, s in said if s is not None), None)
+        writing, failed = self.opt._writing, None
+        if writing is not None and writing.done and writing.error:   # the chief's, aside
+            failed = f"{writing.path} could not be written: {writing.error}"
+        said = self.opt.cluster.worker_comm.allgather((due, stopping.received(), failed))
+        if said[0][2]:
+            _settle_writing(self.opt, "Checkpointer.maybe_save()")     # raises on every worker
+        return said[0][0], next((s for _, s, _ in said if s is not None), None)
 
     def maybe_save(self, extra: Any = None) -> str | None:
         """Save if one is due (call on every worker after each step); the path or None.
@@ -471,7 +431,9 @@ class Checkpointer:
 
         Raises:
             SystemExit: ``PREEMPTED_EXIT`` on every worker, once a worker was sent SIGTERM,
-                SIGUSR1 or SIGUSR2: after saving and closing the optimizer.
+                SIGUSR1 or SIGUSR2: after saving (the file written) and closing the
+                optimizer.
+            OSError: on every worker, when the chief could not write an earlier file.
         """
         if self.opt.stopped:
             return None
@@ -480,6 +442,7 @@ class Checkpointer:
             return self.save(extra) if due else None
         stopping.ignore_from_now()      # stopping: a second signal must not end a rank now
         path, step = self.save(extra), self.opt.global_step
+        self.wait()
         self.opt.close()
         if self.opt.cluster.is_chief:
             print(f"mpisync: stopped by {signal.Signals(signum).name} at global step "
@@ -491,9 +454,13 @@ class Checkpointer:
         raise SystemExit(PREEMPTED_EXIT)
 
     def save(self, extra: Any = None) -> str:
-        """Save now (every worker), then remove all but the newest ``keep`` and the files
-        their chains need. Incremental unless this file is to be full (``full_every``)."""
-        path = self.path(self.opt.global_step)
+        """Save now (every worker); the path. Incremental unless this file is to be full
+        (``full_every``). The workers wait for the dense state and the ps ranks' snapshot
+        of the tables; the chief writes the file while training goes on, then removes all
+        but the newest ``keep`` and the files their chains need (see the class)."""
+        _settle_writing(self.opt, "Checkpointer.save()")
+        step = self.opt.global_step
+        path = self.path(step)
         tables = any(t.resident for t in self.opt.spec.tables)
         owner = self.opt._changes_owner
         if owner is None or owner() is None:       # the owner is gone: this one takes over
@@ -506,25 +473,45 @@ class Checkpointer:
         chain = ((True, self._chain[-1], self._last_id, file_id) if incremental
                  else (False if tables and owns else None, None, None, file_id))
         try:
-            _save(path, self.model, self.opt, extra, chain)
+            writing = _save(path, self.model, self.opt, extra, chain,
+                            aside=MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
         except BaseException:
             self._chain = []            # the ps ranks' marks may be gone: the next is full
             raise
+        if writing is not None:         # the chief: the file is to be written aside
+            writing.owner, writing.then = self, lambda: self._prune(step)
+            self.opt._writing = writing
+            writing.start()
+        elif self.opt.cluster.is_chief:  # written (MPI without threads: at once)
+            self._prune(step)
         self._chain = [*self._chain, path] if incremental else [path]
         self._last_id = file_id
-        self.last_step, self.last_time = self.opt.global_step, time.monotonic()
-        if self.keep is not None and self.opt.cluster.is_chief:
-            # the newest up to this step: a file of a later step (a run that went further,
-            # a file cut short that resume() passed over) is neither counted nor removed,
-            # so that it never crowds out the file just written
-            listed = [(s, p) for s, p in ckptchain.listed(self.directory) if s <= self.opt.global_step]
-            needed = {os.path.abspath(p) for _, newer in listed[-self.keep:]
-                      for p in ckptchain.needed(newer)}
-            for _, old in listed[:-self.keep]:
-                if os.path.abspath(old) not in needed:
-                    with contextlib.suppress(OSError):
-                        os.unlink(old)
+        self.last_step, self.last_time = step, time.monotonic()
         return path
+
+    def wait(self) -> None:
+        """Wait until the chief has written the last checkpoint (every worker).
+
+        Raises:
+            OSError: on every worker, when it could not be written.
+        """
+        _settle_writing(self.opt, "Checkpointer.wait()")
+
+    def _prune(self, step: int) -> None:
+        """On the chief, once the file of ``step`` is written: remove all but the newest
+        ``keep`` up to it and the files their chains need."""
+        if self.keep is None:
+            return
+        # the newest up to this step: a file of a later step (a run that went further,
+        # a file cut short that resume() passed over) is neither counted nor removed,
+        # so that it never crowds out the file just written
+        listed = [(s, p) for s, p in ckptchain.listed(self.directory) if s <= step]
+        needed = {os.path.abspath(p) for _, newer in listed[-self.keep:]
+                  for p in ckptchain.needed(newer)}
+        for _, old in listed[:-self.keep]:
+            if os.path.abspath(old) not in needed:
+                with contextlib.suppress(OSError):
+                    os.unlink(old)
 
     def resume(self) -> Any:
         """Load the newest complete checkpoint, if any (every worker); its ``extra``.
@@ -541,6 +528,7 @@ class Checkpointer:
                 nothing to resume from: the job starts from step 0 (warned).
         """
         self.opt._resumable = True     # no warning under --restarts (resumestate)
+        _settle_writing(self.opt, "Checkpointer.resume()")
         found = passed = None
         refuse = False
         if self.opt.cluster.is_chief:

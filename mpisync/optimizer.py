@@ -221,6 +221,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         self._checkpointed = False           # a Checkpointer saves it
         # a weak reference to the Checkpointer that reads the tables' changed rows
         self._changes_owner: Callable[[], Any] | None = None
+        self._writing: Any = None            # the chief's checkpoint file being written aside
         problem = None
         if isinstance(optimizer, (list, tuple)):   # several: joined, refused on every rank
             named_parameters = list(named_parameters)
@@ -517,11 +518,16 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         """
         if self.closed:
             return
+        writing, self._writing = self._writing, None
+        error = writing.wait() if writing is not None else None   # the ps ranks serve it
         try:
             self._cycle.close()
             self.closed = True
         finally:
             self._hooks.remove()
+        if error:
+            raise OSError(f"{self.cluster.label}: the checkpoint {writing.path} could not be "
+                          f"written: {error}")
 
     def final_stats(self) -> dict:
         """The job's final statistics, read once (after close(): every worker gets them)."""

@@ -252,6 +252,7 @@ def _run_on_shard(fn, unit: str, t: torch.Tensor, n: int, touched: bool, table_r
     ids = table_rows.touched(n) if touched else True
     if ids is None:
         return
+    table_rows.before_update(n, ids)
     if ids is True:
         held = not table_rows.units[n].spec.resident      # the workers hold a copy
         before = t.clone() if held else None

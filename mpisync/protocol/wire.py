@@ -179,6 +179,7 @@ class Tag:
     DATA = 16       # one bucket of a push's gradients, in bucket order: worker -> ps
     FULL = 17       # a push's whole gradient region again (FLAG_RESEND): worker -> ps
     SHM = 18        # pickled, at set-up: a worker's machine, a ps's shared segment, the answer
+    SNAP = 20       # pickled: a checkpoint's snapshot of the tables, chief's writer <-> ps
     _BASE, _STRIDE = 32, 32
 
     @classmethod

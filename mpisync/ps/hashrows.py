@@ -8,6 +8,7 @@ initial rows of admitted ids and resets the optimizer state of their slots.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -65,6 +66,8 @@ class HashRows:
         self.marks = Marks(len(param))
         self.read_ids: np.ndarray | None = None
         self.read_keys: tuple[str, ...] | None = None
+        # a checkpoint's snapshot not read yet: keeps slots' rows before they change
+        self.keep: Callable[[torch.Tensor | bool], None] | None = None
 
     def _check(self, ids: torch.Tensor, what: str) -> np.ndarray:
         a = ids.numpy()
@@ -91,6 +94,8 @@ class HashRows:
                                     ) from None
             if len(new):
                 admitted = self.slots.slot_id[new]
+                if self.keep is not None:
+                    self.keep(torch.from_numpy(new))
                 with torch.no_grad():
                     self.param[torch.from_numpy(new)] = hashing.initial_rows(
                         admitted, self.spec.row_shape[0], self.spec.seed, self.spec.dtype)
@@ -123,6 +128,8 @@ class HashRows:
         if not state:
             return                 # created on the optimizer's first step, fresh for all
         fresh = self._fresh(optimizer)
+        if self.keep is not None:
+            self.keep(new)
         with torch.no_grad():
             for key, value in state.items():
                 if _per_row(value, self.param):
@@ -142,8 +149,8 @@ class HashRows:
     # -- whole shards (checkpoints) ---------------------------------------------------------
     def read(self, optimizer, with_state: bool) -> dict:
         """The rows held, by id: ids, weight, optimizer state rows and the counts."""
-        self.settle(optimizer)
-        return self._rows(self.slots.export(), slice(None), optimizer, with_state)
+        return self.rows_of(self.plan(optimizer, with_state, None), self.param,
+                            _state(optimizer, self.param), with_state)
 
     def read_changed(self, optimizer, with_state: bool, whole: bool) -> dict:
         """The rows changed since the last call (every row held with ``whole``, the first
@@ -151,43 +158,58 @@ class HashRows:
         forget them: ``read()``'s entries for those ids, ``removed`` (the ids held at the
         last call and no longer: evicted) and ``per_row`` (the names of the per-row state
         entries); None for ``removed`` where every row is given."""
+        return self.rows_of(self.plan(optimizer, with_state, not whole), self.param,
+                            _state(optimizer, self.param), with_state)
+
+    def plan(self, optimizer, with_state: bool, changed: bool | None) -> dict:
+        """Which rows a read gives, decided now (``changed`` None: ``read()``'s, else
+        ``read_changed(whole=not changed)``'s, whose marks it clears): the ids held, their
+        slots and counts, the rows picked of them, ``removed`` and ``per_row``."""
         self.settle(optimizer)
-        state = optimizer.state.get(self.param, {}) if optimizer is not None else {}
-        keys = tuple(state)
         got = self.slots.export()
-        if whole or self.read_ids is None or (with_state and keys != self.read_keys):
+        got["clock"] = self.slots.clock
+        if changed is None:
+            return {"got": got, "pick": slice(None)}
+        state = _state(optimizer, self.param)
+        keys = tuple(state)
+        if not changed or self.read_ids is None or (with_state and keys != self.read_keys):
             pick, removed = slice(None), None
         else:
             pick = torch.from_numpy(self.marks.changed.numpy()[got["slots"]])
             removed = torch.from_numpy(np.setdiff1d(self.read_ids, got["ids"],
                                                     assume_unique=True))
-        out = self._rows(got, pick, optimizer, with_state)
-        out["removed"] = removed
-        out["per_row"] = [k for k, v in state.items() if _per_row(v, self.param)]
         if with_state:
             self.read_keys = keys
         self.read_ids = got["ids"]
         self.marks.changed.fill_(False)
-        return out
+        return {"got": got, "pick": pick, "removed": removed,
+                "per_row": [k for k, v in state.items() if _per_row(v, self.param)]}
 
-    def _rows(self, got: dict, pick, optimizer, with_state: bool) -> dict:
-        """The rows ``pick`` selects of those ``got`` (``SlotMap.export``) lists: ids,
-        weight, counts, optimizer state (``with_state``); the candidates whole."""
+    def rows_of(self, plan: dict, weight: torch.Tensor, state: dict, with_state: bool
+                ) -> dict:
+        """The rows ``plan`` picked, their values taken from ``weight`` and ``state`` (the
+        shard's, or a snapshot's of them, by slot): ids, weight, counts, optimizer state
+        (``with_state``); the candidates whole; and ``plan``'s ``removed`` and
+        ``per_row`` where it has them."""
+        got, pick = plan["got"], plan["pick"]
         slots = torch.from_numpy(got["slots"])[pick]
-        out = {"ids": torch.from_numpy(got["ids"])[pick], "weight": self.param.detach()[slots],
+        out = {"ids": torch.from_numpy(got["ids"])[pick], "weight": weight.detach()[slots],
                "counters": {"count": torch.from_numpy(got["count"])[pick],
                             "last": torch.from_numpy(got["last"])[pick],
-                            "clock": self.slots.clock},
+                            "clock": got["clock"]},
                "candidates": _candidates(got)}     # whole (none with admit_after=1)
         if with_state:
-            state = optimizer.state.get(self.param, {}) if optimizer is not None else {}
             out["state"] = {k: (v[slots].clone() if _per_row(v, self.param) else
                                 v.clone() if torch.is_tensor(v) else v)
                             for k, v in state.items()}
+        if "removed" in plan:
+            out["removed"], out["per_row"] = plan["removed"], plan["per_row"]
         return out
 
     def write(self, saved: dict, optimizer) -> None:
         """Hold exactly the saved rows (ids, weight, state, counters) of this shard."""
+        if self.keep is not None:
+            self.keep(True)
         ids = saved["ids"].to(torch.int64)
         if len(ids) and (hashing.shard_of(ids, self.spec.num_shards) != self.k).any():
             raise ValueError(f"{self.label}: rows given to hash shard {self.spec.unit(self.k)} "
@@ -228,6 +250,10 @@ class HashRows:
 
     def stats(self) -> dict[str, int]:
         return self.slots.stats()
+
+
+def _state(optimizer, param) -> dict:
+    return optimizer.state.get(param, {}) if optimizer is not None else {}
 
 
 def _candidates(got: dict) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from ..protocol.wire import ROWS_HEAD, RowsField, Tag, pack_rows, pad8, rows_mar
 from ..runtime.progress import Poller
 from ..tables.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
 from ..tables.rowwise import RowWiseAdagrad
-from . import heap
+from . import heap, snapshot
 from .changes import Marks
 from .hashrows import HashRows
 
@@ -155,6 +155,7 @@ class RowShards:
         self.pending: list[_Pending] = []       # row updates for settle()
         self.step_rows: list = [None] * len(self.units)    # rows the last step changed
         self.optimizer = None
+        self.snaps: dict = {}                   # a checkpoint's snapshot, by unit not read yet
         self.may_settle = lambda: True          # whether an idle poll may settle
         self.scratch = RowScratch()             # the update's temporaries
         if self.units:
@@ -431,6 +432,7 @@ class RowShards:
             ids, rows = item.sum()
             if item.unit.marks is not None:
                 item.unit.marks.mark(ids)
+            self._before(item.unit, ids, self.optimizer)
             apply_rows(self.optimizer, item.group, item.unit.param, ids, rows, self.scratch,
                        item.div)
         self.pending = []
@@ -448,6 +450,7 @@ class RowShards:
     def _note(self, n: int, rows) -> None:
         """Rows of unit ``n`` the step changes: None, a tensor of local ids, or True (all)."""
         self.step_rows[n] = rows
+        self._before(self.units[n], rows, self.optimizer)
         if self.units[n].marks is not None:
             self.units[n].marks.mark(rows)
         self._changed(n, rows)
@@ -471,6 +474,17 @@ class RowShards:
         self.settle()
         rows = self.step_rows[n]
         return rows.sum()[0] if isinstance(rows, _Pending) else rows
+
+    def before_update(self, n: int, rows) -> None:
+        """Rows of unit ``n`` (local ids, or True: all) that a function of ``opt.update``
+        is about to change: a snapshot not read yet keeps them as they are."""
+        self._before(self.units[n], rows, self.optimizer)
+
+    def _before(self, u: _Unit, rows, optimizer) -> None:
+        snap = self.snaps.get(u.unit) if self.snaps else None
+        if snap is not None:
+            snap.before(rows, u.param, optimizer.state.get(u.param, {})
+                        if optimizer is not None else {})
 
     def changed_by_update(self, n: int, rows: torch.Tensor) -> None:
         """Rows of unit ``n`` that a function of ``opt.update`` changed after the step: the
@@ -544,6 +558,13 @@ class RowShards:
             error = exc
         self.comm.send(error, dest=rank, tag=self.tags[Tag.TABLE])
 
+    def on_snapshot_request(self, request, rank: int, optimizer) -> None:
+        """A checkpoint's snapshot of the resident shards here, begun, read or ended
+        (``mpisync.ps.snapshot.answer``); answered on ``Tag.SNAP``."""
+        self.settle()
+        self.comm.send(snapshot.answer(self, request, optimizer), dest=rank,
+                       tag=Tag.of(Tag.SNAP, self.spec.opt_id))
+
     def _on_hash_request(self, u: _Unit, request, rank: int, optimizer) -> None:
         what = request[0]
         if what == "read":
@@ -564,6 +585,7 @@ class RowShards:
         self.comm.send(answer, dest=rank, tag=self.tags[Tag.TABLE])
 
     def _write(self, u: _Unit, weight, saved, optimizer) -> None:
+        self._before(u, True, optimizer)
         with torch.no_grad():
             if weight is not None:
                 if tuple(weight.shape) != tuple(u.param.shape):

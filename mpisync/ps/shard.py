@@ -104,7 +104,7 @@ class ShardServer:
         self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.GRAD, Tag.DATA, Tag.FULL,
                                                            Tag.ASSIGN, Tag.PARAMS, Tag.CTL,
                                                            Tag.CTL_OBJ, Tag.INFO, Tag.INIT,
-                                                           Tag.TABLE)}
+                                                           Tag.TABLE, Tag.SNAP)}
         self.rows = RowShards(spec, ps_index, worker_ranks, comm, poller, label)
         self.segment, self.shared = None, {}     # workers served through shared memory
         if shm.enabled(spec):
@@ -433,6 +433,10 @@ class ShardServer:
     # -- optimizer state ------------------------------------------------------------------
     def _table_requests(self, status: MPI.Status) -> bool:
         """A worker reads or writes one shard of a table that lives here."""
+        msg = improbe(self.comm, self.losses, MPI.ANY_SOURCE, self.tags[Tag.SNAP], status)
+        if msg is not None:         # a checkpoint's snapshot: begun, read, or ended
+            self.rows.on_snapshot_request(msg.recv(), status.Get_source(), self.optimizer)
+            return True
         msg = improbe(self.comm, self.losses, MPI.ANY_SOURCE, self.tags[Tag.TABLE], status)
         if msg is None:
             return False

@@ -1,13 +1,14 @@
 """The worker's transport for tables: lookups, row gradients, changed rows, shard reads."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, StallError
 from ..protocol.pooled import POOLED, pack_parts, parts_nbytes
 from ..protocol.spec import JobSpec
 from ..protocol.tables import TableSpec, table_info
@@ -52,7 +53,8 @@ class RowsChannel:
         self.poller = poller
         self.label = cluster.label
         self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.SPARSE, Tag.LOOKUP, Tag.ROWS,
-                                                           Tag.CHANGED, Tag.TABLE, Tag.INIT)}
+                                                           Tag.CHANGED, Tag.TABLE, Tag.INIT,
+                                                           Tag.SNAP)}
         self.tables = [_Table(t, params[t.name]) for t in spec.tables]
         # per ps: its shards, in spec order: (table index, shard)
         self.on_ps: list[list[tuple[int, int]]] = [[] for _ in range(spec.num_ps)]
@@ -320,6 +322,55 @@ class RowsChannel:
         got["at"] = torch.arange(t.shard_rows[k]) if at is None else at
         got["ids"] = t.global_ids(k, got["at"])
         return got
+
+    def snapshot(self, what: tuple) -> None:
+        """Begin (``("snap_begin", mode)``) or end (``("snap_end",)``) a checkpoint's
+        snapshot of the resident shards on every ps rank holding some
+        (``mpisync.ps.snapshot``); returns once each has."""
+        ranks = [self.cluster.ps_rank(j) for j, shards in enumerate(self.on_ps)
+                 if any(self.spec.tables[i].resident for i, _ in shards)]
+        for rank in ranks:
+            self.comm.send(what, dest=rank, tag=self.tags[Tag.SNAP])
+        for rank in ranks:
+            answer = self.poller.wait_message(rank, self.tags[Tag.SNAP],
+                                              lambda: "a ps rank's snapshot of its tables")
+            if answer is not None:
+                raise answer
+
+    def read_snapshot(self, name: str, k: int) -> dict:
+        """Shard ``k`` of resident table ``name`` as at the snapshot, as ``read_shard``
+        (a snapshot begun with mode None) or ``read_changed`` gives it; once per shard."""
+        t = next(tb.spec for tb in self.tables if tb.spec.name == name)
+        rank = self.cluster.ps_rank(t.owners[k])
+        self.comm.send(("snap_read", t.unit(k)), dest=rank, tag=self.tags[Tag.SNAP])
+        got = self._wait_aside(rank, self.tags[Tag.SNAP],
+                               lambda: f"shard {k} of table {name!r} as saved")
+        if isinstance(got, Exception):
+            raise got
+        if t.hashed is not None:
+            return got
+        if "local" not in got:
+            got["ids"] = t.global_ids(k, torch.arange(t.shard_rows[k]))
+            return got
+        at = got.pop("local")
+        got["at"] = torch.arange(t.shard_rows[k]) if at is None else at
+        got["ids"] = t.global_ids(k, got["at"])
+        return got
+
+    def _wait_aside(self, rank: int, tag: int, what: Callable[[], str]):
+        """One pickled message, for a thread beside the step's (a checkpoint's writer): it
+        leaves the poller's pacing and the failure notices to the main thread."""
+        start = time.monotonic()
+        nap = 1e-5
+        while True:
+            msg = self.comm.improbe(source=rank, tag=tag)
+            if msg is not None:
+                return msg.recv()
+            if time.monotonic() - start > self.poller.timeout:
+                raise StallError(f"{self.label}: {what()} did not arrive within "
+                                 f"{self.poller.timeout:g} s (MPISYNC_TIMEOUT)")
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
 
     def hash_stats(self) -> dict[str, dict[str, int]]:
         """Admitted, evicted and live rows of each hash table, summed over its shards."""

@@ -26,6 +26,12 @@ class TableShards:
             else:
                 yield self.rows.read_changed(name, k, with_state, whole=not changed)
 
+    def read_snapshot(self, name: str):
+        """Yield the shards of table ``name`` as at the snapshot (see ``RowsChannel.snapshot``)."""
+        t = next(t for t in self.spec.tables if t.resident and t.name == name)
+        for k in range(t.num_shards):
+            yield self.rows.read_snapshot(name, k)
+
     def write_saved(self, tables: dict) -> None:
         """The chief writes the saved shards of the tables that live on the ps ranks; the
         other workers wait until it has. Only once every worker is in ``load_state_dict()``

@@ -91,8 +91,11 @@ def worker(cluster, args) -> dict:
         opt.step()
         sched.step()
         path = ck.maybe_save(extra={"scheduler": sched.state_dict(), "note": "hi"})
-        if path and args.mode == "kill" and opt.global_step == KILL_AT and w == 1:
-            os.kill(os.getpid(), signal.SIGKILL)      # no excepthook, no atexit
+        if path and args.mode == "kill" and opt.global_step == KILL_AT:
+            ck.wait()                                  # the chief has written it
+            if w == 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # no excepthook, no atexit
+    ck.wait()
     out = dict(snapshot(m, opt), resumed_from=resumed_from, global_step=opt.global_step,
                files=sorted(os.listdir(args.dir)))
     opt.close()

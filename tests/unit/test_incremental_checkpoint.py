@@ -5,9 +5,11 @@ keeps the bases the newest files need."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -194,9 +196,11 @@ def test_a_missing_base_is_refused_naming_it_and_latest_falls_back(rank, tmp_pat
     same(table(opt), records[3], "resumed")
     train_step(net, opt, 3)
     ckpt.maybe_save()                                   # after a resume: full
+    ckpt.wait()                                         # written beside training
     assert torch.load(d / ckpt_name(4), weights_only=True)["base"] is None
     train_step(net, opt, 4)
     ckpt.maybe_save()
+    ckpt.wait()
     assert torch.load(d / ckpt_name(5), weights_only=True)["base"]["file"] == ckpt_name(4)
     same(table(opt), records[5], "resumed and trained on")
     opt.close()
@@ -227,6 +231,7 @@ def test_keep_keeps_the_bases_the_newest_file_needs(rank, tmp_path):
     for t in range(5):
         train_step(net, opt, t)
         ckpt.maybe_save()
+        ckpt.wait()
         listed.append(sorted(p.name for p in d.iterdir()))
     want = [[1], [1, 2], [1, 2, 3], [4], [4, 5]]
     assert listed == [[ckpt_name(t) for t in names] for names in want]
@@ -240,6 +245,7 @@ def test_full_every_one_writes_every_file_full_and_bad_values_are_refused(rank, 
     for t in range(2):
         train_step(net, opt, t)
         ckpt.maybe_save()
+        ckpt.wait()
         ck = torch.load(tmp_path / ckpt_name(t + 1), weights_only=True)
         assert ck["base"] is None and ck["version"] == 1 and "incremental" not in ck["tables"][NAME]
     for bad in (0, -1, True, 2.0, None):
@@ -255,13 +261,18 @@ def test_the_save_after_a_failed_one_is_full(rank, tmp_path):
     ckpt.maybe_save()
     train_step(net, opt, 1)
     (tmp_path / ckpt_name(2)).mkdir()                   # the rename onto it fails
-    with pytest.raises(OSError, match="failed on the chief"):
-        ckpt.maybe_save()
+    ckpt.maybe_save()                                   # written beside training: told later
+    bad = re.escape(str(tmp_path / ckpt_name(2)))
+    with pytest.raises(OSError, match=rf"Checkpointer.wait\(\): the checkpoint {bad} could not "
+                                      rf"be written: IsADirectoryError"):
+        ckpt.wait()
     train_step(net, opt, 2)
     ckpt.maybe_save()
+    ckpt.wait()
     assert torch.load(tmp_path / ckpt_name(3), weights_only=True)["base"] is None
     train_step(net, opt, 3)
     ckpt.maybe_save()
+    ckpt.wait()
     assert torch.load(tmp_path / ckpt_name(4), weights_only=True)["base"]["file"] == ckpt_name(3)
     shard_rows = table(opt)
     net2, opt2 = build(rank, "adagrad", seed=7)
@@ -286,6 +297,7 @@ def test_keep_never_removes_the_file_just_written_for_a_later_one(rank, tmp_path
     for t in range(3):
         train_step(net, opt, t)
         ckpt.maybe_save()
+        ckpt.wait()
         listed.append(sorted(p.name for p in d.iterdir()))
     assert listed == [[ckpt_name(s), ckpt_name(100)] for s in (1, 2, 3)]
     assert mpisync.latest(d) == str(d / ckpt_name(3))
@@ -463,3 +475,78 @@ def test_ids_seen_but_not_admitted_yet_keep_their_sightings_across_a_load(rank, 
         step(net, opt, [[2, 5]])
         same(table(opt), unbroken, f"loaded at step {t}, trained on")
         opt.close()
+
+
+@pytest.mark.parametrize("kind, update", [("adagrad", False), ("sgd-momentum", False),
+                                          ("adagrad", True), ("hash", False),
+                                          ("hash-rowwise", False), ("hash-sgd-momentum", True)])
+def test_a_file_written_beside_training_holds_its_step_though_later_steps_changed_it(
+        rank, tmp_path, monkeypatch, kind, update):
+    """The workers go on while the chief writes: each file, full or incremental, still
+    holds the table (rows, optimizer state, a hash table's ids and counts) and the model
+    of the step it was saved at, though the next two steps changed them before its
+    shards were read (rows a step updates, every row of a dense step or of an
+    ``opt.update`` function over all rows, ids admitted and evicted)."""
+    from mpisync.worker.tables_io import TableShards
+    d = tmp_path / "ckpt"
+    hashed = kind.startswith("hash")
+    how = kind.removeprefix("hash").removeprefix("-") or "adagrad"
+    admit = 2 if how == "rowwise" else 1
+
+    def build_hash(seed):
+        net = HashNet(seed, "lfu" if admit == 2 else "lru", admit)
+        return net, rank.wrap(net, HASH_OPTIMIZERS[how](net.parameters()))
+
+    if hashed:
+        net, opt = build_hash(0)
+        step = hash_step
+    else:
+        net, opt = build(rank, kind)
+        step = train_step
+    if update:
+        rank.cluster.helper_comm = lambda what: rank.worker_comm    # one worker: itself
+        opt.update(NAME, shrink, rows="all")
+    go_on = threading.Event()
+    read = TableShards.read_snapshot
+
+    def held(self, name):                           # the writer waits for two more steps
+        assert go_on.wait(60)
+        yield from read(self, name)
+
+    monkeypatch.setattr(TableShards, "read_snapshot", held)
+    ckpt = mpisync.Checkpointer(d, net, opt, every_steps=3, full_every=2)
+    saved = {}
+    for t in range(12):
+        step(net, opt, t)
+        if t % 3 == 1:                              # two steps after the save
+            go_on.set()
+            ckpt.wait()
+            go_on.clear()
+        if ckpt.maybe_save() is not None:
+            saved[opt.global_step] = (table(opt), {k: v.clone() for k, v in
+                                                   net.state_dict().items()})
+    go_on.set()
+    ckpt.wait()
+    opt.close()
+    assert sorted(saved) == [3, 6, 9, 12]
+    for s, (rows, model) in saved.items():
+        ck = torch.load(d / ckpt_name(s), weights_only=True)
+        assert (ck["base"] is None) == (s in (3, 9)), s       # full_every=2
+        if hashed:
+            net2, opt2 = build_hash(5)
+        else:
+            net2, opt2 = build(rank, kind, seed=5)
+        mpisync.load(d / ckpt_name(s), net2, opt2)
+        got = table(opt2)
+        if hashed:                                  # the same ids, maybe in another order
+            got, rows = ([(*sorted_by_id(i, w, st),) for i, w, st in x] for x in (got, rows))
+        same(got, rows, f"table of step {s}")
+        same(net2.state_dict(), model, f"model of step {s}")
+        opt2.close()
+
+
+def sorted_by_id(ids, weight, state):
+    order = ids.argsort()
+    return ids[order], weight[order], {k: v[order] if torch.is_tensor(v) and v.dim() and
+                                       v.shape[0] == len(ids) else v
+                                       for k, v in (state or {}).items()}
