@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -156,6 +157,7 @@ def begin(path: str, model: torch.nn.Module, opt: SyncReplicasOptimizer, extra: 
              "time": time.time(), "mpisync_version": ckptfile.mpisync_version(),
              "schedulers": resumestate.scheduler_states(opt), "worker_states": worker_states}
     if aside:                        # the model, the schedulers, ``extra`` change next step
+        pickle.dumps(extra)          # what no file can hold fails now, on every worker
         dense = copy.deepcopy(dense)
     if tables:
         opt._parts.tables.rows.snapshot(("snap_begin", changed))

@@ -550,3 +550,20 @@ def sorted_by_id(ids, weight, state):
     return ids[order], weight[order], {k: v[order] if torch.is_tensor(v) and v.dim() and
                                        v.shape[0] == len(ids) else v
                                        for k, v in (state or {}).items()}
+
+
+def test_an_extra_no_file_can_hold_is_refused_at_the_save_not_later(rank, tmp_path):
+    """The file is written beside training, but what it cannot hold is refused by the save
+    itself, on every worker, and nothing is left behind: the next save writes a full file."""
+    net, opt = build(rank, "adagrad")
+    ckpt = mpisync.Checkpointer(tmp_path, net, opt, every_steps=1)
+    train_step(net, opt, 0)
+    with pytest.raises(OSError, match=r"failed on the chief: .*(pickle|Pickl).*lambda"):
+        ckpt.save(extra={"bad": lambda: 0})
+    assert not list(tmp_path.iterdir())
+    train_step(net, opt, 1)
+    ckpt.maybe_save(extra={"epoch": 1})
+    ckpt.wait()
+    ck = torch.load(tmp_path / ckpt_name(2), weights_only=True)
+    assert ck["base"] is None and ck["extra"] == {"epoch": 1}
+    opt.close()
