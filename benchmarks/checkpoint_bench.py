@@ -12,8 +12,13 @@ shards, ``mpisync.fixed_size``), a ``Linear(64, 1)`` head, Adagrad (lr 0.1: its 
 writes a full file; one step then touches 1% of the rows (R/100 distinct ids, one per
 sample, split between the workers); the Checkpointer writes the next file, incremental;
 a plain ``mpisync.save`` writes a full file of the same step. Worker 0 reports each
-file's bytes and write time (the chief's wall time of the collective save), and the load
-time of the incremental chain and of the full file (``mpisync.load`` into the same job).
+file's bytes and write time (from the save to the file written: ``save()`` then
+``wait()``), how long the save held the workers (the longest of their ``save()`` calls:
+the Checkpointer writes the file beside training), and the load time of the incremental
+chain and of the full file (``mpisync.load`` into the same job). Then steps of 512 ids:
+five before a full file (a second Checkpointer: full files only) and as many as the
+workers take while the chief writes it (``steps_during_full_write``), with the medians
+of each.
 The files go to ``--dir`` (default: a temporary directory, removed after).
 
 ``--hash``: the table is an ``mpisync.HashEmbedding`` of 64-bit ids instead (capacity 20%

@@ -185,23 +185,27 @@ class HashRows:
         return {"got": got, "pick": pick, "removed": removed,
                 "per_row": [k for k, v in state.items() if _per_row(v, self.param)]}
 
-    def rows_of(self, plan: dict, weight: torch.Tensor, state: dict, with_state: bool
-                ) -> dict:
+    def rows_of(self, plan: dict, weight: torch.Tensor, state: dict, with_state: bool,
+                picked: bool = False) -> dict:
         """The rows ``plan`` picked, their values taken from ``weight`` and ``state`` (the
-        shard's, or a snapshot's of them, by slot): ids, weight, counts, optimizer state
-        (``with_state``); the candidates whole; and ``plan``'s ``removed`` and
-        ``per_row`` where it has them."""
+        shard's, by slot; with ``picked``, those rows already, in the plan's order: a
+        snapshot's): ids, weight, counts, optimizer state (``with_state``); the
+        candidates whole; and ``plan``'s ``removed`` and ``per_row`` where it has them."""
         got, pick = plan["got"], plan["pick"]
         slots = torch.from_numpy(got["slots"])[pick]
-        out = {"ids": torch.from_numpy(got["ids"])[pick], "weight": weight.detach()[slots],
+        if picked:                      # the snapshot's own copies, given once
+            weight = weight.detach()
+        else:
+            weight = weight.detach()[slots]
+            state = {k: (v[slots].clone() if _per_row(v, self.param) else
+                         v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
+        out = {"ids": torch.from_numpy(got["ids"])[pick], "weight": weight,
                "counters": {"count": torch.from_numpy(got["count"])[pick],
                             "last": torch.from_numpy(got["last"])[pick],
                             "clock": got["clock"]},
                "candidates": _candidates(got)}     # whole (none with admit_after=1)
         if with_state:
-            out["state"] = {k: (v[slots].clone() if _per_row(v, self.param) else
-                                v.clone() if torch.is_tensor(v) else v)
-                            for k, v in state.items()}
+            out["state"] = state
         if "removed" in plan:
             out["removed"], out["per_row"] = plan["removed"], plan["per_row"]
         return out

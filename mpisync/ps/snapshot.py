@@ -78,13 +78,22 @@ class Snapshot:
     def read(self, param: torch.Tensor, state: dict) -> dict:
         """The shard at the snapshot's step, as ``Marks.read`` (``mode`` given) or a plain
         read (``{"weight", "state"}``) gives it."""
+        weight, out_state = self.values(param, state, self.local)
+        if self.mode is None:
+            return {"weight": weight, "state": out_state}
+        return {"local": self.local, "per_row": list(self.per_row), "weight": weight,
+                "state": out_state}
+
+    def values(self, param: torch.Tensor, state: dict, local: torch.Tensor | None
+               ) -> tuple[torch.Tensor, dict]:
+        """The rows ``local`` (sorted local ids; None: every row) as at the snapshot: their
+        weight and their optimizer state (the per-row entries' rows, the others whole)."""
         if self.whole is not None:
             weight, kept = self.whole
             per_row = {k: kept[k] for k in self.per_row}
         else:
             weight = param.detach()
             per_row = {k: state[k] for k in self.per_row}
-        local = self.local
         weight = weight.clone() if local is None else weight[local]
         per_row = {k: v.clone() if local is None else v[local] for k, v in per_row.items()}
         for ids, rows, saved in self.chunks:        # rows changed since: as they were
@@ -97,11 +106,8 @@ class Snapshot:
             weight[at] = rows[have]
             for k, v in saved.items():
                 per_row[k][at] = v[have]
-        out_state = {k: per_row[k] if k in per_row else self.fixed[k] for k in self.state_keys}
-        if self.mode is None:
-            return {"weight": weight, "state": out_state}
-        return {"local": local, "per_row": list(self.per_row), "weight": weight,
-                "state": out_state}
+        return weight, {k: per_row[k] if k in per_row else self.fixed[k]
+                        for k in self.state_keys}
 
 
 
@@ -129,8 +135,16 @@ class HashSnapshot:
         """The rows planned, with their values and state as at the snapshot (by id)."""
         self.drop()
         h = self.hashed
-        at = self.rows.read(h.param, _state(self.optimizer, h.param))
-        return h.rows_of(self.plan, at["weight"], at["state"], True)
+        slots = torch.from_numpy(self.plan["got"]["slots"])[self.plan["pick"]]
+        order = torch.argsort(slots)
+        weight, state = self.rows.values(h.param, _state(self.optimizer, h.param),
+                                         slots[order])
+        back = torch.empty_like(order)          # the plan's order again
+        back[order] = torch.arange(len(order))
+        per_row = set(self.rows.per_row)
+        return h.rows_of(self.plan, weight[back],
+                         {k: v[back] if k in per_row else v for k, v in state.items()},
+                         True, picked=True)
 
     def drop(self) -> None:
         if self.hashed.keep == self._keep:
