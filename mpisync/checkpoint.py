@@ -84,7 +84,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptim
     """Write a checkpoint of ``model`` and ``opt`` at the current global step.
 
     Call on every worker, between steps (a collective over the workers); the chief
-    writes the file, the others wait for it. ``extra`` is anything ``torch.load(...,
+    writes the file, the others wait for it (a ``Checkpointer`` writes its files beside
+    training instead; one it is writing is finished first). ``extra`` is anything ``torch.load(...,
     weights_only=True)`` reads back: numbers, strings, tensors, lists, dicts (an epoch,
     a data-loader position).
 
@@ -97,7 +98,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptim
         The path written.
 
     Raises:
-        OSError: the chief could not write the file (on every worker; nothing changed).
+        OSError: the chief could not write the file, or a Checkpointer's file it was
+            writing (on every worker; nothing changed).
     """
     path = os.fspath(path)
     _settle_writing(opt, "mpisync.save()")

@@ -567,3 +567,28 @@ def test_an_extra_no_file_can_hold_is_refused_at_the_save_not_later(rank, tmp_pa
     ck = torch.load(tmp_path / ckpt_name(2), weights_only=True)
     assert ck["base"] is None and ck["extra"] == {"epoch": 1}
     opt.close()
+
+
+def test_a_failed_write_is_told_at_the_next_save_or_at_close(rank, tmp_path):
+    """A file the chief could not write beside training is an OSError naming it at the
+    next ``maybe_save()`` (training went on in between), and at ``opt.close()`` when no
+    save came after it: the optimizer is closed all the same."""
+    net, opt = build(rank, "adagrad")
+    ckpt = mpisync.Checkpointer(tmp_path, net, opt, every_steps=1)
+    for t in (1, 3):
+        (tmp_path / ckpt_name(t)).mkdir()               # the rename onto it fails
+    train_step(net, opt, 0)
+    ckpt.maybe_save()
+    train_step(net, opt, 1)
+    with pytest.raises(OSError, match=rf"Checkpointer\.(maybe_save|save)\(\): the checkpoint "
+                                      rf"{re.escape(str(tmp_path / ckpt_name(1)))} could not "
+                                      rf"be written: IsADirectoryError"):
+        ckpt.maybe_save()
+    ckpt.maybe_save()                                   # step 2: written, full
+    train_step(net, opt, 2)
+    ckpt.maybe_save()                                   # step 3: fails, told at close
+    with pytest.raises(OSError, match=rf"the checkpoint {re.escape(str(tmp_path / ckpt_name(3)))} "
+                                      rf"could not be written: IsADirectoryError"):
+        opt.close()
+    assert opt.closed
+    assert torch.load(tmp_path / ckpt_name(2), weights_only=True)["base"] is None
