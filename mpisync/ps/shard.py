@@ -184,7 +184,7 @@ class ShardServer:
         progressed |= self.slots.poll_assigns(status, rare)
         if self.rows.active:
             progressed |= self.rows.poll()
-        if rare:
+        if rare or self.rows.snaps:     # a checkpoint's snapshot is read while steps go on
             progressed |= self._table_requests(status)
         if self.ctl_req is not None and self.ctl_req.Test():
             ctl = self.ctl_buf.copy()        # tiny; frees the buffer for the next one
