@@ -123,6 +123,7 @@ class StepCoordinator:
         self.parked: set[int] = set()             # in a collective among the workers
         self.departed: set[int] = set()           # left the job: their program ended
         self.failed = False
+        self.failed_for: set[int] = set()   # the parked workers the FAIL told
         self.asynchronous = asynchronous
         self.max_staleness = max_staleness
         self.queue: list[int] = []         # async: pushed while applying, in arrival order
@@ -218,6 +219,11 @@ class StepCoordinator:
     def depart(self, worker: int) -> list[Action]:
         """Worker ``worker`` left the job (its program ended): it joins no collective again."""
         self.departed.add(worker)
+        if worker in self.failed_for:  # told it could not go on, and left: in no collective
+            self.failed_for.discard(worker)
+            self.parked.discard(worker)
+            if not self.failed_for:    # a worker that goes into one later is told too
+                self.failed = False
         return self._check_deadlock()
 
     def deadlocked(self) -> bool:
@@ -239,7 +245,7 @@ class StepCoordinator:
         whose word that they left the collective may still be on its way."""
         if self.failed or not self.deadlocked():
             return []
-        self.failed = True
+        self.failed, self.failed_for = True, set(self.parked)
         blocked = set(self.waiting) | self.held | self.loading
         return [Action(Kind.FAIL, self.global_step, tuple(sorted(blocked)),
                        tuple(sorted(self.parked)))]

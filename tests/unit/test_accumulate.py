@@ -886,6 +886,20 @@ def test_a_collective_that_a_departed_worker_can_never_join_fails():
     assert e.depart(1) == []                             # ... itself parked: not departed
 
 
+def test_a_worker_that_goes_into_a_collective_after_one_told_left_is_told_too():
+    """Worker 1 left; worker 2 went into a collective, was told it can never complete and
+    left too; worker 0 goes into it later: it is told as well (it used to wait until
+    MPISYNC_TIMEOUT, the verdict said once for the job)."""
+    c = started(3, 3)
+    c.close(1)
+    assert c.depart(1) == []
+    assert c.park(2) == [Action(Kind.FAIL, 0, (), (2,))]
+    c.close(2)
+    assert c.depart(2) == []                   # it left with its DeadlockError
+    assert c.park(0) == [Action(Kind.FAIL, 0, (), (0,))]
+    assert c.park(0) == []                     # said once
+
+
 def test_a_held_async_worker_waiting_for_a_parked_one_fails():
     c = async_started(2, max_staleness=0)
     c.push(1, 0)
