@@ -89,13 +89,11 @@ class Writing:
         self.changed, self.tables = changed, tables
         self.error: str | None = None
         self.thread: threading.Thread | None = None
-        self.seconds = 0.0
         self.owner: Any = None          # the Checkpointer that saved it
         self.then: Callable[[], object] | None = None   # after a successful write
 
     def run(self) -> None:
         """Write the file; a failure is kept in ``error`` (the snapshot left is dropped)."""
-        start = time.perf_counter()
         try:
             ckptfile.atomic_write(self.path, self._fill)
             if self.then is not None:
@@ -104,12 +102,12 @@ class Writing:
             self.error = f"{type(exc).__name__}: {exc}"
             if self.tables:
                 try:
-                    self.opt._parts.tables.rows.snapshot(("snap_end",))
+                    self.opt._parts.tables.rows.snapshot(("snap_end",),
+                                                         aside=self.thread is not None)
                 except Exception:  # noqa: BLE001, S110 (the write's error is the one told)
                     pass
         finally:
             self.dense = {}
-            self.seconds = time.perf_counter() - start
 
     def _fill(self, f) -> None:
         w = ckptfile.Writer(f)

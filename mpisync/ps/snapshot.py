@@ -28,7 +28,7 @@ class Snapshot:
     """One dense resident shard at the snapshot's step, kept by copying rows on write."""
 
     __slots__ = ("chunks", "copied", "fixed", "local", "mode", "per_row", "state_keys",
-                 "whole", "with_state")
+                 "whole")
 
     def __init__(self, param: torch.Tensor, state: dict, marks: Marks | None, mode):
         rows = param.shape[0]

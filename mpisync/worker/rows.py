@@ -323,17 +323,19 @@ class RowsChannel:
         got["ids"] = t.global_ids(k, got["at"])
         return got
 
-    def snapshot(self, what: tuple) -> None:
+    def snapshot(self, what: tuple, aside: bool = False) -> None:
         """Begin (``("snap_begin", mode)``) or end (``("snap_end",)``) a checkpoint's
         snapshot of the resident shards on every ps rank holding some
-        (``mpisync.ps.snapshot``); returns once each has."""
+        (``mpisync.ps.snapshot``); returns once each has. ``aside``: called from a thread
+        beside the step's (the checkpoint's writer)."""
         ranks = [self.cluster.ps_rank(j) for j, shards in enumerate(self.on_ps)
                  if any(self.spec.tables[i].resident for i, _ in shards)]
         for rank in ranks:
             self.comm.send(what, dest=rank, tag=self.tags[Tag.SNAP])
         for rank in ranks:
-            answer = self.poller.wait_message(rank, self.tags[Tag.SNAP],
-                                              lambda: "a ps rank's snapshot of its tables")
+            what_for = lambda: "a ps rank's snapshot of its tables"
+            answer = self._wait_aside(rank, self.tags[Tag.SNAP], what_for) if aside else \
+                self.poller.wait_message(rank, self.tags[Tag.SNAP], what_for)
             if answer is not None:
                 raise answer
 
