@@ -85,9 +85,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, opt: SyncReplicasOptim
 
     Call on every worker, between steps (a collective over the workers); the chief
     writes the file, the others wait for it (a ``Checkpointer`` writes its files beside
-    training instead; one it is writing is finished first). ``extra`` is anything ``torch.load(...,
-    weights_only=True)`` reads back: numbers, strings, tensors, lists, dicts (an epoch,
-    a data-loader position).
+    training instead; one it is writing is finished first). ``extra`` is anything
+    ``torch.load(..., weights_only=True)`` reads back: numbers, strings, tensors, lists,
+    dicts (an epoch, a data-loader position).
 
     Saved without being asked, for ``load`` to restore: every worker's random number
     generators (torch's CPU one, CUDA's if initialised, NumPy's global one, Python's
@@ -112,9 +112,8 @@ def _settle_writing(opt, where: str) -> None:
     a collective); an OSError on every worker when it could not be written."""
     cluster = opt.cluster
     writing, opt._writing = opt._writing, None
-    error = None
-    if writing is not None and writing.wait():
-        error = f"{writing.path} could not be written: {writing.error}"
+    error = writing.wait() if writing is not None else None
+    if error:
         writing.owner._chain = []       # the ps ranks' marks are gone: the next one is full
     agree(cluster.worker_comm, error, lambda errors: errors[0] and OSError(
         f"{cluster.label}: {where}: the checkpoint {errors[0]} (on the chief)"))
@@ -415,9 +414,8 @@ class Checkpointer:
             # backup workers, K-batch or asynchronous: workers' step() calls do not line
             # up, so they meet only where a checkpoint is due (each reaches it once)
             return False, None
-        writing, failed = self.opt._writing, None
-        if writing is not None and writing.done and writing.error:   # the chief's, aside
-            failed = f"{writing.path} could not be written: {writing.error}"
+        writing = self.opt._writing      # the chief's, aside: failed already?
+        failed = writing is not None and writing.done and writing.failure is not None
         said = self.opt.cluster.worker_comm.allgather((due, stopping.received(), failed))
         if said[0][2]:
             _settle_writing(self.opt, "Checkpointer.maybe_save()")     # raises on every worker

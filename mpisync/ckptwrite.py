@@ -129,10 +129,15 @@ class Writing:
         return self.thread is None or not self.thread.is_alive()
 
     def wait(self) -> str | None:
-        """Wait for the file; the error that kept it from being written, or None."""
+        """Wait for the file; what kept it from being written (naming it), or None."""
         if self.thread is not None:
             self.thread.join()
-        return self.error
+        return self.failure
+
+    @property
+    def failure(self) -> str | None:
+        """What kept the file from being written, naming it; None while written or writing."""
+        return None if self.error is None else f"{self.path} could not be written: {self.error}"
 
 
 def begin(path: str, model: torch.nn.Module, opt: SyncReplicasOptimizer, extra: Any,

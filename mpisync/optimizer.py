@@ -526,8 +526,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         finally:
             self._hooks.remove()
         if error:
-            raise OSError(f"{self.cluster.label}: the checkpoint {writing.path} could not be "
-                          f"written: {error}")
+            raise OSError(f"{self.cluster.label}: the checkpoint {error}")
 
     def final_stats(self) -> dict:
         """The job's final statistics, read once (after close(): every worker gets them)."""

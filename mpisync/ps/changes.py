@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Marks", "per_row_keys"]
+__all__ = ["Marks", "per_row_keys", "state_of"]
+
+
+def state_of(optimizer, param: torch.Tensor) -> dict:
+    """The optimizer's state of ``param`` ({} without an optimizer or state yet)."""
+    return optimizer.state.get(param, {}) if optimizer is not None else {}
 
 
 def per_row_keys(state: dict, rows: int) -> list[str]:

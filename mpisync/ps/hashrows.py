@@ -18,7 +18,7 @@ from ..native import torchstep
 from ..protocol import hashing
 from ..protocol.multi import inner_of
 from ..protocol.tables import TableSpec
-from .changes import Marks
+from .changes import Marks, state_of
 
 __all__ = ["HashRows", "fresh_state"]
 
@@ -150,7 +150,7 @@ class HashRows:
     def read(self, optimizer, with_state: bool) -> dict:
         """The rows held, by id: ids, weight, optimizer state rows and the counts."""
         return self.rows_of(self.plan(optimizer, with_state, None), self.param,
-                            _state(optimizer, self.param), with_state)
+                            state_of(optimizer, self.param), with_state)
 
     def read_changed(self, optimizer, with_state: bool, whole: bool) -> dict:
         """The rows changed since the last call (every row held with ``whole``, the first
@@ -159,7 +159,7 @@ class HashRows:
         last call and no longer: evicted) and ``per_row`` (the names of the per-row state
         entries); None for ``removed`` where every row is given."""
         return self.rows_of(self.plan(optimizer, with_state, not whole), self.param,
-                            _state(optimizer, self.param), with_state)
+                            state_of(optimizer, self.param), with_state)
 
     def plan(self, optimizer, with_state: bool, changed: bool | None) -> dict:
         """Which rows a read gives, decided now (``changed`` None: ``read()``'s, else
@@ -170,7 +170,7 @@ class HashRows:
         got["clock"] = self.slots.clock
         if changed is None:
             return {"got": got, "pick": slice(None)}
-        state = _state(optimizer, self.param)
+        state = state_of(optimizer, self.param)
         keys = tuple(state)
         if not changed or self.read_ids is None or (with_state and keys != self.read_keys):
             pick, removed = slice(None), None
@@ -254,10 +254,6 @@ class HashRows:
 
     def stats(self) -> dict[str, int]:
         return self.slots.stats()
-
-
-def _state(optimizer, param) -> dict:
-    return optimizer.state.get(param, {}) if optimizer is not None else {}
 
 
 def _candidates(got: dict) -> dict[str, torch.Tensor]:

@@ -21,8 +21,8 @@ from ..protocol.wire import ROWS_HEAD, RowsField, Tag, pack_rows, pad8, rows_mar
 from ..runtime.progress import Poller
 from ..tables.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
 from ..tables.rowwise import RowWiseAdagrad
-from . import heap, snapshot
-from .changes import Marks
+from . import heap
+from .changes import Marks, state_of
 from .hashrows import HashRows
 
 __all__ = ["RowShards", "takes_sparse"]
@@ -430,9 +430,7 @@ class RowShards:
         start = time.perf_counter()
         for item in self.pending:
             ids, rows = item.sum()
-            if item.unit.marks is not None:
-                item.unit.marks.mark(ids)
-            self._before(item.unit, ids, self.optimizer)
+            self._changing(item.unit, ids)
             apply_rows(self.optimizer, item.group, item.unit.param, ids, rows, self.scratch,
                        item.div)
         self.pending = []
@@ -450,9 +448,7 @@ class RowShards:
     def _note(self, n: int, rows) -> None:
         """Rows of unit ``n`` the step changes: None, a tensor of local ids, or True (all)."""
         self.step_rows[n] = rows
-        self._before(self.units[n], rows, self.optimizer)
-        if self.units[n].marks is not None:
-            self.units[n].marks.mark(rows)
+        self._changing(self.units[n], rows)
         self._changed(n, rows)
 
     def _changed(self, n: int, rows) -> None:
@@ -478,13 +474,15 @@ class RowShards:
     def before_update(self, n: int, rows) -> None:
         """Rows of unit ``n`` (local ids, or True: all) that a function of ``opt.update``
         is about to change: a snapshot not read yet keeps them as they are."""
-        self._before(self.units[n], rows, self.optimizer)
+        self._changing(self.units[n], rows)
 
-    def _before(self, u: _Unit, rows, optimizer) -> None:
-        snap = self.snaps.get(u.unit) if self.snaps else None
-        if snap is not None:
-            snap.before(rows, u.param, optimizer.state.get(u.param, {})
-                        if optimizer is not None else {})
+    def _changing(self, u: _Unit, rows) -> None:
+        """Rows of ``u`` (local ids, or True: all) are about to change: a checkpoint's
+        snapshot not read yet keeps them, and the next incremental file holds them."""
+        if self.snaps and u.unit in self.snaps:
+            self.snaps[u.unit].before(rows)
+        if u.marks is not None:
+            u.marks.mark(rows)
 
     def changed_by_update(self, n: int, rows: torch.Tensor) -> None:
         """Rows of unit ``n`` that a function of ``opt.update`` changed after the step: the
@@ -538,7 +536,7 @@ class RowShards:
         if u.hashed is not None:
             self._on_hash_request(u, request, rank, optimizer)
             return
-        state = optimizer.state.get(u.param, {}) if optimizer is not None else {}
+        state = state_of(optimizer, u.param)
         if what == "read":
             out = {"weight": u.param.detach().clone()}
             if request[2]:
@@ -557,13 +555,6 @@ class RowShards:
         except (ValueError, RuntimeError, TypeError) as exc:
             error = exc
         self.comm.send(error, dest=rank, tag=self.tags[Tag.TABLE])
-
-    def on_snapshot_request(self, request, rank: int, optimizer) -> None:
-        """A checkpoint's snapshot of the resident shards here, begun, read or ended
-        (``mpisync.ps.snapshot.answer``); answered on ``Tag.SNAP``."""
-        self.settle()
-        self.comm.send(snapshot.answer(self, request, optimizer), dest=rank,
-                       tag=Tag.of(Tag.SNAP, self.spec.opt_id))
 
     def _on_hash_request(self, u: _Unit, request, rank: int, optimizer) -> None:
         what = request[0]
@@ -585,7 +576,7 @@ class RowShards:
         self.comm.send(answer, dest=rank, tag=self.tags[Tag.TABLE])
 
     def _write(self, u: _Unit, weight, saved, optimizer) -> None:
-        self._before(u, True, optimizer)
+        self._changing(u, True)
         with torch.no_grad():
             if weight is not None:
                 if tuple(weight.shape) != tuple(u.param.shape):
@@ -593,8 +584,6 @@ class RowShards:
                                      f"{list(u.param.shape)}, the values given "
                                      f"{list(weight.shape)}")
                 u.param.copy_(weight)
-        if u.marks is not None:
-            u.marks.mark(True)
         self.full = [True] * self.W         # the workers holding it get the whole shard
         if saved is not None and optimizer is not None:
             state = optimizer.state[u.param]

@@ -31,6 +31,7 @@ from ..protocol.wire import (
 from ..runtime import lazydynamo, shm
 from ..runtime.progress import Poller
 from ..runtime.survival import Losses, improbe, settle
+from . import snapshot
 from .averages import MovingAverages
 from .parameters import ShardParameters
 from .rows import RowShards
@@ -435,7 +436,10 @@ class ShardServer:
         """A worker reads or writes one shard of a table that lives here."""
         msg = improbe(self.comm, self.losses, MPI.ANY_SOURCE, self.tags[Tag.SNAP], status)
         if msg is not None:         # a checkpoint's snapshot: begun, read, or ended
-            self.rows.on_snapshot_request(msg.recv(), status.Get_source(), self.optimizer)
+            request = msg.recv()
+            self.rows.settle()
+            self.comm.send(snapshot.answer(self.rows, request, self.optimizer),
+                           dest=status.Get_source(), tag=self.tags[Tag.SNAP])
             return True
         msg = improbe(self.comm, self.losses, MPI.ANY_SOURCE, self.tags[Tag.TABLE], status)
         if msg is None:

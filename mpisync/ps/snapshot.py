@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ProtocolError
-from .changes import Marks, per_row_keys
+from .changes import Marks, per_row_keys, state_of
 
 __all__ = ["Snapshot", "answer"]
 
@@ -27,10 +27,12 @@ __all__ = ["Snapshot", "answer"]
 class Snapshot:
     """One dense resident shard at the snapshot's step, kept by copying rows on write."""
 
-    __slots__ = ("chunks", "copied", "fixed", "local", "mode", "per_row", "state_keys",
-                 "whole")
+    __slots__ = ("chunks", "copied", "fixed", "local", "mode", "optimizer", "param", "per_row",
+                 "state_keys", "whole")
 
-    def __init__(self, param: torch.Tensor, state: dict, marks: Marks | None, mode):
+    def __init__(self, param: torch.Tensor, optimizer, marks: Marks | None, mode):
+        self.param, self.optimizer = param, optimizer
+        state = state_of(optimizer, param)
         rows = param.shape[0]
         self.mode = mode                  # None: every row, marks untouched; False/True
         self.state_keys = tuple(state)    # the entries that existed at the step
@@ -49,12 +51,13 @@ class Snapshot:
         self.chunks: list[tuple[torch.Tensor, torch.Tensor, dict]] = []
         self.whole: tuple[torch.Tensor, dict] | None = None   # every row kept
 
-    def before(self, rows, param: torch.Tensor, state: dict) -> None:
+    def before(self, rows) -> None:
         """``rows`` (local ids, or True: every row) are about to change: keep those not
         kept yet as they are."""
         if self.whole is not None or rows is None:
             return
-        values = param.detach()
+        state = state_of(self.optimizer, self.param)
+        values = self.param.detach()
         if rows is True:                  # every row: kept whole, with the rows kept so far
             weight = values.clone()
             kept = {k: state[k].clone() for k in self.per_row if k in state}
@@ -75,24 +78,24 @@ class Snapshot:
         self.chunks.append((new, values[new], {k: state[k][new] for k in self.per_row
                                                if k in state}))
 
-    def read(self, param: torch.Tensor, state: dict) -> dict:
+    def read(self) -> dict:
         """The shard at the snapshot's step, as ``Marks.read`` (``mode`` given) or a plain
         read (``{"weight", "state"}``) gives it."""
-        weight, out_state = self.values(param, state, self.local)
+        weight, out_state = self.values(self.local)
         if self.mode is None:
             return {"weight": weight, "state": out_state}
         return {"local": self.local, "per_row": list(self.per_row), "weight": weight,
                 "state": out_state}
 
-    def values(self, param: torch.Tensor, state: dict, local: torch.Tensor | None
-               ) -> tuple[torch.Tensor, dict]:
+    def values(self, local: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
         """The rows ``local`` (sorted local ids; None: every row) as at the snapshot: their
         weight and their optimizer state (the per-row entries' rows, the others whole)."""
         if self.whole is not None:
             weight, kept = self.whole
             per_row = {k: kept[k] for k in self.per_row}
         else:
-            weight = param.detach()
+            state = state_of(self.optimizer, self.param)
+            weight = self.param.detach()
             per_row = {k: state[k] for k in self.per_row}
         weight = weight.clone() if local is None else weight[local]
         per_row = {k: v.clone() if local is None else v[local] for k, v in per_row.items()}
@@ -110,44 +113,35 @@ class Snapshot:
                         for k in self.state_keys}
 
 
-
 class HashSnapshot:
     """One hash shard at the snapshot's step: the ids it held, their slots and counts
     (and, for an incremental file, which of them changed, the ids evicted since), taken
     now; their rows and optimizer state kept by copying slots on write (an admitted id's
     initial row, its state reset, a step's updates, a load)."""
 
-    __slots__ = ("hashed", "optimizer", "plan", "rows")
+    __slots__ = ("before", "hashed", "plan", "rows")
 
     def __init__(self, hashed, optimizer, mode):
-        self.hashed, self.optimizer = hashed, optimizer
+        self.hashed = hashed
         self.plan = hashed.plan(optimizer, True, mode)
-        self.rows = Snapshot(hashed.param, _state(optimizer, hashed.param), None, None)
-        hashed.keep = self._keep
-
-    def _keep(self, rows) -> None:
-        self.rows.before(rows, self.hashed.param, _state(self.optimizer, self.hashed.param))
-
-    def before(self, rows, param: torch.Tensor, state: dict) -> None:
-        self.rows.before(rows, param, state)
+        self.rows = Snapshot(hashed.param, optimizer, None, None)
+        self.before = hashed.keep = self.rows.before     # slots' rows, by slot
 
     def read(self) -> dict:
         """The rows planned, with their values and state as at the snapshot (by id)."""
         self.drop()
-        h = self.hashed
         slots = torch.from_numpy(self.plan["got"]["slots"])[self.plan["pick"]]
         order = torch.argsort(slots)
-        weight, state = self.rows.values(h.param, _state(self.optimizer, h.param),
-                                         slots[order])
+        weight, state = self.rows.values(slots[order])
         back = torch.empty_like(order)          # the plan's order again
         back[order] = torch.arange(len(order))
         per_row = set(self.rows.per_row)
-        return h.rows_of(self.plan, weight[back],
+        return self.hashed.rows_of(self.plan, weight[back],
                          {k: v[back] if k in per_row else v for k, v in state.items()},
                          True, picked=True)
 
     def drop(self) -> None:
-        if self.hashed.keep == self._keep:
+        if self.hashed.keep == self.before:
             self.hashed.keep = None
 
 
@@ -170,8 +164,7 @@ def answer(shards, request, optimizer):
             if u.hashed is not None:
                 shards.snaps[u.unit] = HashSnapshot(u.hashed, optimizer, mode)
             else:
-                shards.snaps[u.unit] = Snapshot(u.param, _state(optimizer, u.param),
-                                                u.marks, mode)
+                shards.snaps[u.unit] = Snapshot(u.param, optimizer, u.marks, mode)
         return None
     if what == "snap_read":
         snap = shards.snaps.pop(request[1], None)
@@ -179,12 +172,7 @@ def answer(shards, request, optimizer):
         if u is None or snap is None:
             return ProtocolError(f"{shards.label}: a snapshot read of table shard "
                                  f"{request[1]!r}, not held here or read already")
-        if isinstance(snap, HashSnapshot):
-            return snap.read()
-        return snap.read(u.param, _state(optimizer, u.param))
+        return snap.read()
     shards.snaps = {}
     return None
 
-
-def _state(optimizer, param) -> dict:
-    return optimizer.state.get(param, {}) if optimizer is not None else {}

@@ -191,21 +191,30 @@ class Poller:
             time.sleep(min(left, 1e-3))
 
     def wait_message(self, source: int, tag: int, what: Callable[[], str],
-                     timeout: float | None = None):
-        """Receive one pickled message (off the step's path)."""
-        return self.wait_probe(source, tag, None, what, timeout).recv()
+                     timeout: float | None = None, aside: bool = False):
+        """Receive one pickled message (off the step's path). ``aside``: for a thread
+        beside the main one (a checkpoint's writer), which leaves the pacing and the
+        failure notices to the main thread and naps between looks."""
+        return self.wait_probe(source, tag, None, what, timeout, aside).recv()
 
     def wait_probe(self, source: int, tag: int, status: MPI.Status | None,
-                   what: Callable[[], str], timeout: float | None = None) -> MPI.Message:
+                   what: Callable[[], str], timeout: float | None = None,
+                   aside: bool = False) -> MPI.Message:
         """Wait for a message to arrive; return it matched (receive it with ``Recv``)."""
         timeout = self.timeout if timeout is None else timeout
         start = time.monotonic()
+        nap = 1e-5
         while True:
             msg = self.comm.improbe(source=source, tag=tag, status=status)
             if msg is not None:
-                self.busy()
+                if not aside:
+                    self.busy()
                 return msg
-            self.idle()
+            if aside:
+                time.sleep(nap)
+                nap = min(2 * nap, 1e-3)
+            else:
+                self.idle()
             if time.monotonic() - start > timeout:
                 raise StallError(f"{self.label}: {what()} did not arrive within "
                                  f"{timeout:g} s")

@@ -135,7 +135,8 @@ class HashEmbedding(_HashModule):
 
     ``opt.stats["hash_tables"]`` counts each table's admitted, evicted and live rows.
     ``mpisync.save``/``load`` keep each shard's ids, rows, optimizer state and counts (and
-    the ids seen but not admitted yet, with their sightings) and re-hash them into the loading job's shards (any ps count).
+    the ids seen but not admitted yet, with their sightings) and re-hash them into the
+    loading job's shards (any ps count).
 
     Args:
         embedding_dim: the row width.

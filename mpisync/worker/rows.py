@@ -1,14 +1,13 @@
 """The worker's transport for tables: lookups, row gradients, changed rows, shard reads."""
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..errors import ProtocolError, StallError
+from ..errors import ProtocolError
 from ..protocol.pooled import POOLED, pack_parts, parts_nbytes
 from ..protocol.spec import JobSpec
 from ..protocol.tables import TableSpec, table_info
@@ -292,11 +291,8 @@ class RowsChannel:
         t = next(tb.spec for tb in self.tables if tb.spec.name == name)
         rank = self.cluster.ps_rank(t.owners[k])
         self.comm.send(("read", t.unit(k), with_state), dest=rank, tag=self.tags[Tag.TABLE])
-        got = self.poller.wait_message(rank, self.tags[Tag.TABLE],
-                                       lambda: f"shard {k} of table {name!r}")
-        if t.hashed is None:
-            got["ids"] = t.global_ids(k, torch.arange(t.shard_rows[k]))
-        return got       # a hash shard's ps sends the ids it holds
+        return self._placed(t, k, self.poller.wait_message(
+            rank, self.tags[Tag.TABLE], lambda: f"shard {k} of table {name!r}"))
 
     def read_changed(self, name: str, k: int, with_state: bool = True, whole: bool = False
                      ) -> dict:
@@ -314,9 +310,17 @@ class RowsChannel:
         rank = self.cluster.ps_rank(t.owners[k])
         self.comm.send(("read_changed", t.unit(k), with_state, whole), dest=rank,
                        tag=self.tags[Tag.TABLE])
-        got = self.poller.wait_message(rank, self.tags[Tag.TABLE],
-                                       lambda: f"changed rows of shard {k} of table {name!r}")
+        return self._placed(t, k, self.poller.wait_message(
+            rank, self.tags[Tag.TABLE], lambda: f"changed rows of shard {k} of table {name!r}"))
+
+    @staticmethod
+    def _placed(t: TableSpec, k: int, got: dict) -> dict:
+        """A shard read from its ps with the global ``ids`` of its rows (and, for changed
+        rows, ``at``: their places in the shard); a hash shard's ps sends its ids."""
         if t.hashed is not None:
+            return got
+        if "local" not in got:                  # every row
+            got["ids"] = t.global_ids(k, torch.arange(t.shard_rows[k]))
             return got
         at = got.pop("local")
         got["at"] = torch.arange(t.shard_rows[k]) if at is None else at
@@ -333,9 +337,9 @@ class RowsChannel:
         for rank in ranks:
             self.comm.send(what, dest=rank, tag=self.tags[Tag.SNAP])
         for rank in ranks:
-            what_for = lambda: "a ps rank's snapshot of its tables"
-            answer = self._wait_aside(rank, self.tags[Tag.SNAP], what_for) if aside else \
-                self.poller.wait_message(rank, self.tags[Tag.SNAP], what_for)
+            answer = self.poller.wait_message(rank, self.tags[Tag.SNAP],
+                                              lambda: "a ps rank's snapshot of its tables",
+                                              aside=aside)
             if answer is not None:
                 raise answer
 
@@ -345,34 +349,12 @@ class RowsChannel:
         t = next(tb.spec for tb in self.tables if tb.spec.name == name)
         rank = self.cluster.ps_rank(t.owners[k])
         self.comm.send(("snap_read", t.unit(k)), dest=rank, tag=self.tags[Tag.SNAP])
-        got = self._wait_aside(rank, self.tags[Tag.SNAP],
-                               lambda: f"shard {k} of table {name!r} as saved")
+        got = self.poller.wait_message(rank, self.tags[Tag.SNAP],
+                                       lambda: f"shard {k} of table {name!r} as saved",
+                                       aside=True)
         if isinstance(got, Exception):
             raise got
-        if t.hashed is not None:
-            return got
-        if "local" not in got:
-            got["ids"] = t.global_ids(k, torch.arange(t.shard_rows[k]))
-            return got
-        at = got.pop("local")
-        got["at"] = torch.arange(t.shard_rows[k]) if at is None else at
-        got["ids"] = t.global_ids(k, got["at"])
-        return got
-
-    def _wait_aside(self, rank: int, tag: int, what: Callable[[], str]):
-        """One pickled message, for a thread beside the step's (a checkpoint's writer): it
-        leaves the poller's pacing and the failure notices to the main thread."""
-        start = time.monotonic()
-        nap = 1e-5
-        while True:
-            msg = self.comm.improbe(source=rank, tag=tag)
-            if msg is not None:
-                return msg.recv()
-            if time.monotonic() - start > self.poller.timeout:
-                raise StallError(f"{self.label}: {what()} did not arrive within "
-                                 f"{self.poller.timeout:g} s (MPISYNC_TIMEOUT)")
-            time.sleep(nap)
-            nap = min(2 * nap, 1e-3)
+        return self._placed(t, k, got)
 
     def hash_stats(self) -> dict[str, dict[str, int]]:
         """Admitted, evicted and live rows of each hash table, summed over its shards."""
