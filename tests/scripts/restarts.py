@@ -94,6 +94,8 @@ def worker(cluster, args) -> dict:
         ckpt.maybe_save()
         if args.mode == "raise" and w == 0 and opt.global_step == RAISE_AT:
             raise RuntimeError("boom")
+        if opt.global_step == kill_at:
+            ckpt.wait()                # the newest file is written (every worker)
         if w == target and opt.global_step == kill_at:
             if victim != "ps":
                 die()
