@@ -129,7 +129,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("MPISYNC_PS_THREADS", "count", None,
              "Threads each ps rank runs its row kernels on (pooled lookups, merged row "
              "gradients, row updates), bitwise the same result with any number.",
-             unset="the cores of the rank's machine divided among the ranks there, at least 1",
+             unset="the cores of the rank's machine divided among the ps ranks there, at least 1",
              minimum=1, accepted="a number of threads >= 1"),
     Variable("MPISYNC_CACHE", "path", "~/.cache/mpisync",
              "Where compiled helpers are built and kept, once per machine."),

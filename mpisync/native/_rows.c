@@ -11,39 +11,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_rowmath.h"
+
 #define AHEAD 16
-#define LANES 16
 #define BLOCK 8
 #define ROWS_AHEAD 8
 
-/* x / div, where a kernel's ``how`` is 0 (no division), 1 (div a power of two: times its
- * exact inverse, bitwise the quotient) or 2 (divided). */
-#define QUOT(x) (how == 0 ? (x) : how == 1 ? (x) * inv : (x) / div)
-
-/* ``call`` (naming HOW) once with the ``how`` of ``div``, a constant there, so that the
- * compiler writes each loop without the test. */
-#define DISPATCH(call)                                                                       \
-    do {                                                                                     \
-        int kind = how_of(div);                                                              \
-        if (kind == 0) {                                                                     \
-            enum { HOW = 0 };                                                                \
-            call;                                                                            \
-        } else if (kind == 1) {                                                              \
-            enum { HOW = 1 };                                                                \
-            call;                                                                            \
-        } else {                                                                             \
-            enum { HOW = 2 };                                                                \
-            call;                                                                            \
-        }                                                                                    \
-    } while (0)
-
-static inline int how_of(double div)
-{
-    int exp;
-    if (div == 0)
-        return 0;
-    return frexp(div, &exp) == 0.5 && exp > -120 && exp < 120 ? 1 : 2;
-}
 
 static inline void prefetch_row(const void *row, int64_t nbytes)
 {
@@ -80,9 +53,9 @@ void place(int64_t n, const int64_t *sorted, int64_t *slot)
         slot[sorted[j]] = j;
 }
 
-/* ``scatter``'s marks alone, for threads: each id's output row (its slot, given in first- */
-/* seen order from ``count`` on, the id appended to ``uniq``) into ``pos[i]``, as ``~row``  */
-/* at the id's first sight. Returns the new count; ``unmark`` clears the slots. */
+/* Each id's output row (its slot, given in first-seen order from ``count`` on, the id     */
+/* appended to ``uniq``) into ``pos[i]``, as ``~row`` at the id's first sight: a step's    */
+/* plan (``_plan.c``). Returns the new count; ``unmark`` clears the slots. */
 int64_t scatter_marks(int64_t n, const int64_t *ids, int64_t *slot, int64_t *uniq,
                       int64_t count, int64_t *pos)
 {
@@ -204,78 +177,6 @@ void bag_rows_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *we
         const T *g = grads + bag[i] * dim;                                                   \
         if (weights) {                                                                       \
             T w = weights[i];                                                                \
-            for (int64_t c = 0; c < dim; c++) {                                              \
-                T prod = g[c] * w;                                                           \
-                o[c] = o[c] + prod;                                                          \
-            }                                                                                \
-        } else {                                                                             \
-            for (int64_t c = 0; c < dim; c++)                                                \
-                o[c] = o[c] + g[c];                                                          \
-        }                                                                                    \
-    }                                                                                        \
-}                                                                                            \
-                                                                                             \
-/* The taken rows of a step, summed per id into ``out`` in one pass: row ``i`` of a piece   */ \
-/* goes to its id's slot, copied on the id's first sight (the id then appended to ``uniq``, */ \
-/* ``count`` of them so far) and added after. A rows piece: ``rows[i]`` (bag NULL); a      */ \
-/* pooled piece: ``weights[i] * grads[bag[i]]`` (weights NULL: 1). Returns the new count;   */ \
-/* the caller clears the slots with ``unmark`` once every piece is in.                      */ \
-int64_t scatter_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *weights,     \
-                    const T *rows, int64_t dim, int64_t *slot, int64_t *uniq, int64_t count, \
-                    T *out)                                                                  \
-{                                                                                            \
-    for (int64_t i = 0; i < n; i++) {                                                        \
-        if (i + AHEAD < n)                                                                   \
-            __builtin_prefetch(slot + ids[i + AHEAD], 1, 3);                                 \
-        int64_t r = ids[i];                                                                  \
-        int64_t s = slot[r];                                                                 \
-        const T *g = rows + (bag ? bag[i] : i) * dim;                                        \
-        T w = weights ? weights[i] : (T)1;                                                   \
-        if (s < 0) {                                                                         \
-            s = slot[r] = count;                                                             \
-            uniq[count++] = r;                                                               \
-            T *o = out + s * dim;                                                            \
-            if (weights)                                                                     \
-                for (int64_t c = 0; c < dim; c++)                                            \
-                    o[c] = g[c] * w;                                                         \
-            else                                                                             \
-                memcpy(o, g, (size_t)dim * sizeof(T));                                       \
-        } else {                                                                             \
-            T *o = out + s * dim;                                                            \
-            if (weights)                                                                     \
-                for (int64_t c = 0; c < dim; c++) {                                          \
-                    T prod = g[c] * w;                                                       \
-                    o[c] = o[c] + prod;                                                      \
-                }                                                                            \
-            else                                                                             \
-                for (int64_t c = 0; c < dim; c++)                                            \
-                    o[c] = o[c] + g[c];                                                      \
-        }                                                                                    \
-    }                                                                                        \
-    return count;                                                                            \
-}                                                                                            \
-                                                                                             \
-/* ``scatter`` in two passes, for threads: ``scatter_marks`` (once) gives each position   */ \
-/* its output row ``pos[i]`` (``~row`` at the id's first sight); ``scatter_fill`` then     */ \
-/* writes the output rows in [lo, hi) only, each with the copy and additions ``scatter``  */ \
-/* makes, in the same order.                                                               */ \
-void scatter_fill_##S(int64_t n, const int64_t *pos, const int64_t *bag, const T *weights,   \
-                      const T *rows, int64_t dim, int64_t lo, int64_t hi, T *out)            \
-{                                                                                            \
-    for (int64_t i = 0; i < n; i++) {                                                        \
-        int64_t s = pos[i] < 0 ? ~pos[i] : pos[i];                                           \
-        if (s < lo || s >= hi)                                                               \
-            continue;                                                                        \
-        const T *g = rows + (bag ? bag[i] : i) * dim;                                        \
-        T w = weights ? weights[i] : (T)1;                                                   \
-        T *o = out + s * dim;                                                                \
-        if (pos[i] < 0) {                                                                    \
-            if (weights)                                                                     \
-                for (int64_t c = 0; c < dim; c++)                                            \
-                    o[c] = g[c] * w;                                                         \
-            else                                                                             \
-                memcpy(o, g, (size_t)dim * sizeof(T));                                       \
-        } else if (weights) {                                                                \
             for (int64_t c = 0; c < dim; c++) {                                              \
                 T prod = g[c] * w;                                                           \
                 o[c] = o[c] + prod;                                                          \
@@ -459,29 +360,6 @@ void merge2_fill_##S(int64_t lo, int64_t hi, const int64_t *from_a, const T *ra,
 /* squares of columns j, j + LANES, ... in order, then halved: lane[j] += lane[j + h] for  */ \
 /* h = LANES / 2, ..., 1; lane 0 is the sum (mpisync/tables/rowwise.py: same in torch).    */ \
 /* BLOCK rows at a time: their squares, then their multipliers, then their updates.        */ \
-static inline T squares_##S(const T *g, int64_t dim, int how, T div, T inv, T sign)          \
-{                                                                                            \
-    int64_t full = dim / LANES * LANES;                                                      \
-    T lane[LANES];                                                                           \
-    for (int64_t j = 0; j < LANES; j++)                                                      \
-        lane[j] = 0;                                                                         \
-    for (int64_t c = 0; c < full; c += LANES)                                                \
-        for (int64_t j = 0; j < LANES; j++) {                                                \
-            T x = QUOT(g[c + j]) * sign;                                                     \
-            T sq = x * x;                                                                    \
-            lane[j] = lane[j] + sq;                                                          \
-        }                                                                                    \
-    for (int64_t j = 0; full + j < dim; j++) {                                               \
-        T x = QUOT(g[full + j]) * sign;                                                      \
-        T sq = x * x;                                                                        \
-        lane[j] = lane[j] + sq;                                                              \
-    }                                                                                        \
-    for (int64_t h = LANES / 2; h >= 1; h /= 2)                                              \
-        for (int64_t j = 0; j < h; j++)                                                      \
-            lane[j] = lane[j] + lane[j + h];                                                 \
-    return lane[0];                                                                          \
-}                                                                                            \
-                                                                                             \
 static inline void rowwise_block_##S(int64_t m, int64_t left, const int64_t *ids,           \
                                      int64_t first,                                          \
                                      const T *grad, int64_t dim, int how, T div, T inv,      \
@@ -527,10 +405,8 @@ void rowwise_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim,
     }                                                                                        \
 }
 
-#define FMA_f32 fmaf
-#define FMA_f64 fma
-#define SQRT_f32 sqrtf
-#define SQRT_f64 sqrt
+SQUARES(float, f32)
+SQUARES(double, f64)
 
 KERNELS(float, f32)
 KERNELS(double, f64)

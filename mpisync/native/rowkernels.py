@@ -40,7 +40,6 @@ __all__ = [
     "gather",
     "merge_pieces",
     "rowwise_rows",
-    "scatter",
     "shard_order",
     "slots_for",
     "split_ids",
@@ -118,64 +117,6 @@ def bag_rows(ids: torch.Tensor, bag: torch.Tensor, weights: torch.Tensor | None,
     finally:
         lib.unmark(count, uniq.data_ptr(), slot.data_ptr())
     return found, out
-
-
-def scatter(pieces: list[tuple], slot: torch.Tensor, uniq: torch.Tensor,
-            out: torch.Tensor) -> int:
-    """A step's taken rows summed per id in one pass: the number of distinct ids.
-
-    ``pieces``, in the order their rows are added: ``(ids, None, None, rows)`` (row ``i``
-    of id ``ids[i]``) or ``(ids, bag, weights, grads)`` (``weights[i] * grads[bag[i]]``,
-    weights None: 1). Each id's first row is copied into ``out``, the later ones added
-    one after another; the ids go to ``uniq`` in first-seen order (``uniq`` and ``out``
-    hold at least as many rows as all the pieces). ``slot`` (``slots_for``, ids checked
-    to lie in it) is clean again after the call.
-    """
-    lib = _kernels()
-    count = 0
-    total = sum(len(p[0]) for p in pieces)
-    if len(_split(total, total * _width(out))) > 1:
-        return _scatter_threads(pieces, slot, uniq, out, total)
-    try:
-        for ids, bag, weights, rows in pieces:
-            ids, rows = ids.contiguous(), rows.contiguous()
-            bag = None if bag is None else bag.contiguous()
-            weights = None if weights is None else weights.to(rows.dtype).contiguous()
-            count = _fn("scatter", rows.dtype)(
-                len(ids), ids.data_ptr(), _ptr(bag), _ptr(weights), rows.data_ptr(),
-                _width(rows), slot.data_ptr(), uniq.data_ptr(), count, out.data_ptr())
-    finally:
-        lib.unmark(count, uniq.data_ptr(), slot.data_ptr())
-    return count
-
-
-def _scatter_threads(pieces: list[tuple], slot: torch.Tensor, uniq: torch.Tensor,
-                     out: torch.Tensor, total: int) -> int:
-    """``scatter`` over threads: every position's output row first (``scatter_marks``, one
-    pass), then each thread's range of output rows written from every piece, in order."""
-    lib = _kernels()
-    pos = torch.empty(total, dtype=torch.int64)     # the positions' output rows, this call's
-    count, at, fills = 0, 0, []
-    try:
-        for ids, bag, weights, rows in pieces:
-            ids, rows = ids.contiguous(), rows.contiguous()
-            bag = None if bag is None else bag.contiguous()
-            weights = None if weights is None else weights.to(rows.dtype).contiguous()
-            here = pos[at:at + len(ids)]
-            count = lib.scatter_marks(len(ids), ids.data_ptr(), slot.data_ptr(),
-                                      uniq.data_ptr(), count, here.data_ptr())
-            fills.append((_fn("scatter_fill", rows.dtype), here, bag, weights, rows))
-            at += len(ids)
-    finally:
-        lib.unmark(count, uniq.data_ptr(), slot.data_ptr())
-
-    def fill(lo: int, hi: int) -> None:
-        for fn, here, bag, weights, rows in fills:     # the tensors kept alive until here
-            fn(len(here), here.data_ptr(), _ptr(bag), _ptr(weights), rows.data_ptr(),
-               _width(rows), lo, hi, out.data_ptr())
-
-    _run(fill, _split(count, total * _width(out)))
-    return count
 
 
 def bag_sums(ids: torch.Tensor, bag: torch.Tensor, weights: torch.Tensor | None,

@@ -1,4 +1,5 @@
-"""The row and dense kernels' library (``_rows.c``, ``_dense.c``): compiled, loaded, declared.
+"""The row and dense kernels' library (``_rows.c``, ``_plan.c``, ``_dense.c``; the first two
+include ``_rowmath.h``): compiled, loaded, declared.
 
 It is compiled once per machine with the C compiler (``cc``, or ``$CC``) into
 ``$MPISYNC_CACHE`` (default ``~/.cache/mpisync``) and loaded with ``ctypes``; where there
@@ -20,8 +21,9 @@ from . import build
 
 __all__ = ["address", "available", "function", "library"]
 
-#: the row kernels, then the dense ones: one library
-_SOURCES = (Path(__file__).with_name("_rows.c"), Path(__file__).with_name("_dense.c"))
+#: the row kernels, the planned updates, then the dense ones: one library
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("_rows.c", "_plan.c", "_dense.c"))
+_HEADER = Path(__file__).with_name("_rowmath.h")     # what the build also depends on
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-march=native", "-fPIC", "-shared"]
 _lib: ctypes.CDLL | None | bool = False          # False: not tried yet
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
@@ -36,7 +38,8 @@ def _build() -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    lib, why = build.load("rows", _SOURCES, [cc, *_FLAGS], ["-lm"], _declare)
+    lib, why = build.load("rows", _SOURCES, [cc, *_FLAGS], ["-lm"], _declare,
+                          key=_HEADER.read_text())
     if lib is None:
         warnings.warn(f"mpisync: the row kernels ({_SOURCES[0].name}) could not be built "
                       f"({why}); the ps's row updates and dense reduce run on torch, bitwise "
@@ -58,14 +61,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.scatter_marks.restype = _I
     lib.merge2_plan.argtypes = [_I, _P, _I, _P, _P, _P, _P]
     lib.merge2_plan.restype = _I
+    lib.plan_order.argtypes = [_I, _P, _P, _P, _I, _I, _P, _P, _P]
     for s in _SUFFIX.values():
         real = ctypes.c_float if s == "f32" else ctypes.c_double
         getattr(lib, f"bag_rows_{s}").argtypes = [_I, _P, _P, _P, _P, _I, _P, _I, _I, _P]
-        scatter = getattr(lib, f"scatter_{s}")
-        scatter.argtypes = [_I, _P, _P, _P, _P, _I, _P, _P, _I, _P]
-        scatter.restype = _I
         getattr(lib, f"bag_sums_{s}").argtypes = [_I, _P, _P, _P, _P, _I, _I, _I, _P]
-        getattr(lib, f"scatter_fill_{s}").argtypes = [_I, _P, _P, _P, _P, _I, _I, _I, _P]
         getattr(lib, f"gather_{s}").argtypes = [_I, _P, _P, _I, _P]
         merge = getattr(lib, f"merge2_rows_{s}")
         merge.argtypes = [_I, _P, _P, _I, _P, _P, _I, real, _P, _P]
@@ -77,6 +77,15 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, f"axpy_rows_{s}").argtypes = [_I, _P, _P, _I, real, real, real, _P]
         getattr(lib, f"rowwise_rows_{s}").argtypes = [_I, _P, _P, _I, real, real, real, real,
                                                      _P, _P]
+        getattr(lib, f"plan_sqrt_{s}").argtypes = [_I, _P, _P, ctypes.c_longlong]
+        getattr(lib, f"plan_rows_{s}").argtypes = [_I, _I, _P, _P, _P, _P, _I, _P]
+        for name, more in (("plan_axpy", [real, real, real, _P]),
+                           ("plan_adagrad", [real, real, real, real, _P, _P, _P,
+                                             ctypes.c_longlong]),
+                           ("plan_rowwise", [real, real, real, real, _P, _P])):
+            fn = getattr(lib, f"{name}_{s}")
+            fn.argtypes = [_I, _I, _P, _P, _P, _P, _P, _I, *more]
+            fn.restype = ctypes.c_int
         dense = getattr(lib, f"dense_mean_{s}")
         dense.argtypes = [_I, _P, _I, ctypes.c_int, real, _P]
         dense.restype = _I

@@ -11,7 +11,7 @@ elements (rows times row width) a thread is not split: handing a range to a thre
 costs more than small work.
 
 The pool is started by the ps loop (``start``, with ``threads_for``: ``MPISYNC_PS_THREADS``,
-by default the cores of the rank's machine divided among the ranks there) and closed
+by default the cores of the rank's machine divided among the ps ranks there) and closed
 when it returns; elsewhere (workers, tests that start none) every call runs on the
 caller's thread.
 """
@@ -34,22 +34,24 @@ _threads = 1
 _min_work = MIN_WORK
 
 
-def default_threads(cores: int, ranks: int, machine_cores: int | None = None) -> int:
+def default_threads(cores: int, ps_ranks: int, machine_cores: int | None = None) -> int:
     """Threads for a ps rank: the ``cores`` its machine's ranks may run on, divided among
-    those ``ranks`` (every rank there, workers too, so that ranks sharing a machine do
-    not oversubscribe it; on a machine of ps ranks only, among the ps ranks), at least 1
-    and at most ``machine_cores`` (default ``os.cpu_count()``)."""
+    the ``ps_ranks`` there, at least 1 and at most ``machine_cores`` (default
+    ``os.cpu_count()``). Workers on the same machine are not counted: in a synchronous
+    step they wait for the ps's row work (their waits sleep after a short spin,
+    ``mpisync.runtime.progress``), so its cores are free for it
+    (``docs/benchmarks.md``, "Threads of a ps rank")."""
     machine_cores = os.cpu_count() or 1 if machine_cores is None else machine_cores
-    return max(1, min(machine_cores, cores // max(1, ranks)))
+    return max(1, min(machine_cores, cores // max(1, ps_ranks)))
 
 
-def threads_for(cores: int, ranks: int, env: Mapping[str, str] | None = None) -> int:
-    """``MPISYNC_PS_THREADS``, or ``default_threads(cores, ranks)`` where it is unset.
+def threads_for(cores: int, ps_ranks: int, env: Mapping[str, str] | None = None) -> int:
+    """``MPISYNC_PS_THREADS``, or ``default_threads(cores, ps_ranks)`` where it is unset.
 
     Raises:
         ConfigError: the variable is not an integer >= 1.
     """
-    return environ.count(THREADS_ENV, default_threads(cores, ranks), env)
+    return environ.count(THREADS_ENV, default_threads(cores, ps_ranks), env)
 
 
 def start(count: int, min_work: int = MIN_WORK) -> None:

@@ -240,7 +240,8 @@ def serve(cluster) -> dict | list[dict]:
     between_steps = Pace()          # from a step applied to the next push arriving
     heap.keep()                     # the optimizer's temporaries: no page faults each step
     # the row kernels' threads (MPISYNC_PS_THREADS, init() checked it on every rank)
-    rowthreads.start(rowthreads.threads_for(cluster.local_cores, cluster.local_ranks))
+    here = sum(cluster.nodes[r] == cluster.host for r in cluster.layout.ps_ranks)
+    rowthreads.start(rowthreads.threads_for(cluster.local_cores, here))
     noticed = 0.0                   # when this rank noticed a signal (0: none yet)
     flagging = stopping.install()   # SIGTERM, SIGUSR1, SIGUSR2: the workers stop, then this
     try:

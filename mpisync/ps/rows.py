@@ -11,7 +11,8 @@ from mpi4py import MPI
 
 from ..accumulate import reduce_rows
 from ..errors import ProtocolError
-from ..native import kernels
+from ..native import kernels, plankernels
+from ..native.plankernels import Plan
 from ..observe import timeline
 from ..protocol import pooled
 from ..protocol.multi import inner_of
@@ -88,9 +89,10 @@ class _Pending:
         self.group, self.unit, self.pieces = group, unit, pieces
         self.ids, self.rows, self.div = ids, rows, div
 
-    def sum(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, their summed gradient rows): the pieces scattered (ids in first-seen
-        order) into the shard's buffers, once."""
+    def sum(self) -> tuple[torch.Tensor, torch.Tensor | Plan]:
+        """(ids, their gradient): the pieces planned once (``plankernels.plan``: ids in
+        first-seen order, scratch until the next step) into a ``Plan`` that the row update
+        reads in one pass, or the rows already summed."""
         if self.pieces is None:
             return self.ids, self.rows
         u, pieces = self.unit, []
@@ -100,11 +102,9 @@ class _Pending:
             if bag is not None:
                 part, grads = bag
                 pieces.append((part.ids, part.bag, part.weights, grads))
-        total = sum(len(p[0]) for p in pieces)
-        uniq = u.scratch.get("uniq", (total,), torch.int64)
-        out = u.scratch.get("merged", (total, *u.spec.row_shape), u.spec.dtype)
-        k = kernels.scatter(pieces, u.scratch.slots(u.param.shape[0]), uniq, out)
-        self.ids, self.rows, self.pieces = uniq[:k], out[:k], None
+        plan = plankernels.plan(pieces, u.scratch.slots(u.param.shape[0]), u.scratch,
+                                u.spec.row_shape)
+        self.ids, self.rows, self.pieces = plan.ids, plan, None
         return self.ids, self.rows
 
 
@@ -343,8 +343,8 @@ class RowShards:
 
         The rows of a shard whose optimizer ``rowopt`` handles are updated by ``settle()``
         (the shard has no ``.grad`` for the optimizer's own step): with the compiled
-        kernels, every taken piece, rows and pooled bags alike, summed per row in one pass
-        in worker order (``kernels.scatter``) and divided in the update; without them,
+        kernels, every taken piece, rows and pooled bags alike, summed per row in worker
+        order inside the update's pass (``plankernels``) and divided there; without them,
         merged by ``merge_rows`` here. The others get a sparse gradient (an optimizer that
         updates only gradient rows) or a dense one.
         """

@@ -29,7 +29,8 @@ import math
 import torch
 from torch.optim.optimizer import _get_scalar_dtype, _get_value, _to_scalar
 
-from ..native import kernels
+from ..native import kernels, plankernels
+from ..native.plankernels import Plan
 from ..protocol.multi import inner_of
 from .rowwise import RowWiseAdagrad, rowwise_rows
 
@@ -182,7 +183,9 @@ def apply_rows(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tenso
     would. Only for what ``handles_rows`` accepts.
 
     Args:
-        ids: unique row ids (int64), in any order; rows: their gradient rows.
+        ids: unique row ids (int64), in any order; rows: their gradient rows, or a
+            ``mpisync.native.plankernels.Plan`` of them (its ``ids``): SGD, Adagrad and
+            RowWiseAdagrad update from it in one pass, the others from its rows.
         scratch: buffers to reuse across calls.
         div: where not 0, ``rows`` are sums the gradient is divided from (the mean of
             the taken gradients), each element divided before anything else.
@@ -191,7 +194,7 @@ def apply_rows(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tenso
     optimizer = inner_of(optimizer, group)
     kind = type(optimizer)
     if kind is RowWiseAdagrad:
-        rowwise_rows(optimizer.state_of(param), group, param, ids, rows, div)
+        rowwise_rows(optimizer.state_of(param), group, param, ids, rows, div, scratch)
         return
     if kind not in (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam):
         raise TypeError(f"apply_rows does not handle {kind.__name__}")
@@ -200,7 +203,13 @@ def apply_rows(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tenso
     elif kind is torch.optim.Adagrad:
         _adagrad(optimizer, group, param, ids, rows, scratch, div)
     else:
-        _sparse_adam(optimizer, group, param, ids, _divided(rows, div), scratch)
+        _sparse_adam(optimizer, group, param, ids, _divided(planned_rows(rows, scratch), div),
+                     scratch)
+
+
+def planned_rows(rows, scratch: RowScratch | None = None) -> torch.Tensor:
+    """Gradient rows as they are, or a ``Plan``'s summed (into ``scratch``'s buffer)."""
+    return rows.summed(scratch) if isinstance(rows, Plan) else rows
 
 
 def _divided(rows: torch.Tensor, div: float) -> torch.Tensor:
@@ -223,10 +232,11 @@ def _add_rows(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, alpha)
                                        is_coalesced=True, check_invariants=False), alpha=alpha)
 
 
-def _compiled(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
-              *state: torch.Tensor) -> bool:
-    """Whether ``mpisync.native.kernels`` updates these rows: one float dtype, the parameter and
-    its state contiguous (the inputs are made so)."""
+def _compiled(param: torch.Tensor, ids: torch.Tensor, rows, *state: torch.Tensor) -> bool:
+    """Whether ``mpisync.native.kernels`` updates these rows (a tensor or a ``Plan``): one
+    float dtype, the parameter and its state contiguous (the inputs are made so)."""
+    if isinstance(rows, Plan):
+        rows = rows.grads
     return kernels.available(param, rows) and ids.dtype == torch.int64 and \
         rows.dtype == param.dtype and all(
             t.dtype == param.dtype and t.is_contiguous() for t in (param, *state))
@@ -234,8 +244,13 @@ def _compiled(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
 
 def _sgd(group: dict, param, ids, rows, scratch, div) -> None:
     lr = _to_scalar(group["lr"])
+    sign = -1.0 if group["maximize"] else 1.0
+    if _compiled(param, ids, rows) and isinstance(rows, Plan):
+        plankernels.axpy(rows, sign, -lr, param, div)
+        return
+    rows = planned_rows(rows, scratch)
     if _compiled(param, ids, rows):
-        kernels.axpy_rows(ids, rows, -1.0 if group["maximize"] else 1.0, -lr, param, div)
+        kernels.axpy_rows(ids, rows, sign, -lr, param, div)
         return
     for i, g in _blocks(ids, _divided(rows, div), group["maximize"], scratch):
         _add_rows(param, i, g, -lr)
@@ -252,9 +267,13 @@ def _adagrad(optimizer, group: dict, param, ids, rows, scratch, div) -> None:
     lr = _to_scalar(group["lr"])
     clr = lr / (1 + (step - 1) * group["lr_decay"])
     eps = group["eps"]
+    sign = -1.0 if group["maximize"] else 1.0
+    if _compiled(param, ids, rows, state_sum) and isinstance(rows, Plan) and \
+            plankernels.adagrad(rows, sign, eps, -clr, state_sum, param, div):
+        return
+    rows = planned_rows(rows, scratch)
     if _compiled(param, ids, rows, state_sum):
         # torch's sparse step: the gradient's rows and the new sums' rows, whole
-        sign = -1.0 if group["maximize"] else 1.0
         std = kernels.adagrad_sum_rows(ids, rows, sign, state_sum,
                                        scratch.get("b", tuple(rows.shape), rows.dtype), div)
         kernels.adagrad_apply_rows(ids, rows, std.sqrt_(), sign, eps, -clr, param, div)

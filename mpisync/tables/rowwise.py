@@ -8,7 +8,8 @@ import numpy as np
 import torch
 from torch.optim.optimizer import ParamsT, _get_scalar_dtype, _to_scalar
 
-from ..native import kernels
+from ..native import kernels, plankernels
+from ..native.plankernels import Plan
 
 __all__ = ["RowWiseAdagrad", "rowwise_rows"]
 
@@ -162,13 +163,23 @@ def _rowwise_dense(state: dict, group: dict, param: torch.Tensor, grad: torch.Te
 
 
 def rowwise_rows(state: dict, group: dict, param: torch.Tensor, ids: torch.Tensor,
-                 rows: torch.Tensor, div: float = 0) -> None:
+                 rows, div: float = 0, scratch=None) -> None:
     """The rows ``ids`` (unique) of ``param`` with their gradient ``rows`` (divided by
-    ``div`` first where it is not 0).
+    ``div`` first where it is not 0), or a ``mpisync.native.plankernels.Plan`` of them
+    (updated from in one pass where the compiled kernels can; else its rows, into
+    ``scratch``'s buffer).
 
     Bitwise what the dense step does to those rows when the others' gradient is 0
     (and ``weight_decay`` is 0); ``state`` as ``RowWiseAdagrad.state_of`` makes it.
     """
+    if isinstance(rows, Plan):
+        if not group["weight_decay"] and param.dim() > 0 and \
+                _compiled(state["sum"], param, ids, rows.grads):
+            state["step"] += 1
+            plankernels.rowwise(rows, -1.0 if group["maximize"] else 1.0,
+                                _to_scalar(group["lr"]), group["eps"], state["sum"], param, div)
+            return
+        rows = rows.summed(scratch)
     _update(state, group, param, ids, rows, div)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from mpisync import environ
 from mpisync.errors import ConfigError
-from mpisync.native import kernels, rowthreads
+from mpisync.native import kernels, plankernels, rowthreads
 from mpisync.runtime.nodes import host_load
 from mpisync.tables.rowopt import RowScratch, apply_rows, merge_rows
 from mpisync.tables.rowwise import RowWiseAdagrad
@@ -101,34 +101,76 @@ def test_bag_rows(dtype, n, weighted):
     assert bool((slot == -1).all())
 
 
+def pieces_of(n: int, dtype, seed: int, num_rows: int = 50, dim: int = 6) -> list:
+    """Rows pieces (ids repeated across them), then pooled ones (weighted, and not with
+    -0.0 rows), as a step takes them."""
+    g = torch.Generator().manual_seed(seed)
+    pieces = []
+    for k in range(3):
+        ids = torch.randint(0, num_rows, (n,), generator=g).unique()
+        pieces.append((ids, None, None, torch.randn(len(ids), dim, generator=g, dtype=dtype)))
+    bag = torch.randint(0, 4, (n,), generator=g)
+    pieces.append((torch.randint(0, num_rows, (n,), generator=g), bag,
+                   torch.randn(n, generator=g, dtype=dtype),
+                   torch.randn(4, dim, generator=g, dtype=dtype)))
+    pieces.append((torch.randint(0, num_rows, (n,), generator=g), bag, None,
+                   torch.randn(4, dim, generator=g, dtype=dtype).mul_(-0.0)))   # -0.0 rows
+    return pieces
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES)
-def test_scatter_of_rows_and_bags(dtype, n):
-    g = torch.Generator().manual_seed(100 + n)
-    pieces = []
-    for k in range(3):               # rows pieces (repeats across them), then a pooled one
-        ids = torch.randint(0, 50, (n,), generator=g).unique()
-        pieces.append((ids, None, None, torch.randn(len(ids), 6, generator=g, dtype=dtype)))
-    bag = torch.randint(0, 4, (n,), generator=g)
-    pieces.append((torch.randint(0, 50, (n,), generator=g), bag,
-                   torch.randn(n, generator=g, dtype=dtype),
-                   torch.randn(4, 6, generator=g, dtype=dtype)))
-    pieces.append((torch.randint(0, 50, (n,), generator=g), bag, None,
-                   torch.randn(4, 6, generator=g, dtype=dtype).mul_(-0.0)))   # -0.0 rows
-    total = sum(len(p[0]) for p in pieces)
+def test_planned_rows_of_rows_and_bags(dtype, n):
+    pieces = pieces_of(n, dtype, 100 + n)
     slot = kernels.slots_for({}, 50)
 
     def make():
-        uniq = torch.full((total,), -7, dtype=torch.int64)
-        out = torch.full((total, 6), 9.0, dtype=dtype)
-        k = kernels.scatter(pieces, slot, uniq, out)
-        return uniq[:k], out[:k]
+        p = plankernels.plan(pieces, slot, RowScratch(), (6,))
+        return p.ids.clone(), p.summed()
 
     results = on_threads(make)
     assert_same(results)
     assert bool((slot == -1).all())
     signs = torch.signbit(results[0][1])
     assert all(torch.equal(signs, torch.signbit(r[1])) for r in results[1:])
+
+
+UPDATES = {
+    "sgd": lambda p: torch.optim.SGD([p], lr=0.1, maximize=True),
+    "adagrad": lambda p: torch.optim.Adagrad([p], lr=0.1, lr_decay=0.01,
+                                             initial_accumulator_value=0.1),
+    "rowwise": lambda p: RowWiseAdagrad([p], lr=0.1),
+    "rowwise-decay": lambda p: RowWiseAdagrad([p], lr=0.1, weight_decay=0.1, maximize=True),
+    "sparse-adam": lambda p: torch.optim.SparseAdam([p], lr=0.01),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("div", [0, 3, 4])
+@pytest.mark.parametrize("kind", sorted(UPDATES))
+def test_planned_updates_are_the_summed_rows_updates_on_any_threads(dtype, n, div, kind):
+    """The ps's step: ``apply_rows`` from a plan of the pieces (one pass where the
+    optimizer has a planned kernel) against ``apply_rows`` from the plan's summed rows,
+    then on 2, 3 and 4 threads: bitwise."""
+    pieces = pieces_of(n, dtype, 300 + n)
+    table = torch.randn(50, 6, generator=torch.Generator().manual_seed(2), dtype=dtype)
+
+    def make(summed: bool = False):
+        param = torch.nn.Parameter(table.clone())
+        opt = UPDATES[kind](param)
+        for _ in range(2):
+            scratch = RowScratch()
+            p = plankernels.plan(pieces, scratch.slots(50), scratch, (6,))
+            apply_rows(opt, opt.param_groups[0], param, p.ids,
+                       p.summed().clone() if summed else p, scratch, div)
+        state = [v for v in opt.state[param].values() if torch.is_tensor(v)]
+        return [param.detach(), *state]
+
+    results = on_threads(make)
+    assert_same(results)
+    for a, b in zip(results[0], make(summed=True)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -228,24 +270,26 @@ def test_the_kernels_alone():
 
 
 # -- MPISYNC_PS_THREADS ---------------------------------------------------------------------
-@pytest.mark.parametrize("machines, affinities, rank, machine_cores, expected", [
-    # one 2-core machine, 2 workers and 1 ps: a thread
-    (["a", "a", "a"], [[0, 1]] * 3, 2, 2, 1),
-    # one 16-core machine, 2 workers and 2 ps ranks: 4 each
-    (["a"] * 4, [list(range(16))] * 4, 3, 16, 4),
+@pytest.mark.parametrize("machines, affinities, ps, rank, machine_cores, expected", [
+    # one 2-core machine, 2 workers and 1 ps: the ps's 2 (the workers wait for its rows)
+    (["a", "a", "a"], [[0, 1]] * 3, [2], 2, 2, 2),
+    # one 16-core machine, 2 workers and 2 ps ranks: 8 each
+    (["a"] * 4, [list(range(16))] * 4, [2, 3], 3, 16, 8),
     # workers on their nodes, two ps ranks alone on a 32-core node: 16 each
-    (["w1", "w2", "p", "p"], [[0, 1]] * 2 + [list(range(32))] * 2, 2, 32, 16),
+    (["w1", "w2", "p", "p"], [[0, 1]] * 2 + [list(range(32))] * 2, [2, 3], 2, 32, 16),
     # one ps rank alone on a node bound to 8 of its 64 cores: the 8
-    (["w", "p"], [[0], list(range(8))], 1, 64, 8),
-    # more ranks than cores: still one
-    (["a"] * 5, [[0, 1]] * 5, 4, 2, 1),
+    (["w", "p"], [[0], list(range(8))], [1], 1, 64, 8),
+    # more ps ranks than cores: still one
+    (["a"] * 5, [[0, 1]] * 5, [2, 3, 4], 4, 2, 1),
     # cores the ranks may use beyond the machine's count (a wrong mask): the machine's
-    (["p"], [list(range(16))], 0, 4, 4),
+    (["p"], [list(range(16))], [0], 0, 4, 4),
 ])
-def test_the_default_divides_the_machines_cores_among_its_ranks(machines, affinities, rank,
-                                                               machine_cores, expected):
-    ranks, cores = host_load(rank, machines, affinities)
-    assert rowthreads.default_threads(cores, ranks, machine_cores) == expected
+def test_the_default_divides_the_machines_cores_among_its_ps_ranks(machines, affinities, ps,
+                                                                  rank, machine_cores,
+                                                                  expected):
+    _, cores = host_load(rank, machines, affinities)
+    here = sum(machines[r] == machines[rank] for r in ps)
+    assert rowthreads.default_threads(cores, here, machine_cores) == expected
 
 
 def test_the_variable_is_read_from_the_registry_and_refused_when_malformed():

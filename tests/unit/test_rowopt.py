@@ -21,7 +21,7 @@ import torch
 
 import mpisync
 from mpisync.accumulate import reduce_rows
-from mpisync.native import kernels, rowslib
+from mpisync.native import kernels, plankernels, rowslib
 from mpisync.protocol import pooled
 from mpisync.tables.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
 
@@ -158,11 +158,37 @@ OPTIMIZERS = {
 }
 
 
+def planned(ids: torch.Tensor, values: torch.Tensor, num_rows: int, scratch: RowScratch,
+            g: torch.Generator):
+    """``(ids, values)`` as the ps's step gives them to ``apply_rows``: a ``Plan`` of two
+    pieces, the rows in a shuffled order and each split in two halves added in turn."""
+    order = torch.randperm(len(ids), generator=g)
+    part = torch.rand(values.shape, generator=g, dtype=values.dtype)
+    first = values * part                      # first + (values - first) rounds to values?
+    second = values - first                    # not always: the plan must add them in order
+    pieces = [(ids[order], None, None, first[order]), (ids[order], None, None, second[order])]
+    p = plankernels.plan(pieces, scratch.slots(num_rows), scratch, values.shape[1:])
+    return pieces, p
+
+
+def summed_in_order(pieces) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows pieces of the same ids in the same order, added piece by piece."""
+    ids, total = pieces[0][0], pieces[0][3].clone()
+    for _, _, _, rows in pieces[1:]:
+        total += rows
+    return ids, total
+
+
 @pytest.mark.parametrize("dim, dtype", [(4, torch.float32), (64, torch.float32),
                                         (67, torch.float32), (5, torch.float64)])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_row_update_is_bitwise_torchs_sparse_step(name, dim, dtype, row_code):
-    """Several steps with a StepLR schedule; every row block size and vector tail."""
+@pytest.mark.parametrize("given", ["rows", "plan"])
+def test_row_update_is_bitwise_torchs_sparse_step(name, dim, dtype, row_code, given):
+    """Several steps with a StepLR schedule; every row block size and vector tail; the
+    gradient as rows, or (with the kernels) as the ps's plan of its pieces, updated from
+    in one pass where the optimizer has a planned kernel."""
+    if given == "plan" and row_code != "kernels":
+        pytest.skip("a plan is made by the row kernels")
     g = torch.Generator().manual_seed(dim)
     rows = 2200                      # more than a block of rows
     w0 = torch.randn(rows, dim, generator=g, dtype=dtype)
@@ -173,11 +199,16 @@ def test_row_update_is_bitwise_torchs_sparse_step(name, dim, dtype, row_code):
     for _ in range(4):
         ids = torch.randperm(rows, generator=g)[:2100].sort().values
         values = torch.randn(len(ids), dim, generator=g, dtype=dtype)
-        ref.grad = torch.sparse_coo_tensor(ids[None], values, (rows, dim),
-                                           check_invariants=True).coalesce()
+        if given == "plan":
+            pieces, values = planned(ids, values, rows, scratch, g)
+            ids, summed = summed_in_order(pieces)
+            assert same(values.summed(), summed)
+        ref.grad = torch.sparse_coo_tensor(ids[None], summed if given == "plan" else values,
+                                           (rows, dim), check_invariants=True).coalesce()
         ref_opt.step()
         assert handles_rows(opt, opt.param_groups[0], mine)
-        apply_rows(opt, opt.param_groups[0], mine, ids, values, scratch)
+        apply_rows(opt, opt.param_groups[0], mine, values.ids if given == "plan" else ids,
+                   values, scratch)
         opt.step()                   # as on the ps: the optimizer's own step, then the rows
         for s in scheds:
             s.step()
@@ -244,8 +275,12 @@ def test_rowwise_adagrad_follows_its_formula(shape, kw):
 
 
 @pytest.mark.parametrize("kw", [{}, {"maximize": True, "initial_accumulator_value": 0.5}])
-def test_rowwise_adagrad_dense_sparse_and_row_path_agree_bitwise(kw):
-    """The same rows: a sparse gradient, a dense one zero elsewhere, and the ps's row path."""
+@pytest.mark.parametrize("given", ["rows", "plan"])
+def test_rowwise_adagrad_dense_sparse_and_row_path_agree_bitwise(kw, given):
+    """The same rows: a sparse gradient, a dense one zero elsewhere, and the ps's row path
+    (the rows, or the ps's plan of their pieces)."""
+    if given == "plan" and not kernels.available(torch.zeros(1)):
+        pytest.skip("no C compiler here: the row kernels are not built")
     g = torch.Generator().manual_seed(2)
     rows, dim = 5000, 64
     w0 = torch.randn(rows, dim, generator=g)
@@ -255,13 +290,18 @@ def test_rowwise_adagrad_dense_sparse_and_row_path_agree_bitwise(kw):
     for _ in range(3):
         ids = torch.randperm(rows, generator=g)[:3000].sort().values
         values = torch.randn(len(ids), dim, generator=g)
+        given_ids, given_rows = ids, values
+        if given == "plan":
+            pieces, given_rows = planned(ids, values, rows, scratch, g)
+            ids, values = summed_in_order(pieces)
+            given_ids = given_rows.ids
         dense.grad = torch.zeros(rows, dim).index_copy_(0, ids, values)
         sparse.grad = torch.sparse_coo_tensor(ids[None], values, (rows, dim),
                                               check_invariants=True)
         for o in opts[:2]:
             o.step()
         assert handles_rows(opts[2], opts[2].param_groups[0], ps)
-        apply_rows(opts[2], opts[2].param_groups[0], ps, ids, values, scratch)
+        apply_rows(opts[2], opts[2].param_groups[0], ps, given_ids, given_rows, scratch)
     for q, o in ((sparse, opts[1]), (ps, opts[2])):
         assert same(q, dense)
         for key in ("sum", "step"):
@@ -353,7 +393,7 @@ def test_without_a_compiler_the_torch_code_steps_in(tmp_path):
         assert len(list((tmp_path / "cache").glob("rows-*.so"))) == 1
 
 
-# -- the step's sums in one pass: kernels.scatter ---------------------------------------------
+# -- the step's sums in one pass: plankernels.plan ----------------------------------------------
 needs_kernels = pytest.mark.skipif(not kernels.available(torch.zeros(1)),
                                    reason="no C compiler here: the row kernels are not built")
 
@@ -391,19 +431,17 @@ def test_the_step_sums_every_piece_in_order_in_one_pass(row_shape, dtype):
     want_ids, want = in_order(pieces)
     scratch = RowScratch()
     slots = scratch.slots(rows)
-    uniq = torch.empty(200, dtype=torch.int64)
-    out = torch.empty(200, *row_shape, dtype=dtype)
     for _ in range(2):                                   # the slots are clean again
-        k = kernels.scatter(pieces, slots, uniq, out)
-        assert same(uniq[:k], want_ids) and same(out[:k], want)
+        p = plankernels.plan(pieces, slots, scratch, row_shape)
+        assert same(p.ids, want_ids) and same(p.summed(), want)
     assert bool((slots == -1).all())
     # rows pieces alone: the merge's sums (each id's rows in the pieces' order), bitwise
     two = random_pieces(g, rows, 2, math.prod(row_shape), dtype)
-    k = kernels.scatter([(i, None, None, r) for i, r in two], slots, uniq,
-                        out.view(200, -1))
-    order = uniq[:k].argsort()
+    p = plankernels.plan([(i, None, None, r) for i, r in two], slots, scratch,
+                         (math.prod(row_shape),))
+    order = p.ids.argsort()
     ids, merged = merge_rows(two, rows, 2, "sum", RowScratch())
-    assert same(uniq[:k][order], ids) and same(out.view(200, -1)[:k][order], merged)
+    assert same(p.ids[order], ids) and same(p.summed()[order], merged)
 
 
 @pytest.mark.parametrize("how", ["mean", "sum"])
@@ -423,11 +461,11 @@ def test_a_step_of_pooled_pushes_is_within_rounding_of_the_rows_merged(how, row_
     merged = merge_rows([pooled.rows_of(p, gr, rows) for p, gr in parts], rows, 2, how)
     dense = torch.zeros(rows, dim).index_add_(0, *merged)
     if row_code == "kernels":
-        uniq, out = torch.empty(60, dtype=torch.int64), torch.empty(60, dim)
-        k = kernels.scatter([(p.ids, p.bag, p.weights, gr) for p, gr in parts],
-                            RowScratch().slots(rows), uniq, out)
-        got = torch.zeros(rows, dim).index_add_(0, uniq[:k], out[:k] / (2 if how == "mean"
-                                                                         else 1))
+        scratch = RowScratch()
+        plan = plankernels.plan([(p.ids, p.bag, p.weights, gr) for p, gr in parts],
+                                scratch.slots(rows), scratch, (dim,))
+        got = torch.zeros(rows, dim).index_add_(0, plan.ids, plan.summed() / (2 if how == "mean"
+                                                                              else 1))
         torch.testing.assert_close(got, dense, rtol=1e-6, atol=1e-6)
     assert param.abs().sum() == 0
 

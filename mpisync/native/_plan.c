@@ -1,0 +1,251 @@
+/* A table step's row update straight from its taken pieces, in one pass over the rows.
+ *
+ * A step's gradient for a shard is its taken pieces: rows of ids, and pooled bags (each
+ * position ``i`` adds ``weights[i] * grads[bag[i]]`` to its id's row). Each distinct id's
+ * gradient row is its first row copied and the later ones added, in the pieces' order.
+ * Summing every id's row into one buffer and then running the optimizer over it would
+ * pass twice over memory as large as the rows updated (three times for Adagrad, whose
+ * new sums torch's square root reads and writes again). A plan (``plankernels.plan``)
+ * says instead, for each distinct id ``u`` (``ids[u]``, in first-seen order), which rows
+ * of the pieces make its gradient, in that order: ``grads[src[e]] * wt[e]`` for ``e`` in
+ * ``start[u] .. start[u + 1] - 1`` (a row without weight is ``g * 1``, which is ``g``).
+ * Each update kernel sums a few ids' rows into a small buffer that stays in cache and
+ * updates them at once, with the products, sums and optimizer steps of ``_rows.c``'s
+ * kernels in their order: the results are bitwise theirs on the summed rows. Compiled
+ * with ``_rows.c``; kernels over [lo, hi) of the distinct ids, for the ps's threads. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "_rowmath.h"
+
+#define PLAN_AHEAD 8
+#define PLAN_BLOCK 16
+
+/* torch's square root over n elements (MKL's ``v?Sqrt`` with torch's mode), or NULL: C's. */
+typedef void (*sqrt_f32_fn)(int, const float *, float *, long long);
+typedef void (*sqrt_f64_fn)(int, const double *, double *, long long);
+
+/* ``start`` (count + 1 entries), ``src`` and ``swt`` (total each) from ``pos``
+ * (``scatter_marks``' output rows, ``~row`` at an id's first sight), ``grow`` and ``wt``
+ * (each position's row of the pieces and its weight): output row ``s``'s positions' rows
+ * and weights, in order, at ``start[s] .. start[s + 1] - 1``. */
+void plan_order(int64_t total, const int64_t *pos, const int64_t *grow, const void *wt,
+                int64_t size, int64_t count, int64_t *start, int64_t *src, void *swt)
+{
+    for (int64_t u = 0; u <= count; u++)
+        start[u] = 0;
+    for (int64_t i = 0; i < total; i++) {
+        int64_t s = pos[i] < 0 ? ~pos[i] : pos[i];
+        start[s + 1]++;
+    }
+    for (int64_t u = 0; u < count; u++)
+        start[u + 1] += start[u];
+    for (int64_t i = 0; i < total; i++) {      /* start[s] runs ahead, then is put back */
+        int64_t s = pos[i] < 0 ? ~pos[i] : pos[i];
+        int64_t e = start[s]++;
+        src[e] = grow[i];
+        if (size == 4)
+            ((float *)swt)[e] = ((const float *)wt)[i];
+        else
+            ((double *)swt)[e] = ((const double *)wt)[i];
+    }
+    for (int64_t u = count; u > 0; u--)
+        start[u] = start[u - 1];
+    start[0] = 0;
+}
+
+static inline void plan_prefetch(const void *row, int64_t nbytes)
+{
+    const char *p = (const char *)row;
+    for (int64_t at = 0; at < nbytes; at += 64)
+        __builtin_prefetch(p + at, 1, 3);
+}
+
+#define PLAN_KERNELS(T, S)                                                                   \
+/* Output row u's gradient into o (its first row, then each later one added); the rows of */ \
+/* output row u + PLAN_AHEAD / 2 are fetched meanwhile. */                                   \
+static inline void plan_grad_##S(int64_t u, int64_t hi, const int64_t *start,               \
+                                 const int64_t *src, const T *wt, const T *grads,            \
+                                 int64_t dim, T *o)                                          \
+{                                                                                            \
+    if (u + PLAN_AHEAD / 2 < hi)                                                             \
+        for (int64_t f = start[u + PLAN_AHEAD / 2]; f < start[u + PLAN_AHEAD / 2 + 1]; f++) \
+            plan_prefetch(grads + src[f] * dim, dim * (int64_t)sizeof(T));                   \
+    int64_t e = start[u], end = start[u + 1];                                                \
+    const T *g = grads + src[e] * dim;                                                       \
+    T w = wt[e];                                                                             \
+    for (int64_t c = 0; c < dim; c++)                                                        \
+        o[c] = g[c] * w;                                                                     \
+    for (e++; e < end; e++) {                                                                \
+        g = grads + src[e] * dim;                                                            \
+        w = wt[e];                                                                           \
+        for (int64_t c = 0; c < dim; c++) {                                                  \
+            T prod = g[c] * w;                                                               \
+            o[c] = o[c] + prod;                                                              \
+        }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+/* The square root the Adagrad kernel takes, in place over n elements (``root``, or C's): */ \
+/* ``plankernels.torch_sqrt`` compares it with torch's. */                                    \
+void plan_sqrt_##S(int64_t n, T *x, void *root, long long mode)                              \
+{                                                                                            \
+    if (root)                                                                                \
+        ((sqrt_##S##_fn)root)((int)n, x, x, mode);                                           \
+    else                                                                                     \
+        for (int64_t c = 0; c < n; c++)                                                      \
+            x[c] = SQRT_##S(x[c]);                                                           \
+}                                                                                            \
+                                                                                             \
+/* The gradient rows of [lo, hi), written (for an optimizer without a planned kernel). */ \
+void plan_rows_##S(int64_t lo, int64_t hi, const int64_t *start, const int64_t *src,        \
+                   const T *wt, const T *grads, int64_t dim, T *out)    \
+{                                                                                            \
+    for (int64_t u = lo; u < hi; u++)                                                        \
+        plan_grad_##S(u, hi, start, src, wt, grads, dim, out + u * dim);                 \
+}                                                                                            \
+                                                                                             \
+/* ``axpy_rows`` on the output rows [lo, hi): param[id] = fma(alpha, sign * (g / div),     */ \
+/* param[id]).                                                                              */ \
+static inline void plan_axpy_body_##S(int64_t lo, int64_t hi, const int64_t *ids,           \
+    const int64_t *start, const int64_t *src, const T *wt,            \
+    const T *grads, int64_t dim, int how, T div, T inv, T sign, T alpha, T *param, T *o)     \
+{                                                                                            \
+    for (int64_t u = lo; u < hi; u++) {                                                      \
+        if (u + PLAN_AHEAD < hi)                                                             \
+            plan_prefetch(param + ids[u + PLAN_AHEAD] * dim, dim * (int64_t)sizeof(T));      \
+        plan_grad_##S(u, hi, start, src, wt, grads, dim, o);                             \
+        T *p = param + ids[u] * dim;                                                         \
+        for (int64_t c = 0; c < dim; c++)                                                    \
+            p[c] = FMA_##S(alpha, QUOT(o[c]) * sign, p[c]);                                  \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+int plan_axpy_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *start,         \
+                  const int64_t *src, const T *wt, const T *grads,    \
+                  int64_t dim, T div, T sign, T alpha, T *param)                             \
+{                                                                                            \
+    T *o = malloc((size_t)dim * sizeof(T));                                                  \
+    if (!o)                                                                                  \
+        return -1;                                                                           \
+    DISPATCH(plan_axpy_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,   \
+                                (T)1 / div, sign, alpha, param, o));                         \
+    free(o);                                                                                 \
+    return 0;                                                                                \
+}                                                                                            \
+                                                                                             \
+/* ``adagrad_sum_rows``, torch's square root and ``adagrad_apply_rows`` on the output rows */ \
+/* [lo, hi), PLAN_BLOCK at a time: x = sign * (g / div); sum[id] += x * x;                */ \
+/* param[id] = fma(alpha, x / (sqrt(sum[id]) + eps), param[id]).                           */ \
+static inline void plan_adagrad_body_##S(int64_t lo, int64_t hi, const int64_t *ids,        \
+    const int64_t *start, const int64_t *src, const T *wt,            \
+    const T *grads, int64_t dim, int how, T div, T inv, T sign, T eps, T alpha, T *sum,      \
+    T *param, sqrt_##S##_fn root, long long mode, T *o, T *d)                                \
+{                                                                                            \
+    for (int64_t b = lo; b < hi; b += PLAN_BLOCK) {                                          \
+        int64_t m = hi - b < PLAN_BLOCK ? hi - b : PLAN_BLOCK;                               \
+        for (int64_t l = 0; l < m; l++) {                                                    \
+            int64_t u = b + l;                                                               \
+            if (u + PLAN_AHEAD < hi) {                                                       \
+                plan_prefetch(sum + ids[u + PLAN_AHEAD] * dim, dim * (int64_t)sizeof(T));    \
+                plan_prefetch(param + ids[u + PLAN_AHEAD] * dim, dim * (int64_t)sizeof(T));  \
+            }                                                                                \
+            T *g = o + l * dim, *n = d + l * dim, *s = sum + ids[u] * dim;                   \
+            plan_grad_##S(u, hi, start, src, wt, grads, dim, g);                         \
+            for (int64_t c = 0; c < dim; c++) {                                              \
+                T x = QUOT(g[c]) * sign;                                                     \
+                T sq = x * x;                                                                \
+                T acc = s[c] + sq;                                                           \
+                s[c] = acc;                                                                  \
+                n[c] = acc;                                                                  \
+            }                                                                                \
+        }                                                                                    \
+        if (root)                                                                            \
+            root((int)(m * dim), d, d, mode);                                                \
+        else                                                                                 \
+            for (int64_t c = 0; c < m * dim; c++)                                            \
+                d[c] = SQRT_##S(d[c]);                                                       \
+        for (int64_t l = 0; l < m; l++) {                                                    \
+            T *p = param + ids[b + l] * dim;                                                 \
+            const T *g = o + l * dim, *r = d + l * dim;                                      \
+            for (int64_t c = 0; c < dim; c++) {                                              \
+                T x = QUOT(g[c]) * sign;                                                     \
+                T den = r[c] + eps;                                                          \
+                p[c] = FMA_##S(alpha, x / den, p[c]);                                        \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+int plan_adagrad_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *start,      \
+                     const int64_t *src, const T *wt, const T *grads, \
+                     int64_t dim, T div, T sign, T eps, T alpha, T *sum, T *param,           \
+                     void *root, long long mode)                                             \
+{                                                                                            \
+    T *o = malloc((size_t)(2 * PLAN_BLOCK * dim) * sizeof(T));                               \
+    if (!o)                                                                                  \
+        return -1;                                                                           \
+    DISPATCH(plan_adagrad_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,\
+                                   (T)1 / div, sign, eps, alpha, sum, param,                 \
+                                   (sqrt_##S##_fn)root, mode, o, o + PLAN_BLOCK * dim));     \
+    free(o);                                                                                 \
+    return 0;                                                                                \
+}                                                                                            \
+                                                                                             \
+/* ``rowwise_rows`` on the output rows [lo, hi), PLAN_BLOCK at a time (its BLOCK's steps   */ \
+/* per row, in its order: squares, accumulator, multiplier, update).                       */ \
+static inline void plan_rowwise_body_##S(int64_t lo, int64_t hi, const int64_t *ids,        \
+    const int64_t *start, const int64_t *src, const T *wt,            \
+    const T *grads, int64_t dim, int how, T div, T inv, T sign, T lr, T eps, T *total,       \
+    T *param, T *o)                                                                          \
+{                                                                                            \
+    T mult[PLAN_BLOCK];                                                                      \
+    for (int64_t b = lo; b < hi; b += PLAN_BLOCK) {                                          \
+        int64_t m = hi - b < PLAN_BLOCK ? hi - b : PLAN_BLOCK;                               \
+        for (int64_t l = 0; l < m; l++) {                                                    \
+            int64_t u = b + l;                                                               \
+            if (u + PLAN_AHEAD < hi) {                                                       \
+                plan_prefetch(param + ids[u + PLAN_AHEAD] * dim, dim * (int64_t)sizeof(T));  \
+                __builtin_prefetch(total + ids[u + PLAN_AHEAD], 1, 3);                       \
+            }                                                                                \
+            plan_grad_##S(u, hi, start, src, wt, grads, dim, o + l * dim);               \
+            mult[l] = squares_##S(o + l * dim, dim, how, div, inv, sign);                    \
+        }                                                                                    \
+        for (int64_t l = 0; l < m; l++) {                                                    \
+            int64_t r = ids[b + l];                                                          \
+            T acc = total[r] + mult[l] / (T)dim;                                             \
+            total[r] = acc;                                                                  \
+            T std = SQRT_##S(acc) + eps;                                                     \
+            mult[l] = -(lr / std);                                                           \
+        }                                                                                    \
+        for (int64_t l = 0; l < m; l++) {                                                    \
+            T *p = param + ids[b + l] * dim;                                                 \
+            const T *g = o + l * dim;                                                        \
+            for (int64_t c = 0; c < dim; c++) {                                              \
+                T x = QUOT(g[c]) * sign;                                                     \
+                T prod = x * mult[l];                                                        \
+                p[c] = p[c] + prod;                                                          \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+int plan_rowwise_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *start,      \
+                     const int64_t *src, const T *wt, const T *grads, \
+                     int64_t dim, T div, T sign, T lr, T eps, T *total, T *param)            \
+{                                                                                            \
+    T *o = malloc((size_t)(PLAN_BLOCK * dim) * sizeof(T));                                   \
+    if (!o)                                                                                  \
+        return -1;                                                                           \
+    DISPATCH(plan_rowwise_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,\
+                                   (T)1 / div, sign, lr, eps, total, param, o));             \
+    free(o);                                                                                 \
+    return 0;                                                                                \
+}
+
+SQUARES(float, f32)
+SQUARES(double, f64)
+
+PLAN_KERNELS(float, f32)
+PLAN_KERNELS(double, f64)

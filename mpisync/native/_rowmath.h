@@ -1,0 +1,73 @@
+/* The row kernels' shared arithmetic (``_rows.c``, ``_plan.c``): the division by ``div``,
+ * the dispatch on its kind, and a row's sum of squares. Included by both; the library's
+ * build hashes this file with them (``rowslib``). */
+#ifndef MPISYNC_ROWMATH_H
+#define MPISYNC_ROWMATH_H
+
+#include <math.h>
+#include <stdint.h>
+
+#define LANES 16
+
+/* x / div, where a kernel's ``how`` is 0 (no division), 1 (div a power of two: times its
+ * exact inverse, bitwise the quotient) or 2 (divided). */
+#define QUOT(x) (how == 0 ? (x) : how == 1 ? (x) * inv : (x) / div)
+
+/* ``call`` (naming HOW) once with the ``how`` of ``div``, a constant there, so that the
+ * compiler writes each loop without the test. */
+#define DISPATCH(call)                                                                       \
+    do {                                                                                     \
+        int kind = how_of(div);                                                              \
+        if (kind == 0) {                                                                     \
+            enum { HOW = 0 };                                                                \
+            call;                                                                            \
+        } else if (kind == 1) {                                                              \
+            enum { HOW = 1 };                                                                \
+            call;                                                                            \
+        } else {                                                                             \
+            enum { HOW = 2 };                                                                \
+            call;                                                                            \
+        }                                                                                    \
+    } while (0)
+
+static inline int how_of(double div)
+{
+    int exp;
+    if (div == 0)
+        return 0;
+    return frexp(div, &exp) == 0.5 && exp > -120 && exp < 120 ? 1 : 2;
+}
+
+#define FMA_f32 fmaf
+#define FMA_f64 fma
+#define SQRT_f32 sqrtf
+#define SQRT_f64 sqrt
+
+/* squares(g): a row's sum of squares of x = sign * (g / div) in LANES partial sums, lane j
+ * adding the squares of columns j, j + LANES, ... in order, then halved: lane[j] +=
+ * lane[j + h] for h = LANES / 2, ..., 1; lane 0 is the sum. */
+#define SQUARES(T, S)                                                                        \
+static inline T squares_##S(const T *g, int64_t dim, int how, T div, T inv, T sign)          \
+{                                                                                            \
+    int64_t full = dim / LANES * LANES;                                                      \
+    T lane[LANES];                                                                           \
+    for (int64_t j = 0; j < LANES; j++)                                                      \
+        lane[j] = 0;                                                                         \
+    for (int64_t c = 0; c < full; c += LANES)                                                \
+        for (int64_t j = 0; j < LANES; j++) {                                                \
+            T x = QUOT(g[c + j]) * sign;                                                     \
+            T sq = x * x;                                                                    \
+            lane[j] = lane[j] + sq;                                                          \
+        }                                                                                    \
+    for (int64_t j = 0; full + j < dim; j++) {                                               \
+        T x = QUOT(g[full + j]) * sign;                                                      \
+        T sq = x * x;                                                                        \
+        lane[j] = lane[j] + sq;                                                              \
+    }                                                                                        \
+    for (int64_t h = LANES / 2; h >= 1; h /= 2)                                              \
+        for (int64_t j = 0; j < h; j++)                                                      \
+            lane[j] = lane[j] + lane[j + h];                                                 \
+    return lane[0];                                                                          \
+}
+
+#endif
