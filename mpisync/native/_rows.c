@@ -9,6 +9,7 @@
  * of the taken gradients, kept as their sum until here). */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "_rowmath.h"
@@ -44,6 +45,51 @@ void unmark(int64_t n, const int64_t *uniq, int64_t *slot)
 {
     for (int64_t j = 0; j < n; j++)
         slot[uniq[j]] = -1;
+}
+
+/* Whether every one of v (n of them) lies in [0, limit). */
+int all_below(int64_t n, const int64_t *v, int64_t limit)
+{
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++)
+        bad |= (uint64_t)v[i] >= (uint64_t)limit;
+    return bad == 0;
+}
+
+/* flags[ids[i]] = 1 for each i (a bool array's bytes; ids in it). */
+void set_flags(int64_t n, const int64_t *ids, uint8_t *flags)
+{
+    for (int64_t i = 0; i < n; i++)
+        flags[ids[i]] = 1;
+}
+
+/* How many distinct values ``ids`` (n of them, each >= 0) hold, counted up to ``least``  */
+/* (the count stops there): an open-addressed table of a power of two above 2 * least     */
+/* entries. -1: no memory for the table. */
+int64_t distinct_upto(int64_t n, const int64_t *ids, int64_t least)
+{
+    if (least <= 0)
+        return 0;
+    uint64_t size = 1;
+    while (size < 2 * (uint64_t)least + 2)
+        size <<= 1;
+    uint64_t mask = size - 1;
+    int64_t *table = calloc(size, sizeof(int64_t));     /* 0: empty; holds id + 1 */
+    if (!table)
+        return -1;
+    int64_t count = 0;
+    for (int64_t i = 0; i < n && count < least; i++) {
+        int64_t key = ids[i] + 1;
+        uint64_t h = ((uint64_t)key * 0x9E3779B97F4A7C15ULL) >> 17 & mask;
+        while (table[h] != 0 && table[h] != key)
+            h = (h + 1) & mask;
+        if (table[h] == 0) {
+            table[h] = key;
+            count++;
+        }
+    }
+    free(table);
+    return count;
 }
 
 /* ``slot[sorted[j]] = j``: the position of each distinct id in sorted order. */

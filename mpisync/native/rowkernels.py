@@ -34,12 +34,15 @@ from .rowthreads import split as _split
 __all__ = [
     "adagrad_apply_rows",
     "adagrad_sum_rows",
+    "all_below",
     "axpy_rows",
     "bag_rows",
     "bag_sums",
     "gather",
+    "holds_distinct",
     "merge_pieces",
     "rowwise_rows",
+    "set_flags",
     "shard_order",
     "slots_for",
     "split_ids",
@@ -86,6 +89,37 @@ def table_copy(value):
             value.numel() * value.element_size() < HUGE_BYTES:
         return value.clone() if torch.is_tensor(value) else value
     return table_zeros(value.shape, value.dtype).copy_(value)
+
+
+def all_below(values: torch.Tensor, limit: int) -> bool:
+    """Whether every one of ``values`` lies in ``[0, limit)``: one pass (int64 on the CPU,
+    where the kernels are built; else torch's ``min`` and ``max``)."""
+    if not len(values):
+        return True
+    if _kernels() is None or values.dtype != torch.int64 or values.device.type != "cpu":
+        return int(values.min()) >= 0 and int(values.max()) < limit
+    values = values.contiguous()
+    return bool(_kernels().all_below(len(values), values.data_ptr(), limit))
+
+
+def set_flags(ids: torch.Tensor, flags: torch.Tensor) -> None:
+    """``flags[ids] = True`` (``flags`` a contiguous bool tensor, ids checked to lie in it)."""
+    ids = ids.contiguous()
+    _kernels().set_flags(len(ids), ids.data_ptr(), flags.data_ptr())
+
+
+def holds_distinct(ids: torch.Tensor, least: int) -> bool:
+    """Whether ``ids`` (int64, each >= 0) hold at least ``least`` distinct values: counted
+    in one pass that stops once it has seen them (no sort)."""
+    if least <= 0:
+        return True
+    if least > len(ids):
+        return False
+    ids = ids.contiguous()
+    count = _kernels().distinct_upto(len(ids), ids.data_ptr(), least)
+    if count < 0:
+        raise MemoryError("mpisync: no memory to count distinct ids")
+    return count >= least
 
 
 def slots_for(holder: dict, num_rows: int) -> torch.Tensor:

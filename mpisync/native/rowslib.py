@@ -53,6 +53,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mark_ids.restype = _I
     lib.mark_ids.argtypes = [_I, _P, _P, _P]
     lib.unmark.argtypes = [_I, _P, _P]
+    lib.set_flags.argtypes = [_I, _P, _P]
+    lib.all_below.argtypes = [_I, _P, _I]
+    lib.all_below.restype = ctypes.c_int
+    lib.distinct_upto.argtypes = [_I, _P, _I]
+    lib.distinct_upto.restype = _I
     lib.place.argtypes = [_I, _P, _P]
     lib.shard_order.argtypes = [_I, _P, _I, _P, _P, _P]
     lib.split_ids.argtypes = [_I, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P]

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Bags", "bags_of", "pooled_bytes", "pooling_pays", "rows_bytes"]
+__all__ = ["Bags", "bags_of", "fewest_unique_to_pool", "pooled_bytes", "pooling_pays",
+           "rows_bytes"]
 
 POOL_CHOICES = (False, True, "auto")
 
@@ -164,6 +165,15 @@ def pooled_bytes(num_ids: int, num_bags: int, row_bytes: int, weight_bytes: int,
     bag index (and weight) out at the lookup and again with the push, and one ``num_bags``
     x row block back from and out to each of ``num_ps`` ps ranks."""
     return num_ids * (16 + weight_bytes) * 2 + num_bags * row_bytes * num_ps * 2
+
+
+def fewest_unique_to_pool(num_ids: int, num_bags: int, row_bytes: int, weight_bytes: int,
+                          num_ps: int) -> int:
+    """The fewest distinct ids for which ``pooling_pays``: a forward pools exactly when its
+    ids hold at least this many distinct values (which a count that stops there can tell
+    without sorting them)."""
+    return pooled_bytes(num_ids, num_bags, row_bytes, weight_bytes, num_ps) // \
+        rows_bytes(1, row_bytes) + 1
 
 
 def pooling_pays(num_ids: int, num_unique: int, num_bags: int, row_bytes: int,

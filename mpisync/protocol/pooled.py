@@ -160,10 +160,9 @@ def reply_nbytes(parts: list[Part | None], groups: list[int], row_bytes: list[in
 
 
 def _check(p: Part, rows: int, what: str) -> None:
-    if int(p.ids.min()) < 0 or int(p.ids.max()) >= rows:
+    if not kernels.all_below(p.ids, rows):
         raise ValueError(f"{what} of rows outside its shard ({rows} rows)")
-    if p.pooled and (p.num_bags <= 0 or int(p.bag.min()) < 0
-                     or int(p.bag.max()) >= p.num_bags):
+    if p.pooled and (p.num_bags <= 0 or not kernels.all_below(p.bag, p.num_bags)):
         raise ValueError(f"{what} with bags outside [0, {p.num_bags})")
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..native import kernels
+
 __all__ = ["Marks", "per_row_keys", "state_of"]
 
 
@@ -46,6 +48,8 @@ class Marks:
             return
         if rows is True:
             self.changed.fill_(True)
+        elif len(rows) and rows.dtype == torch.int64 and kernels.available():
+            kernels.set_flags(rows, self.changed)
         elif len(rows):
             self.changed[rows] = True
 

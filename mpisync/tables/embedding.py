@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch.nn import functional as F
 
+from ..native import kernels
 from ..protocol import partition
-from ..protocol.bags import POOL_CHOICES, bags_of, pooling_pays
+from ..protocol.bags import POOL_CHOICES, bags_of, fewest_unique_to_pool
 from ..protocol.tables import TableInfo
 from ..worker.exchange import Request
 
@@ -373,11 +374,15 @@ class EmbeddingBag(_TableModule):
         if self.pool_on_ps == "auto" and not needs_rows:
             bags = bags_of(input, offsets, per_sample_weights, **kw)
             assert bags is not None          # flatten=True gives the bags
-            unique, inverse = torch.unique(input.long(), sorted=True, return_inverse=True)
             spec = channel.tables[index].spec
-            pool = pooling_pays(len(bags.ids), len(unique), bags.num_bags, spec.row_bytes,
-                                0 if bags.weights is None else spec.dtype.itemsize,
-                                len(set(spec.owners)))
+            least = fewest_unique_to_pool(len(bags.ids), bags.num_bags, spec.row_bytes,
+                                          0 if bags.weights is None else spec.dtype.itemsize,
+                                          len(set(spec.owners)))
+            if kernels.available():          # counted until it is known, not sorted
+                pool = kernels.holds_distinct(input.reshape(-1).long(), least)
+            else:
+                unique, inverse = torch.unique(input.long(), sorted=True, return_inverse=True)
+                pool = len(unique) >= least
         if pool:
             bags = bags_of(input, offsets, per_sample_weights, **kw)
             assert bags is not None

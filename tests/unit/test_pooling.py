@@ -14,8 +14,9 @@ import torch
 from mpi_helpers import SCRIPTS
 
 import mpisync
+from mpisync.native import kernels
 from mpisync.protocol import partition
-from mpisync.protocol.bags import bags_of, pooling_pays
+from mpisync.protocol.bags import bags_of, fewest_unique_to_pool, pooling_pays
 from mpisync.protocol.pooled import EXCHANGE, POOLED, Part, answer, pack_parts, row_grads
 
 sys.path.insert(0, str(SCRIPTS))
@@ -153,6 +154,24 @@ def test_auto_pools_long_bags_of_rare_ids_and_looks_up_repeated_ones():
     assert not pooling_pays(4096, 4000, 4096, 256, 0, 2)
     # bags of 20 drawn from 50 ids: 50 rows travel, not 4096 sums
     assert not pooling_pays(81920, 50, 4096, 256, 0, 1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_auto_decides_by_counting_distinct_ids_only_as_far_as_it_must(seed):
+    """What a forward in ``"auto"`` does: count distinct ids until the fewest for which
+    pooling pays (no sort); the same answer as ``pooling_pays`` on the exact count."""
+    g = torch.Generator().manual_seed(seed)
+    for rows in (50, 5000, 10 ** 6):
+        for n, bags in ((4096, 4096), (81920, 4096), (20, 1), (0, 3), (600, 30)):
+            ids = torch.randint(0, rows, (n,), generator=g)
+            for ps, weight in ((1, 0), (2, 4)):
+                least = fewest_unique_to_pool(n, bags, 256, weight, ps)
+                want = pooling_pays(n, len(ids.unique()), bags, 256, weight, ps)
+                assert (len(ids.unique()) >= least) == want
+                if kernels.available():
+                    assert kernels.holds_distinct(ids, least) == want
+                    assert kernels.holds_distinct(ids, len(ids.unique()))
+                    assert not kernels.holds_distinct(ids, len(ids.unique()) + 1)
 
 
 def test_a_collection_names_a_feature_it_has_no_table_or_no_input_for():
