@@ -12,6 +12,7 @@ from ..protocol import partition
 from ..protocol.bags import POOL_CHOICES, bags_of, fewest_unique_to_pool
 from ..protocol.tables import TableInfo
 from ..worker.exchange import Request
+from . import bagrows
 
 if TYPE_CHECKING:
     from torch.types import Device
@@ -369,7 +370,7 @@ class EmbeddingBag(_TableModule):
             raise ValueError(f"{info.label}: {what} {info.name!r} got per_sample_weights that "
                              f"require a gradient; pool_on_ps=True cannot give them one (their "
                              f"gradient needs the rows): use pool_on_ps=False or 'auto'")
-        unique = inverse = None
+        unique = inverse = bags = None
         pool = self.pool_on_ps is True
         if self.pool_on_ps == "auto" and not needs_rows:
             bags = bags_of(input, offsets, per_sample_weights, **kw)
@@ -387,7 +388,8 @@ class EmbeddingBag(_TableModule):
             bags = bags_of(input, offsets, per_sample_weights, **kw)
             assert bags is not None
             return _pooled_request(index, bags, self.mode)
-        bags_of(input, offsets, per_sample_weights, flatten=False, **kw)
+        flat = bags if bags is not None else \
+            bags_of(input, offsets, per_sample_weights, flatten=self.mode != "max", **kw)
         if unique is None:
             unique, inverse = torch.unique(input.long(), sorted=True, return_inverse=True)
         assert inverse is not None           # computed with unique
@@ -398,9 +400,8 @@ class EmbeddingBag(_TableModule):
                 pad = at
 
         def finish(rows: torch.Tensor) -> torch.Tensor:
-            return F.embedding_bag(inverse.view(input.shape), rows, offsets, mode=self.mode,
-                                   per_sample_weights=per_sample_weights, padding_idx=pad,
-                                   include_last_offset=self.include_last_offset)
+            return bagrows.pool(rows, inverse.view(input.shape), unique, flat, offsets,
+                                self.mode, per_sample_weights, pad, self.include_last_offset)
 
         return Request(index, unique=unique), finish
 
