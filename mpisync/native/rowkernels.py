@@ -104,18 +104,18 @@ def all_below(values: torch.Tensor, limit: int) -> bool:
 
 def set_flags(ids: torch.Tensor, flags: torch.Tensor) -> None:
     """``flags[ids] = True`` (``flags`` a contiguous bool tensor, ids checked to lie in it)."""
-    ids = ids.contiguous()
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
     _kernels().set_flags(len(ids), ids.data_ptr(), flags.data_ptr())
 
 
 def holds_distinct(ids: torch.Tensor, least: int) -> bool:
-    """Whether ``ids`` (int64, each >= 0) hold at least ``least`` distinct values: counted
-    in one pass that stops once it has seen them (no sort)."""
+    """Whether ``ids`` (integers, each >= 0, any shape) hold at least ``least`` distinct
+    values: counted in one pass that stops once it has seen them (no sort)."""
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
     if least <= 0:
         return True
     if least > len(ids):
         return False
-    ids = ids.contiguous()
     count = _kernels().distinct_upto(len(ids), ids.data_ptr(), least)
     if count < 0:
         raise MemoryError("mpisync: no memory to count distinct ids")

@@ -170,6 +170,8 @@ def test_auto_decides_by_counting_distinct_ids_only_as_far_as_it_must(seed):
                 assert (len(ids.unique()) >= least) == want
                 if kernels.available():
                     assert kernels.holds_distinct(ids, least) == want
+                    assert kernels.holds_distinct(ids.int(), least) == want     # any dtype,
+                    assert kernels.holds_distinct(ids.view(-1, 1)[::1], least) == want  # shape
                     assert kernels.holds_distinct(ids, len(ids.unique()))
                     assert not kernels.holds_distinct(ids, len(ids.unique()) + 1)
 
