@@ -302,7 +302,8 @@ class RowShards:
                     if len(zeros) and not peek:
                         self.unseen[self.worker_ranks.index(rank)][n].append(zeros)
                 elif int(local.max()) >= u.param.shape[0] or int(local.min()) < 0:
-                    raise ProtocolError(f"{self.label}: a lookup of rows outside shard {u.unit}")
+                    raise ProtocolError(f"{self.label}: worker rank {rank} sent a lookup of rows "
+                                        f"outside shard {u.unit}")
                 else:
                     pooled.gather_rows(local, u.param.detach(), view)
                 reply[at + c * u.spec.row_bytes:at + size] = 0
