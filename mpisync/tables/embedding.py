@@ -66,7 +66,7 @@ def check_id_tensor(ids: object, info: TableInfo, what: str) -> None:
 
 def _check_ids(ids: torch.Tensor, info: TableInfo, what: str) -> None:
     check_id_tensor(ids, info, what)
-    if ids.numel():
+    if ids.numel() and not kernels.all_below(ids.reshape(-1), info.num_rows):
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= info.num_rows:
             bad = lo if lo < 0 else hi
@@ -385,7 +385,8 @@ class EmbeddingBag(_TableModule):
                 unique, inverse = torch.unique(input.long(), sorted=True, return_inverse=True)
                 pool = len(unique) >= least
         if pool:
-            bags = bags_of(input, offsets, per_sample_weights, **kw)
+            if bags is None:                 # "auto" flattened them already
+                bags = bags_of(input, offsets, per_sample_weights, **kw)
             assert bags is not None
             return _pooled_request(index, bags, self.mode)
         flat = bags if bags is not None else \
