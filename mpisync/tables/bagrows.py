@@ -43,6 +43,7 @@ class _Pool(torch.autograd.Function):
     def forward(ctx, rows, index, unique, bags, offsets, mode, weights, padding_idx,
                 include_last_offset):
         ctx.rows_shape, ctx.bags, ctx.mode, ctx.unique = rows.shape, bags, mode, unique
+        ctx.index = index
         return F.embedding_bag(index, rows, offsets, mode=mode, per_sample_weights=weights,
                                padding_idx=padding_idx,
                                include_last_offset=include_last_offset)
@@ -55,6 +56,9 @@ class _Pool(torch.autograd.Function):
         each = grad.index_select(0, bags.bag)
         if bags.weights is not None:
             each = each * bags.weights.to(grad.dtype).unsqueeze(1)
-        at = torch.searchsorted(ctx.unique, bags.ids)
+        # each kept id's row: the input's positions in ``unique`` where no id was left out
+        # (no padding, none past the last bag), else looked up
+        at = ctx.index.reshape(-1) if ctx.index.numel() == len(bags.ids) else \
+            torch.searchsorted(ctx.unique, bags.ids)
         out = torch.zeros(ctx.rows_shape, dtype=grad.dtype).index_add_(0, at, each)
         return out, None, None, None, None, None, None, None, None
