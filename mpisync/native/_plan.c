@@ -65,12 +65,12 @@ static inline void plan_prefetch(const void *row, int64_t nbytes)
 #define PLAN_KERNELS(T, S)                                                                   \
 /* Output row u's gradient into o (its first row, then each later one added); the rows of */ \
 /* output row u + PLAN_AHEAD / 2 are fetched meanwhile. */                                   \
-static inline void plan_grad_##S(int64_t u, int64_t hi, const int64_t *start,               \
+static inline void plan_grad_##S(int64_t u, int64_t hi, const int64_t *start,                \
                                  const int64_t *src, const T *wt, const T *grads,            \
                                  int64_t dim, T *o)                                          \
 {                                                                                            \
     if (u + PLAN_AHEAD / 2 < hi)                                                             \
-        for (int64_t f = start[u + PLAN_AHEAD / 2]; f < start[u + PLAN_AHEAD / 2 + 1]; f++) \
+        for (int64_t f = start[u + PLAN_AHEAD / 2]; f < start[u + PLAN_AHEAD / 2 + 1]; f++)  \
             plan_prefetch(grads + src[f] * dim, dim * (int64_t)sizeof(T));                   \
     int64_t e = start[u], end = start[u + 1];                                                \
     const T *g = grads + src[e] * dim;                                                       \
@@ -88,7 +88,7 @@ static inline void plan_grad_##S(int64_t u, int64_t hi, const int64_t *start,   
 }                                                                                            \
                                                                                              \
 /* The square root the Adagrad kernel takes, in place over n elements (``root``, or C's): */ \
-/* ``plankernels.torch_sqrt`` compares it with torch's. */                                    \
+/* ``plankernels.torch_sqrt`` compares it with torch's. */                                   \
 void plan_sqrt_##S(int64_t n, T *x, void *root, long long mode)                              \
 {                                                                                            \
     if (root)                                                                                \
@@ -98,38 +98,38 @@ void plan_sqrt_##S(int64_t n, T *x, void *root, long long mode)                 
             x[c] = SQRT_##S(x[c]);                                                           \
 }                                                                                            \
                                                                                              \
-/* The gradient rows of [lo, hi), written (for an optimizer without a planned kernel). */ \
-void plan_rows_##S(int64_t lo, int64_t hi, const int64_t *start, const int64_t *src,        \
-                   const T *wt, const T *grads, int64_t dim, T *out)    \
+/* The gradient rows of [lo, hi), written (for an optimizer without a planned kernel). */    \
+void plan_rows_##S(int64_t lo, int64_t hi, const int64_t *start, const int64_t *src,         \
+                   const T *wt, const T *grads, int64_t dim, T *out)                         \
 {                                                                                            \
     for (int64_t u = lo; u < hi; u++)                                                        \
-        plan_grad_##S(u, hi, start, src, wt, grads, dim, out + u * dim);                 \
+        plan_grad_##S(u, hi, start, src, wt, grads, dim, out + u * dim);                     \
 }                                                                                            \
                                                                                              \
 /* ``axpy_rows`` on the output rows [lo, hi): param[id] = fma(alpha, sign * (g / div),     */ \
 /* param[id]).                                                                              */ \
-static inline void plan_axpy_body_##S(int64_t lo, int64_t hi, const int64_t *ids,           \
-    const int64_t *start, const int64_t *src, const T *wt,            \
+static inline void plan_axpy_body_##S(int64_t lo, int64_t hi, const int64_t *ids,            \
+    const int64_t *start, const int64_t *src, const T *wt,                                   \
     const T *grads, int64_t dim, int how, T div, T inv, T sign, T alpha, T *param, T *o)     \
 {                                                                                            \
     for (int64_t u = lo; u < hi; u++) {                                                      \
         if (u + PLAN_AHEAD < hi)                                                             \
             plan_prefetch(param + ids[u + PLAN_AHEAD] * dim, dim * (int64_t)sizeof(T));      \
-        plan_grad_##S(u, hi, start, src, wt, grads, dim, o);                             \
+        plan_grad_##S(u, hi, start, src, wt, grads, dim, o);                                 \
         T *p = param + ids[u] * dim;                                                         \
         for (int64_t c = 0; c < dim; c++)                                                    \
             p[c] = FMA_##S(alpha, QUOT(o[c]) * sign, p[c]);                                  \
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-int plan_axpy_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *start,         \
-                  const int64_t *src, const T *wt, const T *grads,    \
+int plan_axpy_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *start,          \
+                  const int64_t *src, const T *wt, const T *grads,                           \
                   int64_t dim, T div, T sign, T alpha, T *param)                             \
 {                                                                                            \
     T *o = malloc((size_t)dim * sizeof(T));                                                  \
     if (!o)                                                                                  \
         return -1;                                                                           \
-    DISPATCH(plan_axpy_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,   \
+    DISPATCH(plan_axpy_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,           \
                                 (T)1 / div, sign, alpha, param, o));                         \
     free(o);                                                                                 \
     return 0;                                                                                \
@@ -138,8 +138,8 @@ int plan_axpy_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *sta
 /* ``adagrad_sum_rows``, torch's square root and ``adagrad_apply_rows`` on the output rows */ \
 /* [lo, hi), PLAN_BLOCK at a time: x = sign * (g / div); sum[id] += x * x;                */ \
 /* param[id] = fma(alpha, x / (sqrt(sum[id]) + eps), param[id]).                           */ \
-static inline void plan_adagrad_body_##S(int64_t lo, int64_t hi, const int64_t *ids,        \
-    const int64_t *start, const int64_t *src, const T *wt,            \
+static inline void plan_adagrad_body_##S(int64_t lo, int64_t hi, const int64_t *ids,         \
+    const int64_t *start, const int64_t *src, const T *wt,                                   \
     const T *grads, int64_t dim, int how, T div, T inv, T sign, T eps, T alpha, T *sum,      \
     T *param, sqrt_##S##_fn root, long long mode, T *o, T *d)                                \
 {                                                                                            \
@@ -151,42 +151,30 @@ static inline void plan_adagrad_body_##S(int64_t lo, int64_t hi, const int64_t *
                 plan_prefetch(sum + ids[u + PLAN_AHEAD] * dim, dim * (int64_t)sizeof(T));    \
                 plan_prefetch(param + ids[u + PLAN_AHEAD] * dim, dim * (int64_t)sizeof(T));  \
             }                                                                                \
-            T *g = o + l * dim, *n = d + l * dim, *s = sum + ids[u] * dim;                   \
-            plan_grad_##S(u, hi, start, src, wt, grads, dim, g);                         \
-            for (int64_t c = 0; c < dim; c++) {                                              \
-                T x = QUOT(g[c]) * sign;                                                     \
-                T sq = x * x;                                                                \
-                T acc = s[c] + sq;                                                           \
-                s[c] = acc;                                                                  \
-                n[c] = acc;                                                                  \
-            }                                                                                \
+            plan_grad_##S(u, hi, start, src, wt, grads, dim, o + l * dim);                   \
+            adagrad_sum_row_##S(o + l * dim, sum + ids[u] * dim, d + l * dim, dim, how, div, \
+                                inv, sign);                                                  \
         }                                                                                    \
         if (root)                                                                            \
             root((int)(m * dim), d, d, mode);                                                \
         else                                                                                 \
             for (int64_t c = 0; c < m * dim; c++)                                            \
                 d[c] = SQRT_##S(d[c]);                                                       \
-        for (int64_t l = 0; l < m; l++) {                                                    \
-            T *p = param + ids[b + l] * dim;                                                 \
-            const T *g = o + l * dim, *r = d + l * dim;                                      \
-            for (int64_t c = 0; c < dim; c++) {                                              \
-                T x = QUOT(g[c]) * sign;                                                     \
-                T den = r[c] + eps;                                                          \
-                p[c] = FMA_##S(alpha, x / den, p[c]);                                        \
-            }                                                                                \
-        }                                                                                    \
+        for (int64_t l = 0; l < m; l++)                                                      \
+            adagrad_apply_row_##S(o + l * dim, d + l * dim, param + ids[b + l] * dim, dim, how, \
+                                  div, inv, sign, eps, alpha);                               \
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-int plan_adagrad_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *start,      \
-                     const int64_t *src, const T *wt, const T *grads, \
+int plan_adagrad_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *start,       \
+                     const int64_t *src, const T *wt, const T *grads,                        \
                      int64_t dim, T div, T sign, T eps, T alpha, T *sum, T *param,           \
                      void *root, long long mode)                                             \
 {                                                                                            \
     T *o = malloc((size_t)(2 * PLAN_BLOCK * dim) * sizeof(T));                               \
     if (!o)                                                                                  \
         return -1;                                                                           \
-    DISPATCH(plan_adagrad_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,\
+    DISPATCH(plan_adagrad_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,        \
                                    (T)1 / div, sign, eps, alpha, sum, param,                 \
                                    (sqrt_##S##_fn)root, mode, o, o + PLAN_BLOCK * dim));     \
     free(o);                                                                                 \
@@ -195,8 +183,8 @@ int plan_adagrad_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *
                                                                                              \
 /* ``rowwise_rows`` on the output rows [lo, hi), PLAN_BLOCK at a time (its BLOCK's steps   */ \
 /* per row, in its order: squares, accumulator, multiplier, update).                       */ \
-static inline void plan_rowwise_body_##S(int64_t lo, int64_t hi, const int64_t *ids,        \
-    const int64_t *start, const int64_t *src, const T *wt,            \
+static inline void plan_rowwise_body_##S(int64_t lo, int64_t hi, const int64_t *ids,         \
+    const int64_t *start, const int64_t *src, const T *wt,                                   \
     const T *grads, int64_t dim, int how, T div, T inv, T sign, T lr, T eps, T *total,       \
     T *param, T *o)                                                                          \
 {                                                                                            \
@@ -209,7 +197,7 @@ static inline void plan_rowwise_body_##S(int64_t lo, int64_t hi, const int64_t *
                 plan_prefetch(param + ids[u + PLAN_AHEAD] * dim, dim * (int64_t)sizeof(T));  \
                 __builtin_prefetch(total + ids[u + PLAN_AHEAD], 1, 3);                       \
             }                                                                                \
-            plan_grad_##S(u, hi, start, src, wt, grads, dim, o + l * dim);               \
+            plan_grad_##S(u, hi, start, src, wt, grads, dim, o + l * dim);                   \
             mult[l] = squares_##S(o + l * dim, dim, how, div, inv, sign);                    \
         }                                                                                    \
         for (int64_t l = 0; l < m; l++) {                                                    \
@@ -219,26 +207,20 @@ static inline void plan_rowwise_body_##S(int64_t lo, int64_t hi, const int64_t *
             T std = SQRT_##S(acc) + eps;                                                     \
             mult[l] = -(lr / std);                                                           \
         }                                                                                    \
-        for (int64_t l = 0; l < m; l++) {                                                    \
-            T *p = param + ids[b + l] * dim;                                                 \
-            const T *g = o + l * dim;                                                        \
-            for (int64_t c = 0; c < dim; c++) {                                              \
-                T x = QUOT(g[c]) * sign;                                                     \
-                T prod = x * mult[l];                                                        \
-                p[c] = p[c] + prod;                                                          \
-            }                                                                                \
-        }                                                                                    \
+        for (int64_t l = 0; l < m; l++)                                                      \
+            rowwise_apply_row_##S(o + l * dim, param + ids[b + l] * dim, dim, how, div, inv, \
+                                  sign, mult[l]);                                            \
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-int plan_rowwise_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *start,      \
-                     const int64_t *src, const T *wt, const T *grads, \
+int plan_rowwise_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *start,       \
+                     const int64_t *src, const T *wt, const T *grads,                        \
                      int64_t dim, T div, T sign, T lr, T eps, T *total, T *param)            \
 {                                                                                            \
     T *o = malloc((size_t)(PLAN_BLOCK * dim) * sizeof(T));                                   \
     if (!o)                                                                                  \
         return -1;                                                                           \
-    DISPATCH(plan_rowwise_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,\
+    DISPATCH(plan_rowwise_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,        \
                                    (T)1 / div, sign, lr, eps, total, param, o));             \
     free(o);                                                                                 \
     return 0;                                                                                \
@@ -246,6 +228,8 @@ int plan_rowwise_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *
 
 SQUARES(float, f32)
 SQUARES(double, f64)
+ROW_STEPS(float, f32)
+ROW_STEPS(double, f64)
 
 PLAN_KERNELS(float, f32)
 PLAN_KERNELS(double, f64)

@@ -70,4 +70,43 @@ static inline T squares_##S(const T *g, int64_t dim, int how, T div, T inv, T si
     return lane[0];                                                                          \
 }
 
+/* One row's steps, shared by the kernels over summed rows (``_rows.c``) and over a plan     */
+/* (``_plan.c``); x = sign * (g / div) for each of the row's ``dim`` elements.               */
+#define ROW_STEPS(T, S)                                                                      \
+/* Adagrad's accumulator: s += x * x; out = the new s. */                                    \
+static inline void adagrad_sum_row_##S(const T *g, T *s, T *out, int64_t dim, int how,       \
+                                       T div, T inv, T sign)                                 \
+{                                                                                            \
+    for (int64_t c = 0; c < dim; c++) {                                                      \
+        T x = QUOT(g[c]) * sign;                                                             \
+        T sq = x * x;                                                                        \
+        T acc = s[c] + sq;                                                                   \
+        s[c] = acc;                                                                          \
+        out[c] = acc;                                                                        \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+/* Adagrad's update once the square roots ``root`` are taken: p = fma(alpha, x / (root +   */ \
+/* eps), p), as torch's per-row axpy rounds. */                                              \
+static inline void adagrad_apply_row_##S(const T *g, const T *root, T *p, int64_t dim,       \
+                                         int how, T div, T inv, T sign, T eps, T alpha)      \
+{                                                                                            \
+    for (int64_t c = 0; c < dim; c++) {                                                      \
+        T x = QUOT(g[c]) * sign;                                                             \
+        T den = root[c] + eps;                                                               \
+        p[c] = FMA_##S(alpha, x / den, p[c]);                                                \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+/* The row-wise update with the row's multiplier: p += x * mult. */                          \
+static inline void rowwise_apply_row_##S(const T *g, T *p, int64_t dim, int how, T div,      \
+                                         T inv, T sign, T mult)                              \
+{                                                                                            \
+    for (int64_t c = 0; c < dim; c++) {                                                      \
+        T x = QUOT(g[c]) * sign;                                                             \
+        T prod = x * mult;                                                                   \
+        p[c] = p[c] + prod;                                                                  \
+    }                                                                                        \
+}
+
 #endif

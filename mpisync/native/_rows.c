@@ -234,7 +234,7 @@ void bag_rows_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *we
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-/* Each bag's sum of its rows: out[bag[i]] += weights[i] * rows[ids[i]], in the order of */ \
+/* Each bag's sum of its rows: out[bag[i]] += weights[i] * rows[ids[i]], in the order of */  \
 /* i, into a zeroed out (the pooled answer to a lookup); only the bags in [lo, hi).        */ \
 void bag_sums_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *weights,       \
                   const T *rows, int64_t dim, int64_t lo, int64_t hi, T *out)                \
@@ -259,8 +259,8 @@ void bag_sums_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *we
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-/* out[i] = rows[ids[i]] (a rows answer to a lookup, straight into its message). */         \
-void gather_##S(int64_t n, const int64_t *ids, const T *rows, int64_t dim, T *out)          \
+/* out[i] = rows[ids[i]] (a rows answer to a lookup, straight into its message). */          \
+void gather_##S(int64_t n, const int64_t *ids, const T *rows, int64_t dim, T *out)           \
 {                                                                                            \
     for (int64_t i = 0; i < n; i++) {                                                        \
         if (i + AHEAD < n)                                                                   \
@@ -271,27 +271,19 @@ void gather_##S(int64_t n, const int64_t *ids, const T *rows, int64_t dim, T *ou
                                                                                              \
 /* Adagrad's accumulator on rows: x = sign * (grad / div); sum[id] += x * x;               */ \
 /* out = the new sum[id] (torch then takes out's square root: its sqrt is its own).        */ \
-static inline void adagrad_sum_body_##S(int64_t n, const int64_t *ids, const T *grad,       \
+static inline void adagrad_sum_body_##S(int64_t n, const int64_t *ids, const T *grad,        \
                                         int64_t dim, int how, T div, T inv, T sign, T *sum,  \
                                         T *out)                                              \
 {                                                                                            \
     for (int64_t i = 0; i < n; i++) {                                                        \
         if (i + AHEAD < n)                                                                   \
             prefetch_row(sum + ids[i + AHEAD] * dim, dim * (int64_t)sizeof(T));              \
-        T *s = sum + ids[i] * dim;                                                           \
-        const T *g = grad + i * dim;                                                         \
-        T *o = out + i * dim;                                                                \
-        for (int64_t c = 0; c < dim; c++) {                                                  \
-            T x = QUOT(g[c]) * sign;                                                         \
-            T sq = x * x;                                                                    \
-            T acc = s[c] + sq;                                                               \
-            s[c] = acc;                                                                      \
-            o[c] = acc;                                                                      \
-        }                                                                                    \
+        adagrad_sum_row_##S(grad + i * dim, sum + ids[i] * dim, out + i * dim, dim, how, div, \
+                            inv, sign);                                                      \
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-void adagrad_sum_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim, T div, \
+void adagrad_sum_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim, T div,  \
                           T sign, T *sum, T *out)                                            \
 {                                                                                            \
     DISPATCH(adagrad_sum_body_##S(n, ids, grad, dim, HOW, div, (T)1 / div, sign, sum, out)); \
@@ -299,32 +291,26 @@ void adagrad_sum_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t 
                                                                                              \
 /* Adagrad's update once torch took the square root: x = sign * (grad / div);             */ \
 /* param[id] = fma(alpha, x / (std + eps), param[id]), as torch's per-row axpy rounds. */    \
-static inline void adagrad_apply_body_##S(int64_t n, const int64_t *ids, const T *grad,     \
+static inline void adagrad_apply_body_##S(int64_t n, const int64_t *ids, const T *grad,      \
                                           const T *std, int64_t dim, int how, T div, T inv,  \
                                           T sign, T eps, T alpha, T *param)                  \
 {                                                                                            \
     for (int64_t i = 0; i < n; i++) {                                                        \
         if (i + AHEAD < n)                                                                   \
             prefetch_row(param + ids[i + AHEAD] * dim, dim * (int64_t)sizeof(T));            \
-        T *p = param + ids[i] * dim;                                                         \
-        const T *g = grad + i * dim;                                                         \
-        const T *d = std + i * dim;                                                          \
-        for (int64_t c = 0; c < dim; c++) {                                                  \
-            T x = QUOT(g[c]) * sign;                                                         \
-            T den = d[c] + eps;                                                              \
-            p[c] = FMA_##S(alpha, x / den, p[c]);                                            \
-        }                                                                                    \
+        adagrad_apply_row_##S(grad + i * dim, std + i * dim, param + ids[i] * dim, dim, how, \
+                              div, inv, sign, eps, alpha);                                   \
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-void adagrad_apply_rows_##S(int64_t n, const int64_t *ids, const T *grad, const T *std,     \
+void adagrad_apply_rows_##S(int64_t n, const int64_t *ids, const T *grad, const T *std,      \
                             int64_t dim, T div, T sign, T eps, T alpha, T *param)            \
 {                                                                                            \
     DISPATCH(adagrad_apply_body_##S(n, ids, grad, std, dim, HOW, div, (T)1 / div, sign, eps, \
                                     alpha, param));                                          \
 }                                                                                            \
                                                                                              \
-/* param[id] = fma(alpha, sign * (grad / div), param[id]): torch's dense += alpha * sparse. */\
+/* param[id] = fma(alpha, sign * (grad / div), param[id]): torch's dense += alpha * sparse. */ \
 static inline void axpy_body_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim,  \
                                  int how, T div, T inv, T sign, T alpha, T *param)           \
 {                                                                                            \
@@ -346,7 +332,7 @@ void axpy_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim, T 
                                                                                              \
 /* Two pieces of sorted distinct ids merged: each id once, in order; a's row, plus b's    */ \
 /* where both have it; divided by ``div`` unless it is 0. Returns the ids written. */        \
-int64_t merge2_rows_##S(int64_t na, const int64_t *ida, const T *ra, int64_t nb,            \
+int64_t merge2_rows_##S(int64_t na, const int64_t *ida, const T *ra, int64_t nb,             \
                         const int64_t *idb, const T *rb, int64_t dim, T div,                 \
                         int64_t *ids, T *out)                                                \
 {                                                                                            \
@@ -379,7 +365,7 @@ int64_t merge2_rows_##S(int64_t na, const int64_t *ida, const T *ra, int64_t nb,
                                                                                              \
 /* ``merge2_rows``' output rows [lo, hi) from its plan (``merge2_plan``: the row of a and  */ \
 /* of b each output row takes, -1 for none), with the same copies, sums and divisions.    */ \
-void merge2_fill_##S(int64_t lo, int64_t hi, const int64_t *from_a, const T *ra,            \
+void merge2_fill_##S(int64_t lo, int64_t hi, const int64_t *from_a, const T *ra,             \
                      const int64_t *from_b, const T *rb, int64_t dim, T div, T *out)         \
 {                                                                                            \
     for (int64_t k = lo; k < hi; k++) {                                                      \
@@ -406,7 +392,7 @@ void merge2_fill_##S(int64_t lo, int64_t hi, const int64_t *from_a, const T *ra,
 /* squares of columns j, j + LANES, ... in order, then halved: lane[j] += lane[j + h] for  */ \
 /* h = LANES / 2, ..., 1; lane 0 is the sum (mpisync/tables/rowwise.py: same in torch).    */ \
 /* BLOCK rows at a time: their squares, then their multipliers, then their updates.        */ \
-static inline void rowwise_block_##S(int64_t m, int64_t left, const int64_t *ids,           \
+static inline void rowwise_block_##S(int64_t m, int64_t left, const int64_t *ids,            \
                                      int64_t first,                                          \
                                      const T *grad, int64_t dim, int how, T div, T inv,      \
                                      T sign, T lr, T eps, T *sum, T *param)                  \
@@ -429,30 +415,26 @@ static inline void rowwise_block_##S(int64_t m, int64_t left, const int64_t *ids
         T std = SQRT_##S(mult[l]) + eps;                                                     \
         mult[l] = -(lr / std);                                                               \
     }                                                                                        \
-    for (int64_t l = 0; l < m; l++) {                                                        \
-        T *p = param + (ids ? ids[l] : first + l) * dim;                                     \
-        const T *g = grad + l * dim;                                                         \
-        for (int64_t c = 0; c < dim; c++) {                                                  \
-            T x = QUOT(g[c]) * sign;                                                         \
-            T prod = x * mult[l];                                                            \
-            p[c] = p[c] + prod;                                                              \
-        }                                                                                    \
-    }                                                                                        \
+    for (int64_t l = 0; l < m; l++)                                                          \
+        rowwise_apply_row_##S(grad + l * dim, param + (ids ? ids[l] : first + l) * dim, dim, \
+                              how, div, inv, sign, mult[l]);                                 \
 }                                                                                            \
                                                                                              \
-void rowwise_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim, T div,     \
+void rowwise_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim, T div,      \
                       T sign, T lr, T eps, T *sum, T *param)                                 \
 {                                                                                            \
     for (int64_t i = 0; i < n; i += BLOCK) {                                                 \
         int64_t m = n - i < BLOCK ? n - i : BLOCK;                                           \
         const int64_t *at = ids ? ids + i : NULL;                                            \
-        DISPATCH(rowwise_block_##S(m, n - i, at, i, grad + i * dim, dim, HOW, div, (T)1 / div,\
+        DISPATCH(rowwise_block_##S(m, n - i, at, i, grad + i * dim, dim, HOW, div, (T)1 / div, \
                                    sign, lr, eps, sum, param));                              \
     }                                                                                        \
 }
 
 SQUARES(float, f32)
 SQUARES(double, f64)
+ROW_STEPS(float, f32)
+ROW_STEPS(double, f64)
 
 KERNELS(float, f32)
 KERNELS(double, f64)
