@@ -116,9 +116,7 @@ static inline void plan_axpy_body_##S(int64_t lo, int64_t hi, const int64_t *ids
         if (u + PLAN_AHEAD < hi)                                                             \
             plan_prefetch(param + ids[u + PLAN_AHEAD] * dim, dim * (int64_t)sizeof(T));      \
         plan_grad_##S(u, hi, start, src, wt, grads, dim, o);                                 \
-        T *p = param + ids[u] * dim;                                                         \
-        for (int64_t c = 0; c < dim; c++)                                                    \
-            p[c] = FMA_##S(alpha, QUOT(o[c]) * sign, p[c]);                                  \
+        axpy_row_##S(o, param + ids[u] * dim, dim, how, div, inv, sign, alpha);                \
     }                                                                                        \
 }                                                                                            \
                                                                                              \
@@ -200,13 +198,8 @@ static inline void plan_rowwise_body_##S(int64_t lo, int64_t hi, const int64_t *
             plan_grad_##S(u, hi, start, src, wt, grads, dim, o + l * dim);                   \
             mult[l] = squares_##S(o + l * dim, dim, how, div, inv, sign);                    \
         }                                                                                    \
-        for (int64_t l = 0; l < m; l++) {                                                    \
-            int64_t r = ids[b + l];                                                          \
-            T acc = total[r] + mult[l] / (T)dim;                                             \
-            total[r] = acc;                                                                  \
-            T std = SQRT_##S(acc) + eps;                                                     \
-            mult[l] = -(lr / std);                                                           \
-        }                                                                                    \
+        for (int64_t l = 0; l < m; l++)                                                      \
+            mult[l] = rowwise_mult_##S(total + ids[b + l], mult[l], dim, lr, eps);             \
         for (int64_t l = 0; l < m; l++)                                                      \
             rowwise_apply_row_##S(o + l * dim, param + ids[b + l] * dim, dim, how, div, inv, \
                                   sign, mult[l]);                                            \

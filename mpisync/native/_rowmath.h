@@ -98,6 +98,24 @@ static inline void adagrad_apply_row_##S(const T *g, const T *root, T *p, int64_
     }                                                                                        \
 }                                                                                            \
                                                                                              \
+/* The row-wise accumulator and multiplier of a row whose sum of squares is ``squares``: */  \
+/* total += squares / dim; mult = -(lr / (sqrt(total) + eps)). */                            \
+static inline T rowwise_mult_##S(T *total, T squares, int64_t dim, T lr, T eps)              \
+{                                                                                            \
+    T acc = *total + squares / (T)dim;                                                       \
+    *total = acc;                                                                            \
+    T std = SQRT_##S(acc) + eps;                                                             \
+    return -(lr / std);                                                                      \
+}                                                                                            \
+                                                                                             \
+/* torch's dense += alpha * sparse on a row: p = fma(alpha, x, p). */                         \
+static inline void axpy_row_##S(const T *g, T *p, int64_t dim, int how, T div, T inv,        \
+                                T sign, T alpha)                                             \
+{                                                                                            \
+    for (int64_t c = 0; c < dim; c++)                                                        \
+        p[c] = FMA_##S(alpha, QUOT(g[c]) * sign, p[c]);                                      \
+}                                                                                            \
+                                                                                             \
 /* The row-wise update with the row's multiplier: p += x * mult. */                          \
 static inline void rowwise_apply_row_##S(const T *g, T *p, int64_t dim, int how, T div,      \
                                          T inv, T sign, T mult)                              \

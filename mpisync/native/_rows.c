@@ -317,10 +317,7 @@ static inline void axpy_body_##S(int64_t n, const int64_t *ids, const T *grad, i
     for (int64_t i = 0; i < n; i++) {                                                        \
         if (i + AHEAD < n)                                                                   \
             prefetch_row(param + ids[i + AHEAD] * dim, dim * (int64_t)sizeof(T));            \
-        T *p = param + ids[i] * dim;                                                         \
-        const T *g = grad + i * dim;                                                         \
-        for (int64_t c = 0; c < dim; c++)                                                    \
-            p[c] = FMA_##S(alpha, QUOT(g[c]) * sign, p[c]);                                  \
+        axpy_row_##S(grad + i * dim, param + ids[i] * dim, dim, how, div, inv, sign, alpha);   \
     }                                                                                        \
 }                                                                                            \
                                                                                              \
@@ -405,16 +402,8 @@ static inline void rowwise_block_##S(int64_t m, int64_t left, const int64_t *ids
         }                                                                                    \
         mult[l] = squares_##S(grad + l * dim, dim, how, div, inv, sign);                     \
     }                                                                                        \
-    for (int64_t l = 0; l < m; l++) {                                                        \
-        int64_t r = ids ? ids[l] : first + l;                                                \
-        T total = sum[r] + mult[l] / (T)dim;                                                 \
-        sum[r] = total;                                                                      \
-        mult[l] = total;                                                                     \
-    }                                                                                        \
-    for (int64_t l = 0; l < m; l++) {                                                        \
-        T std = SQRT_##S(mult[l]) + eps;                                                     \
-        mult[l] = -(lr / std);                                                               \
-    }                                                                                        \
+    for (int64_t l = 0; l < m; l++)                                                          \
+        mult[l] = rowwise_mult_##S(sum + (ids ? ids[l] : first + l), mult[l], dim, lr, eps);   \
     for (int64_t l = 0; l < m; l++)                                                          \
         rowwise_apply_row_##S(grad + l * dim, param + (ids ? ids[l] : first + l) * dim, dim, \
                               how, div, inv, sign, mult[l]);                                 \

@@ -98,8 +98,9 @@ def plan(pieces: list[tuple], slot: torch.Tensor, scratch, row_shape) -> Plan:
     grow = scratch.get("plan_grow", (total,), torch.int64)
     wt = scratch.get("plan_wt", (total,), dtype)
     dim = math.prod(row_shape)
-    grads = torch.cat([p[3].reshape(len(p[3]), dim) for p in pieces]) if len(pieces) > 1 \
-        else pieces[0][3].reshape(len(pieces[0][3]), dim).contiguous()
+    blocks = [p[3].reshape(len(p[3]), dim) for p in pieces]
+    grads = blocks[0].contiguous() if len(blocks) == 1 else torch.cat(
+        blocks, out=scratch.get("plan_grads", (sum(len(b) for b in blocks), dim), dtype))
     count = at = base = 0
     try:
         for ids, bag, weights, rows in pieces:

@@ -48,7 +48,7 @@ class Marks:
             return
         if rows is True:
             self.changed.fill_(True)
-        elif len(rows) and rows.dtype == torch.int64 and kernels.available():
+        elif len(rows) and kernels.available():
             kernels.set_flags(rows, self.changed)
         elif len(rows):
             self.changed[rows] = True

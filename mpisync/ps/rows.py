@@ -301,7 +301,7 @@ class RowShards:
                     view.copy_(rows)
                     if len(zeros) and not peek:
                         self.unseen[self.worker_ranks.index(rank)][n].append(zeros)
-                elif int(local.max()) >= u.param.shape[0] or int(local.min()) < 0:
+                elif not kernels.all_below(local, u.param.shape[0]):
                     raise ProtocolError(f"{self.label}: worker rank {rank} sent a lookup of rows "
                                         f"outside shard {u.unit}")
                 else:
@@ -364,7 +364,7 @@ class RowShards:
                 continue
             num_rows = u.param.shape[0]
             for w, (ids, _, _) in taken:
-                if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= num_rows):
+                if not kernels.all_below(ids, num_rows):
                     raise ProtocolError(f"{self.label}: worker {w} sent rows outside "
                                         f"[0, {num_rows}) of shard {u.unit}")
             group = group_of[id(u.param)]

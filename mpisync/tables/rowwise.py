@@ -150,8 +150,11 @@ def _multiplier(total: torch.Tensor, lr, eps: float) -> torch.Tensor:
     return torch.full_like(std, float(lr)).div_(std).neg_()
 
 
-def _compiled(total: torch.Tensor, param: torch.Tensor, ids, rows: torch.Tensor) -> bool:
-    """Whether ``mpisync.native.kernels`` updates these rows (contiguous, one float dtype)."""
+def _compiled(total: torch.Tensor, param: torch.Tensor, ids, rows) -> bool:
+    """Whether ``mpisync.native.kernels`` updates these rows (a tensor or a ``Plan``;
+    contiguous, one float dtype)."""
+    if isinstance(rows, Plan):
+        rows = rows.grads
     return kernels.available(param, rows) and rows.dtype == param.dtype == total.dtype and \
         param.is_contiguous() and total.is_contiguous() and \
         (ids is None or ids.dtype == torch.int64)
@@ -172,20 +175,16 @@ def rowwise_rows(state: dict, group: dict, param: torch.Tensor, ids: torch.Tenso
     Bitwise what the dense step does to those rows when the others' gradient is 0
     (and ``weight_decay`` is 0); ``state`` as ``RowWiseAdagrad.state_of`` makes it.
     """
-    if isinstance(rows, Plan):
-        if not group["weight_decay"] and param.dim() > 0 and \
-                _compiled(state["sum"], param, ids, rows.grads):
-            state["step"] += 1
-            plankernels.rowwise(rows, -1.0 if group["maximize"] else 1.0,
-                                _to_scalar(group["lr"]), group["eps"], state["sum"], param, div)
-            return
-        rows = rows.summed(scratch)
+    if isinstance(rows, Plan) and (group["weight_decay"] or param.dim() == 0 or
+                                   not _compiled(state["sum"], param, ids, rows)):
+        rows = rows.summed(scratch)      # the planned kernel takes neither
     _update(state, group, param, ids, rows, div)
 
 
 def _update(state: dict, group: dict, param: torch.Tensor, ids: torch.Tensor | None,
-            rows: torch.Tensor, div: float = 0) -> None:
-    """One step on the rows ``ids`` of ``param`` (None: every row) with gradient ``rows``.
+            rows, div: float = 0) -> None:
+    """One step on the rows ``ids`` of ``param`` (None: every row) with gradient ``rows``
+    (a ``Plan`` only where the compiled kernel takes it: no decay, not a scalar).
 
     The compiled kernel and the torch code below compute the same thing in the same
     order: ``g`` (divided, negated for maximize, with weight decay), each row's mean of
@@ -203,6 +202,9 @@ def _update(state: dict, group: dict, param: torch.Tensor, ids: torch.Tensor | N
         g = torch.neg(g) if group["maximize"] else g
         old = param if ids is None else param.index_select(0, ids)
         rows, div, sign = g.add(old, alpha=decay), 0, 1.0
+    if isinstance(rows, Plan):
+        plankernels.rowwise(rows, sign, lr, eps, total, param, div)
+        return
     if _compiled(total, param, ids, rows):
         kernels.rowwise_rows(ids, rows, sign, lr, eps, total, param, div)
         return
