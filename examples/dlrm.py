@@ -21,12 +21,15 @@ looked up in the same exchange as the others.
 The click logs come from a known true model, so the trained one can be compared with the
 best possible predictor. The teacher is a small DLRM of its own, fixed by ``--seed``:
 rows of width 4, a dense projection, pairwise dot products with random weights and a
-first-order term per table (weighted more, so that a short run learns much of it), its
-logits scaled to a standard deviation of 1.6 and shifted to a click rate of about 25%. Each sample has 13 dense features and ``--tables`` bags of
-1 to 3 ids, drawn Zipf-like over each table's ``--rows`` rows (a few ids are common, most
-are rare); a hashed feature's ids are its rows' fixed random 64-bit names. Every worker draws its own batches from ``numpy.random.default_rng([seed,
-worker_index, step])`` (a fresh batch each step, no epochs); the held-out samples come
-from a stream no worker draws from.
+first-order term per table, its logits scaled to a standard deviation of 1.6 and shifted
+to a click rate of about 25%. The first-order terms carry most of the logits' variance
+(the dot products about 3%): a run of the default length learns the first-order terms
+well and the dot products in part, and it ends within 0.01 of the true model's AUC. Each
+sample has 13 dense features and ``--tables`` bags of 1 to 3 ids, drawn Zipf-like over
+each table's ``--rows`` rows (a few ids are common, most are rare); a hashed feature's ids
+are its rows' fixed random 64-bit names. Every worker draws its own batches from
+``numpy.random.default_rng([seed, worker_index, step])`` (a fresh batch each step, no
+epochs); the held-out samples come from a stream no worker draws from.
 
 Optimizers: DLRM's and TorchRec's recipe, a row-wise Adagrad for the tables
 (``mpisync.RowWiseAdagrad``, TorchRec's ``EXACT_ROWWISE_ADAGRAD``: one accumulator per
@@ -45,7 +48,8 @@ batches an unbroken one draws.
 
 The chief evaluates on the held-out samples at the end and prints the model's AUC and
 log-loss beside the true model's and the constant predictor's (the click rate: AUC 0.5);
-it exits non-zero unless the model's AUC is above ``MIN_AUC``. With ``--local`` the same
+it exits non-zero unless the model's AUC is within ``--max-auc-gap`` (default 0.01) of
+the true model's. With ``--local`` the same
 model trains in one plain process on ``torch.nn.EmbeddingBag`` tables, without MPI ranks
 (``mpisync.RowWiseAdagrad`` steps the tables there as any torch optimizer would).
 """
@@ -61,13 +65,12 @@ NUM_DENSE = 13
 MAX_BAG = 3                   # ids per bag: 1 to 3
 TEACHER_DIM = 4               # width of the true model's rows
 TEACHER_STD = 1.6             # standard deviation of the true logits
-FIRST_ORDER = 3.0             # weight of the first-order terms against the dot products
+FIRST_ORDER = 30.0            # weight of the first-order terms against the dot products
 CLICK_RATE = 0.25             # about the mean click probability
 TEACHER_STREAM = 1_000_000    # default_rng([seed, this]): the teacher's parameters
 TEST_STREAM = 1_000_001       # ... the held-out samples (workers use 0, 1, ...)
 NAMES_STREAM = 1_000_002      # ... the 64-bit ids of the hashed features' rows
 CALIBRATION = 20_000          # samples the teacher's scale and shift are fixed on
-MIN_AUC = 0.70                # the model must reach this held-out AUC
 EVAL_BATCH = 4096
 
 
@@ -363,10 +366,10 @@ def inputs(batch: Batch, names: list[str]) -> tuple[torch.Tensor, dict]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400, help="training steps")
-    parser.add_argument("--batch", type=int, default=256, help="samples per worker per step")
+    parser.add_argument("--steps", type=int, default=500, help="training steps")
+    parser.add_argument("--batch", type=int, default=2048, help="samples per worker per step")
     parser.add_argument("--tables", type=int, default=26, help="sparse features, a table each")
-    parser.add_argument("--rows", type=int, default=500, help="rows of each table")
+    parser.add_argument("--rows", type=int, default=100, help="rows of each table")
     parser.add_argument("--hashed", type=int, default=1,
                         help="the last this many features carry 64-bit ids, looked up in "
                              "mpisync.HashEmbeddingBag tables (a row per id seen)")
@@ -382,6 +385,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dense-lr", type=float, default=0.003,
                         help="Adam's learning rate, for the MLPs")
     parser.add_argument("--test-samples", type=int, default=20_000)
+    parser.add_argument("--max-auc-gap", type=float, default=0.01, metavar="GAP",
+                        help="exit non-zero unless the model's held-out AUC is at least the "
+                             "true model's minus GAP")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=100, help="steps between log lines")
     parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
@@ -395,6 +401,8 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got "
                          f"{getattr(args, name)}")
+    if not 0 <= args.max_auc_gap < 0.5:
+        parser.error(f"--max-auc-gap must be at least 0 and below 0.5, got {args.max_auc_gap}")
     if not 0 <= args.hashed <= args.tables:
         parser.error(f"--hashed must be between 0 and --tables ({args.tables}), got "
                      f"{args.hashed}")
@@ -452,7 +460,7 @@ def header(args, test: Batch, where: str, num_workers: int) -> str:
             f"held-out click rate {float(test.clicks.mean()):.3f} on {len(test)} samples")
 
 
-def report(scores, seconds: float, stats: dict | None = None,
+def report(scores, seconds: float, max_gap: float, stats: dict | None = None,
            train_loss: float | None = None) -> None:
     (model_auc, model_ll), (true_auc, true_ll) = scores["model"], scores["true"]
     constant_ll = scores["constant"][1]
@@ -467,9 +475,11 @@ def report(scores, seconds: float, stats: dict | None = None,
                  f"gradients_applied {stats['gradients_applied']}, "
                  f"gradients_dropped {stats['gradients_dropped']}")
     print(line, flush=True)
-    if not model_auc > MIN_AUC:
-        raise SystemExit(f"dlrm: test AUC {model_auc:.4f} is not above {MIN_AUC} "
-                         f"(the true model's: {true_auc:.4f})")
+    print(f"dlrm: the model's AUC is {true_auc - model_auc:.4f} below the true model's "
+          f"(at most {max_gap} asked)", flush=True)
+    if not model_auc >= true_auc - max_gap:
+        raise SystemExit(f"dlrm: test AUC {model_auc:.4f} is more than {max_gap} below the "
+                         f"true model's ({true_auc:.4f})")
 
 
 def train_local(args) -> None:
@@ -482,7 +492,7 @@ def train_local(args) -> None:
     start = time.perf_counter()
     run_steps(args, model, opt, teacher, 0)
     seconds = time.perf_counter() - start
-    report(evaluate(model, test), seconds)
+    report(evaluate(model, test), seconds, args.max_auc_gap)
 
 
 def train(args, cluster) -> None:
@@ -514,7 +524,7 @@ def train(args, cluster) -> None:
     opt.close()                               # on every worker, then collectives among them
     train_loss = float(metric.compute())      # collective: every worker reads
     if cluster.is_chief:
-        report(scores, time.perf_counter() - start, opt.stats, train_loss)
+        report(scores, time.perf_counter() - start, args.max_auc_gap, opt.stats, train_loss)
 
 
 def main() -> None:
