@@ -220,6 +220,34 @@ def mlp(widths: list[int], last_relu: bool) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers)
 
 
+class PairDots(torch.autograd.Function):
+    """The pairwise dot products ``v_i . v_j``, ``i < j``, of each sample's vectors
+    ``stacked`` ``[B, F, D]``: ``bmm(stacked, stacked^T)`` at the flattened positions
+    ``pairs`` (``i * F + j``).
+
+    The products are symmetric, so the gradient is one ``bmm``: with ``G`` the output's
+    gradient at both ``(i, j)`` and ``(j, i)`` (``mirror``: ``j * F + i``),
+    ``grad = G @ stacked``. Autograd's own backward of ``bmm(s, s^T)`` takes two ``bmm``s
+    and adds them, and the three small batched products are a large part of a DLRM step on
+    the CPU.
+    """
+
+    @staticmethod
+    def forward(ctx, stacked: torch.Tensor, pairs: torch.Tensor,
+                mirror: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(stacked, pairs, mirror)
+        return torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1).index_select(1, pairs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        stacked, pairs, mirror = ctx.saved_tensors
+        size, vectors, _ = stacked.shape
+        full = grad.new_zeros(size, vectors * vectors)
+        full.index_copy_(1, pairs, grad).index_copy_(1, mirror, grad)
+        return torch.bmm(full.view(size, vectors, vectors), stacked), None, None
+
+
 class DLRM(torch.nn.Module):
     """TorchRec's DLRM over any collection of tables that returns ``{feature: pooled}``.
 
@@ -244,17 +272,19 @@ class DLRM(torch.nn.Module):
         vectors = len(features) + 1
         self.top = mlp([dim + vectors * (vectors - 1) // 2, *top], last_relu=False)
         rows, cols = torch.triu_indices(vectors, vectors, offset=1)
-        # the pairs i < j as positions in a flattened [F+1, F+1] block: index_select's
-        # backward is one index_add, far cheaper than advanced indexing's index_put
+        # the pairs i < j as positions in a flattened [F+1, F+1] block, and j, i (PairDots)
         self.register_buffer("pairs", rows * vectors + cols, persistent=False)
+        self.register_buffer("mirror", cols * vectors + rows, persistent=False)
 
     def forward(self, dense: torch.Tensor, sparse: dict) -> torch.Tensor:
         x = self.bottom(dense)
         pooled = self.tables(sparse)
         stacked = torch.stack([x, *(pooled[f] for f in self.features)], dim=1)  # [B, F+1, D]
-        dots = torch.bmm(stacked, stacked.transpose(1, 2))
-        pairs = dots.flatten(1).index_select(1, self.pairs)
-        return self.top(torch.cat([x, pairs], dim=1)).squeeze(1)
+        return self.top(torch.cat([x, self.dots(stacked)], dim=1)).squeeze(1)
+
+    def dots(self, stacked: torch.Tensor) -> torch.Tensor:
+        """The interaction: ``v_i . v_j`` for ``i < j``, ``[B, F(F+1)/2]``."""
+        return PairDots.apply(stacked, self.pairs, self.mirror)
 
 
 class LocalTables(torch.nn.Module):

@@ -1,0 +1,78 @@
+"""examples/dlrm.py's pieces in one process: the pairwise dots' one-``bmm`` backward
+against autograd's, and the teacher's share of first-order signal."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+from shared_recsys import ROOT
+
+sys.path.insert(0, str(ROOT / "examples"))
+import dlrm
+
+
+def autograd_dots(stacked: torch.Tensor) -> torch.Tensor:
+    """The pairs as torch's autograd differentiates them (TorchRec's InteractionArch)."""
+    rows, cols = torch.triu_indices(stacked.shape[1], stacked.shape[1], offset=1)
+    return torch.bmm(stacked, stacked.transpose(1, 2))[:, rows, cols]
+
+
+def model_dots(stacked: torch.Tensor) -> torch.Tensor:
+    model = dlrm.DLRM(torch.nn.Identity(), dlrm.feature_names(stacked.shape[1] - 1),
+                      stacked.shape[2])
+    return model.dots(stacked)
+
+
+class AutogradDLRM(dlrm.DLRM):
+    def dots(self, stacked: torch.Tensor) -> torch.Tensor:
+        return autograd_dots(stacked)
+
+
+@pytest.mark.parametrize("size,vectors,dim", [(1, 2, 1), (5, 3, 4), (64, 27, 16)])
+def test_pair_dots_and_their_gradient_equal_autograds(size, vectors, dim):
+    gen = torch.Generator().manual_seed(size * vectors + dim)
+    base = torch.randn(size, vectors, dim, generator=gen)
+    out_grad = torch.randn(size, vectors * (vectors - 1) // 2, generator=gen)
+    got_in, want_in = base.clone().requires_grad_(), base.clone().requires_grad_()
+    got, want = model_dots(got_in), autograd_dots(want_in)
+    assert torch.equal(got, want)
+    got.backward(out_grad)
+    want.backward(out_grad)
+    torch.testing.assert_close(got_in.grad, want_in.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_pair_dots_pass_gradcheck_in_float64():
+    stacked = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(model_dots, (stacked,))
+
+
+def test_a_dlrm_step_with_pair_dots_equals_one_with_autograds_dots():
+    # the whole model, one backward: every parameter's gradient as with autograd's dots
+    teacher = dlrm.Teacher(0, 3, 20)
+    batch = teacher.draw(np.random.default_rng(1), 64)
+    clicks = torch.from_numpy(batch.clicks)
+    grads = []
+    for kind in (dlrm.DLRM, AutogradDLRM):
+        torch.manual_seed(0)
+        tables = {f"t{i}": torch.nn.EmbeddingBag(20, 8, mode="sum") for i in range(3)}
+        model = kind(dlrm.LocalTables(tables), list(tables), 8)
+        dense, sparse = dlrm.inputs(batch, model.features)
+        torch.nn.BCEWithLogitsLoss()(model(dense, sparse), clicks).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert len(grads[0]) == 3 + 4 + 6                  # tables, bottom MLP, top MLP
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_teachers_first_order_terms_carry_most_of_its_logits_variance():
+    teacher = dlrm.Teacher(0, 26, 100, 1)
+    dense, ids, offsets, lengths = teacher._features(np.random.default_rng(5), 20_000)
+    total = teacher._raw(dense, ids, offsets, lengths)
+    first_order, dlrm.FIRST_ORDER = dlrm.FIRST_ORDER, 0.0
+    try:
+        pairs = teacher._raw(dense, ids, offsets, lengths)
+    finally:
+        dlrm.FIRST_ORDER = first_order
+    assert 0.01 < pairs.var() / total.var() < 0.06
