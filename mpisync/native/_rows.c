@@ -92,6 +92,102 @@ int64_t distinct_upto(int64_t n, const int64_t *ids, int64_t least)
     return count;
 }
 
+static int cmp_int64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* ``v`` (n distinct values) sorted ascending: by their offset from the least in 11-bit
+ * digits where those fit in three (``tmp``: n more), else by ``qsort``. */
+static void sort_distinct(int64_t n, int64_t *v, int64_t *tmp)
+{
+    if (n < 64) {
+        qsort(v, (size_t)n, sizeof(int64_t), cmp_int64);
+        return;
+    }
+    int64_t lo = v[0], hi = v[0];
+    for (int64_t i = 1; i < n; i++) {
+        lo = v[i] < lo ? v[i] : lo;
+        hi = v[i] > hi ? v[i] : hi;
+    }
+    uint64_t range = (uint64_t)hi - (uint64_t)lo;
+    if (range >> 33) {
+        qsort(v, (size_t)n, sizeof(int64_t), cmp_int64);
+        return;
+    }
+    int64_t count[2048];
+    int64_t *from = v, *to = tmp;
+    for (int shift = 0; shift < 33 && (range >> shift); shift += 11) {
+        memset(count, 0, sizeof(count));
+        for (int64_t i = 0; i < n; i++)
+            count[((uint64_t)from[i] - (uint64_t)lo) >> shift & 2047]++;
+        int64_t at = 0;
+        for (int d = 0; d < 2048; d++) {
+            int64_t c = count[d];
+            count[d] = at;
+            at += c;
+        }
+        for (int64_t i = 0; i < n; i++)
+            to[count[((uint64_t)from[i] - (uint64_t)lo) >> shift & 2047]++] = from[i];
+        int64_t *swap = from;
+        from = to;
+        to = swap;
+    }
+    if (from != v)
+        memcpy(v, from, (size_t)n * sizeof(int64_t));
+}
+
+/* ``torch.unique(ids, sorted=True, return_inverse=True)`` without sorting every id: the   */
+/* distinct ids (any int64) found with an open-addressed table, in first-seen order, then  */
+/* sorted, and each position's id's place among them. Writes ``uniq`` (count of them) and  */
+/* ``inverse`` (n); returns the count, or -1 where there is no memory for the table. */
+int64_t unique_inverse(int64_t n, const int64_t *ids, int64_t *uniq, int64_t *inverse)
+{
+    uint64_t size = 16;
+    while (size < (uint64_t)n + (uint64_t)n / 2)
+        size <<= 1;
+    uint64_t mask = size - 1;
+    int shift = 64;
+    for (uint64_t s = size; s > 1; s >>= 1)
+        shift--;
+    int64_t *keys = malloc(size * sizeof(int64_t) + (size_t)n * 2 * sizeof(int64_t));
+    int32_t *vals = malloc(size * sizeof(int32_t));        /* -1: empty; else a number */
+    if (!keys || !vals || n >= INT32_MAX) {
+        free(keys);
+        free(vals);
+        return -1;
+    }
+    int64_t *rank = keys + size, *tmp = rank + n;
+    memset(vals, 0xff, size * sizeof(int32_t));
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) {                   /* first-seen numbers */
+        int64_t key = ids[i];
+        uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ULL >> shift;
+        while (vals[h] >= 0 && keys[h] != key)
+            h = (h + 1) & mask;
+        if (vals[h] < 0) {
+            keys[h] = key;
+            vals[h] = (int32_t)count;
+            uniq[count++] = key;
+        }
+        inverse[i] = vals[h];
+    }
+    sort_distinct(count, uniq, tmp);
+    for (int64_t j = 0; j < count; j++) {               /* first-seen number -> place */
+        int64_t key = uniq[j];
+        uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ULL >> shift;
+        while (keys[h] != key)
+            h = (h + 1) & mask;
+        rank[vals[h]] = j;
+    }
+    for (int64_t i = 0; i < n; i++)
+        inverse[i] = rank[inverse[i]];
+    free(keys);
+    free(vals);
+    return count;
+}
+
 /* ``slot[sorted[j]] = j``: the position of each distinct id in sorted order. */
 void place(int64_t n, const int64_t *sorted, int64_t *slot)
 {

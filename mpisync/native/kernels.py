@@ -43,6 +43,7 @@ from .rowkernels import (
     split_ids,
     table_copy,
     table_zeros,
+    unique_inverse,
 )
 from .rowslib import available
 
@@ -78,4 +79,5 @@ __all__ = [
     "split_ids",
     "table_copy",
     "table_zeros",
+    "unique_inverse",
 ]

@@ -48,6 +48,7 @@ __all__ = [
     "split_ids",
     "table_copy",
     "table_zeros",
+    "unique_inverse",
 ]
 
 
@@ -120,6 +121,21 @@ def holds_distinct(ids: torch.Tensor, least: int) -> bool:
     if count < 0:
         raise MemoryError("mpisync: no memory to count distinct ids")
     return count >= least
+
+
+def unique_inverse(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(ids, sorted=True, return_inverse=True)`` for integer ids on the CPU
+    (int64 out), found with a hash table: only the distinct ids are sorted."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    n = len(flat)
+    if n >= 2 ** 31 - 1:                 # the kernel numbers the distinct ids in 32 bits
+        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        return unique, inverse.view(ids.shape)
+    uniq, inverse = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    count = _kernels().unique_inverse(n, flat.data_ptr(), uniq.data_ptr(), inverse.data_ptr())
+    if count < 0:
+        raise MemoryError("mpisync: no memory to find the distinct ids")
+    return uniq[:count], inverse.view(ids.shape)
 
 
 def slots_for(holder: dict, num_rows: int) -> torch.Tensor:

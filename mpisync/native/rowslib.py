@@ -58,6 +58,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.all_below.restype = ctypes.c_int
     lib.distinct_upto.argtypes = [_I, _P, _I]
     lib.distinct_upto.restype = _I
+    lib.unique_inverse.argtypes = [_I, _P, _P, _P]
+    lib.unique_inverse.restype = _I
     lib.place.argtypes = [_I, _P, _P]
     lib.shard_order.argtypes = [_I, _P, _I, _P, _P, _P]
     lib.split_ids.argtypes = [_I, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P]

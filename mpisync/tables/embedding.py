@@ -64,6 +64,15 @@ def check_id_tensor(ids: object, info: TableInfo, what: str) -> None:
                         f"expected an integer dtype (torch.int64 or torch.int32)")
 
 
+def unique_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(ids.long(), sorted=True, return_inverse=True)``; on the host with a hash
+    table where the kernels are built (``kernels.unique_inverse``: only the distinct ids are
+    sorted)."""
+    if ids.device.type == "cpu" and kernels.available():
+        return kernels.unique_inverse(ids)
+    return torch.unique(ids.long(), sorted=True, return_inverse=True)
+
+
 def _check_ids(ids: torch.Tensor, info: TableInfo, what: str) -> None:
     check_id_tensor(ids, info, what)
     if ids.numel() and not kernels.all_below(ids.reshape(-1), info.num_rows):
@@ -159,7 +168,7 @@ class _TableModule(torch.nn.Module):
         info = self._live(what)
         _check_ids(ids, info, what)
         device = ids.device if self.device is None else self.device
-        unique, inverse = torch.unique(ids.long(), sorted=True, return_inverse=True)
+        unique, inverse = unique_ids(ids)
         unique = unique.cpu()            # the batch's unique ids go to the host, ...
         rows = info.channel.lookup(info, unique)
         # ... and their rows come back to the device: never the table (the copy's backward
@@ -382,7 +391,7 @@ class EmbeddingBag(_TableModule):
             if kernels.available():          # counted until it is known, not sorted
                 pool = kernels.holds_distinct(input.reshape(-1).long(), least)
             else:
-                unique, inverse = torch.unique(input.long(), sorted=True, return_inverse=True)
+                unique, inverse = unique_ids(input)
                 pool = len(unique) >= least
         if pool:
             if bags is None:                 # "auto" flattened them already
@@ -392,7 +401,7 @@ class EmbeddingBag(_TableModule):
         flat = bags if bags is not None else \
             bags_of(input, offsets, per_sample_weights, flatten=self.mode != "max", **kw)
         if unique is None:
-            unique, inverse = torch.unique(input.long(), sorted=True, return_inverse=True)
+            unique, inverse = unique_ids(input)
         assert inverse is not None           # computed with unique
         pad = None
         if self.padding_idx is not None:     # as torch: left out of its bag (and its mean)

@@ -23,7 +23,7 @@ from ..protocol import hashing
 from ..protocol.bags import bags_of
 from ..protocol.tables import HashTableInfo
 from ..worker.exchange import Request
-from .embedding import TableParameter, check_id_tensor, live_table
+from .embedding import TableParameter, check_id_tensor, live_table, unique_ids
 
 if TYPE_CHECKING:
     from ..protocol.partition import Partitioner
@@ -71,7 +71,7 @@ class _HashModule(torch.nn.Module):
         """(the unique ids' rows, the index of each id among them, the unique ids)."""
         info = live_table(self.table, what)
         check_id_tensor(ids, info, what)
-        unique, inverse = torch.unique(ids.long(), sorted=True, return_inverse=True)
+        unique, inverse = unique_ids(ids)
         if not peek:
             self._check_capacity(info, unique, what)
         return info.channel.lookup(info, unique, peek=peek), inverse, unique
@@ -220,7 +220,7 @@ class HashEmbeddingBag(_HashModule):
         bags_of(input, offsets, per_sample_weights, mode=self.mode, include_last_offset=False,
                 padding_idx=None, dtype=info.dtype, label=info.label, name=info.name,
                 flatten=False)
-        unique, inverse = torch.unique(input.long(), sorted=True, return_inverse=True)
+        unique, inverse = unique_ids(input)
         self._check_capacity(info, unique, what)
 
         def finish(rows: torch.Tensor) -> torch.Tensor:

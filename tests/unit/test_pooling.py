@@ -176,6 +176,27 @@ def test_auto_decides_by_counting_distinct_ids_only_as_far_as_it_must(seed):
                     assert not kernels.holds_distinct(ids, len(ids.unique()) + 1)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the kernels are not built here")
+def test_unique_inverse_equals_torchs_unique_on_any_ids():
+    gen = torch.Generator().manual_seed(3)
+    cases = [torch.zeros(0, dtype=torch.int64), torch.tensor([7]), torch.tensor([5, 5, 5]),
+             torch.tensor([-3, 2 ** 62, -2 ** 63, 0, 2 ** 63 - 1, -3, 0]),
+             torch.randint(0, 10, (1000,), generator=gen),
+             torch.randint(0, 10 ** 6, (4096,), generator=gen),
+             torch.randint(-2 ** 40, 2 ** 40, (513,), generator=gen),     # sorted by qsort
+             torch.randint(0, 2 ** 33, (3000,), generator=gen),           # three digits
+             torch.randint(-1000, 1000, (5000,), generator=gen),
+             torch.randint(0, 50, (64, 3), generator=gen).int(),        # any shape, int32
+             torch.randint(0, 7, (5, 2, 4), generator=gen)[:, :, ::2]]  # strided
+    for ids in cases:
+        got_unique, got_inverse = kernels.unique_inverse(ids)
+        want_unique, want_inverse = torch.unique(ids.long(), sorted=True, return_inverse=True)
+        assert torch.equal(got_unique, want_unique), ids
+        assert torch.equal(got_inverse, want_inverse), ids
+        assert got_unique.dtype == got_inverse.dtype == torch.int64
+        assert got_inverse.shape == ids.shape
+
+
 def test_a_collection_names_a_feature_it_has_no_table_or_no_input_for():
     ebc = mpisync.EmbeddingBagCollection({k: mpisync.EmbeddingBag(10, 2) for k in "ab"})
     ids = torch.zeros(2, 3, dtype=torch.long)
