@@ -98,8 +98,8 @@ static int cmp_int64(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* ``v`` (n distinct values) sorted ascending: by their offset from the least in 11-bit
- * digits where those fit in three (``tmp``: n more), else by ``qsort``. */
+/* ``v`` (n distinct values) sorted ascending: by their offset from the least, 11 bits at a
+ * time from the lowest for as many digits as the range needs (``tmp``: n more). */
 static void sort_distinct(int64_t n, int64_t *v, int64_t *tmp)
 {
     if (n < 64) {
@@ -112,13 +112,9 @@ static void sort_distinct(int64_t n, int64_t *v, int64_t *tmp)
         hi = v[i] > hi ? v[i] : hi;
     }
     uint64_t range = (uint64_t)hi - (uint64_t)lo;
-    if (range >> 33) {
-        qsort(v, (size_t)n, sizeof(int64_t), cmp_int64);
-        return;
-    }
     int64_t count[2048];
     int64_t *from = v, *to = tmp;
-    for (int shift = 0; shift < 33 && (range >> shift); shift += 11) {
+    for (int shift = 0; shift < 64 && (range >> shift); shift += 11) {
         memset(count, 0, sizeof(count));
         for (int64_t i = 0; i < n; i++)
             count[((uint64_t)from[i] - (uint64_t)lo) >> shift & 2047]++;
@@ -138,10 +134,23 @@ static void sort_distinct(int64_t n, int64_t *v, int64_t *tmp)
         memcpy(v, from, (size_t)n * sizeof(int64_t));
 }
 
+/* A table slot for ``key``: SplitMix64's finaliser, so that ids in arithmetic patterns
+ * spread over the table. */
+static inline uint64_t unique_slot(int64_t key, int shift)
+{
+    uint64_t z = (uint64_t)key;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return (z ^ (z >> 31)) >> shift;
+}
+
 /* ``torch.unique(ids, sorted=True, return_inverse=True)`` without sorting every id: the   */
 /* distinct ids (any int64) found with an open-addressed table, in first-seen order, then  */
 /* sorted, and each position's id's place among them. Writes ``uniq`` (count of them) and  */
-/* ``inverse`` (n); returns the count, or -1 where there is no memory for the table. */
+/* ``inverse`` (n); returns the count; -1 where there is no memory for the table, -2 where */
+/* the ids collide in it so often (ids made to) that sorting them all is cheaper, -3 where */
+/* the first 1,024 ids are nearly all distinct and spread wider than 2**33 (user ids, say):*/
+/* sorting them all is then cheaper too.                                                   */
 int64_t unique_inverse(int64_t n, const int64_t *ids, int64_t *uniq, int64_t *inverse)
 {
     uint64_t size = 16;
@@ -160,12 +169,26 @@ int64_t unique_inverse(int64_t n, const int64_t *ids, int64_t *uniq, int64_t *in
     }
     int64_t *rank = keys + size, *tmp = rank + n;
     memset(vals, 0xff, size * sizeof(int32_t));
-    int64_t count = 0;
+    int64_t count = 0, probes = 0, most = 16 * n + 1024;
+    int64_t lo = n ? ids[0] : 0, hi = lo;
     for (int64_t i = 0; i < n; i++) {                   /* first-seen numbers */
         int64_t key = ids[i];
-        uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ULL >> shift;
-        while (vals[h] >= 0 && keys[h] != key)
+        lo = key < lo ? key : lo;
+        hi = key > hi ? key : hi;
+        if (i == 1024 && count >= 922 && ((uint64_t)hi - (uint64_t)lo) >> 33) {
+            free(keys);
+            free(vals);
+            return -3;
+        }
+        uint64_t h = unique_slot(key, shift);
+        while (vals[h] >= 0 && keys[h] != key) {
             h = (h + 1) & mask;
+            if (++probes > most) {
+                free(keys);
+                free(vals);
+                return -2;
+            }
+        }
         if (vals[h] < 0) {
             keys[h] = key;
             vals[h] = (int32_t)count;
@@ -176,7 +199,7 @@ int64_t unique_inverse(int64_t n, const int64_t *ids, int64_t *uniq, int64_t *in
     sort_distinct(count, uniq, tmp);
     for (int64_t j = 0; j < count; j++) {               /* first-seen number -> place */
         int64_t key = uniq[j];
-        uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ULL >> shift;
+        uint64_t h = unique_slot(key, shift);
         while (keys[h] != key)
             h = (h + 1) & mask;
         rank[vals[h]] = j;

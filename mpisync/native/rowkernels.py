@@ -125,17 +125,23 @@ def holds_distinct(ids: torch.Tensor, least: int) -> bool:
 
 def unique_inverse(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.unique(ids, sorted=True, return_inverse=True)`` for integer ids on the CPU
-    (int64 out), found with a hash table: only the distinct ids are sorted."""
+    (int64 out), found with a hash table: only the distinct ids are sorted. Ids made to
+    collide in the table, many that are nearly all distinct and spread wide, fewer than
+    2,048 and more than 2**31 - 2 go to ``torch.unique``, which is as fast or faster there."""
+    if ids.numel() < 2048:               # torch's sort is as fast here
+        return torch.unique(ids.long(), sorted=True, return_inverse=True)
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     n = len(flat)
-    if n >= 2 ** 31 - 1:                 # the kernel numbers the distinct ids in 32 bits
-        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        return unique, inverse.view(ids.shape)
-    uniq, inverse = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
-    count = _kernels().unique_inverse(n, flat.data_ptr(), uniq.data_ptr(), inverse.data_ptr())
-    if count < 0:
-        raise MemoryError("mpisync: no memory to find the distinct ids")
-    return uniq[:count], inverse.view(ids.shape)
+    if n < 2 ** 31 - 1:                  # the kernel numbers the distinct ids in 32 bits
+        uniq, inverse = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+        count = _kernels().unique_inverse(n, flat.data_ptr(), uniq.data_ptr(),
+                                          inverse.data_ptr())
+        if count == -1:
+            raise MemoryError("mpisync: no memory to find the distinct ids")
+        if count >= 0:                   # a copy: not the whole batch's buffer behind it
+            return uniq[:count].clone(), inverse.view(ids.shape)
+    unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+    return unique, inverse.view(ids.shape)
 
 
 def slots_for(holder: dict, num_rows: int) -> torch.Tensor:

@@ -179,15 +179,19 @@ def test_auto_decides_by_counting_distinct_ids_only_as_far_as_it_must(seed):
 @pytest.mark.skipif(not kernels.available(), reason="the kernels are not built here")
 def test_unique_inverse_equals_torchs_unique_on_any_ids():
     gen = torch.Generator().manual_seed(3)
+    wide = torch.randint(-2 ** 62, 2 ** 62, (1500,), generator=gen)
     cases = [torch.zeros(0, dtype=torch.int64), torch.tensor([7]), torch.tensor([5, 5, 5]),
-             torch.tensor([-3, 2 ** 62, -2 ** 63, 0, 2 ** 63 - 1, -3, 0]),
-             torch.randint(0, 10, (1000,), generator=gen),
-             torch.randint(0, 10 ** 6, (4096,), generator=gen),
-             torch.randint(-2 ** 40, 2 ** 40, (513,), generator=gen),     # sorted by qsort
+             torch.tensor([-3, 2 ** 62, -2 ** 63, 0, 2 ** 63 - 1, -3, 0] * 400),
+             torch.randint(0, 10, (4000,), generator=gen),                # few: qsort
+             torch.randint(0, 10 ** 6, (4096,), generator=gen),           # two digits
              torch.randint(0, 2 ** 33, (3000,), generator=gen),           # three digits
              torch.randint(-1000, 1000, (5000,), generator=gen),
-             torch.randint(0, 50, (64, 3), generator=gen).int(),        # any shape, int32
-             torch.randint(0, 7, (5, 2, 4), generator=gen)[:, :, ::2]]  # strided
+             torch.tensor([0, 2 ** 33] * 1100),                           # range 2**33
+             wide[torch.randint(0, 1500, (6000,), generator=gen)],        # six digits
+             torch.randint(-2 ** 40, 2 ** 40, (3000,), generator=gen),    # spread: torch's
+             torch.randint(0, 50, (1024, 3), generator=gen).int(),        # any shape, int32
+             torch.randint(0, 7, (50, 20, 8), generator=gen)[:, :, ::2],  # strided
+             torch.randint(0, 10, (100,), generator=gen)]                 # few: torch's
     for ids in cases:
         got_unique, got_inverse = kernels.unique_inverse(ids)
         want_unique, want_inverse = torch.unique(ids.long(), sorted=True, return_inverse=True)
@@ -195,6 +199,34 @@ def test_unique_inverse_equals_torchs_unique_on_any_ids():
         assert torch.equal(got_inverse, want_inverse), ids
         assert got_unique.dtype == got_inverse.dtype == torch.int64
         assert got_inverse.shape == ids.shape
+
+
+def _unmix(h: int) -> int:
+    """The id whose table slot hash (SplitMix64's finaliser) is ``h``."""
+    mask = 2 ** 64 - 1
+
+    def unshift(z: int, s: int) -> int:
+        out = z
+        for _ in range(64 // s + 1):
+            out = z ^ (out >> s)
+        return out & mask
+
+    z = unshift(h, 31)
+    z = z * pow(0x94D049BB133111EB, -1, 2 ** 64) & mask
+    z = unshift(z, 27)
+    z = z * pow(0xBF58476D1CE4E5B9, -1, 2 ** 64) & mask
+    z = unshift(z, 30)
+    return z - 2 ** 64 if z >= 2 ** 63 else z
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the kernels are not built here")
+def test_unique_inverse_of_ids_made_to_collide_equals_torchs():
+    # every id in the table's first slot: the kernel gives up and torch.unique answers
+    ids = torch.tensor([_unmix(i) for i in range(3000)] * 2)
+    got_unique, got_inverse = kernels.unique_inverse(ids)
+    want_unique, want_inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    assert torch.equal(got_unique, want_unique) and torch.equal(got_inverse, want_inverse)
+    assert got_unique.untyped_storage().nbytes() == 8 * 3000     # not the batch's buffer
 
 
 def test_a_collection_names_a_feature_it_has_no_table_or_no_input_for():
