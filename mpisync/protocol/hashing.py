@@ -50,6 +50,7 @@ class HashSpec:
     capacity: int          # rows per shard
     eviction: str          # "lru" | "lfu"
     admit_after: int       # sightings before an id gets a row
+    init_std: float = 1.0  # the initial rows' standard deviation
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
@@ -74,13 +75,13 @@ def shard_of(ids: torch.Tensor | npt.ArrayLike, num_shards: int) -> torch.Tensor
     return torch.from_numpy(h.astype(np.int64))
 
 
-def initial_rows(ids: torch.Tensor | npt.ArrayLike, dim: int, seed: int = 0, dtype: torch.dtype = torch.float32
-                 ) -> torch.Tensor:
-    """The initial rows of ``ids`` (``[len(ids), dim]``, ``N(0, 1)``), a pure function.
+def initial_rows(ids: torch.Tensor | npt.ArrayLike, dim: int, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, std: float = 1.0) -> torch.Tensor:
+    """The initial rows of ``ids`` (``[len(ids), dim]``, ``N(0, std**2)``), a pure function.
 
     Column ``c`` of id ``i``: with ``key = splitmix64(i ^ splitmix64(seed ^ salt))`` and
     ``h = splitmix64(key + c * 0x9E3779B97F4A7C15)``, ``u1 = ((h >> 32) + 1) / 2**32`` and
-    ``u2 = (h & 0xFFFFFFFF) / 2**32``, the value is ``sqrt(-2 ln u1) cos(2 pi u2)``
+    ``u2 = (h & 0xFFFFFFFF) / 2**32``, the value is ``sqrt(-2 ln u1) cos(2 pi u2) * std``
     computed in float64, then cast to ``dtype``.
     """
     u = _as_u64(ids)
@@ -99,6 +100,8 @@ def initial_rows(ids: torch.Tensor | npt.ArrayLike, dim: int, seed: int = 0, dty
     u2 *= 2.0 * math.pi
     np.cos(u2, out=u2)
     u1 *= u2
+    if std != 1.0:
+        u1 *= std
     return torch.from_numpy(u1).to(dtype)
 
 

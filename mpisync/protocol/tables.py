@@ -111,16 +111,16 @@ class HashTableInfo(TableInfo):
     """What a hash table knows of itself before and after set-up."""
 
     def __init__(self, dim: int, capacity: int, eviction: str, admit_after: int, seed: int,
-                 partitioner, dtype: torch.dtype):
+                 partitioner, dtype: torch.dtype, init_std: float = 1.0):
         super().__init__(0, dim, partitioner, "hash", None, seed, None, dtype)
-        self.hashed = hashing.HashSpec(capacity, eviction, admit_after)
+        self.hashed = hashing.HashSpec(capacity, eviction, admit_after, init_std)
         self.spec: TableSpec | None = None   # the table's, once the optimizer holds it
 
     def describe(self) -> str:
         h = self.hashed
         return (f"hash table of {self.dim} {self.dtype} columns, {h.capacity} rows per "
                 f"shard, eviction {h.eviction!r}, admit_after {h.admit_after}, seed "
-                f"{self.seed}")
+                f"{self.seed}" + (f", init_std {h.init_std}" if h.init_std != 1.0 else ""))
 
 
 def table_info(p: torch.Tensor) -> TableInfo | None:

@@ -98,7 +98,8 @@ class HashRows:
                     self.keep(torch.from_numpy(new))
                 with torch.no_grad():
                     self.param[torch.from_numpy(new)] = hashing.initial_rows(
-                        admitted, self.spec.row_shape[0], self.spec.seed, self.spec.dtype)
+                        admitted, self.spec.row_shape[0], self.spec.seed, self.spec.dtype,
+                        self.spec.hashed.init_std)
                 self.fresh.append(new)
             self.marks.mark(torch.from_numpy(slots[slots >= 0]))     # counts, recency
         out = torch.zeros(len(a), *self.spec.row_shape, dtype=self.spec.dtype)

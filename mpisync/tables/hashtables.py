@@ -36,7 +36,7 @@ __all__ = ["HashEmbedding", "HashEmbeddingBag", "check_saved_hash_table", "place
 class _HashModule(torch.nn.Module):
     def __init__(self, embedding_dim: int, capacity_per_shard: int, eviction: str,
                  admit_after: int, seed: int, partitioner: Partitioner | None,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, init_std: float) -> None:
         super().__init__()
         for name, value, low in (("embedding_dim", embedding_dim, 1),
                                  ("capacity_per_shard", capacity_per_shard, 1),
@@ -47,11 +47,15 @@ class _HashModule(torch.nn.Module):
             raise ValueError(f"eviction must be one of {hashing.EVICTIONS}, got {eviction!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or \
+                not 0 < init_std < float("inf"):
+            raise ValueError(f"init_std must be a finite number > 0, got {init_std!r}")
         self.embedding_dim = embedding_dim
         self.capacity_per_shard = capacity_per_shard
         self.eviction, self.admit_after, self.seed = eviction, admit_after, seed
+        self.init_std = float(init_std)
         info = HashTableInfo(embedding_dim, capacity_per_shard, eviction, admit_after, seed,
-                             partitioner, dtype)
+                             partitioner, dtype, self.init_std)
         stand_in = TableParameter(torch.empty(0, embedding_dim, dtype=dtype))
         stand_in._mpisync_table = info
         self.weight = stand_in
@@ -63,8 +67,10 @@ class _HashModule(torch.nn.Module):
         return cast(HashTableInfo, self.weight._mpisync_table)
 
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows ``ids`` get when admitted: ``mpisync.hashing.initial_rows`` of this seed."""
-        return hashing.initial_rows(ids, self.embedding_dim, self.seed, self.table.dtype)
+        """The rows ``ids`` get when admitted: ``mpisync.hashing.initial_rows`` of this seed
+        and ``init_std``."""
+        return hashing.initial_rows(ids, self.embedding_dim, self.seed, self.table.dtype,
+                                    self.init_std)
 
     def _rows(self, ids: torch.Tensor, what: str, peek: bool
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,7 +113,9 @@ class _HashModule(torch.nn.Module):
     def extra_repr(self) -> str:
         """The row size, capacity, eviction and admission, for ``repr(model)``."""
         return (f"{self.embedding_dim}, capacity_per_shard={self.capacity_per_shard}, "
-                f"eviction={self.eviction!r}, admit_after={self.admit_after}, on the ps ranks")
+                f"eviction={self.eviction!r}, admit_after={self.admit_after}"
+                + (f", init_std={self.init_std}" if self.init_std != 1.0 else "")
+                + ", on the ps ranks")
 
 
 class HashEmbedding(_HashModule):
@@ -146,13 +154,16 @@ class HashEmbedding(_HashModule):
         seed: of the initial rows.
         partitioner: how many shards (``mpisync.fixed_size(n)``); default one per ps rank.
         dtype: of the rows.
+        init_std: the initial rows' standard deviation (they are ``N(0, init_std**2)``; 1
+            as ``nn.Embedding``'s; ``(3 * num_rows) ** -0.5`` gives the spread of TorchRec's
+            uniform ``+-sqrt(1 / num_rows)`` for a table of ``num_rows`` rows).
     """
 
     def __init__(self, embedding_dim: int, *, capacity_per_shard: int, eviction: str = "lru",
                  admit_after: int = 1, seed: int = 0, partitioner: Partitioner | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, init_std: float = 1.0) -> None:
         super().__init__(embedding_dim, capacity_per_shard, eviction, admit_after, seed,
-                         partitioner, dtype)
+                         partitioner, dtype, init_std)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids`` (any int64 values), with autograd: ``ids``' shape plus
@@ -183,11 +194,11 @@ class HashEmbeddingBag(_HashModule):
     def __init__(self, embedding_dim: int, *, capacity_per_shard: int, mode: str = "mean",
                  eviction: str = "lru", admit_after: int = 1, seed: int = 0,
                  partitioner: Partitioner | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, init_std: float = 1.0) -> None:
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         super().__init__(embedding_dim, capacity_per_shard, eviction, admit_after, seed,
-                         partitioner, dtype)
+                         partitioner, dtype, init_std)
         self.mode = mode
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,

@@ -44,11 +44,12 @@ class Case:
     steps: int = 5
     batch: int = 4
     save: bool = False
+    init_std: float = 1.0
 
 
 CASES = [
     Case("exact-adagrad"),
-    Case("exact-adam-bag-mean", optimizer="adam", bag=True, shards=None),
+    Case("exact-adam-bag-mean", optimizer="adam", bag=True, shards=None, init_std=0.05),
     Case("evict-lru-sgd", kind="evict", optimizer="sgd", capacity=3, batch=2, steps=8),
     Case("evict-lfu-admit2-adagrad", kind="evict", capacity=3, eviction="lfu", admit_after=2,
          batch=2, steps=10),
@@ -100,7 +101,8 @@ def loss_of(case: Case, emb, lin, ids, y):
 def build(case: Case) -> torch.nn.ModuleDict:
     part = None if case.shards is None else mpisync.fixed_size(case.shards)
     kw = {"capacity_per_shard": case.capacity, "eviction": case.eviction,
-          "admit_after": case.admit_after, "seed": 3, "partitioner": part}
+          "admit_after": case.admit_after, "seed": 3, "partitioner": part,
+          "init_std": case.init_std}
     emb = (mpisync.HashEmbeddingBag(DIM, mode="mean", **kw) if case.bag
            else mpisync.HashEmbedding(DIM, **kw))
     model = torch.nn.ModuleDict({"emb": emb, "head": head(case)})
@@ -169,7 +171,7 @@ def train(cluster, case: Case, save: str | None) -> dict:
 # -- one process ---------------------------------------------------------------------------
 def reference_exact(case: Case) -> dict:
     """Plain torch with a dense table of the pool's initial rows, on the combined batch."""
-    initial = hashing.initial_rows(POOL, DIM, 3)
+    initial = hashing.initial_rows(POOL, DIM, 3, std=case.init_std)
     emb = (torch.nn.EmbeddingBag(len(POOL), DIM, mode="mean", _weight=initial.clone())
            if case.bag else torch.nn.Embedding(len(POOL), DIM, _weight=initial.clone()))
     lin = head(case)
@@ -201,7 +203,7 @@ def simulate(case: Case) -> dict:
                 for i in evicted:
                     del rows[i], acc[i]
                 for i in admitted:
-                    rows[i] = hashing.initial_rows(torch.tensor([i]), DIM, 3)[0]
+                    rows[i] = hashing.initial_rows(torch.tensor([i]), DIM, 3, std=case.init_std)[0]
                     acc[i] = torch.zeros(DIM)
             leaf = torch.stack([rows.get(i, torch.zeros(DIM)) for i in unique.tolist()])
             held = [i in rows for i in unique.tolist()]

@@ -54,6 +54,19 @@ def test_initial_rows_depend_on_seed_and_id_only():
     assert abs(float(many.mean())) < 0.02 and abs(float(many.std()) - 1) < 0.02
 
 
+def test_init_std_scales_the_initial_rows_in_float64():
+    ids = torch.tensor([5, -3, 2**50, 77])
+    unit = hashing.initial_rows(ids, 4, seed=9, dtype=torch.float64)
+    assert torch.equal(hashing.initial_rows(ids, 4, seed=9, std=0.05),
+                       (unit * 0.05).to(torch.float32))
+    emb = mpisync.HashEmbeddingBag(4, capacity_per_shard=8, seed=9, init_std=0.05)
+    assert torch.equal(emb.initial_rows(ids), hashing.initial_rows(ids, 4, 9, std=0.05))
+    assert emb.table.hashed.init_std == 0.05 and "init_std 0.05" in emb.table.describe()
+    assert "init_std=0.05" in repr(emb)
+    plain = mpisync.HashEmbedding(4, capacity_per_shard=8)
+    assert plain.table.hashed.init_std == 1.0 and "init_std" not in repr(plain)
+
+
 # -- the slot map against the plain reference ----------------------------------------------
 def _check_same(slots: hashing.SlotMap, ref: ReferenceShard) -> None:
     got = slots.export()
@@ -129,6 +142,9 @@ def test_bad_arguments_are_refused():
         mpisync.HashEmbedding(4, capacity_per_shard=3, eviction="fifo")
     with pytest.raises(ValueError, match="admit_after must be an int >= 1"):
         mpisync.HashEmbeddingBag(4, capacity_per_shard=3, admit_after=0)
+    for bad in (0, -0.1, float("nan"), float("inf"), True, "0.1", None):
+        with pytest.raises(ValueError, match=r"init_std must be a finite number > 0, got"):
+            mpisync.HashEmbedding(4, capacity_per_shard=3, init_std=bad)
 
 
 def test_a_lookup_over_capacity_is_refused_before_anything_is_sent():
