@@ -15,8 +15,9 @@ The tables are ``mpisync.EmbeddingBag(rows, dim, mode="sum")`` in one
 it holds shards of, and the rows' gradients go back with the dense ones in the push.
 The last ``--hashed`` features (default 1) carry unbounded 64-bit ids, as user or item
 ids do in real click logs: their tables are ``mpisync.HashEmbeddingBag``s in the same
-collection (a row is given to an id when it is first seen, on the ps rank that owns it),
-looked up in the same exchange as the others.
+collection (a row is given to an id when it is first seen, on the ps rank that owns it;
+its values are drawn with ``init_std`` the spread of the other tables' uniform initial
+rows), looked up in the same exchange as the others.
 
 The click logs come from a known true model, so the trained one can be compared with the
 best possible predictor. The teacher is a small DLRM of its own, fixed by ``--seed``:
@@ -243,6 +244,7 @@ class PairDots(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         stacked, pairs, mirror = ctx.saved_tensors
         size, vectors, _ = stacked.shape
+        grad = grad.to(stacked.dtype)    # under autocast the products were of lower precision
         full = grad.new_zeros(size, vectors * vectors)
         full.index_copy_(1, pairs, grad).index_copy_(1, mirror, grad)
         return torch.bmm(full.view(size, vectors, vectors), stacked), None, None
@@ -300,20 +302,31 @@ class LocalTables(torch.nn.Module):
 
 class LocalHashed(torch.nn.Module):
     """A plain ``torch.nn.EmbeddingBag`` of ``rows`` rows behind a map from 64-bit ids to
-    rows, each id given the next free row when first seen: ``mpisync.HashEmbeddingBag``'s
-    rule while its rows last (``--local``)."""
+    rows, each id given the next free row when first seen, with the initial values
+    ``mpisync.HashEmbeddingBag`` gives it (``mpisync.hashing.initial_rows``): the hash
+    table's rule while its rows last (``--local``)."""
 
-    def __init__(self, first: torch.Tensor) -> None:
+    def __init__(self, rows: int, dim: int, seed: int, init_std: float) -> None:
         super().__init__()
-        self.bag = torch.nn.EmbeddingBag.from_pretrained(first, freeze=False, mode="sum",
-                                                         sparse=True)
+        self.bag = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
+        self.seed, self.init_std = seed, init_std
         self.slots: dict[int, int] = {}
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        rows = [self.slots.setdefault(i, len(self.slots)) for i in ids.tolist()]
-        if len(self.slots) > self.bag.num_embeddings:
-            raise ValueError(f"{len(self.slots)} distinct ids for {self.bag.num_embeddings} rows")
-        return self.bag(torch.tensor(rows, dtype=torch.int64), offsets)
+        from mpisync import hashing  # the hash tables' rows; no MPI
+        new = [i for i in dict.fromkeys(ids.tolist()) if i not in self.slots]
+        if len(self.slots) + len(new) > self.bag.num_embeddings:
+            raise ValueError(f"{len(self.slots) + len(new)} distinct ids for "
+                             f"{self.bag.num_embeddings} rows")
+        if new:
+            at = torch.arange(len(self.slots), len(self.slots) + len(new))
+            self.slots.update(zip(new, at.tolist()))
+            with torch.no_grad():
+                self.bag.weight[at] = hashing.initial_rows(
+                    torch.tensor(new), self.bag.embedding_dim, self.seed,
+                    self.bag.weight.dtype, self.init_std)
+        rows = torch.tensor([self.slots[i] for i in ids.tolist()], dtype=torch.int64)
+        return self.bag(rows, offsets)
 
 
 def feature_names(num_tables: int) -> list[str]:
@@ -324,6 +337,12 @@ def initial_rows(rows: int, dim: int, generator: torch.Generator) -> torch.Tenso
     """A table's first values: uniform in +-sqrt(1 / rows), as TorchRec's tables start."""
     bound = (1.0 / rows) ** 0.5
     return torch.empty(rows, dim).uniform_(-bound, bound, generator=generator)
+
+
+def hashed_std(rows: int) -> float:
+    """A hash table's ``init_std``: the spread of ``initial_rows`` (uniform in +-b has
+    standard deviation b / sqrt(3))."""
+    return (3.0 * rows) ** -0.5
 
 
 def optimizers(args, model: DLRM, tables: torch.nn.Module) -> list[torch.optim.Optimizer]:
@@ -370,12 +389,14 @@ def build(args, kind: str) -> tuple[DLRM, list[torch.optim.Optimizer]]:
         import mpisync
         tables: torch.nn.Module = mpisync.EmbeddingBagCollection({
             name: mpisync.HashEmbeddingBag(args.dim, capacity_per_shard=args.rows,
-                                           mode="sum", seed=args.seed) if name in hashed
+                                           mode="sum", seed=args.seed,
+                                           init_std=hashed_std(args.rows)) if name in hashed
             else mpisync.EmbeddingBag(args.rows, args.dim, mode="sum", weight=first[name])
             for name in names})
     elif kind == "torch":
         tables = LocalTables({
-            name: LocalHashed(first[name]) if name in hashed else
+            name: LocalHashed(args.rows, args.dim, args.seed, hashed_std(args.rows))
+            if name in hashed else
             torch.nn.EmbeddingBag.from_pretrained(first[name], freeze=False, mode="sum",
                                                   sparse=True)
             for name in names})
@@ -433,6 +454,9 @@ def parse_args() -> argparse.Namespace:
                          f"{getattr(args, name)}")
     if not 0 <= args.max_auc_gap < 0.5:
         parser.error(f"--max-auc-gap must be at least 0 and below 0.5, got {args.max_auc_gap}")
+    args.max_auc_gap += 0.0              # -0 reads as 0
+    if args.test_samples < 100:          # the AUC needs clicks and non-clicks among them
+        parser.error(f"--test-samples must be at least 100, got {args.test_samples}")
     if not 0 <= args.hashed <= args.tables:
         parser.error(f"--hashed must be between 0 and --tables ({args.tables}), got "
                      f"{args.hashed}")
@@ -505,8 +529,9 @@ def report(scores, seconds: float, max_gap: float, stats: dict | None = None,
                  f"gradients_applied {stats['gradients_applied']}, "
                  f"gradients_dropped {stats['gradients_dropped']}")
     print(line, flush=True)
-    print(f"dlrm: the model's AUC is {true_auc - model_auc:.4f} below the true model's "
-          f"(at most {max_gap} asked)", flush=True)
+    gap = true_auc - model_auc
+    print(f"dlrm: the model's AUC is {abs(gap):.4f} {'below' if gap >= 0 else 'above'} the "
+          f"true model's (at most {max_gap} below asked)", flush=True)
     if not model_auc >= true_auc - max_gap:
         raise SystemExit(f"dlrm: test AUC {model_auc:.4f} is more than {max_gap} below the "
                          f"true model's ({true_auc:.4f})")

@@ -43,6 +43,21 @@ def test_pair_dots_and_their_gradient_equal_autograds(size, vectors, dim):
     torch.testing.assert_close(got_in.grad, want_in.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_pair_dots_under_autocast_give_autograds_gradient():
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(6, 5, 8, generator=gen)
+    grads = []
+    for dots in (model_dots, autograd_dots):
+        stacked = base.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = dots(stacked)
+        assert out.dtype == torch.bfloat16
+        out.float().sum().backward()
+        assert stacked.grad.dtype == torch.float32
+        grads.append(stacked.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-2)
+
+
 def test_pair_dots_pass_gradcheck_in_float64():
     stacked = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(model_dots, (stacked,))
