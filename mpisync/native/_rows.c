@@ -134,16 +134,6 @@ static void sort_distinct(int64_t n, int64_t *v, int64_t *tmp)
         memcpy(v, from, (size_t)n * sizeof(int64_t));
 }
 
-/* A table slot for ``key``: SplitMix64's finaliser, so that ids in arithmetic patterns
- * spread over the table. */
-static inline uint64_t unique_slot(int64_t key, int shift)
-{
-    uint64_t z = (uint64_t)key;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return (z ^ (z >> 31)) >> shift;
-}
-
 /* ``torch.unique(ids, sorted=True, return_inverse=True)`` without sorting every id: the   */
 /* distinct ids (any int64) found with an open-addressed table, in first-seen order, then  */
 /* sorted, and each position's id's place among them. Writes ``uniq`` (count of them) and  */
@@ -171,19 +161,21 @@ int64_t unique_inverse(int64_t n, const int64_t *ids, int64_t *uniq, int64_t *in
     memset(vals, 0xff, size * sizeof(int32_t));
     int64_t count = 0, probes = 0, most = 16 * n + 1024;
     int64_t lo = n ? ids[0] : 0, hi = lo;
+    for (int64_t i = 0; i < n && i < 1024; i++) {
+        lo = ids[i] < lo ? ids[i] : lo;
+        hi = ids[i] > hi ? ids[i] : hi;
+    }
     for (int64_t i = 0; i < n; i++) {                   /* first-seen numbers */
         int64_t key = ids[i];
-        lo = key < lo ? key : lo;
-        hi = key > hi ? key : hi;
         if (i == 1024 && count >= 922 && ((uint64_t)hi - (uint64_t)lo) >> 33) {
             free(keys);
             free(vals);
             return -3;
         }
-        uint64_t h = unique_slot(key, shift);
+        uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ULL >> shift;
         while (vals[h] >= 0 && keys[h] != key) {
             h = (h + 1) & mask;
-            if (++probes > most) {
+            if (++probes > most) {                     /* ids made to collide */
                 free(keys);
                 free(vals);
                 return -2;
@@ -199,7 +191,7 @@ int64_t unique_inverse(int64_t n, const int64_t *ids, int64_t *uniq, int64_t *in
     sort_distinct(count, uniq, tmp);
     for (int64_t j = 0; j < count; j++) {               /* first-seen number -> place */
         int64_t key = uniq[j];
-        uint64_t h = unique_slot(key, shift);
+        uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ULL >> shift;
         while (keys[h] != key)
             h = (h + 1) & mask;
         rank[vals[h]] = j;

@@ -201,28 +201,18 @@ def test_unique_inverse_equals_torchs_unique_on_any_ids():
         assert got_inverse.shape == ids.shape
 
 
-def _unmix(h: int) -> int:
-    """The id whose table slot hash (SplitMix64's finaliser) is ``h``."""
-    mask = 2 ** 64 - 1
-
-    def unshift(z: int, s: int) -> int:
-        out = z
-        for _ in range(64 // s + 1):
-            out = z ^ (out >> s)
-        return out & mask
-
-    z = unshift(h, 31)
-    z = z * pow(0x94D049BB133111EB, -1, 2 ** 64) & mask
-    z = unshift(z, 27)
-    z = z * pow(0xBF58476D1CE4E5B9, -1, 2 ** 64) & mask
-    z = unshift(z, 30)
-    return z - 2 ** 64 if z >= 2 ** 63 else z
+def _colliding(count: int) -> list[int]:
+    """``count`` ids that all fall in the first slot of the kernel's table (Fibonacci
+    hashing: the top bits of ``id * 0x9E3779B97F4A7C15``)."""
+    inverse = pow(0x9E3779B97F4A7C15, -1, 2 ** 64)
+    ids = [inverse * i % 2 ** 64 for i in range(count)]
+    return [i - 2 ** 64 if i >= 2 ** 63 else i for i in ids]
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the kernels are not built here")
 def test_unique_inverse_of_ids_made_to_collide_equals_torchs():
     # every id in the table's first slot: the kernel gives up and torch.unique answers
-    ids = torch.tensor([_unmix(i) for i in range(3000)] * 2)
+    ids = torch.tensor(_colliding(3000) * 2)
     got_unique, got_inverse = kernels.unique_inverse(ids)
     want_unique, want_inverse = torch.unique(ids, sorted=True, return_inverse=True)
     assert torch.equal(got_unique, want_unique) and torch.equal(got_inverse, want_inverse)
