@@ -27,13 +27,15 @@ sightings.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["EVICTIONS", "HashSpec", "SlotMap", "initial_rows", "shard_of", "splitmix64"]
+__all__ = ["EVICTIONS", "HashSpec", "SlotMap", "check_std", "initial_rows", "shard_of",
+           "splitmix64"]
 
 EVICTIONS = ("lru", "lfu")
 
@@ -75,6 +77,18 @@ def shard_of(ids: torch.Tensor | npt.ArrayLike, num_shards: int) -> torch.Tensor
     return torch.from_numpy(h.astype(np.int64))
 
 
+def check_std(std: object, dtype: torch.dtype = torch.float32, name: str = "std") -> None:
+    """Raises TypeError unless ``std`` is a real number, ValueError unless the rows it
+    scales are finite and not all zero in ``dtype``: ``std`` at least ``dtype``'s smallest
+    normal number and at most its largest over 8 (the unit draws lie within +-6.7)."""
+    if isinstance(std, bool) or not isinstance(std, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {std!r}")
+    info = torch.finfo(dtype)
+    if not info.tiny <= float(std) <= info.max / 8:
+        raise ValueError(f"{name} must lie in [{info.tiny:g}, {info.max / 8:g}] for {dtype} "
+                         f"rows, got {std!r}")
+
+
 def initial_rows(ids: torch.Tensor | npt.ArrayLike, dim: int, seed: int = 0,
                  dtype: torch.dtype = torch.float32, std: float = 1.0) -> torch.Tensor:
     """The initial rows of ``ids`` (``[len(ids), dim]``, ``N(0, std**2)``), a pure function.
@@ -83,7 +97,12 @@ def initial_rows(ids: torch.Tensor | npt.ArrayLike, dim: int, seed: int = 0,
     ``h = splitmix64(key + c * 0x9E3779B97F4A7C15)``, ``u1 = ((h >> 32) + 1) / 2**32`` and
     ``u2 = (h & 0xFFFFFFFF) / 2**32``, the value is ``sqrt(-2 ln u1) cos(2 pi u2) * std``
     computed in float64, then cast to ``dtype``.
+
+    Raises:
+        TypeError, ValueError: ``std`` is not a real number whose rows fit ``dtype``
+            (``check_std``).
     """
+    check_std(std, dtype)
     u = _as_u64(ids)
     with np.errstate(over="ignore"):
         salt = splitmix64(np.uint64(seed % (1 << 64)) ^ _SEED_SALT)
@@ -101,7 +120,7 @@ def initial_rows(ids: torch.Tensor | npt.ArrayLike, dim: int, seed: int = 0,
     np.cos(u2, out=u2)
     u1 *= u2
     if std != 1.0:
-        u1 *= std
+        u1 *= float(std)
     return torch.from_numpy(u1).to(dtype)
 
 

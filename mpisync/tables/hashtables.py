@@ -47,13 +47,11 @@ class _HashModule(torch.nn.Module):
             raise ValueError(f"eviction must be one of {hashing.EVICTIONS}, got {eviction!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or \
-                not 0 < init_std < float("inf"):
-            raise ValueError(f"init_std must be a finite number > 0, got {init_std!r}")
+        hashing.check_std(init_std, dtype, "init_std")
         self.embedding_dim = embedding_dim
         self.capacity_per_shard = capacity_per_shard
         self.eviction, self.admit_after, self.seed = eviction, admit_after, seed
-        self.init_std = float(init_std)
+        self.init_std = float(init_std)     # a numpy scalar too
         info = HashTableInfo(embedding_dim, capacity_per_shard, eviction, admit_after, seed,
                              partitioner, dtype, self.init_std)
         stand_in = TableParameter(torch.empty(0, embedding_dim, dtype=dtype))

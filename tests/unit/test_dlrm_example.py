@@ -91,3 +91,25 @@ def test_the_teachers_first_order_terms_carry_most_of_its_logits_variance():
     finally:
         dlrm.FIRST_ORDER = first_order
     assert 0.01 < pairs.var() / total.var() < 0.06
+
+
+def test_local_and_distributed_models_start_the_same(monkeypatch):
+    # --local: the same MLPs, the plain tables' rows, and for a hashed id the row its
+    # mpisync.HashEmbeddingBag gives it when admitted
+    monkeypatch.setattr(sys, "argv", ["dlrm.py", "--tables", "4", "--rows", "50", "--hashed", "2"])
+    args = dlrm.parse_args()
+    local, _ = dlrm.build(args, "torch")
+    remote, _ = dlrm.build(args, "mpisync")
+    for (name, a), (_, b) in zip(local.bottom.named_parameters(),
+                                 remote.bottom.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    for a, b in zip(local.top.parameters(), remote.top.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for name in ("t0", "t1"):
+        assert torch.equal(local.tables.tables[name].weight,
+                           remote.tables.tables[name].table.weight)
+    ids = torch.tensor([2 ** 40 + 3, -7, 2 ** 40 + 3, 11])
+    pooled = local.tables.tables["t3"](ids, torch.tensor([0, 2]))
+    admitted = remote.tables.tables["t3"].initial_rows(torch.tensor([2 ** 40 + 3, -7, 11]))
+    assert torch.equal(pooled, torch.stack([admitted[0] + admitted[1],
+                                            admitted[0] + admitted[2]]))

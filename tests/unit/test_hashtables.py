@@ -142,9 +142,20 @@ def test_bad_arguments_are_refused():
         mpisync.HashEmbedding(4, capacity_per_shard=3, eviction="fifo")
     with pytest.raises(ValueError, match="admit_after must be an int >= 1"):
         mpisync.HashEmbeddingBag(4, capacity_per_shard=3, admit_after=0)
-    for bad in (0, -0.1, float("nan"), float("inf"), True, "0.1", None):
-        with pytest.raises(ValueError, match=r"init_std must be a finite number > 0, got"):
+    for bad in (0, -0.1, float("nan"), float("inf"), 1e300, 1e-320):
+        with pytest.raises(ValueError, match=r"init_std must lie in \[1\.17549e-38, "
+                                             r"4\.25353e\+37\] for torch\.float32 rows, got"):
             mpisync.HashEmbedding(4, capacity_per_shard=3, init_std=bad)
+    for bad in (True, "0.1", None, torch.tensor(0.1)):
+        with pytest.raises(TypeError, match=r"init_std must be a real number, got"):
+            mpisync.HashEmbedding(4, capacity_per_shard=3, init_std=bad)
+    for good, dtype in ((np.float32(0.5), torch.float32), (np.int64(2), torch.float32),
+                        (2, torch.float32), (1e300, torch.float64)):
+        emb = mpisync.HashEmbedding(4, capacity_per_shard=3, init_std=good, dtype=dtype)
+        assert emb.init_std == float(good) and type(emb.init_std) is float
+    for bad in (-1, 0, float("nan")):
+        with pytest.raises(ValueError, match=r"std must lie in"):
+            hashing.initial_rows(torch.tensor([1]), 4, std=bad)
 
 
 def test_a_lookup_over_capacity_is_refused_before_anything_is_sent():
