@@ -6,7 +6,8 @@ shard an id lives in) and the ps ranks (which slot of the shard holds it).
 - **The hash.** ``splitmix64`` (Steele, Lea and Flood's SplitMix64 finaliser) of the id
   taken as an unsigned 64-bit integer. It is fixed: the same on every rank, every run
   and every platform. Id ``i`` lives in shard ``splitmix64(i) % num_shards``.
-- **Initial rows.** Row ``i`` starts at ``N(0, 1)`` values drawn by Box-Muller from the
+- **Initial rows.** Row ``i`` starts at ``N(0, 1)`` values (times the table's
+  ``init_std``) drawn by Box-Muller from the
   two 32-bit halves of a counter-based hash per column, ``splitmix64`` of
   ``(seed, i, column)``: the same
   ``(seed, id)`` gives the same row whatever the shard count, the rank or the order of
