@@ -1,6 +1,7 @@
 """Embedding tables: modules whose rows live on the ps ranks, and tables whose rows travel."""
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -33,6 +34,18 @@ class TableParameter(torch.nn.Parameter):
     """
 
     _mpisync_table: TableInfo
+
+    def __deepcopy__(self, memo: dict) -> TableParameter:
+        """A copy whose table is the same one once a SyncReplicasOptimizer serves it (the
+        rows live on the ps ranks: the copy looks them up as the original does), and a
+        table of its own before (its initial ``weight=`` copied), as ``nn.Embedding``'s."""
+        if id(self) in memo:
+            return memo[id(self)]
+        out = type(self)(self.data.clone(), self.requires_grad)
+        memo[id(self)] = out
+        info = self._mpisync_table
+        out._mpisync_table = info if info.channel is not None else copy.deepcopy(info, memo)
+        return out
 
     # torch's Tensor.__repr__ is unannotated, and mypy rejects any override of its
     # keyword-only tensor_contents, even one with the same signature

@@ -14,6 +14,7 @@ ps rank reports each optimizer it served under the name of its case.
 """
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass, field
 
@@ -225,6 +226,9 @@ def train(cluster, case: Case, extra: dict) -> dict:
         for shard in opt.table_shards("emb.weight", with_state=False):
             table[shard["ids"]] = shard["weight"]
         assert torch.equal(m.emb.rows(torch.arange(ROWS)).cpu(), table)
+        twin = copy.deepcopy(m)       # a copy of a served table: the same table on the ps
+        assert twin.emb.table is m.emb.table
+        assert torch.equal(twin.emb.rows(torch.arange(ROWS)).cpu(), table)
     stats = opt.stats
     out = {"table": table.tolist(),
            "head": [p.detach().cpu().tolist() for p in m.head.parameters()],

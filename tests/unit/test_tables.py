@@ -3,6 +3,7 @@ each message exactly (the jobs that train the tables against plain torch and ref
 same on every worker: tests/mpi/test_tables_jobs.py)."""
 from __future__ import annotations
 
+import copy
 import re
 import sys
 
@@ -70,6 +71,27 @@ def _table_model(weight=None) -> torch.nn.Module:
     model.emb = mpisync.Embedding(tables_errors.ROWS, tables_errors.DIM, weight=weight)
     model.scale = torch.nn.Parameter(torch.tensor(1.0))
     return model
+
+
+def test_a_copy_of_a_table_not_served_yet_is_a_table_of_its_own():
+    # as nn.Embedding's: the same shape, seed and initial weight=, nothing shared (a served
+    # table's copy shares it: tests/scripts/tables.py)
+    first = torch.randn(10, 4)
+    model = torch.nn.ModuleDict({
+        "plain": mpisync.Embedding(10, 4, seed=3),
+        "bag": mpisync.EmbeddingBag(10, 4, mode="sum", weight=first),
+        "hashed": mpisync.HashEmbeddingBag(4, capacity_per_shard=8, init_std=0.1)})
+    twin = copy.deepcopy(model)
+    for name in model:
+        got, want = twin[name], model[name]
+        assert type(got.weight) is type(want.weight) and got.table is not want.table
+        assert got.table.describe() == want.table.describe() and repr(got) == repr(want)
+    assert torch.equal(twin["bag"].table.weight, first)
+    assert twin["bag"].table.weight.data_ptr() != model["bag"].table.weight.data_ptr()
+    assert torch.equal(twin["hashed"].initial_rows(torch.tensor([5, -9])),
+                       model["hashed"].initial_rows(torch.tensor([5, -9])))
+    with pytest.raises(RuntimeError, match="called before a SyncReplicasOptimizer"):
+        twin["plain"](torch.tensor([1]))
 
 
 def test_a_bad_partition_strategy_is_refused_where_the_table_is_made():
