@@ -55,6 +55,18 @@ void plan_order(int64_t total, const int64_t *pos, const int64_t *grow, const vo
     start[0] = 0;
 }
 
+/* ``call`` (naming HOW, and ``o``: a buffer of ``count`` T, freed after) with the ``how`` */
+/* of ``div``; the kernel returns 0, or -1 where there is no memory for the buffer. */
+#define WITH_BUFFER(T, count, call)                                                          \
+    do {                                                                                     \
+        T *o = malloc((size_t)(count) * sizeof(T));                                          \
+        if (!o)                                                                              \
+            return -1;                                                                       \
+        DISPATCH(call);                                                                      \
+        free(o);                                                                             \
+        return 0;                                                                            \
+    } while (0)
+
 static inline void plan_prefetch(const void *row, int64_t nbytes)
 {
     const char *p = (const char *)row;
@@ -124,13 +136,8 @@ int plan_axpy_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *sta
                   const int64_t *src, const T *wt, const T *grads,                           \
                   int64_t dim, T div, T sign, T alpha, T *param)                             \
 {                                                                                            \
-    T *o = malloc((size_t)dim * sizeof(T));                                                  \
-    if (!o)                                                                                  \
-        return -1;                                                                           \
-    DISPATCH(plan_axpy_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,           \
-                                (T)1 / div, sign, alpha, param, o));                         \
-    free(o);                                                                                 \
-    return 0;                                                                                \
+    WITH_BUFFER(T, dim, plan_axpy_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW,     \
+                                           div, (T)1 / div, sign, alpha, param, o));         \
 }                                                                                            \
                                                                                              \
 /* ``adagrad_sum_rows``, torch's square root and ``adagrad_apply_rows`` on the output rows */ \
@@ -169,14 +176,10 @@ int plan_adagrad_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *
                      int64_t dim, T div, T sign, T eps, T alpha, T *sum, T *param,           \
                      void *root, long long mode)                                             \
 {                                                                                            \
-    T *o = malloc((size_t)(2 * PLAN_BLOCK * dim) * sizeof(T));                               \
-    if (!o)                                                                                  \
-        return -1;                                                                           \
-    DISPATCH(plan_adagrad_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,        \
-                                   (T)1 / div, sign, eps, alpha, sum, param,                 \
-                                   (sqrt_##S##_fn)root, mode, o, o + PLAN_BLOCK * dim));     \
-    free(o);                                                                                 \
-    return 0;                                                                                \
+    WITH_BUFFER(T, 2 * PLAN_BLOCK * dim,                                                     \
+                plan_adagrad_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,     \
+                                      (T)1 / div, sign, eps, alpha, sum, param,              \
+                                      (sqrt_##S##_fn)root, mode, o, o + PLAN_BLOCK * dim));  \
 }                                                                                            \
                                                                                              \
 /* ``rowwise_rows`` on the output rows [lo, hi), PLAN_BLOCK at a time (its BLOCK's steps   */ \
@@ -210,13 +213,9 @@ int plan_rowwise_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *
                      const int64_t *src, const T *wt, const T *grads,                        \
                      int64_t dim, T div, T sign, T lr, T eps, T *total, T *param)            \
 {                                                                                            \
-    T *o = malloc((size_t)(PLAN_BLOCK * dim) * sizeof(T));                                   \
-    if (!o)                                                                                  \
-        return -1;                                                                           \
-    DISPATCH(plan_rowwise_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,        \
-                                   (T)1 / div, sign, lr, eps, total, param, o));             \
-    free(o);                                                                                 \
-    return 0;                                                                                \
+    WITH_BUFFER(T, PLAN_BLOCK * dim,                                                         \
+                plan_rowwise_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,     \
+                                      (T)1 / div, sign, lr, eps, total, param, o));          \
 }
 
 SQUARES(float, f32)

@@ -63,6 +63,25 @@ void set_flags(int64_t n, const int64_t *ids, uint8_t *flags)
         flags[ids[i]] = 1;
 }
 
+/* An open-addressed table of ids: a power of two of at least ``want`` slots (``*shift``: */
+/* 64 minus its bits), and an id's first slot by Fibonacci hashing (the top bits of the   */
+/* id times 2**64 over the golden ratio). */
+static inline uint64_t table_size(uint64_t want, int *shift)
+{
+    uint64_t size = 16;
+    *shift = 60;
+    while (size < want) {
+        size <<= 1;
+        (*shift)--;
+    }
+    return size;
+}
+
+static inline uint64_t table_slot(int64_t key, int shift)
+{
+    return (uint64_t)key * 0x9E3779B97F4A7C15ULL >> shift;
+}
+
 /* How many distinct values ``ids`` (n of them, each >= 0) hold, counted up to ``least``  */
 /* (the count stops there): an open-addressed table of a power of two above 2 * least     */
 /* entries. -1: no memory for the table. */
@@ -70,17 +89,15 @@ int64_t distinct_upto(int64_t n, const int64_t *ids, int64_t least)
 {
     if (least <= 0)
         return 0;
-    uint64_t size = 1;
-    while (size < 2 * (uint64_t)least + 2)
-        size <<= 1;
-    uint64_t mask = size - 1;
+    int shift;
+    uint64_t size = table_size(2 * (uint64_t)least + 2, &shift), mask = size - 1;
     int64_t *table = calloc(size, sizeof(int64_t));     /* 0: empty; holds id + 1 */
     if (!table)
         return -1;
     int64_t count = 0;
     for (int64_t i = 0; i < n && count < least; i++) {
         int64_t key = ids[i] + 1;
-        uint64_t h = ((uint64_t)key * 0x9E3779B97F4A7C15ULL) >> 17 & mask;
+        uint64_t h = table_slot(key, shift);
         while (table[h] != 0 && table[h] != key)
             h = (h + 1) & mask;
         if (table[h] == 0) {
@@ -143,13 +160,8 @@ static void sort_distinct(int64_t n, int64_t *v, int64_t *tmp)
 /* sorting them all is then cheaper too.                                                   */
 int64_t unique_inverse(int64_t n, const int64_t *ids, int64_t *uniq, int64_t *inverse)
 {
-    uint64_t size = 16;
-    while (size < (uint64_t)n + (uint64_t)n / 2)
-        size <<= 1;
-    uint64_t mask = size - 1;
-    int shift = 64;
-    for (uint64_t s = size; s > 1; s >>= 1)
-        shift--;
+    int shift;
+    uint64_t size = table_size((uint64_t)n + (uint64_t)n / 2, &shift), mask = size - 1;
     int64_t *keys = malloc(size * sizeof(int64_t) + (size_t)n * 2 * sizeof(int64_t));
     int32_t *vals = malloc(size * sizeof(int32_t));        /* -1: empty; else a number */
     if (!keys || !vals || n >= INT32_MAX) {
@@ -172,7 +184,7 @@ int64_t unique_inverse(int64_t n, const int64_t *ids, int64_t *uniq, int64_t *in
             free(vals);
             return -3;
         }
-        uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ULL >> shift;
+        uint64_t h = table_slot(key, shift);
         while (vals[h] >= 0 && keys[h] != key) {
             h = (h + 1) & mask;
             if (++probes > most) {                     /* ids made to collide */
@@ -191,7 +203,7 @@ int64_t unique_inverse(int64_t n, const int64_t *ids, int64_t *uniq, int64_t *in
     sort_distinct(count, uniq, tmp);
     for (int64_t j = 0; j < count; j++) {               /* first-seen number -> place */
         int64_t key = uniq[j];
-        uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ULL >> shift;
+        uint64_t h = table_slot(key, shift);
         while (keys[h] != key)
             h = (h + 1) & mask;
         rank[vals[h]] = j;
