@@ -47,11 +47,23 @@ class TableParameter(torch.nn.Parameter):
         out._mpisync_table = info if info.channel is not None else copy.deepcopy(info, memo)
         return out
 
+    def __reduce_ex__(self, protocol):
+        """Pickled (``torch.save(model)``) as a ``TableParameter`` with its table, where
+        torch's ``Parameter`` would come back as a plain one."""
+        return _rebuild_table_parameter, (self.data, self.requires_grad, self._mpisync_table)
+
     # torch's Tensor.__repr__ is unannotated, and mypy rejects any override of its
     # keyword-only tensor_contents, even one with the same signature
     def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
         t = self._mpisync_table
         return f"TableParameter({t.num_rows} x {t.dim}, on the ps ranks)"
+
+
+def _rebuild_table_parameter(data: torch.Tensor, requires_grad: bool,
+                             info: TableInfo) -> TableParameter:
+    out = TableParameter(data, requires_grad)
+    out._mpisync_table = info
+    return out
 
 
 def live_table(info: _Info, what: str) -> _Info:
@@ -402,7 +414,7 @@ class EmbeddingBag(_TableModule):
                                           0 if bags.weights is None else spec.dtype.itemsize,
                                           len(set(spec.owners)))
             if kernels.available():          # counted until it is known, not sorted
-                pool = kernels.holds_distinct(input.reshape(-1).long(), least)
+                pool = kernels.holds_distinct(input, least)
             else:
                 unique, inverse = unique_ids(input)
                 pool = len(unique) >= least
