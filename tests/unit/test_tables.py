@@ -4,6 +4,8 @@ same on every worker: tests/mpi/test_tables_jobs.py)."""
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 import re
 import sys
 
@@ -92,6 +94,23 @@ def test_a_copy_of_a_table_not_served_yet_is_a_table_of_its_own():
                        model["hashed"].initial_rows(torch.tensor([5, -9])))
     with pytest.raises(RuntimeError, match="called before a SyncReplicasOptimizer"):
         twin["plain"](torch.tensor([1]))
+
+
+def test_a_pickled_table_module_comes_back_with_its_table():
+    model = torch.nn.ModuleDict({
+        "plain": mpisync.Embedding(10, 4, seed=3, padding_idx=2),
+        "hashed": mpisync.HashEmbeddingBag(4, capacity_per_shard=8, init_std=0.1)})
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    saved.seek(0)
+    for back in (pickle.loads(pickle.dumps(model)), torch.load(saved, weights_only=False)):
+        for name in model:
+            assert type(back[name].weight) is mpisync.tables.embedding.TableParameter
+            assert back[name].table.describe() == model[name].table.describe()
+            assert repr(back[name]) == repr(model[name])
+        twin = copy.deepcopy(back)       # and a copy of it is a table of its own
+        assert twin["plain"].table is not back["plain"].table
+        assert twin["plain"].table.describe() == model["plain"].table.describe()
 
 
 def test_a_bad_partition_strategy_is_refused_where_the_table_is_made():
