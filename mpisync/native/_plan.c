@@ -160,11 +160,7 @@ static inline void plan_adagrad_body_##S(int64_t lo, int64_t hi, const int64_t *
             adagrad_sum_row_##S(o + l * dim, sum + ids[u] * dim, d + l * dim, dim, how, div, \
                                 inv, sign);                                                  \
         }                                                                                    \
-        if (root)                                                                            \
-            root((int)(m * dim), d, d, mode);                                                \
-        else                                                                                 \
-            for (int64_t c = 0; c < m * dim; c++)                                            \
-                d[c] = SQRT_##S(d[c]);                                                       \
+        plan_sqrt_##S(m * dim, d, (void *)root, mode);                                       \
         for (int64_t l = 0; l < m; l++)                                                      \
             adagrad_apply_row_##S(o + l * dim, d + l * dim, param + ids[b + l] * dim, dim, how, \
                                   div, inv, sign, eps, alpha);                               \
