@@ -66,6 +66,7 @@ class ShardParameters:
             by_param.setdefault(part_of[e.name][0], []).append(p)
         by_param.update(rows.params_by_name())
         self.optimizer = spec.recipe.build(by_param)
+        rows.place_state(self.optimizer)
         self.name_of = {id(p): e.name for e, p in zip(layout.entries, self.params)}
         self.name_of.update(rows.names())
         self.table_params = self._table_params()

@@ -108,6 +108,15 @@ class _Pending:
         return self.ids, self.rows
 
 
+def _place(state: dict, shape: torch.Size) -> bool:
+    """``state``'s tensors of a shard's ``shape`` copied into ``table_zeros``' memory (the
+    old ones freed on return); whether there were any."""
+    keys = [k for k, v in state.items() if torch.is_tensor(v) and v.shape == shape]
+    for key in keys:
+        state[key] = kernels.table_copy(state[key])
+    return bool(keys)
+
+
 class RowShards:
     """The table shards of one optimizer on one ps rank.
 
@@ -174,6 +183,19 @@ class RowShards:
 
     def names(self) -> dict[int, str]:
         return {id(u.param): u.unit for u in self.units}
+
+    def place_state(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """The state an optimizer made for the shards when built (torch's Adagrad makes
+        its sums then, in the heap) moved into ``kernels.table_zeros``' memory, which the
+        row kernels reach at random as they do the shards: huge pages, fewer TLB misses."""
+        if optimizer is None:
+            return
+        moved = False
+        for u in self.units:
+            if u.param in optimizer.state:
+                moved |= _place(optimizer.state[u.param], u.param.shape)
+        if moved:
+            heap.release()          # the heap's copies go back to the kernel
 
     def resident_units(self) -> set[str]:
         return {u.unit for u in self.units if u.spec.resident}

@@ -93,3 +93,60 @@ def test_init_refuses_a_malformed_switch_on_every_rank(glibc):
     value ends every rank alike at once, not the ps ranks alone when they start to serve
     while the workers wait for them."""
     assert "serve" not in assert_init_refuses_switch("MPISYNC_KEEP_HEAP")
+
+
+# torch's Adagrad makes its sums when built, in the heap; a ps rank moves a shard's into
+# the memory its shards live in (madvised for huge pages: "hg" among the mapping's
+# VmFlags), and the heap's copy goes back to the kernel.
+PLACE = r"""
+import json, os, torch
+from mpisync.native import kernels
+from mpisync.ps import heap
+from mpisync.ps.rows import _place
+
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+def advised(address):
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return "hg" in line.split()[1:]
+    return False
+
+heap.keep()
+shard = torch.nn.Parameter(kernels.table_zeros((1 << 17, 16), torch.float32))
+opt = torch.optim.Adagrad([shard], initial_accumulator_value=0.25)
+state = opt.state[shard]
+state["other"] = torch.ones(3)
+old = state["sum"].data_ptr()
+moved = _place(state, shard.shape)
+before = resident()                # the heap still holds the sums it made
+heap.release()
+print(json.dumps({"moved": moved, "new": state["sum"].data_ptr() != old,
+                  "values": bool((state["sum"] == 0.25).all()),
+                  "advised": advised(state["sum"].data_ptr()),
+                  "shard_advised": advised(shard.data_ptr()),
+                  "released": before - resident(), "step": float(state["step"]),
+                  "other": state["other"].tolist(),
+                  "none": _place({"step": torch.tensor(0.0)}, shard.shape)}))
+"""
+
+
+def test_a_shards_optimizer_state_moves_into_the_shards_memory(glibc):
+    if not os.path.exists("/proc/self/smaps"):
+        pytest.skip("no /proc/self/smaps to read the mappings from")
+    run = subprocess.run([sys.executable, "-c", PLACE], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["moved"] and got["new"] and got["values"], got
+    assert got["advised"] == got["shard_advised"] is True, got
+    assert got["released"] >= 2 << 20, got    # of the 8 MiB of sums the heap held: 4-8 MiB
+    assert got["step"] == 0.0 and got["other"] == [1.0, 1.0, 1.0] and not got["none"], got
