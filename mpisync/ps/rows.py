@@ -240,20 +240,31 @@ class RowShards:
             self.settle()
             self._on_rows(self._recv(msg, status), self.worker_ranks.index(status.Get_source()))
             progressed = True
+        replies = []         # sent once every waiting lookup is answered (``_answer_lookup``)
         while True:
-            msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=self.tags[Tag.LOOKUP],
-                                    status=status)
+            msg = self._probe(Tag.LOOKUP, status, twice=bool(replies))
             if msg is None:
                 break
             self.settle()
-            buf = self._recv(msg, status)
-            if rows_mark(buf) == pooled.EXCHANGE:
-                self._answer_exchange(buf, status.Get_source())
-            else:
-                self._answer_lookup(buf, status.Get_source())
+            buf, rank = self._recv(msg, status), status.Get_source()
+            answer = self._answer_exchange if rows_mark(buf) == pooled.EXCHANGE else \
+                self._answer_lookup
+            replies.append((answer(buf, rank), rank))
             progressed = True
+        for reply, rank in replies:
+            self._send(reply, rank, self.tags[Tag.ROWS])
         self._reap()
         return progressed
+
+    def _probe(self, tag: int, status: MPI.Status, twice: bool = False):
+        """A message of ``tag`` waiting here, or None. ``twice``: probe once more before
+        None, since a probe's progress may only bring in a large message's envelope for
+        the next one to find (MPICH: a lookup that came during the last answer)."""
+        for _ in range(2 if twice else 1):
+            msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=self.tags[tag], status=status)
+            if msg is not None:
+                return msg
+        return None
 
     def _recv(self, msg, status: MPI.Status) -> np.ndarray:
         buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
@@ -301,9 +312,14 @@ class RowShards:
             slot.waiting_rows = False
         slot.rows = None
 
-    def _answer_lookup(self, buf: np.ndarray, rank: int) -> None:
-        """The rows of each part's ids, gathered straight into the reply (``pack_rows``'s
-        layout, values only)."""
+    def _answer_lookup(self, buf: np.ndarray, rank: int) -> np.ndarray:
+        """The reply to a lookup: the rows of each part's ids, gathered straight into it
+        (``pack_rows``'s layout, values only).
+
+        ``poll`` sends the replies to the lookups that were waiting only once it has
+        answered them all: a worker given its rows computes on a core the ps's threads
+        share, and the rows for the others would wait for it (a lookup's rows take
+        two threads' memory bandwidth for a millisecond or more)."""
         _, peek, parts = unpack_rows(buf, [None] * len(self.units), with_ids=True)
         counts = [len(local) for local, _ in parts]
         head = 8 * (ROWS_HEAD + len(parts))
@@ -330,10 +346,11 @@ class RowShards:
                     pooled.gather_rows(local, u.param.detach(), view)
                 reply[at + c * u.spec.row_bytes:at + size] = 0
             at += size
-        self._send(reply, rank, self.tags[Tag.ROWS])
+        return reply
 
-    def _answer_exchange(self, buf: np.ndarray, rank: int) -> None:
-        """A lookup of several tables, rows and bags pooled here (``mpisync.protocol.pooled``)."""
+    def _answer_exchange(self, buf: np.ndarray, rank: int) -> np.ndarray:
+        """The reply to a lookup of several tables, rows and bags pooled here
+        (``mpisync.protocol.pooled``)."""
         unseen = self.unseen[self.worker_ranks.index(rank)]
 
         def sighted(n: int, u) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -346,11 +363,10 @@ class RowShards:
 
         read = {n: sighted(n, u) for n, u in enumerate(self.units) if u.hashed is not None}
         try:
-            reply = pooled.answer(buf, [u.param for u in self.units], self.groups, read)
+            return pooled.answer(buf, [u.param for u in self.units], self.groups, read)
         except ValueError as exc:
             raise ProtocolError(f"{self.label}: worker rank {rank} sent a lookup: {exc}"
                                 ) from None
-        self._send(reply, rank, self.tags[Tag.ROWS])
 
     def _send(self, buf, rank: int, tag: int) -> None:
         self.bytes_out += buf.nbytes
