@@ -56,6 +56,29 @@ int all_below(int64_t n, const int64_t *v, int64_t limit)
     return bad == 0;
 }
 
+/* Whether v (n of them) never decreases. */
+int nondecreasing(int64_t n, const int64_t *v)
+{
+    int64_t bad = 0;
+    for (int64_t i = 1; i < n; i++)
+        bad |= v[i] < v[i - 1];
+    return bad == 0;
+}
+
+/* The first index of v (n of them, nondecreasing) whose value is at least x (n: none). */
+static int64_t lower_bound(int64_t n, const int64_t *v, int64_t x)
+{
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (v[mid] < x)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
 /* flags[ids[i]] = 1 for each i (a bool array's bytes; ids in it). */
 void set_flags(int64_t n, const int64_t *ids, uint8_t *flags)
 {
@@ -380,6 +403,17 @@ void bag_sums_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *we
                 o[c] = o[c] + r[c];                                                          \
         }                                                                                    \
     }                                                                                        \
+}                                                                                            \
+                                                                                             \
+/* ``bag_sums`` where bag never decreases: its positions of the bags in [lo, hi) are one */ \
+/* stretch, found by bisection instead of passing over every position. */                  \
+void bag_sums_sorted_##S(int64_t n, const int64_t *ids, const int64_t *bag,                  \
+                         const T *weights, const T *rows, int64_t dim, int64_t lo,           \
+                         int64_t hi, T *out)                                                 \
+{                                                                                            \
+    int64_t a = lower_bound(n, bag, lo), b = lower_bound(n, bag, hi);                        \
+    bag_sums_##S(b - a, ids + a, bag + a, weights ? weights + a : NULL, rows, dim, lo, hi,   \
+                 out);                                                                       \
 }                                                                                            \
                                                                                              \
 /* out[i] = rows[ids[i]] (a rows answer to a lookup, straight into its message). */          \

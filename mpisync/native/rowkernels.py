@@ -169,7 +169,8 @@ def bag_rows(ids: torch.Tensor, bag: torch.Tensor, weights: torch.Tensor | None,
         fn, dim = _fn("bag_rows", grads.dtype), _width(grads)
         args = (len(ids), ids.data_ptr(), bag.data_ptr(), _ptr(weights), grads.data_ptr(),
                 dim, slot.data_ptr())
-        _run(lambda lo, hi: fn(*args, lo, hi, out.data_ptr()), _split(count, len(ids) * dim))
+        _run(lambda lo, hi: fn(*args, lo, hi, out.data_ptr()), _split(count, len(ids) * dim),
+             pieces=1)                    # each range passes over every position
     finally:
         lib.unmark(count, uniq.data_ptr(), slot.data_ptr())
     return found, out
@@ -178,12 +179,17 @@ def bag_rows(ids: torch.Tensor, bag: torch.Tensor, weights: torch.Tensor | None,
 def bag_sums(ids: torch.Tensor, bag: torch.Tensor, weights: torch.Tensor | None,
              rows: torch.Tensor, out: torch.Tensor) -> None:
     """``out[bag[i]] += weights[i] * rows[ids[i]]`` in order of ``i`` (``out`` contiguous,
-    ``rows`` contiguous: a shard)."""
+    ``rows`` contiguous: a shard). Each thread's bags are found by bisection where ``bag``
+    never decreases (a lookup's bags come in order), else by a pass over every position."""
     ids, bag = ids.contiguous(), bag.contiguous()
     weights = None if weights is None else weights.to(rows.dtype).contiguous()
-    fn, dim = _fn("bag_sums", rows.dtype), _width(rows)
+    dim = _width(rows)
+    ranges = _split(len(out), len(ids) * dim)
+    ordered = len(ranges) > 1 and _kernels().nondecreasing(len(bag), bag.data_ptr())
+    fn = _fn("bag_sums_sorted" if ordered else "bag_sums", rows.dtype)
     args = (len(ids), ids.data_ptr(), bag.data_ptr(), _ptr(weights), rows.data_ptr(), dim)
-    _run(lambda lo, hi: fn(*args, lo, hi, out.data_ptr()), _split(len(out), len(ids) * dim))
+    _run(lambda lo, hi: fn(*args, lo, hi, out.data_ptr()), ranges,
+         **({} if ordered else {"pieces": 1}))
 
 
 def gather(ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:

@@ -56,6 +56,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.set_flags.argtypes = [_I, _P, _P]
     lib.all_below.argtypes = [_I, _P, _I]
     lib.all_below.restype = ctypes.c_int
+    lib.nondecreasing.argtypes = [_I, _P]
+    lib.nondecreasing.restype = ctypes.c_int
     lib.distinct_upto.argtypes = [_I, _P, _I]
     lib.distinct_upto.restype = _I
     lib.unique_inverse.argtypes = [_I, _P, _P, _P]
@@ -73,6 +75,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         real = ctypes.c_float if s == "f32" else ctypes.c_double
         getattr(lib, f"bag_rows_{s}").argtypes = [_I, _P, _P, _P, _P, _I, _P, _I, _I, _P]
         getattr(lib, f"bag_sums_{s}").argtypes = [_I, _P, _P, _P, _P, _I, _I, _I, _P]
+        getattr(lib, f"bag_sums_sorted_{s}").argtypes = [_I, _P, _P, _P, _P, _I, _I, _I, _P]
         getattr(lib, f"gather_{s}").argtypes = [_I, _P, _P, _I, _P]
         merge = getattr(lib, f"merge2_rows_{s}")
         merge.argtypes = [_I, _P, _P, _I, _P, _P, _I, real, _P, _P]

@@ -28,6 +28,7 @@ __all__ = ["MIN_WORK", "close", "default_threads", "run", "split", "start", "thr
 
 THREADS_ENV = "MPISYNC_PS_THREADS"
 MIN_WORK = 1 << 16        # elements (rows x row width) a thread's range must hold to split
+PIECES = 4                # pieces of a thread's range, taken by whichever thread is free
 
 _pool: ThreadPoolExecutor | None = None
 _threads = 1
@@ -89,16 +90,28 @@ def split(rows: int, work: int) -> list[tuple[int, int]]:
     return [(rows * j // parts, rows * (j + 1) // parts) for j in range(parts)]
 
 
-def run(task: Callable[[int, int], object], ranges: list[tuple[int, int]]) -> None:
-    """``task(lo, hi)`` for each range, all at once: the first on this thread, the others
-    on the pool; returns when every one has (re-raising the first error)."""
+def run(task: Callable[[int, int], object], ranges: list[tuple[int, int]],
+        pieces: int = PIECES) -> None:
+    """``task(lo, hi)`` over each range, all at once: each range cut in ``pieces``, which
+    this thread and the pool's take in turn as they finish the last (a thread slowed by
+    another process on its core leaves its share to the others; 1 for a task that passes
+    over all its input whatever its range); returns when every one has run (re-raising
+    the first error)."""
     if len(ranges) == 1 or _pool is None:
         for lo, hi in ranges:
             task(lo, hi)
         return
-    futures = [_pool.submit(task, lo, hi) for lo, hi in ranges[1:]]
+    todo = iter([(lo + (hi - lo) * k // pieces, lo + (hi - lo) * (k + 1) // pieces)
+                 for lo, hi in ranges for k in range(pieces) if hi > lo])
+
+    def drain() -> None:
+        for lo, hi in todo:          # a list's iterator: one next() at a time (the GIL)
+            if hi > lo:
+                task(lo, hi)
+
+    futures = [_pool.submit(drain) for _ in ranges[1:]]
     try:
-        task(*ranges[0])
+        drain()
     finally:
         wait(futures)
     for f in futures:

@@ -75,6 +75,16 @@ def test_ranges_cover_the_rows_in_order_and_small_work_stays_whole():
         rowthreads.start(0)
 
 
+@pytest.mark.parametrize("pieces", [1, 4, 7])
+def test_each_row_runs_once_whichever_thread_takes_its_piece(pieces):
+    rowthreads.start(3, min_work=1)
+    seen, ranges = [], rowthreads.split(50, 50)
+    rowthreads.run(lambda lo, hi: seen.append((lo, hi)), ranges, pieces=pieces)
+    rows = sorted(r for lo, hi in seen for r in range(lo, hi))
+    assert rows == list(range(50))
+    assert all(hi > lo for lo, hi in seen) and len(seen) == len(ranges) * pieces
+
+
 def test_an_error_in_a_range_reaches_the_caller():
     rowthreads.start(3, min_work=1)
 
@@ -176,11 +186,16 @@ def test_planned_updates_are_the_summed_rows_updates_on_any_threads(dtype, n, di
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("weighted", [False, True])
-def test_bag_sums_and_gather(dtype, n, weighted):
+@pytest.mark.parametrize("ordered", [False, True])
+def test_bag_sums_and_gather(dtype, n, weighted, ordered):
+    """Bags in any order, or in order as a lookup sends them (each thread then finds its
+    bags' positions by bisection): the same sums on any threads, as torch's index_add_."""
     g = torch.Generator().manual_seed(200 + n)
     table = torch.randn(30, 4, generator=g, dtype=dtype)
     ids = torch.randint(0, 30, (n,), generator=g)                  # repeats
     bag = torch.randint(0, 5, (n,), generator=g)
+    if ordered:
+        bag = bag.sort().values
     weights = torch.rand(n, generator=g, dtype=dtype) if weighted else None
 
     def make():
@@ -193,6 +208,8 @@ def test_bag_sums_and_gather(dtype, n, weighted):
     results = on_threads(make)
     assert_same(results)
     assert torch.equal(results[0][1], table[ids])
+    each = table[ids] * (weights[:, None] if weighted else 1)
+    assert torch.allclose(results[0][0], torch.zeros(5, 4, dtype=dtype).index_add_(0, bag, each))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
