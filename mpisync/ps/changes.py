@@ -10,7 +10,9 @@ read answers the rows changed since this one. A hash shard's marks are over its 
 (``mpisync.ps.hashrows``): a lookup that sights an id changes its counts too.
 
 A step costs one indexed write of its touched local ids into the marks (no allocation
-beyond torch's index temporaries).
+beyond torch's index temporaries), and nothing while every row is marked: from the start
+(nothing read yet) until the first read, so a job that never reads its changed rows never
+pays for them.
 """
 from __future__ import annotations
 
@@ -36,18 +38,20 @@ def per_row_keys(state: dict, rows: int) -> list[str]:
 class Marks:
     """The changed rows of one resident table shard since its last incremental read."""
 
-    __slots__ = ("changed", "keys")
+    __slots__ = ("changed", "every", "keys")
 
     def __init__(self, rows: int):
         self.changed = torch.ones(rows, dtype=torch.bool)   # nothing read yet: all of them
+        self.every = True                                    # every row is marked
         self.keys: tuple[str, ...] | None = None             # the state entries last read
 
     def mark(self, rows) -> None:
         """``rows`` changed: None (none), a tensor of local ids, or True (every row)."""
-        if rows is None:
+        if rows is None or self.every:
             return
         if rows is True:
             self.changed.fill_(True)
+            self.every = True
         elif len(rows) and kernels.available():
             kernels.set_flags(rows, self.changed)
         elif len(rows):
@@ -76,5 +80,10 @@ class Marks:
             out["state"] = {k: (v.clone() if local is None or k not in per_row else v[local])
                             if torch.is_tensor(v) else v for k, v in state.items()}
             self.keys = keys
-        self.changed.fill_(False)
+        self.clear()
         return out
+
+    def clear(self) -> None:
+        """Forget the marks: the next read answers the rows changed from now on."""
+        self.changed.fill_(False)
+        self.every = False

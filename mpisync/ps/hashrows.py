@@ -182,7 +182,7 @@ class HashRows:
         if with_state:
             self.read_keys = keys
         self.read_ids = got["ids"]
-        self.marks.changed.fill_(False)
+        self.marks.clear()
         return {"got": got, "pick": pick, "removed": removed,
                 "per_row": [k for k, v in state.items() if _per_row(v, self.param)]}
 

@@ -46,7 +46,7 @@ class Snapshot:
             if not whole:
                 self.local = marks.changed.nonzero().flatten()
             marks.keys = self.state_keys
-            marks.changed.fill_(False)
+            marks.clear()
         self.copied = torch.zeros(rows, dtype=torch.bool)
         self.chunks: list[tuple[torch.Tensor, torch.Tensor, dict]] = []
         self.whole: tuple[torch.Tensor, dict] | None = None   # every row kept

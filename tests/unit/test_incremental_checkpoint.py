@@ -592,3 +592,30 @@ def test_a_failed_write_is_told_at_the_next_save_or_at_close(rank, tmp_path):
         opt.close()
     assert opt.closed
     assert torch.load(tmp_path / ckpt_name(2), weights_only=True)["base"] is None
+
+
+def test_marks_cost_nothing_until_read_and_then_follow_every_change():
+    """A shard's changed rows (``mpisync.ps.changes.Marks``): every row until the first
+    read (a step's marking is then skipped, its rows are marked already); after a read,
+    the rows changed since; clear() (a snapshot's or a hash shard's read) does the same."""
+    from mpisync.ps.changes import Marks
+
+    weight = torch.arange(12.0).view(6, 2)
+    marks = Marks(6)
+    marks.mark(torch.tensor([1, 4]))
+    assert marks.changed.all() and marks.every
+    first = marks.read(weight, {}, with_state=False, whole=False)
+    assert first["local"].tolist() == list(range(6)) and not marks.every
+    marks.mark(torch.tensor([4, 1, 4]))
+    marks.mark(None)
+    second = marks.read(weight, {}, with_state=False, whole=False)
+    assert second["local"].tolist() == [1, 4]
+    assert torch.equal(second["weight"], weight[[1, 4]])
+    assert marks.read(weight, {}, with_state=False, whole=False)["local"].tolist() == []
+    marks.mark(True)                                   # a load: every row again
+    assert marks.every and marks.read(weight, {}, False, False)["local"].tolist() == \
+        list(range(6))
+    marks.mark(True)
+    marks.clear()
+    marks.mark(torch.tensor([2]))
+    assert marks.changed.nonzero().flatten().tolist() == [2]
