@@ -245,23 +245,26 @@ void place(int64_t n, const int64_t *sorted, int64_t *slot)
         slot[sorted[j]] = j;
 }
 
-/* Each id's output row (its slot, given in first-seen order from ``count`` on, the id     */
-/* appended to ``uniq``) into ``pos[i]``, as ``~row`` at the id's first sight: a step's    */
-/* plan (``_plan.c``). Returns the new count; ``unmark`` clears the slots. */
-int64_t scatter_marks(int64_t n, const int64_t *ids, int64_t *slot, int64_t *uniq,
-                      int64_t count, int64_t *pos)
+/* Each id's output row (given in first-seen order from ``count`` on, the id appended to  */
+/* ``uniq``) into ``pos[i]``, as ``~row`` at the id's first sight: a step's plan          */
+/* (``_plan.c``). ``marks[id]`` is ``gen << 32 | row`` for an id this plan has seen; any   */
+/* other value (an earlier generation's, or 0) marks none, so that no plan clears its own */
+/* marks. Returns the new count. */
+int64_t scatter_marks(int64_t n, const int64_t *ids, int64_t *marks, int64_t gen,
+                      int64_t *uniq, int64_t count, int64_t *pos)
 {
+    const int64_t tag = (int64_t)((uint64_t)gen << 32);
     for (int64_t i = 0; i < n; i++) {
         if (i + AHEAD < n)
-            __builtin_prefetch(slot + ids[i + AHEAD], 1, 3);
+            __builtin_prefetch(marks + ids[i + AHEAD], 1, 3);
         int64_t r = ids[i];
-        int64_t s = slot[r];
-        if (s < 0) {
-            s = slot[r] = count;
-            uniq[count++] = r;
-            pos[i] = ~s;
+        int64_t s = marks[r];
+        if ((s & ~(int64_t)0xffffffff) != tag) {
+            marks[r] = tag | count;
+            uniq[count] = r;
+            pos[i] = ~count++;
         } else {
-            pos[i] = s;
+            pos[i] = s & 0xffffffff;
         }
     }
     return count;

@@ -27,12 +27,13 @@ import os
 
 import torch
 
+from .rowkernels import table_zeros as _table_zeros
 from .rowslib import function as _fn
 from .rowslib import library as _kernels
 from .rowthreads import run as _run
 from .rowthreads import split as _split
 
-__all__ = ["Plan", "adagrad", "axpy", "plan", "rowwise", "torch_sqrt"]
+__all__ = ["Plan", "PlanMarks", "adagrad", "axpy", "plan", "rowwise", "torch_sqrt"]
 
 # torch's mode for MKL's vector functions (ATen/cpu/vml.h: VML_HA | VML_FTZDAZ_OFF |
 # VML_ERRMODE_IGNORE)
@@ -85,14 +86,40 @@ class Plan:
                          else torch.empty(shape, dtype=self.dtype))
 
 
-def plan(pieces: list[tuple], slot: torch.Tensor, scratch, row_shape) -> Plan:
+class PlanMarks:
+    """A shard's marks for its plans: one int64 per row, ``gen << 32 | row`` for an id the
+    plan of generation ``gen`` has seen, anything else for none. Each plan takes the next
+    generation, so that no plan passes over its ids again to clear them."""
+
+    __slots__ = ("array", "gen")
+
+    def __init__(self, num_rows: int):
+        self.array = _table_zeros((num_rows,), torch.int64)
+        self.gen = 0
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def next(self) -> int:
+        """The next plan's generation (after 2^31 of them, the marks cleared once)."""
+        self.gen += 1
+        if self.gen >= 1 << 31:
+            self.array.zero_()
+            self.gen = 1
+        return self.gen
+
+
+def plan(pieces: list[tuple], marks: PlanMarks, scratch, row_shape) -> Plan:
     """``pieces`` (``(ids, None, None, rows)`` or ``(ids, bag, weights, grads)``, ids
-    checked to lie in ``slot``, ``slots_for``'s array, clean again after the call) planned
-    for rows of ``row_shape``. ``scratch`` (``get(name, shape, dtype)``) holds the plan's
-    arrays until the next call."""
+    checked to lie in ``marks``, the shard's ``PlanMarks``) planned for rows of
+    ``row_shape``. ``scratch`` (``get(name, shape, dtype)``) holds the plan's arrays until
+    the next call."""
     lib = _kernels()
     dtype = pieces[0][3].dtype
     total = sum(len(p[0]) for p in pieces)
+    if total >= 1 << 31:
+        raise ValueError(f"a step of {total} ids for one shard: at most 2**31 - 1")
+    gen = marks.next()
     pos = scratch.get("plan_pos", (total,), torch.int64)
     uniq = scratch.get("plan_ids", (total,), torch.int64)
     grow = scratch.get("plan_grow", (total,), torch.int64)
@@ -102,23 +129,20 @@ def plan(pieces: list[tuple], slot: torch.Tensor, scratch, row_shape) -> Plan:
     grads = blocks[0].contiguous() if len(blocks) == 1 else torch.cat(
         blocks, out=scratch.get("plan_grads", (sum(len(b) for b in blocks), dim), dtype))
     count = at = base = 0
-    try:
-        for ids, bag, weights, rows in pieces:
-            n = len(ids)
-            ids = ids.contiguous()
-            count = lib.scatter_marks(n, ids.data_ptr(), slot.data_ptr(), uniq.data_ptr(),
-                                      count, pos[at:].data_ptr())
-            if bag is None:
-                torch.arange(base, base + n, out=grow[at:at + n])
-            else:
-                torch.add(bag, base, out=grow[at:at + n])
-            if weights is None:
-                wt[at:at + n].fill_(1)
-            else:
-                wt[at:at + n].copy_(weights)
-            at, base = at + n, base + len(rows)
-    finally:
-        lib.unmark(count, uniq.data_ptr(), slot.data_ptr())
+    for ids, bag, weights, rows in pieces:
+        n = len(ids)
+        ids = ids.contiguous()
+        count = lib.scatter_marks(n, ids.data_ptr(), marks.array.data_ptr(), gen,
+                                  uniq.data_ptr(), count, pos[at:].data_ptr())
+        if bag is None:
+            torch.arange(base, base + n, out=grow[at:at + n])
+        else:
+            torch.add(bag, base, out=grow[at:at + n])
+        if weights is None:
+            wt[at:at + n].fill_(1)
+        else:
+            wt[at:at + n].copy_(weights)
+        at, base = at + n, base + len(rows)
     start = scratch.get("plan_start", (count + 1,), torch.int64)
     src = scratch.get("plan_src", (total,), torch.int64)
     swt = scratch.get("plan_swt", (total,), dtype)

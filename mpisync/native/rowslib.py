@@ -66,7 +66,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.shard_order.argtypes = [_I, _P, _I, _P, _P, _P]
     lib.split_ids.argtypes = [_I, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P]
     lib.split_ids.restype = _I
-    lib.scatter_marks.argtypes = [_I, _P, _P, _P, _I, _P]
+    lib.scatter_marks.argtypes = [_I, _P, _P, _I, _P, _I, _P]
     lib.scatter_marks.restype = _I
     lib.merge2_plan.argtypes = [_I, _P, _I, _P, _P, _P, _P]
     lib.merge2_plan.restype = _I

@@ -102,7 +102,7 @@ class _Pending:
             if bag is not None:
                 part, grads = bag
                 pieces.append((part.ids, part.bag, part.weights, grads))
-        plan = plankernels.plan(pieces, u.scratch.slots(u.param.shape[0]), u.scratch,
+        plan = plankernels.plan(pieces, u.scratch.plan_marks(u.param.shape[0]), u.scratch,
                                 u.spec.row_shape)
         self.ids, self.rows, self.pieces = plan.ids, plan, None
         return self.ids, self.rows

@@ -49,10 +49,17 @@ class RowScratch:
     def __init__(self):
         self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self.kept: dict[str, torch.Tensor] = {}
+        self.marks: plankernels.PlanMarks | None = None
 
     def slots(self, num_rows: int) -> torch.Tensor:
         """The shard's slot array for ``mpisync.native.kernels`` (-1 everywhere between calls)."""
         return kernels.slots_for(self.kept, num_rows)
+
+    def plan_marks(self, num_rows: int) -> plankernels.PlanMarks:
+        """The shard's marks for ``plankernels.plan``, kept from step to step."""
+        if self.marks is None or len(self.marks) != num_rows:
+            self.marks = plankernels.PlanMarks(num_rows)
+        return self.marks
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)

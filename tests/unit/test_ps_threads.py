@@ -132,15 +132,15 @@ def pieces_of(n: int, dtype, seed: int, num_rows: int = 50, dim: int = 6) -> lis
 @pytest.mark.parametrize("n", SIZES)
 def test_planned_rows_of_rows_and_bags(dtype, n):
     pieces = pieces_of(n, dtype, 100 + n)
-    slot = kernels.slots_for({}, 50)
+    marks = plankernels.PlanMarks(50)
 
     def make():
-        p = plankernels.plan(pieces, slot, RowScratch(), (6,))
+        p = plankernels.plan(pieces, marks, RowScratch(), (6,))
         return p.ids.clone(), p.summed()
 
-    results = on_threads(make)
+    results = on_threads(make)                  # one marks array, a generation a plan
     assert_same(results)
-    assert bool((slot == -1).all())
+    assert marks.gen == 1 + len(THREADS)
     signs = torch.signbit(results[0][1])
     assert all(torch.equal(signs, torch.signbit(r[1])) for r in results[1:])
 
@@ -171,7 +171,7 @@ def test_planned_updates_are_the_summed_rows_updates_on_any_threads(dtype, n, di
         opt = UPDATES[kind](param)
         for _ in range(2):
             scratch = RowScratch()
-            p = plankernels.plan(pieces, scratch.slots(50), scratch, (6,))
+            p = plankernels.plan(pieces, scratch.plan_marks(50), scratch, (6,))
             apply_rows(opt, opt.param_groups[0], param, p.ids,
                        p.summed().clone() if summed else p, scratch, div)
         state = [v for v in opt.state[param].values() if torch.is_tensor(v)]

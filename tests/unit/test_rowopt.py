@@ -167,7 +167,7 @@ def planned(ids: torch.Tensor, values: torch.Tensor, num_rows: int, scratch: Row
     first = values * part                      # first + (values - first) rounds to values?
     second = values - first                    # not always: the plan must add them in order
     pieces = [(ids[order], None, None, first[order]), (ids[order], None, None, second[order])]
-    p = plankernels.plan(pieces, scratch.slots(num_rows), scratch, values.shape[1:])
+    p = plankernels.plan(pieces, scratch.plan_marks(num_rows), scratch, values.shape[1:])
     return pieces, p
 
 
@@ -430,14 +430,18 @@ def test_the_step_sums_every_piece_in_order_in_one_pass(row_shape, dtype):
                                                       dtype=dtype)))
     want_ids, want = in_order(pieces)
     scratch = RowScratch()
-    slots = scratch.slots(rows)
-    for _ in range(2):                                   # the slots are clean again
-        p = plankernels.plan(pieces, slots, scratch, row_shape)
+    marks = scratch.plan_marks(rows)
+    for _ in range(2):                  # the marks of the first plan mark none in the next
+        p = plankernels.plan(pieces, marks, scratch, row_shape)
         assert same(p.ids, want_ids) and same(p.summed(), want)
-    assert bool((slots == -1).all())
+    marks.gen = (1 << 31) - 1                            # the generations wrap around
+    for _ in range(2):
+        p = plankernels.plan(pieces, marks, scratch, row_shape)
+        assert same(p.ids, want_ids) and same(p.summed(), want)
+    assert marks.gen == 2
     # rows pieces alone: the merge's sums (each id's rows in the pieces' order), bitwise
     two = random_pieces(g, rows, 2, math.prod(row_shape), dtype)
-    p = plankernels.plan([(i, None, None, r) for i, r in two], slots, scratch,
+    p = plankernels.plan([(i, None, None, r) for i, r in two], marks, scratch,
                          (math.prod(row_shape),))
     order = p.ids.argsort()
     ids, merged = merge_rows(two, rows, 2, "sum", RowScratch())
@@ -463,7 +467,7 @@ def test_a_step_of_pooled_pushes_is_within_rounding_of_the_rows_merged(how, row_
     if row_code == "kernels":
         scratch = RowScratch()
         plan = plankernels.plan([(p.ids, p.bag, p.weights, gr) for p, gr in parts],
-                                scratch.slots(rows), scratch, (dim,))
+                                scratch.plan_marks(rows), scratch, (dim,))
         got = torch.zeros(rows, dim).index_add_(0, plan.ids, plan.summed() / (2 if how == "mean"
                                                                               else 1))
         torch.testing.assert_close(got, dense, rtol=1e-6, atol=1e-6)
