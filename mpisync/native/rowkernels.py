@@ -28,6 +28,7 @@ from .rowslib import address as _ptr
 from .rowslib import available
 from .rowslib import function as _fn
 from .rowslib import library as _kernels
+from .rowthreads import PIECES
 from .rowthreads import run as _run
 from .rowthreads import split as _split
 
@@ -189,7 +190,7 @@ def bag_sums(ids: torch.Tensor, bag: torch.Tensor, weights: torch.Tensor | None,
     fn = _fn("bag_sums_sorted" if ordered else "bag_sums", rows.dtype)
     args = (len(ids), ids.data_ptr(), bag.data_ptr(), _ptr(weights), rows.data_ptr(), dim)
     _run(lambda lo, hi: fn(*args, lo, hi, out.data_ptr()), ranges,
-         **({} if ordered else {"pieces": 1}))
+         pieces=PIECES if ordered else 1)
 
 
 def gather(ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 from .. import environ
 
-__all__ = ["MIN_WORK", "close", "default_threads", "run", "split", "start", "threads",
+__all__ = ["MIN_WORK", "PIECES", "close", "default_threads", "run", "split", "start", "threads",
            "threads_for"]
 
 THREADS_ENV = "MPISYNC_PS_THREADS"

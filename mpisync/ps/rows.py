@@ -11,110 +11,20 @@ from mpi4py import MPI
 
 from ..accumulate import reduce_rows
 from ..errors import ProtocolError
-from ..native import kernels, plankernels
-from ..native.plankernels import Plan
+from ..native import kernels
 from ..observe import timeline
 from ..protocol import pooled
-from ..protocol.multi import inner_of
 from ..protocol.spec import JobSpec
-from ..protocol.tables import TableSpec
 from ..protocol.wire import ROWS_HEAD, RowsField, Tag, pack_rows, pad8, rows_mark, unpack_rows
 from ..runtime.progress import Poller
 from ..tables.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
-from ..tables.rowwise import RowWiseAdagrad
 from . import heap
-from .changes import Marks, state_of
-from .hashrows import HashRows
+from .changes import state_of
+from .rowunits import Pending, Unit, frozen, place, takes_sparse, without_zeros
 
 __all__ = ["RowShards", "takes_sparse"]
 
 _SEED_STRIDE = 1_000_003
-
-
-def takes_sparse(optimizer: torch.optim.Optimizer, group: dict) -> bool:
-    """Whether the optimizer, with this group's hyper-parameters, updates only gradient rows.
-
-    Then the ps hands it a sparse gradient and only those rows change: SGD without
-    momentum and weight decay, Adagrad without weight decay, SparseAdam,
-    ``mpisync.RowWiseAdagrad``. Any other optimizer gets the dense gradient of the shard
-    and updates every row, as it would the weight of a dense ``nn.Embedding``. Where
-    ``optimizer`` joins several, the one that holds ``group`` decides.
-    """
-    optimizer = inner_of(optimizer, group)
-    if isinstance(optimizer, (torch.optim.SparseAdam, RowWiseAdagrad)):
-        return True
-    if isinstance(optimizer, torch.optim.Adagrad):
-        return not group.get("weight_decay")
-    if isinstance(optimizer, torch.optim.SGD):
-        return not group.get("momentum") and not group.get("weight_decay")
-    return False
-
-
-class _Unit:
-    """One table shard held here."""
-
-    __slots__ = ("hashed", "k", "marks", "param", "scratch", "spec", "unit")
-
-    def __init__(self, spec: TableSpec, k: int, param: torch.nn.Parameter, label: str = ""):
-        self.spec, self.k, self.param = spec, k, param
-        self.unit = spec.unit(k)
-        self.hashed = None if spec.hashed is None else HashRows(spec, k, param, label)
-        self.scratch = RowScratch()      # its reduced rows, kept until they are applied
-        # the rows changed since the last incremental checkpoint read them (resident only;
-        # a hash shard's: its slots, kept by its HashRows)
-        self.marks = self.hashed.marks if self.hashed is not None else \
-            Marks(spec.shard_rows[k]) if spec.resident else None
-
-
-def _without(ids: torch.Tensor, values: torch.Tensor, zeros: list[np.ndarray]) -> tuple:
-    """A hash shard's pushed rows less those of ``zeros`` (ids it read as zeros)."""
-    keep = torch.from_numpy(~np.isin(ids.numpy(), np.concatenate(zeros)))
-    return ids[keep], values[keep], None
-
-
-def _frozen(group: dict) -> dict:
-    """The hyper-parameters of a param group as they are now (tensors copied: the next
-    step's values are written into them in place)."""
-    return {k: v.clone() if torch.is_tensor(v) else v for k, v in group.items()}
-
-
-class _Pending:
-    """A shard's row update that waits for ``RowShards.settle``: its gradient as the
-    taken pieces (summed by ``sum()``) or as rows already summed, divided by ``div``."""
-
-    __slots__ = ("div", "group", "ids", "pieces", "rows", "unit")
-
-    def __init__(self, group: dict, unit: _Unit, pieces: list | None, ids=None, rows=None,
-                 div: float = 0):
-        self.group, self.unit, self.pieces = group, unit, pieces
-        self.ids, self.rows, self.div = ids, rows, div
-
-    def sum(self) -> tuple[torch.Tensor, torch.Tensor | Plan]:
-        """(ids, their gradient): the pieces planned once (``plankernels.plan``: ids in
-        first-seen order, scratch until the next step) into a ``Plan`` that the row update
-        reads in one pass, or the rows already summed."""
-        if self.pieces is None:
-            return self.ids, self.rows
-        u, pieces = self.unit, []
-        for ids, rows, bag in self.pieces:
-            if len(ids):
-                pieces.append((ids, None, None, rows))
-            if bag is not None:
-                part, grads = bag
-                pieces.append((part.ids, part.bag, part.weights, grads))
-        plan = plankernels.plan(pieces, u.scratch.plan_marks(u.param.shape[0]), u.scratch,
-                                u.spec.row_shape)
-        self.ids, self.rows, self.pieces = plan.ids, plan, None
-        return self.ids, self.rows
-
-
-def _place(state: dict, shape: torch.Size) -> bool:
-    """``state``'s tensors of a shard's ``shape`` copied into ``table_zeros``' memory (the
-    old ones freed on return); whether there were any."""
-    keys = [k for k, v in state.items() if torch.is_tensor(v) and v.shape == shape]
-    for key in keys:
-        state[key] = kernels.table_copy(state[key])
-    return bool(keys)
 
 
 class RowShards:
@@ -141,12 +51,12 @@ class RowShards:
         self.W = len(worker_ranks)
         self.tags = {k: Tag.of(k, spec.opt_id) for k in (Tag.SPARSE, Tag.LOOKUP, Tag.ROWS,
                                                            Tag.CHANGED, Tag.TABLE, Tag.INIT)}
-        self.units: list[_Unit] = []
+        self.units: list[Unit] = []
         for t in spec.tables:
             for k, owner in enumerate(t.owners):
                 if owner == ps_index:
                     rows = kernels.table_zeros((t.shard_rows[k], *t.row_shape), t.dtype)
-                    self.units.append(_Unit(t, k, torch.nn.Parameter(rows), label))
+                    self.units.append(Unit(t, k, torch.nn.Parameter(rows), label))
         self.kinds = [(u.spec.dtype, u.spec.row_shape) for u in self.units]
         names = [u.spec.name for u in self.units]
         self.groups = [names.index(n) for n in names]      # the table of each unit
@@ -161,7 +71,7 @@ class RowShards:
         self.full = [True] * self.W        # every worker gets whole shards first
         self.sends: list[tuple[MPI.Request, object]] = []
         self.bytes_in = self.bytes_out = 0      # rows messages, for the statistics log
-        self.pending: list[_Pending] = []       # row updates for settle()
+        self.pending: list[Pending] = []       # row updates for settle()
         self.step_rows: list = [None] * len(self.units)    # rows the last step changed
         self.optimizer = None
         self.snaps: dict = {}                   # a checkpoint's snapshot, by unit not read yet
@@ -193,7 +103,7 @@ class RowShards:
         moved = False
         for u in self.units:
             if u.param in optimizer.state:
-                moved |= _place(optimizer.state[u.param], u.param.shape)
+                moved |= place(optimizer.state[u.param], u.param.shape)
         if moved:
             heap.release()          # the heap's copies go back to the kernel
 
@@ -287,7 +197,7 @@ class RowShards:
                 bags = pooled.bag_grads(buf, end, [u.param for u in self.units], self.groups)
         except ValueError as exc:
             raise ProtocolError(f"{self.label}: worker {w} sent table rows: {exc}") from None
-        parts = [(ids, values, bag) if not zeros else _without(ids, values, zeros)
+        parts = [(ids, values, bag) if not zeros else without_zeros(ids, values, zeros)
                  for (ids, values), bag, zeros in zip(rows, bags, unseen)]
         if self.claims[w]:
             slot = self.claims[w].popleft()
@@ -410,7 +320,7 @@ class RowShards:
             if sparse and how != "per_row" and handles_rows(optimizer, group, u.param) and \
                     kernels.available(u.param) and u.param.is_contiguous():
                 u.param.grad = None
-                item = _Pending(_frozen(group), u, [piece for _, piece in taken],
+                item = Pending(frozen(group), u, [piece for _, piece in taken],
                                 div=count if how == "mean" and count > 1 else 0)
                 if not u.spec.resident:         # the rows that change, for the workers now
                     self._note(n, item.sum()[0].clone())    # (sum()'s ids are scratch)
@@ -431,13 +341,13 @@ class RowShards:
                 continue
             if handles_rows(optimizer, group, u.param):
                 u.param.grad = None
-                self.pending.append(_Pending(_frozen(group), u, None, ids, rows))
+                self.pending.append(Pending(frozen(group), u, None, ids, rows))
             else:
                 u.param.grad = self._sparse(ids, rows, shape)
             self._note(n, ids)
 
     @staticmethod
-    def _as_rows(u: _Unit, piece: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    def _as_rows(u: Unit, piece: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """A taken piece as (unique local ids, gradient rows): a pooled part's bags turned
         into rows and added after the push's own rows of the shard."""
         ids, rows, bag = piece
@@ -508,14 +418,14 @@ class RowShards:
         step's row updates made."""
         self.settle()
         rows = self.step_rows[n]
-        return rows.sum()[0] if isinstance(rows, _Pending) else rows
+        return rows.sum()[0] if isinstance(rows, Pending) else rows
 
     def before_update(self, n: int, rows) -> None:
         """Rows of unit ``n`` (local ids, or True: all) that a function of ``opt.update``
         is about to change: a snapshot not read yet keeps them as they are."""
         self._changing(self.units[n], rows)
 
-    def _changing(self, u: _Unit, rows) -> None:
+    def _changing(self, u: Unit, rows) -> None:
         """Rows of ``u`` (local ids, or True: all) are about to change: a checkpoint's
         snapshot not read yet keeps them, and the next incremental file holds them."""
         if self.snaps and u.unit in self.snaps:
@@ -553,7 +463,7 @@ class RowShards:
             self._send(pack_rows(step, 0, parts), self.worker_ranks[w], self.tags[Tag.CHANGED])
 
     @staticmethod
-    def _empty(u: _Unit) -> torch.Tensor:
+    def _empty(u: Unit) -> torch.Tensor:
         return torch.empty(0, *u.spec.row_shape, dtype=u.spec.dtype)
 
     def reset(self) -> None:
@@ -595,7 +505,7 @@ class RowShards:
             error = exc
         self.comm.send(error, dest=rank, tag=self.tags[Tag.TABLE])
 
-    def _on_hash_request(self, u: _Unit, request, rank: int, optimizer) -> None:
+    def _on_hash_request(self, u: Unit, request, rank: int, optimizer) -> None:
         what = request[0]
         if what == "read":
             answer = u.hashed.read(optimizer, request[2])
@@ -614,7 +524,7 @@ class RowShards:
                 answer = exc
         self.comm.send(answer, dest=rank, tag=self.tags[Tag.TABLE])
 
-    def _write(self, u: _Unit, weight, saved, optimizer) -> None:
+    def _write(self, u: Unit, weight, saved, optimizer) -> None:
         self._changing(u, True)
         with torch.no_grad():
             if weight is not None:

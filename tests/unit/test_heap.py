@@ -102,7 +102,7 @@ PLACE = r"""
 import json, os, torch
 from mpisync.native import kernels
 from mpisync.ps import heap
-from mpisync.ps.rows import _place
+from mpisync.ps.rowunits import place as _place
 
 def resident():
     with open("/proc/self/statm") as f:
