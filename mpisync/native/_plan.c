@@ -67,7 +67,7 @@ void plan_order(int64_t total, const int64_t *pos, const int64_t *grow, const vo
         return 0;                                                                            \
     } while (0)
 
-static inline void plan_prefetch(const void *row, int64_t nbytes)
+ROW_INLINE void plan_prefetch(const void *row, int64_t nbytes)
 {
     const char *p = (const char *)row;
     for (int64_t at = 0; at < nbytes; at += 64)
@@ -77,9 +77,9 @@ static inline void plan_prefetch(const void *row, int64_t nbytes)
 #define PLAN_KERNELS(T, S)                                                                   \
 /* Output row u's gradient into o (its first row, then each later one added); the rows of */ \
 /* output row u + PLAN_AHEAD / 2 are fetched meanwhile. */                                   \
-static inline void plan_grad_##S(int64_t u, int64_t hi, const int64_t *start,                \
-                                 const int64_t *src, const T *wt, const T *grads,            \
-                                 int64_t dim, T *o)                                          \
+ROW_INLINE void plan_grad_##S(int64_t u, int64_t hi, const int64_t *start,                   \
+                           const int64_t *src, const T *wt, const T *grads,                  \
+                              int64_t dim, T *o)                                             \
 {                                                                                            \
     if (u + PLAN_AHEAD / 2 < hi)                                                             \
         for (int64_t f = start[u + PLAN_AHEAD / 2]; f < start[u + PLAN_AHEAD / 2 + 1]; f++)  \
@@ -111,18 +111,25 @@ void plan_sqrt_##S(int64_t n, T *x, void *root, long long mode)                 
 }                                                                                            \
                                                                                              \
 /* The gradient rows of [lo, hi), written (for an optimizer without a planned kernel). */    \
-void plan_rows_##S(int64_t lo, int64_t hi, const int64_t *start, const int64_t *src,         \
-                   const T *wt, const T *grads, int64_t dim, T *out)                         \
+ROW_INLINE void plan_rows_body_##S(int64_t lo, int64_t hi, const int64_t *start,             \
+                                   const int64_t *src, const T *wt, const T *grads,          \
+                                   int64_t dim, T *out)                                      \
 {                                                                                            \
     for (int64_t u = lo; u < hi; u++)                                                        \
         plan_grad_##S(u, hi, start, src, wt, grads, dim, out + u * dim);                     \
 }                                                                                            \
                                                                                              \
+void plan_rows_##S(int64_t lo, int64_t hi, const int64_t *start, const int64_t *src,         \
+                   const T *wt, const T *grads, int64_t dim, T *out)                         \
+{                                                                                            \
+    BY_DIM_##S(plan_rows_body_##S(lo, hi, start, src, wt, grads, DIM, out));                 \
+}                                                                                            \
+                                                                                             \
 /* ``axpy_rows`` on the output rows [lo, hi): param[id] = fma(alpha, sign * (g / div),     */ \
 /* param[id]).                                                                              */ \
-static inline void plan_axpy_body_##S(int64_t lo, int64_t hi, const int64_t *ids,            \
-    const int64_t *start, const int64_t *src, const T *wt,                                   \
-    const T *grads, int64_t dim, int how, T div, T inv, T sign, T alpha, T *param, T *o)     \
+ROW_INLINE void plan_axpy_body_##S(int64_t lo, int64_t hi, const int64_t *ids,               \
+ const int64_t *start, const int64_t *src, const T *wt,                                      \
+ const T *grads, int64_t dim, int how, T div, T inv, T sign, T alpha, T *param, T *o)        \
 {                                                                                            \
     for (int64_t u = lo; u < hi; u++) {                                                      \
         if (u + PLAN_AHEAD < hi)                                                             \
@@ -136,17 +143,18 @@ int plan_axpy_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *sta
                   const int64_t *src, const T *wt, const T *grads,                           \
                   int64_t dim, T div, T sign, T alpha, T *param)                             \
 {                                                                                            \
-    WITH_BUFFER(T, dim, plan_axpy_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW,     \
-                                           div, (T)1 / div, sign, alpha, param, o));         \
+    WITH_BUFFER(T, dim,                                                                      \
+                BY_DIM_##S(plan_axpy_body_##S(lo, hi, ids, start, src, wt, grads, DIM, HOW,  \
+                                              div, (T)1 / div, sign, alpha, param, o)));     \
 }                                                                                            \
                                                                                              \
 /* ``adagrad_sum_rows``, torch's square root and ``adagrad_apply_rows`` on the output rows */ \
 /* [lo, hi), PLAN_BLOCK at a time: x = sign * (g / div); sum[id] += x * x;                */ \
 /* param[id] = fma(alpha, x / (sqrt(sum[id]) + eps), param[id]).                           */ \
-static inline void plan_adagrad_body_##S(int64_t lo, int64_t hi, const int64_t *ids,         \
-    const int64_t *start, const int64_t *src, const T *wt,                                   \
-    const T *grads, int64_t dim, int how, T div, T inv, T sign, T eps, T alpha, T *sum,      \
-    T *param, sqrt_##S##_fn root, long long mode, T *o, T *d)                                \
+ROW_INLINE void plan_adagrad_body_##S(int64_t lo, int64_t hi, const int64_t *ids,            \
+ const int64_t *start, const int64_t *src, const T *wt,                                      \
+ const T *grads, int64_t dim, int how, T div, T inv, T sign, T eps, T alpha, T *sum,         \
+ T *param, sqrt_##S##_fn root, long long mode, T *o, T *d)                                   \
 {                                                                                            \
     for (int64_t b = lo; b < hi; b += PLAN_BLOCK) {                                          \
         int64_t m = hi - b < PLAN_BLOCK ? hi - b : PLAN_BLOCK;                               \
@@ -173,17 +181,18 @@ int plan_adagrad_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *
                      void *root, long long mode)                                             \
 {                                                                                            \
     WITH_BUFFER(T, 2 * PLAN_BLOCK * dim,                                                     \
-                plan_adagrad_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,     \
-                                      (T)1 / div, sign, eps, alpha, sum, param,              \
-                                      (sqrt_##S##_fn)root, mode, o, o + PLAN_BLOCK * dim));  \
+                BY_DIM_##S(plan_adagrad_body_##S(lo, hi, ids, start, src, wt, grads, DIM,    \
+                                                 HOW, div, (T)1 / div, sign, eps, alpha,     \
+                                                 sum, param, (sqrt_##S##_fn)root, mode, o,   \
+                                                 o + PLAN_BLOCK * dim)));                    \
 }                                                                                            \
                                                                                              \
 /* ``rowwise_rows`` on the output rows [lo, hi), PLAN_BLOCK at a time (its BLOCK's steps   */ \
 /* per row, in its order: squares, accumulator, multiplier, update).                       */ \
-static inline void plan_rowwise_body_##S(int64_t lo, int64_t hi, const int64_t *ids,         \
-    const int64_t *start, const int64_t *src, const T *wt,                                   \
-    const T *grads, int64_t dim, int how, T div, T inv, T sign, T lr, T eps, T *total,       \
-    T *param, T *o)                                                                          \
+ROW_INLINE void plan_rowwise_body_##S(int64_t lo, int64_t hi, const int64_t *ids,            \
+ const int64_t *start, const int64_t *src, const T *wt,                                      \
+ const T *grads, int64_t dim, int how, T div, T inv, T sign, T lr, T eps, T *total,          \
+ T *param, T *o)                                                                             \
 {                                                                                            \
     T mult[PLAN_BLOCK];                                                                      \
     for (int64_t b = lo; b < hi; b += PLAN_BLOCK) {                                          \
@@ -210,8 +219,9 @@ int plan_rowwise_##S(int64_t lo, int64_t hi, const int64_t *ids, const int64_t *
                      int64_t dim, T div, T sign, T lr, T eps, T *total, T *param)            \
 {                                                                                            \
     WITH_BUFFER(T, PLAN_BLOCK * dim,                                                         \
-                plan_rowwise_body_##S(lo, hi, ids, start, src, wt, grads, dim, HOW, div,     \
-                                      (T)1 / div, sign, lr, eps, total, param, o));          \
+                BY_DIM_##S(plan_rowwise_body_##S(lo, hi, ids, start, src, wt, grads, DIM,    \
+                                                 HOW, div, (T)1 / div, sign, lr, eps, total, \
+                                                 param, o)));                                \
 }
 
 SQUARES(float, f32)

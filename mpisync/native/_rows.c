@@ -19,7 +19,7 @@
 #define ROWS_AHEAD 8
 
 
-static inline void prefetch_row(const void *row, int64_t nbytes)
+ROW_INLINE void prefetch_row(const void *row, int64_t nbytes)
 {
     const char *p = (const char *)row;
     for (int64_t at = 0; at < nbytes; at += 64)
@@ -360,9 +360,9 @@ int64_t split_ids(int64_t n, const int64_t *ids, int64_t div, int64_t num_rows, 
 #define KERNELS(T, S)                                                                        \
 /* out[slot[ids[i]]] += weights[i] * grads[bag[i]], in the order of i, into a zeroed out; */ \
 /* only the output rows in [lo, hi) (a thread's share: every row's additions are its own). */ \
-void bag_rows_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *weights,       \
-                  const T *grads, int64_t dim, const int64_t *slot, int64_t lo, int64_t hi,  \
-                  T *out)                                                                    \
+ROW_INLINE void bag_rows_body_##S(int64_t n, const int64_t *ids, const int64_t *bag,         \
+                                  const T *weights, const T *grads, int64_t dim,             \
+                                  const int64_t *slot, int64_t lo, int64_t hi, T *out)       \
 {                                                                                            \
     for (int64_t i = 0; i < n; i++) {                                                        \
         int64_t s = slot[ids[i]];                                                            \
@@ -383,10 +383,18 @@ void bag_rows_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *we
     }                                                                                        \
 }                                                                                            \
                                                                                              \
+void bag_rows_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *weights,       \
+                  const T *grads, int64_t dim, const int64_t *slot, int64_t lo, int64_t hi,  \
+                  T *out)                                                                    \
+{                                                                                            \
+    BY_DIM_##S(bag_rows_body_##S(n, ids, bag, weights, grads, DIM, slot, lo, hi, out));      \
+}                                                                                            \
+                                                                                             \
 /* Each bag's sum of its rows: out[bag[i]] += weights[i] * rows[ids[i]], in the order of */  \
 /* i, into a zeroed out (the pooled answer to a lookup); only the bags in [lo, hi).        */ \
-void bag_sums_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *weights,       \
-                  const T *rows, int64_t dim, int64_t lo, int64_t hi, T *out)                \
+ROW_INLINE void bag_sums_body_##S(int64_t n, const int64_t *ids, const int64_t *bag,         \
+                                  const T *weights, const T *rows, int64_t dim, int64_t lo,  \
+                                  int64_t hi, T *out)                                        \
 {                                                                                            \
     for (int64_t i = 0; i < n; i++) {                                                        \
         if (i + AHEAD < n && bag[i + AHEAD] >= lo && bag[i + AHEAD] < hi)                    \
@@ -408,6 +416,12 @@ void bag_sums_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *we
     }                                                                                        \
 }                                                                                            \
                                                                                              \
+void bag_sums_##S(int64_t n, const int64_t *ids, const int64_t *bag, const T *weights,       \
+                  const T *rows, int64_t dim, int64_t lo, int64_t hi, T *out)                \
+{                                                                                            \
+    BY_DIM_##S(bag_sums_body_##S(n, ids, bag, weights, rows, DIM, lo, hi, out));             \
+}                                                                                            \
+                                                                                             \
 /* ``bag_sums`` where bag never decreases: its positions of the bags in [lo, hi) are one */ \
 /* stretch, found by bisection instead of passing over every position. */                  \
 void bag_sums_sorted_##S(int64_t n, const int64_t *ids, const int64_t *bag,                  \
@@ -420,7 +434,8 @@ void bag_sums_sorted_##S(int64_t n, const int64_t *ids, const int64_t *bag,     
 }                                                                                            \
                                                                                              \
 /* out[i] = rows[ids[i]] (a rows answer to a lookup, straight into its message). */          \
-void gather_##S(int64_t n, const int64_t *ids, const T *rows, int64_t dim, T *out)           \
+ROW_INLINE void gather_body_##S(int64_t n, const int64_t *ids, const T *rows, int64_t dim,   \
+                                T *out)                                                      \
 {                                                                                            \
     for (int64_t i = 0; i < n; i++) {                                                        \
         if (i + AHEAD < n)                                                                   \
@@ -429,11 +444,16 @@ void gather_##S(int64_t n, const int64_t *ids, const T *rows, int64_t dim, T *ou
     }                                                                                        \
 }                                                                                            \
                                                                                              \
+void gather_##S(int64_t n, const int64_t *ids, const T *rows, int64_t dim, T *out)           \
+{                                                                                            \
+    BY_DIM_##S(gather_body_##S(n, ids, rows, DIM, out));                                     \
+}                                                                                            \
+                                                                                             \
 /* Adagrad's accumulator on rows: x = sign * (grad / div); sum[id] += x * x;               */ \
 /* out = the new sum[id] (torch then takes out's square root: its sqrt is its own).        */ \
-static inline void adagrad_sum_body_##S(int64_t n, const int64_t *ids, const T *grad,        \
-                                        int64_t dim, int how, T div, T inv, T sign, T *sum,  \
-                                        T *out)                                              \
+ROW_INLINE void adagrad_sum_body_##S(int64_t n, const int64_t *ids, const T *grad,           \
+                                     int64_t dim, int how, T div, T inv, T sign, T *sum,     \
+                                     T *out)                                                 \
 {                                                                                            \
     for (int64_t i = 0; i < n; i++) {                                                        \
         if (i + AHEAD < n)                                                                   \
@@ -446,14 +466,15 @@ static inline void adagrad_sum_body_##S(int64_t n, const int64_t *ids, const T *
 void adagrad_sum_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim, T div,  \
                           T sign, T *sum, T *out)                                            \
 {                                                                                            \
-    DISPATCH(adagrad_sum_body_##S(n, ids, grad, dim, HOW, div, (T)1 / div, sign, sum, out)); \
+    DISPATCH(BY_DIM_##S(adagrad_sum_body_##S(n, ids, grad, DIM, HOW, div, (T)1 / div,        \
+                                             sign, sum, out)));                              \
 }                                                                                            \
                                                                                              \
 /* Adagrad's update once torch took the square root: x = sign * (grad / div);             */ \
 /* param[id] = fma(alpha, x / (std + eps), param[id]), as torch's per-row axpy rounds. */    \
-static inline void adagrad_apply_body_##S(int64_t n, const int64_t *ids, const T *grad,      \
-                                          const T *std, int64_t dim, int how, T div, T inv,  \
-                                          T sign, T eps, T alpha, T *param)                  \
+ROW_INLINE void adagrad_apply_body_##S(int64_t n, const int64_t *ids, const T *grad,         \
+                                       const T *std, int64_t dim, int how, T div, T inv,     \
+                                       T sign, T eps, T alpha, T *param)                     \
 {                                                                                            \
     for (int64_t i = 0; i < n; i++) {                                                        \
         if (i + AHEAD < n)                                                                   \
@@ -466,13 +487,13 @@ static inline void adagrad_apply_body_##S(int64_t n, const int64_t *ids, const T
 void adagrad_apply_rows_##S(int64_t n, const int64_t *ids, const T *grad, const T *std,      \
                             int64_t dim, T div, T sign, T eps, T alpha, T *param)            \
 {                                                                                            \
-    DISPATCH(adagrad_apply_body_##S(n, ids, grad, std, dim, HOW, div, (T)1 / div, sign, eps, \
-                                    alpha, param));                                          \
+    DISPATCH(BY_DIM_##S(adagrad_apply_body_##S(n, ids, grad, std, DIM, HOW, div,             \
+                                               (T)1 / div, sign, eps, alpha, param)));       \
 }                                                                                            \
                                                                                              \
 /* param[id] = fma(alpha, sign * (grad / div), param[id]): torch's dense += alpha * sparse. */ \
-static inline void axpy_body_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim,  \
-                                 int how, T div, T inv, T sign, T alpha, T *param)           \
+ROW_INLINE void axpy_body_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim,     \
+                              int how, T div, T inv, T sign, T alpha, T *param)              \
 {                                                                                            \
     for (int64_t i = 0; i < n; i++) {                                                        \
         if (i + AHEAD < n)                                                                   \
@@ -484,7 +505,8 @@ static inline void axpy_body_##S(int64_t n, const int64_t *ids, const T *grad, i
 void axpy_rows_##S(int64_t n, const int64_t *ids, const T *grad, int64_t dim, T div, T sign, \
                    T alpha, T *param)                                                        \
 {                                                                                            \
-    DISPATCH(axpy_body_##S(n, ids, grad, dim, HOW, div, (T)1 / div, sign, alpha, param));    \
+    DISPATCH(BY_DIM_##S(axpy_body_##S(n, ids, grad, DIM, HOW, div, (T)1 / div, sign,         \
+                                      alpha, param)));                                       \
 }                                                                                            \
                                                                                              \
 /* Two pieces of sorted distinct ids merged: each id once, in order; a's row, plus b's    */ \

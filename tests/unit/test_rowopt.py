@@ -116,8 +116,9 @@ def test_merge_refuses_unsorted_ids_and_rows_outside_the_shard(row_code):
 
 
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("dim, dtype", [(3, torch.float32), (64, torch.float32),
-                                        (5, torch.float64)])
+@pytest.mark.parametrize("dim, dtype", [(3, torch.float32), (16, torch.float32),
+                                        (32, torch.float32), (64, torch.float32),
+                                        (128, torch.float32), (5, torch.float64)])
 def test_bag_gradients_become_rows_as_torch_sums_them(weighted, dim, dtype):
     """A pooled push's bags to rows: the kernel against the gather, product and
     ``index_add_`` of the torch code (ids repeated within and across bags), bitwise."""
@@ -179,8 +180,10 @@ def summed_in_order(pieces) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, total
 
 
-@pytest.mark.parametrize("dim, dtype", [(4, torch.float32), (64, torch.float32),
-                                        (67, torch.float32), (5, torch.float64)])
+@pytest.mark.parametrize("dim, dtype", [(4, torch.float32), (16, torch.float32),
+                                        (32, torch.float32), (64, torch.float32),
+                                        (67, torch.float32), (128, torch.float32),
+                                        (5, torch.float64)])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("given", ["rows", "plan"])
 def test_row_update_is_bitwise_torchs_sparse_step(name, dim, dtype, row_code, given):
@@ -476,8 +479,9 @@ def test_a_step_of_pooled_pushes_is_within_rounding_of_the_rows_merged(how, row_
 
 # -- lookups answered straight into the reply --------------------------------------------------
 @needs_kernels
-@pytest.mark.parametrize("row_shape, dtype", [((4,), torch.float32), ((64,), torch.float32),
-                                              ((2, 3), torch.float64)])
+@pytest.mark.parametrize("row_shape, dtype", [((4,), torch.float32), ((16,), torch.float32),
+                                              ((32,), torch.float32), ((64,), torch.float32),
+                                              ((128,), torch.float32), ((2, 3), torch.float64)])
 def test_a_lookup_is_answered_the_same_with_and_without_the_kernels(row_shape, dtype,
                                                                      monkeypatch):
     """Two shards of one table pooled (their sums added row after row into one block,
@@ -507,13 +511,15 @@ def test_a_lookup_is_answered_the_same_with_and_without_the_kernels(row_shape, d
 
 # -- row-wise Adagrad: the kernel and its torch code ------------------------------------------
 @needs_kernels
-@pytest.mark.parametrize("shape", [(40, 64), (30, 5), (25, 2, 3), (17,), ()])
+@pytest.mark.parametrize("shape", [(40, 64), (20, 16), (20, 32), (20, 128), (30, 5),
+                                   (25, 2, 3), (17,), ()])
 @pytest.mark.parametrize("kw", [{}, {"maximize": True, "initial_accumulator_value": 0.3},
                                 {"weight_decay": 0.1, "eps": 1e-3}, {"lr": "tensor"}])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_rowwise_adagrad_kernel_is_bitwise_its_torch_code(shape, kw, dtype, monkeypatch):
-    """Dense and sparse steps and the ps's rows (sums divided by 2 and by 3 in the update):
-    the compiled kernel and the torch code give the same bits, state included."""
+    """Dense and sparse steps and the ps's rows (sums divided by 2 and by 3 in the update),
+    given as rows or as the ps's plan of them: the compiled kernels and the torch code give
+    the same bits, state included, at every row width the kernels write out in full."""
     kw = {**kw, "lr": torch.tensor(0.05)} if kw.get("lr") == "tensor" else {"lr": 0.05, **kw}
     g = torch.Generator().manual_seed(len(shape))
     w0 = torch.randn(shape, generator=g, dtype=dtype)
@@ -521,25 +527,29 @@ def test_rowwise_adagrad_kernel_is_bitwise_its_torch_code(shape, kw, dtype, monk
     picks = [torch.randperm(shape[0], generator=g)[:max(1, shape[0] // 2)] if shape else None
              for _ in range(3)]
 
-    def train():
+    def train(given: str):
         p, q = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
         opt, ps = mpisync.RowWiseAdagrad([p], **kw), mpisync.RowWiseAdagrad([q], **kw)
         for grad, ids, div in zip(grads, picks, (0, 2, 3)):
             p.grad = grad.clone()
             opt.step()
             if ids is not None:
-                apply_rows(ps, ps.param_groups[0], q, ids, grad[ids] * max(div, 1),
-                           RowScratch(), div)
+                rows, scratch = grad[ids] * max(div, 1), RowScratch()
+                if given == "plan":             # the ps's plan of the rows, one pass
+                    rows = plankernels.plan([(ids, None, None, rows)],
+                                            scratch.plan_marks(shape[0]), scratch, shape[1:])
+                apply_rows(ps, ps.param_groups[0], q, ids, rows, scratch, div)
         return p, opt.state[p], q, ps.state[q]
 
-    compiled = train()
+    compiled = [train("rows"), train("plan")]
     monkeypatch.setattr(rowslib, "_lib", None)
-    plain = train()
-    for a, b in zip(compiled, plain):
-        if torch.is_tensor(a):
-            assert same(a, b)
-        else:
-            assert a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    plain = train("rows")
+    for run in compiled:
+        for a, b in zip(run, plain):
+            if torch.is_tensor(a):
+                assert same(a, b)
+            else:
+                assert a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
 
 
 # -- what the kernels do not take: the torch code steps in -------------------------------------
