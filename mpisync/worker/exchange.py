@@ -42,7 +42,11 @@ class Pooled:
 def split(t, ids: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor]:
     """Ids of table ``t`` by shard: ``(order, counts, local rows)``: the positions ordered
     by shard (stably), each shard's count, the local rows in that order (in one compiled
-    pass for a ``"mod"`` or ``"div"`` table where ``mpisync.native.kernels`` is available)."""
+    pass for a ``"mod"`` or ``"div"`` table where ``mpisync.native.kernels`` is available;
+    a table of one shard keeps its ids as they are)."""
+    if t.hashed is None and t.num_shards == 1 and ids.dtype == torch.int64 and \
+            kernels.all_below(ids, t.num_rows):
+        return torch.arange(len(ids)), [len(ids)], ids
     if t.hashed is None and kernels.available():
         got = kernels.split_ids(ids, t.strategy, t.num_rows, t.num_shards)
         if got is not None:
@@ -60,6 +64,9 @@ def _split_rows(t, unique: torch.Tensor):
 
 def _split_bags(t, bags: Bags) -> list[Part | None]:
     order, counts, local = split(t, bags.ids)
+    if t.num_shards == 1:       # the positions in their order; copies of the caller's ids
+        weights = None if bags.weights is None else bags.weights.clone()    # and weights
+        return [Part(local.clone(), bags.bag, weights, bags.num_bags) if len(local) else None]
     ids = torch.split(local, counts)
     bag = torch.split(bags.bag.index_select(0, order), counts)
     weights = (None,) * t.num_shards if bags.weights is None else \
