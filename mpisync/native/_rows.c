@@ -65,6 +65,38 @@ int nondecreasing(int64_t n, const int64_t *v)
     return bad == 0;
 }
 
+/* The offsets of a nondecreasing ``bag`` (n of them, each in [0, bags)): offsets[b] is the
+ * first position of bag b or after, offsets[bags] = n. Returns -1 (offsets unwritten)
+ * where bag decreases somewhere or leaves [0, bags). */
+int64_t bag_offsets(int64_t n, const int64_t *bag, int64_t bags, int64_t *offsets)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (bag[i] < 0 || bag[i] >= bags || (i && bag[i] < bag[i - 1]))
+            return -1;
+    int64_t b = 0;
+    for (int64_t i = 0; i < n; i++)
+        while (b <= bag[i])
+            offsets[b++] = i;
+    while (b <= bags)
+        offsets[b++] = n;
+    return 0;
+}
+
+/* ``bag_offsets``' inverse: bag[i] = b for i in [offsets[b], offsets[b + 1]). Returns -1
+ * (bag unwritten) unless offsets[0] = 0, offsets[bags] = n and they never decrease. */
+int64_t expand_offsets(int64_t bags, const int64_t *offsets, int64_t n, int64_t *bag)
+{
+    if (offsets[0] != 0 || offsets[bags] != n)
+        return -1;
+    for (int64_t b = 0; b < bags; b++)
+        if (offsets[b + 1] < offsets[b])
+            return -1;
+    for (int64_t b = 0; b < bags; b++)
+        for (int64_t i = offsets[b]; i < offsets[b + 1]; i++)
+            bag[i] = b;
+    return 0;
+}
+
 /* The first index of v (n of them, nondecreasing) whose value is at least x (n: none). */
 static int64_t lower_bound(int64_t n, const int64_t *v, int64_t x)
 {

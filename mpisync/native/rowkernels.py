@@ -37,8 +37,10 @@ __all__ = [
     "adagrad_sum_rows",
     "all_below",
     "axpy_rows",
+    "bag_offsets",
     "bag_rows",
     "bag_sums",
+    "expand_offsets",
     "gather",
     "holds_distinct",
     "merge_pieces",
@@ -102,6 +104,38 @@ def all_below(values: torch.Tensor, limit: int) -> bool:
         return int(values.min()) >= 0 and int(values.max()) < limit
     values = values.contiguous()
     return bool(_kernels().all_below(len(values), values.data_ptr(), limit))
+
+
+def bag_offsets(bag: torch.Tensor, num_bags: int) -> torch.Tensor | None:
+    """Where each of ``num_bags`` bags starts in ``bag`` (int64, one a position) and where
+    the last ends (``num_bags + 1`` offsets), or None where ``bag`` decreases somewhere or
+    leaves ``[0, num_bags)``."""
+    bag = bag.to(torch.int64).contiguous()
+    if not available():
+        if len(bag) and (int(bag.min()) < 0 or int(bag.max()) >= num_bags
+                         or bool((bag[1:] < bag[:-1]).any())):
+            return None
+        return torch.searchsorted(bag, torch.arange(num_bags + 1))
+    offsets = torch.empty(num_bags + 1, dtype=torch.int64)
+    if _kernels().bag_offsets(len(bag), bag.data_ptr(), num_bags, offsets.data_ptr()) < 0:
+        return None
+    return offsets
+
+
+def expand_offsets(offsets: torch.Tensor, n: int) -> torch.Tensor | None:
+    """The bag of each of ``n`` positions from ``bag_offsets``' offsets, or None where they
+    do not start at 0, end at ``n`` and never decrease."""
+    offsets = offsets.contiguous()
+    bags = len(offsets) - 1
+    if not available():
+        steps = offsets[1:] - offsets[:-1]
+        if int(offsets[0]) != 0 or int(offsets[-1]) != n or bool((steps < 0).any()):
+            return None
+        return torch.repeat_interleave(torch.arange(bags), steps)
+    bag = torch.empty(n, dtype=torch.int64)
+    if _kernels().expand_offsets(bags, offsets.data_ptr(), n, bag.data_ptr()) < 0:
+        return None
+    return bag
 
 
 def set_flags(ids: torch.Tensor, flags: torch.Tensor) -> None:

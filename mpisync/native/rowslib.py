@@ -58,6 +58,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.all_below.restype = ctypes.c_int
     lib.nondecreasing.argtypes = [_I, _P]
     lib.nondecreasing.restype = ctypes.c_int
+    lib.bag_offsets.argtypes = [_I, _P, _I, _P]
+    lib.bag_offsets.restype = _I
+    lib.expand_offsets.argtypes = [_I, _P, _I, _P]
+    lib.expand_offsets.restype = _I
     lib.distinct_upto.argtypes = [_I, _P, _I]
     lib.distinct_upto.restype = _I
     lib.unique_inverse.argtypes = [_I, _P, _P, _P]

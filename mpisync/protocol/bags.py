@@ -161,10 +161,12 @@ def rows_bytes(num_unique: int, row_bytes: int) -> int:
 
 def pooled_bytes(num_ids: int, num_bags: int, row_bytes: int, weight_bytes: int,
                  num_ps: int) -> int:
-    """Bytes one worker moves for a forward pooled at the owners, roughly: each id with its
-    bag index (and weight) out at the lookup and again with the push, and one ``num_bags``
-    x row block back from and out to each of ``num_ps`` ps ranks."""
-    return num_ids * (16 + weight_bytes) * 2 + num_bags * row_bytes * num_ps * 2
+    """Bytes one worker moves for a forward pooled at the owners, roughly: each id (and
+    weight) out at the lookup and again with the push, with the bags' ``num_bags + 1``
+    offsets to each of ``num_ps`` ps ranks (a forward's bags come in order), and one
+    ``num_bags`` x row block back from and out to each."""
+    return num_ids * (8 + weight_bytes) * 2 + num_ps * ((num_bags + 1) * 8 + num_bags *
+                                                        row_bytes) * 2
 
 
 def fewest_unique_to_pool(num_ids: int, num_bags: int, row_bytes: int, weight_bytes: int,
@@ -180,11 +182,11 @@ def pooling_pays(num_ids: int, num_unique: int, num_bags: int, row_bytes: int,
                  weight_bytes: int, num_ps: int) -> bool:
     """``pool_on_ps="auto"``: whether pooling at the owners moves fewer bytes than rows.
 
-    Per id, pooling sends its int64 id and bag index (and weight) twice; the rows path
-    sends each unique id and its row twice (264 bytes each way for 64 float32), and
-    pooling sends each bag's pooled row to and from each of ``num_ps`` ps ranks. For 64
-    float32 on one ps rank and ids that rarely repeat, pooling pays from about one id and
-    a bit per bag; ids repeated across the batch (few unique ones) favour the rows.
+    Per id, pooling sends its int64 id (and weight) twice, and per bag its offset and its
+    pooled row to and from each of ``num_ps`` ps ranks; the rows path sends each unique id
+    and its row twice (264 bytes each way for 64 float32). For 64 float32 on one ps rank
+    and ids that rarely repeat, pooling pays from a little over one id a bag; ids repeated
+    across the batch (few unique ones) favour the rows.
     """
     return pooled_bytes(num_ids, num_bags, row_bytes, weight_bytes, num_ps) < \
         rows_bytes(num_unique, row_bytes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,7 +26,9 @@ __all__ = ["EXCHANGE", "POOLED", "Part", "answer", "bag_grads", "block_order", "
 EXCHANGE = -2   # RowsField.MARK of a lookup in this layout (a rows lookup, ``pack_rows``, -1)
 POOLED = -3     # RowsField.MARK of a push's pooled section, after its rows message
 HEAD = RowsField.COUNT    # int64 words: [mark, 0, parts] (RowsField), then per part:
-PER_PART = 3              # [count, num_bags, weighted]
+PER_PART = 3              # [count, num_bags, flags]
+WEIGHTED = 1              # flags: the part has weights
+AS_OFFSETS = 2            # flags: its bags as num_bags + 1 offsets (bags never decreasing)
 
 
 @dataclass
@@ -37,10 +39,24 @@ class Part:
     bag: torch.Tensor | None = None          # None: a rows part
     weights: torch.Tensor | None = None      # None: every weight is 1
     num_bags: int = -1
+    # the bags as they travel: offsets where they never decrease (a lookup's bags come in
+    # order: num_bags + 1 words instead of one a position), else the bag of each position;
+    # found once (``wire_bags``), for the lookup and again for the push
+    wire: tuple[torch.Tensor, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def pooled(self) -> bool:
         return self.bag is not None
+
+    def wire_bags(self) -> tuple[torch.Tensor, int]:
+        """(what a message holds of the bags, its flag: ``AS_OFFSETS`` or 0)."""
+        if self.bag is None:
+            raise ValueError("a rows part has no bags")
+        if self.wire is None:
+            offsets = kernels.bag_offsets(self.bag, self.num_bags) if self.num_bags > 0 \
+                else None
+            self.wire = (self.bag.reshape(-1), 0) if offsets is None else (offsets, AS_OFFSETS)
+        return self.wire
 
 
 def parts_nbytes(parts: list[Part | None], blocks: list[torch.Tensor]) -> int:
@@ -48,7 +64,7 @@ def parts_nbytes(parts: list[Part | None], blocks: list[torch.Tensor]) -> int:
     size = 8 * (HEAD + PER_PART * len(parts))
     for p in parts:
         if p is not None:
-            size += 8 * len(p.ids) * (2 if p.pooled else 1)
+            size += 8 * (len(p.ids) + (len(p.wire_bags()[0]) if p.pooled else 0))
             if p.weights is not None:
                 size += pad8(p.weights.numel() * p.weights.element_size())
     return size + sum(pad8(b.numel() * b.element_size()) for b in blocks)
@@ -56,8 +72,9 @@ def parts_nbytes(parts: list[Part | None], blocks: list[torch.Tensor]) -> int:
 
 def pack_parts(mark: int, parts: list[Part | None], blocks: list[torch.Tensor],
                into: np.ndarray | None = None, start: int = 0) -> np.ndarray:
-    """One message: ``[mark, 0, n]``, per part ``[count, num_bags (-1: rows), weighted]``,
-    then each part's ids, bags and weights (8-byte padded), then ``blocks`` (each padded).
+    """One message: ``[mark, 0, n]``, per part ``[count, num_bags (-1: rows), flags]``
+    (``WEIGHTED``, ``AS_OFFSETS``), then each part's ids, bags (``Part.wire_bags``) and
+    weights (8-byte padded), then ``blocks`` (each padded).
 
     ``into``: a byte buffer to write it into from ``start`` (``into[:start]`` is left as
     it is; the result is ``into[:start + size]``); default a new one.
@@ -83,9 +100,11 @@ def pack_parts(mark: int, parts: list[Part | None], blocks: list[torch.Tensor],
         if p is None:
             words[HEAD + PER_PART * n:HEAD + PER_PART * (n + 1)] = (0, -1, 0)
             continue
+        bags, flag = p.wire_bags() if p.pooled else (None, 0)
         words[HEAD + PER_PART * n:HEAD + PER_PART * (n + 1)] = (
-            len(p.ids), p.num_bags if p.pooled else -1, int(p.weights is not None))
-        for t in (p.ids, p.bag, p.weights):
+            len(p.ids), p.num_bags if p.pooled else -1,
+            (WEIGHTED if p.weights is not None else 0) | flag)
+        for t in (p.ids, bags, p.weights):
             if t is not None:
                 put(t.reshape(-1))
     for b in blocks:
@@ -114,24 +133,31 @@ def unpack_parts(buf: np.ndarray, dtypes: list[torch.dtype], start: int = 0
     words = buf[start + 8 * HEAD:at].view(np.int64).reshape(n, PER_PART).tolist()
     t = torch.from_numpy(buf)
     parts: list[Part | None] = []
-    for (count, num_bags, weighted), dtype in zip(words, dtypes):
+    for (count, num_bags, flags), dtype in zip(words, dtypes):
         if count == 0:
             parts.append(None)
             continue
-        need = 8 * count * (2 if num_bags >= 0 else 1) + (
-            pad8(count * dtype.itemsize) if weighted else 0)
+        weighted, as_offsets = flags & WEIGHTED, flags & AS_OFFSETS and num_bags >= 0
+        bag_words = 0 if num_bags < 0 else num_bags + 1 if as_offsets else count
+        need = 8 * (count + bag_words) + (pad8(count * dtype.itemsize) if weighted else 0)
         if count < 0 or at + need > buf.nbytes:
             raise ValueError(f"a lookup of {buf.nbytes - start} bytes, too short for its parts")
         ids = t[at:at + 8 * count].view(torch.int64)
         at += 8 * count
-        bag = weights = None
+        bag = weights = wire = None
         if num_bags >= 0:
-            bag = t[at:at + 8 * count].view(torch.int64)
-            at += 8 * count
+            bag = t[at:at + 8 * bag_words].view(torch.int64)
+            at += 8 * bag_words
+            if as_offsets:
+                wire = (bag, AS_OFFSETS)
+                bag = kernels.expand_offsets(bag, count)
+                if bag is None:
+                    raise ValueError("a lookup whose bags' offsets do not run from 0 to its "
+                                     "count in order")
         if weighted:
             weights = t[at:at + count * dtype.itemsize].view(dtype)
             at += pad8(count * dtype.itemsize)
-        parts.append(Part(ids, bag, weights, num_bags))
+        parts.append(Part(ids, bag, weights, num_bags, wire))
     return mark, parts, at
 
 

@@ -35,9 +35,11 @@ def test_mpisync_pooled_run_counts_its_bytes():
     # the library's default, "auto", pools bags of 20 ids that rarely repeat
     assert got["global_step"] == 4 and got["pool_on_ps"] == "auto" and got["pooled"], got
     moved = got["bytes_per_step"]
-    # 64 bags of 20 ids: each id and its bag out twice, 64 pooled rows back and out
+    # 64 bags of 20 ids: each id out twice with the bags' 65 offsets (the bags come in
+    # order), 64 pooled rows back and out; the header, 8 words
+    ids_out = 8 * 64 * 20 + 8 * 65
     assert moved["lookup_received"] == 64 * 256, got
-    assert moved["lookup_sent"] >= 16 * 64 * 20, got
-    assert moved["pushed"] >= 16 * 64 * 20 + 64 * 256, got
+    assert moved["lookup_sent"] == ids_out + 8 * 6, got
+    assert moved["pushed"] >= ids_out + 64 * 256, got
     # the rows path sends 8 + 264 bytes a unique id (lookup, push): pooled, a third at most
     assert 3 * moved["worker_sent"] < 272 * got["unique_ids_per_step"], got

@@ -14,10 +14,19 @@ import torch
 from mpi_helpers import SCRIPTS
 
 import mpisync
-from mpisync.native import kernels
+from mpisync.native import kernels, rowslib
 from mpisync.protocol import partition
 from mpisync.protocol.bags import bags_of, fewest_unique_to_pool, pooling_pays
-from mpisync.protocol.pooled import EXCHANGE, POOLED, Part, answer, pack_parts, row_grads
+from mpisync.protocol.pooled import (
+    EXCHANGE,
+    POOLED,
+    Part,
+    answer,
+    pack_parts,
+    parts_nbytes,
+    row_grads,
+    unpack_parts,
+)
 
 sys.path.insert(0, str(SCRIPTS))
 from pooling_errors import BAD
@@ -137,6 +146,42 @@ def test_bad_bags_name_the_table_and_the_rank(kw, input, offsets, psw, message):
     if "include_last_offset" not in kw and "decrease" not in message:
         with pytest.raises((ValueError, RuntimeError, TypeError, IndexError)):
             torch.nn.EmbeddingBag(10, 2, **kw)(input, offsets, per_sample_weights=psw)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_bags_in_order_travel_as_offsets_and_come_back_as_they_were(compiled, monkeypatch):
+    """Bags that never decrease (empty bags among them, first and last) go as their
+    num_bags + 1 offsets, others as one bag a position; unpacked, each part is what was
+    packed. Offsets that do not run from 0 to the count in order are refused."""
+    if not compiled:
+        monkeypatch.setattr(rowslib, "_lib", None)
+    g = torch.Generator().manual_seed(5)
+    ordered = torch.tensor([1, 1, 2, 2, 2, 4, 6, 6])            # bags 0, 3, 5 and 7 empty
+    shuffled = ordered[torch.randperm(8, generator=g)]
+    parts = [Part(torch.randint(0, ROWS, (8,), generator=g), ordered, None, 8),
+             Part(torch.randint(0, ROWS, (8,), generator=g), shuffled,
+                  torch.rand(8, generator=g), 8),
+             None, Part(torch.tensor([4, 9]))]
+    msg = pack_parts(EXCHANGE, parts, [])
+    head = 8 * (3 + 3 * 4)
+    assert len(msg) == parts_nbytes(parts, []) == head + 8 * (8 + 9) + 8 * (8 + 8) + 4 * 8 \
+        + 8 * 2
+    _, got, at = unpack_parts(msg, [torch.float32] * 4)
+    assert at == len(msg) and got[2] is None and not got[3].pooled
+    for a, b in zip(parts, got):
+        if a is not None:
+            assert torch.equal(a.ids, b.ids) and a.num_bags == b.num_bags
+            assert (a.bag is None and b.bag is None) or torch.equal(a.bag, b.bag)
+            assert (a.weights is None and b.weights is None) or torch.equal(a.weights,
+                                                                              b.weights)
+    offsets = torch.from_numpy(msg[head + 64:head + 64 + 72]).view(torch.int64)
+    assert offsets.tolist() == [0, 0, 2, 5, 5, 6, 6, 8, 8]
+    for bad in ([1, 0, 2, 5, 5, 6, 6, 8, 8], [0, 0, 2, 5, 4, 6, 6, 8, 8],
+                [0, 0, 2, 5, 5, 6, 6, 8, 7]):
+        broken = msg.copy()
+        broken[head + 64:head + 64 + 72] = torch.tensor(bad).numpy().view("uint8")
+        with pytest.raises(ValueError, match="offsets do not run from 0"):
+            unpack_parts(broken, [torch.float32] * 4)
 
 
 def test_pool_on_ps_is_refused_for_max_and_must_be_a_known_choice():
