@@ -15,9 +15,10 @@ POOL_CHOICES = (False, True, "auto")
 class Bags:
     """One batch of bags, flattened: what a pooled lookup sends.
 
-    ``ids[i]`` belongs to bag ``bag[i]`` with weight ``weights[i]`` (None: all 1);
-    ``padding_idx`` entries and ids past the last bag are already left out. ``counts``
-    holds each bag's number of ids (for ``mode="mean"``), ``num_bags`` the output rows.
+    ``ids[i]`` belongs to bag ``bag[i]`` with weight ``weights[i]`` (None: all 1), copies
+    of the caller's; ``padding_idx`` entries and ids past the last bag are already left
+    out. ``counts`` holds each bag's number of ids (for ``mode="mean"``), ``num_bags`` the
+    output rows.
     """
 
     ids: torch.Tensor
@@ -127,10 +128,12 @@ def _check_weights(where: str, input, per_sample_weights, mode: str) -> None:
 
 def _flatten(input, offsets, per_sample_weights, include_last_offset, padding_idx, dtype
              ) -> Bags:
-    ids = input.reshape(-1).long()
+    # copies of the caller's: kept for the backward and the push, which a loader reusing
+    # its buffers would otherwise change under them (torch's own backward would refuse)
+    ids = input.reshape(-1).to(torch.int64, copy=True)
     weights = None
     if per_sample_weights is not None:
-        weights = per_sample_weights.detach().reshape(-1).to(dtype)
+        weights = per_sample_weights.detach().reshape(-1).to(dtype, copy=True)
     if input.dim() == 2:
         num_bags, size = input.shape
         bag = torch.arange(num_bags).repeat_interleave(size)

@@ -64,9 +64,8 @@ def _split_rows(t, unique: torch.Tensor):
 
 def _split_bags(t, bags: Bags) -> list[Part | None]:
     order, counts, local = split(t, bags.ids)
-    if t.num_shards == 1:       # the positions in their order; copies of the caller's ids
-        weights = None if bags.weights is None else bags.weights.clone()    # and weights
-        return [Part(local.clone(), bags.bag, weights, bags.num_bags) if len(local) else None]
+    if t.num_shards == 1:       # the positions in their order (the bags' own copies)
+        return [Part(local, bags.bag, bags.weights, bags.num_bags) if len(local) else None]
     ids = torch.split(local, counts)
     bag = torch.split(bags.bag.index_select(0, order), counts)
     weights = (None,) * t.num_shards if bags.weights is None else \

@@ -27,6 +27,7 @@ from mpisync.protocol.pooled import (
     row_grads,
     unpack_parts,
 )
+from mpisync.tables import bagrows
 
 sys.path.insert(0, str(SCRIPTS))
 from pooling_errors import BAD
@@ -146,6 +147,34 @@ def test_bad_bags_name_the_table_and_the_rank(kw, input, offsets, psw, message):
     if "include_last_offset" not in kw and "decrease" not in message:
         with pytest.raises((ValueError, RuntimeError, TypeError, IndexError)):
             torch.nn.EmbeddingBag(10, 2, **kw)(input, offsets, per_sample_weights=psw)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in _inputs()])
+def test_the_rows_path_keeps_the_ids_and_weights_the_forward_took(name):
+    """A loader that reuses its buffers overwrites the ids and weights after the forward:
+    the rows path's backward (``bagrows.pool`` over the flattened bags) still takes the
+    forward's, as ``nn.EmbeddingBag`` given them alone would."""
+    _, kw, input, offsets, psw = next(c for c in _inputs() if c[0] == name)
+    ref = torch.nn.EmbeddingBag(ROWS, DIM, sparse=True, **kw)
+    ref(input, offsets, per_sample_weights=psw).sum().backward()
+    want = ref.weight.grad.to_dense()
+    batch, weights = input.clone(), None if psw is None else psw.clone()
+    mode, pad_id = kw["mode"], kw.get("padding_idx")
+    bags = bags_of(batch, offsets, weights, mode=mode, padding_idx=pad_id,
+                   include_last_offset=kw.get("include_last_offset", False),
+                   dtype=torch.float32)
+    unique, inverse = torch.unique(batch, sorted=True, return_inverse=True)
+    pad = None if pad_id is None or pad_id not in unique.tolist() else \
+        unique.tolist().index(pad_id)
+    rows = ref.weight.detach()[unique].requires_grad_(True)
+    out = bagrows.pool(rows, inverse.view(batch.shape), unique, bags, offsets, mode, weights,
+                       pad, kw.get("include_last_offset", False))
+    batch.fill_(0)
+    if weights is not None:
+        weights.fill_(7)
+    out.sum().backward()
+    got = torch.zeros(ROWS, DIM).index_add_(0, unique, rows.grad)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("compiled", [True, False])
