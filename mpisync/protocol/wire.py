@@ -32,6 +32,7 @@ __all__ = [
     "Tag",
     "TimingWord",
     "TokenField",
+    "absent_parts",
     "bucket_layout",
     "build_layouts",
     "entry_views",
@@ -50,7 +51,8 @@ __all__ = [
 
 #: The version of the message layouts below: every rank of a job must use the same one
 #: (``mpisync.init`` checks). Change it with any change to a layout or a message's meaning.
-WIRE_VERSION = 3       # 2: Kind.UPDATE (opt.update()); 3: pushes in buckets, 16-bit wire
+WIRE_VERSION = 4       # 2: Kind.UPDATE (opt.update()); 3: pushes in buckets, 16-bit wire;
+                       # 4: pooled bags as offsets, a rows part of no gradient counted -1
 ALIGN = 64
 
 
@@ -501,13 +503,15 @@ def pad8(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
-def pack_rows(step: int, seq: int, parts: list[tuple[torch.Tensor | None, torch.Tensor | None]]
-              ) -> np.ndarray:
+def pack_rows(step: int, seq: int, parts: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+              absent: list[bool] | None = None) -> np.ndarray:
     """One message of rows: per part, int64 local row ids and/or the rows' values.
 
     Layout: int64 ``[step, seq, n, count_0 .. count_n-1]``, then each part's ids (int64),
     then each part's values (padded to 8 bytes). A part is ``(ids, values)``; either may
-    be None when the receiver knows what it would be.
+    be None when the receiver knows what it would be. ``absent[i]``: part ``i`` (empty)
+    stands for no gradient at all, not for one without rows here: its count is -1
+    (``absent_parts``; ``unpack_rows`` reads it as empty).
     """
     counts = [len(ids) if ids is not None else (len(v) if v is not None else 0)
               for ids, v in parts]
@@ -517,7 +521,8 @@ def pack_rows(step: int, seq: int, parts: list[tuple[torch.Tensor | None, torch.
     buf = np.empty(size, np.uint8)
     words = buf[:head].view(np.int64)
     words[RowsField.STEP], words[RowsField.SEQ], words[RowsField.PARTS] = step, seq, len(parts)
-    words[RowsField.COUNT:] = counts
+    words[RowsField.COUNT:] = counts if absent is None else \
+        [-1 if a and c == 0 else c for a, c in zip(absent, counts)]
     out = torch.from_numpy(buf)
     at = head
     for ids, _ in parts:
@@ -531,6 +536,13 @@ def pack_rows(step: int, seq: int, parts: list[tuple[torch.Tensor | None, torch.
                 out[at:at + n].view(v.dtype).view(v.shape).copy_(v)
             at += pad8(n)
     return buf
+
+
+def absent_parts(buf: np.ndarray) -> list[bool]:
+    """Which parts of a rows message stand for no gradient at all (``pack_rows``'
+    ``absent``)."""
+    n = int(buf[:8 * ROWS_HEAD].view(np.int64)[RowsField.PARTS])
+    return [c < 0 for c in buf[8 * ROWS_HEAD:8 * (ROWS_HEAD + n)].view(np.int64).tolist()]
 
 
 def unpack_rows(buf: np.ndarray, rows: list[tuple[torch.dtype, tuple[int, ...]] | None],
@@ -548,7 +560,7 @@ def unpack_rows(buf: np.ndarray, rows: list[tuple[torch.dtype, tuple[int, ...]] 
     n = int(words[RowsField.PARTS])
     if n != len(rows):
         raise ValueError(f"a rows message with {n} parts, expected {len(rows)}")
-    counts = buf[8 * ROWS_HEAD:8 * (ROWS_HEAD + n)].view(np.int64).tolist()
+    counts = [max(c, 0) for c in buf[8 * ROWS_HEAD:8 * (ROWS_HEAD + n)].view(np.int64).tolist()]
     t = torch.from_numpy(buf)
     at = 8 * (ROWS_HEAD + n)
     ids = []

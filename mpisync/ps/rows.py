@@ -15,7 +15,16 @@ from ..native import kernels
 from ..observe import timeline
 from ..protocol import pooled
 from ..protocol.spec import JobSpec
-from ..protocol.wire import ROWS_HEAD, RowsField, Tag, pack_rows, pad8, rows_mark, unpack_rows
+from ..protocol.wire import (
+    ROWS_HEAD,
+    RowsField,
+    Tag,
+    absent_parts,
+    pack_rows,
+    pad8,
+    rows_mark,
+    unpack_rows,
+)
 from ..runtime.progress import Poller
 from ..tables.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
 from . import heap
@@ -25,6 +34,13 @@ from .rowunits import Pending, Unit, frozen, place, takes_sparse, without_zeros
 __all__ = ["RowShards", "takes_sparse"]
 
 _SEED_STRIDE = 1_000_003
+
+
+class Taken(list):
+    """A push's pieces, one a unit here (``(ids, rows, bags)``), and ``had[n]``: whether its
+    table had a gradient in the push (rows of other shards, if not here)."""
+
+    __slots__ = ("had",)
 
 
 class RowShards:
@@ -197,8 +213,9 @@ class RowShards:
                 bags = pooled.bag_grads(buf, end, [u.param for u in self.units], self.groups)
         except ValueError as exc:
             raise ProtocolError(f"{self.label}: worker {w} sent table rows: {exc}") from None
-        parts = [(ids, values, bag) if not zeros else without_zeros(ids, values, zeros)
-                 for (ids, values), bag, zeros in zip(rows, bags, unseen)]
+        parts = Taken((ids, values, bag) if not zeros else without_zeros(ids, values, zeros)
+                      for (ids, values), bag, zeros in zip(rows, bags, unseen))
+        parts.had = [not a for a in absent_parts(buf)]
         if self.claims[w]:
             slot = self.claims[w].popleft()
             slot.rows, slot.waiting_rows = parts, False
@@ -307,8 +324,8 @@ class RowShards:
             taken = [(s.worker, s.rows[n]) for s in chosen
                      if len(s.rows[n][0]) or s.rows[n][2] is not None]
             if not taken:
-                u.param.grad = None
-                self._note(n, None)
+                self._idle(n, u, group_of[id(u.param)], optimizer,
+                           any(s.rows.had[n] for s in chosen))
                 continue
             num_rows = u.param.shape[0]
             for w, (ids, _, _) in taken:
@@ -345,6 +362,29 @@ class RowShards:
             else:
                 u.param.grad = self._sparse(ids, rows, shape)
             self._note(n, ids)
+
+    def _idle(self, n: int, u: Unit, group: dict, optimizer, had: bool) -> None:
+        """A shard no taken push has rows for. Where the table had a gradient in the step
+        (``had``: rows of its other shards, here or on other ps ranks), the shard steps
+        with a gradient of no rows, as the whole table does in one process: an Adagrad's
+        step count and learning rate decay, SparseAdam's bias correction, a dense
+        optimizer's moments move on. Else it has none, and the optimizer passes it by."""
+        u.param.grad = None
+        if not had:
+            self._note(n, None)
+            return
+        shape = (u.param.shape[0], *u.spec.row_shape)
+        ids = torch.empty(0, dtype=torch.int64)
+        rows = torch.empty(0, *u.spec.row_shape, dtype=u.spec.dtype)
+        if not takes_sparse(optimizer, group):
+            u.param.grad = torch.zeros_like(u.param)
+            self._note(n, True)
+            return
+        if handles_rows(optimizer, group, u.param):
+            self.pending.append(Pending(frozen(group), u, None, ids, rows))
+        else:
+            u.param.grad = self._sparse(ids, rows, shape)
+        self._note(n, None)
 
     @staticmethod
     def _as_rows(u: Unit, piece: tuple) -> tuple[torch.Tensor, torch.Tensor]:

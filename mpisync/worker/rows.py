@@ -211,12 +211,17 @@ class RowsChannel:
             if table.info is None and (table.param._version != table.version
                                        or rebound(table.param)):
                 self._write_whole(table)
+        # the tables with a gradient in this push (by rows, or by bags pooled at the owners):
+        # the shards of one without rows here still step (an Adagrad's step count, Adam's
+        # moments), as the whole table does in one process
+        had = [any(p.leaf.grad is not None for p in table.pooled) for table in self.tables]
         per_table = []
-        for table in self.tables:
+        for i, table in enumerate(self.tables):
             got = self._gradient(table)
             if got is None:
                 per_table.append(None)
                 continue
+            had[i] = True
             ids, grad = got
             order, counts, local = split(table.spec, ids)
             per_table.append((torch.split(local, counts), torch.split(grad[order], counts)))
@@ -232,7 +237,7 @@ class RowsChannel:
             for i, k in shards:
                 got = per_table[i]
                 parts.append((empty, self._no_rows(i)) if got is None else (got[0][k], got[1][k]))
-            msg = pack_rows(step, seq, parts)
+            msg = pack_rows(step, seq, parts, [not had[i] for i, _ in shards])
             if sections[j] is not None:     # the bags pooled at the owners follow
                 size = msg.nbytes + parts_nbytes(*sections[j])
                 into = self.buffer(("push", j), size) if reuse else np.empty(size, np.uint8)

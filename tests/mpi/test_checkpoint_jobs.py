@@ -326,8 +326,8 @@ def test_tables_reshard_and_train_on_bitwise_as_an_unbroken_run(at_one_ps, reque
     saved = at_one_ps[0]
     shards = RESHARD_SHARDS[name]
     assert {r["shards"] for r in saved[name].values()} == {shards[0]}
-    if name == "adagrad-missed-step":       # the saved shards' counters differ
-        assert [sc["step"] for sc in saved[name][0]["scalars"]] == [rs.K, rs.K - 1]
+    if name == "adagrad-missed-step":       # a shard given no rows at a step counts it too
+        assert [sc["step"] for sc in saved[name][0]["scalars"]] == [rs.K, rs.K]
     for w, got in _loaded_at(request, ps)[name].items():
         assert got["loaded_at"] == rs.K, (name, w)
         unbroken, restored = got["unbroken"], got["restored"]

@@ -70,6 +70,12 @@ CASES = [
     Case("resident-rowwise", optimizer="rowwise"),
     Case("resident-bag-rowwise-decay-div", kind="bag", optimizer="rowwise_decay", strategy="div"),
     Case("sparse-rowwise-partitioned", kind="sparse", optimizer="rowwise", shards=2),
+    # 7 shards "div": shard 4 gets no ids in steps 2-4, and steps all the same
+    Case("resident-adagrad-idle-shard", optimizer="adagrad", strategy="div", shards=7),
+    Case("resident-sparse-adam-idle-shard", optimizer="sparse_adam", strategy="div", shards=7),
+    Case("resident-adam-idle-shard", optimizer="adam", strategy="div", shards=7),
+    Case("resident-bag-pooled-idle-shard", kind="bag", optimizer="adagrad", pool=True,
+         strategy="div", shards=7),
     Case("resident-adagrad-device", optimizer="adagrad", device="cpu"),
     Case("resident-bag-device", kind="bag", optimizer="adagrad", device="cpu"),
 ]

@@ -32,6 +32,7 @@ from mpisync.protocol.wire import (
     Tag,
     TimingWord,
     TokenField,
+    absent_parts,
     build_layouts,
     hyper_views,
     hyper_words,
@@ -120,7 +121,7 @@ def test_control_messages_round_trip():
     assert msg.nbytes == 8 * control.words
 
 
-# -- header fields by name: the bytes on the wire (WIRE_VERSION 3) ---------------------------
+# -- header fields by name: the bytes on the wire (WIRE_VERSION 4) ---------------------------
 def _positions(cls) -> dict[str, int]:
     return {k: v for k, v in vars(cls).items() if k.isupper()}
 
@@ -220,7 +221,7 @@ def test_hyper_message_by_name_is_the_bytes_of_version_3():
     assert got_words.tolist() == [10, -20, 30] and got_codes.tolist() == [1, 2, 3]
 
 
-def test_rows_head_by_name_is_the_bytes_of_version_3():
+def test_rows_head_by_name_is_the_bytes_of_version_4():
     ids = torch.tensor([4, 5], dtype=torch.int64)
     buf = pack_rows(6, 2, [(ids, None), (None, None)])
     assert buf.tobytes() == np.array([6, 2, 2, 2, 0, 4, 5], np.int64).tobytes()
@@ -228,7 +229,21 @@ def test_rows_head_by_name_is_the_bytes_of_version_3():
     assert rows_mark(buf) == 6 and rows_mark(buf[:7]) is None
 
 
-def test_pooled_head_by_name_is_the_bytes_of_version_3():
+def test_a_part_of_no_gradient_is_counted_minus_one_and_read_as_empty():
+    """A push's part whose table had no gradient at all (not one without rows here)."""
+    ids, values = torch.tensor([4, 5]), torch.ones(2, 3)
+    empty = (torch.empty(0, dtype=torch.int64), torch.empty(0, 3))
+    buf = pack_rows(6, 2, [(ids, values), empty, empty], [False, False, True])
+    assert buf[:48].view(np.int64).tolist() == [6, 2, 3, 2, 0, -1]
+    assert absent_parts(buf) == [False, False, True]
+    kinds = [(torch.float32, (3,))] * 3
+    _, _, parts = unpack_rows(buf, kinds, with_ids=True)
+    assert torch.equal(parts[0][0], ids) and torch.equal(parts[0][1], values)
+    assert all(len(p[0]) == 0 and p[1].shape == (0, 3) for p in parts[1:])
+    assert pooled.rows_section_nbytes(buf, kinds) == len(buf)
+
+
+def test_pooled_head_by_name_is_the_bytes_of_version_4():
     buf = pooled.pack_parts(pooled.EXCHANGE, [None], [])
     assert buf.tobytes() == np.array([pooled.EXCHANGE, 0, 1, 0, -1, 0], np.int64).tobytes()
     assert rows_mark(buf) == pooled.EXCHANGE
