@@ -88,8 +88,12 @@ def holders(params: Iterable[torch.Tensor]) -> dict[int, list[tuple[torch.nn.Mod
             unknown.add(id(p))
     if unknown:
         for obj in gc.get_objects():
-            if issubclass(type(obj), torch.nn.Module):     # not isinstance: no __class__ read
-                for name, p in obj._parameters.items():
+            if not issubclass(type(obj), torch.nn.Module):  # not isinstance: no __class__ read
+                continue
+            # a module whose __init__ raised before Module.__init__ may linger without them
+            own = vars(obj).get("_parameters")
+            if own is not None:
+                for name, p in own.items():
                     if p is None:
                         continue
                     if id(p) in unknown:

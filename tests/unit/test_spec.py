@@ -231,6 +231,29 @@ def test_a_sparse_embedding_tied_to_a_linear_layer_is_still_found(watched):
     assert not holders.watching() and not holders._registered
 
 
+def test_a_module_whose_init_failed_does_not_stop_the_search():
+    """A module whose ``__init__`` raised before ``Module.__init__`` ran has no
+    ``_parameters``; while it lingers in memory (a traceback, a cycle) the search among
+    the live modules passes it by and still finds the holders."""
+    from mpisync.protocol import holders
+    from mpisync.protocol.tables import sparse_modules
+
+    class Broken(torch.nn.Sequential):
+        def __init__(self):
+            raise ValueError("a layer that cannot be built")
+
+    try:
+        Broken()
+    except ValueError as exc:
+        kept = exc                                    # its traceback keeps the module
+    lingering = [o for o in kept.__traceback__.tb_next.tb_frame.f_locals.values()
+                 if isinstance(o, Broken)]
+    assert lingering and "_parameters" not in vars(lingering[0])
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    assert not holders.watching()                     # found by searching the live objects
+    assert sparse_modules([emb.weight]) == {id(emb.weight): emb}
+
+
 def test_workers_that_run_another_mpisync_are_named_at_set_up():
     from mpisync.protocol.compare import versions
 
