@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..native import kernels
-from .wire import ROWS_HEAD, RowsField, pad8
+from .wire import ROWS_HEAD, RowsField, pad8, rows_counts
 
 __all__ = ["EXCHANGE", "POOLED", "Part", "answer", "bag_grads", "block_order", "gather_rows",
            "pack_parts", "parts_nbytes", "reply_nbytes", "row_grads", "rows_of",
@@ -276,7 +276,7 @@ def rows_section_nbytes(buf: np.ndarray, kinds: list[tuple[torch.dtype, tuple[in
                         ) -> int:
     """Where a rows message (``wire.pack_rows``, ids and values) ends inside ``buf``."""
     n = len(kinds)
-    counts = [max(c, 0) for c in buf[8 * ROWS_HEAD:8 * (ROWS_HEAD + n)].view(np.int64).tolist()]
+    counts = [max(c, 0) for c in rows_counts(buf, n)]
     size = 8 * (ROWS_HEAD + n) + 8 * sum(counts)
     for c, (dtype, shape) in zip(counts, kinds):
         size += pad8(c * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)

@@ -42,6 +42,7 @@ __all__ = [
     "pack_rows",
     "pad8",
     "region_views",
+    "rows_counts",
     "rows_mark",
     "still_question",
     "tensor_view",
@@ -538,11 +539,17 @@ def pack_rows(step: int, seq: int, parts: list[tuple[torch.Tensor | None, torch.
     return buf
 
 
+def rows_counts(buf: np.ndarray, n: int) -> list[int]:
+    """The row count of each of a rows message's ``n`` parts, as its head holds them (-1:
+    an ``absent`` part of ``pack_rows``)."""
+    return buf[8 * ROWS_HEAD:8 * (ROWS_HEAD + n)].view(np.int64).tolist()
+
+
 def absent_parts(buf: np.ndarray) -> list[bool]:
     """Which parts of a rows message stand for no gradient at all (``pack_rows``'
     ``absent``)."""
-    n = int(buf[:8 * ROWS_HEAD].view(np.int64)[RowsField.PARTS])
-    return [c < 0 for c in buf[8 * ROWS_HEAD:8 * (ROWS_HEAD + n)].view(np.int64).tolist()]
+    return [c < 0 for c in rows_counts(buf, int(buf[:8 * ROWS_HEAD].view(np.int64)[
+        RowsField.PARTS]))]
 
 
 def unpack_rows(buf: np.ndarray, rows: list[tuple[torch.dtype, tuple[int, ...]] | None],
@@ -560,7 +567,7 @@ def unpack_rows(buf: np.ndarray, rows: list[tuple[torch.dtype, tuple[int, ...]] 
     n = int(words[RowsField.PARTS])
     if n != len(rows):
         raise ValueError(f"a rows message with {n} parts, expected {len(rows)}")
-    counts = [max(c, 0) for c in buf[8 * ROWS_HEAD:8 * (ROWS_HEAD + n)].view(np.int64).tolist()]
+    counts = [max(c, 0) for c in rows_counts(buf, n)]
     t = torch.from_numpy(buf)
     at = 8 * (ROWS_HEAD + n)
     ids = []

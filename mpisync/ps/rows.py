@@ -373,17 +373,16 @@ class RowShards:
         if not had:
             self._note(n, None)
             return
-        shape = (u.param.shape[0], *u.spec.row_shape)
-        ids = torch.empty(0, dtype=torch.int64)
-        rows = torch.empty(0, *u.spec.row_shape, dtype=u.spec.dtype)
         if not takes_sparse(optimizer, group):
             u.param.grad = torch.zeros_like(u.param)
             self._note(n, True)
             return
+        ids = torch.empty(0, dtype=torch.int64)
+        rows = torch.empty(0, *u.spec.row_shape, dtype=u.spec.dtype)
         if handles_rows(optimizer, group, u.param):
             self.pending.append(Pending(frozen(group), u, None, ids, rows))
         else:
-            u.param.grad = self._sparse(ids, rows, shape)
+            u.param.grad = self._sparse(ids, rows, (u.param.shape[0], *u.spec.row_shape))
         self._note(n, None)
 
     @staticmethod
