@@ -10,7 +10,7 @@ A bucket of D MiB of float32 (one parameter) is stepped, as a ps rank steps it
 ``compiled``, the reduce's pass that steps the parameters too (``Applier.compiled_step``);
 ``torch``, the compiled mean (``kernels.dense_mean``) then torch's step over the bucket
 (``Applier.apply``). Both start from the same parameters and state and must end bitwise
-equal. The heap is kept as on a serving ps rank (``mpisync.ps.heap``). Prints one JSON
+equal. The heap is kept as on a serving ps rank (``mpisync.runtime.heap``). Prints one JSON
 object: medians in ms and their ratio.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from mpisync.native import kernels
-from mpisync.ps import heap
 from mpisync.ps.fused import Applier
+from mpisync.runtime import heap
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
               "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}

@@ -13,10 +13,9 @@ from ..observe import timeline
 from ..protocol.compare import versions
 from ..protocol.spec import decode
 from ..protocol.wire import ControlField, Kind, Tag
-from ..runtime import stopping
+from ..runtime import heap, stopping
 from ..runtime.progress import SETUP_TIMEOUT, STALL_WARNING, Pace, Poller, spin_seconds
 from ..runtime.survival import improbe
-from . import heap
 from .coordinator import Coordinator
 from .shard import ShardServer
 from .steplog import StepLog

@@ -25,9 +25,9 @@ from ..protocol.wire import (
     rows_mark,
     unpack_rows,
 )
+from ..runtime import heap
 from ..runtime.progress import Poller
 from ..tables.rowopt import RowScratch, apply_rows, handles_rows, merge_rows
-from . import heap
 from .changes import state_of
 from .rowunits import Pending, Unit, frozen, place, takes_sparse, without_zeros
 

@@ -5,6 +5,7 @@ with 2, and one more with 2 that resumes from a checkpoint the second wrote.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -96,6 +97,10 @@ def test_workers_equal_one_big_batch(tmp_path, one_ps, name):
     # the ps rank stepped torch's optimizers without importing torch._dynamo for them
     # (mpisync.native.torchstep)
     assert [r["dynamo"] for r in one_ps.run.ps()] == [False] * len(ONE_PS)
+    # glibc's heap kept: every block on a serving ps rank, a step's temporaries on a worker
+    if os.confstr("CS_GNU_LIBC_VERSION"):
+        assert {r["heap"] for r in one_ps.run.ps()} == {"kept"}
+        assert {r["heap"] for r in workers} == {"steps"}
 
 
 def test_state_dict_matches_plain_optimizer(tmp_path, two_ps):

@@ -60,6 +60,7 @@ def run(worker: Callable, num_ps: int | None = None) -> None:
     serves every optimizer the workers create and reports each one's statistics.
     """
     import mpisync
+    from mpisync.runtime import heap
 
     cluster = mpisync.init(num_ps=num_ps)
     if cluster.is_ps:
@@ -67,7 +68,7 @@ def run(worker: Callable, num_ps: int | None = None) -> None:
         for stats in served if isinstance(served, list) else [served]:
             emit(role="ps", ps=cluster.ps_index, global_step=stats["global_step"],
                  stats=stats if cluster.ps_index == 0 else None,
-                 dynamo="torch._dynamo" in sys.modules)
+                 dynamo="torch._dynamo" in sys.modules, heap=heap.in_force())
         return
     record = worker(cluster)
     if record is not None:

@@ -73,6 +73,7 @@ def single(args) -> None:
 
 def distributed(args, cluster) -> dict:
     import mpisync
+    from mpisync.runtime import heap
 
     net = model()
     saved = torch.load(args.resume) if args.resume else None
@@ -116,7 +117,8 @@ def distributed(args, cluster) -> dict:
                 "lr": opt.param_groups[0]["lr"], "elapsed": elapsed,
                 "applied": stats["gradients_applied"], "dropped": stats["gradients_dropped"],
                 "averaged_ok": averaged_ok, "staged": len(opt._dense.staging.params),
-                "checksum": float(sum(p.detach().double().sum() for p in net.parameters()))}
+                "checksum": float(sum(p.detach().double().sum() for p in net.parameters())),
+                "heap": heap.in_force()}
 
 
 def cases(specs: list[str], cluster) -> None:

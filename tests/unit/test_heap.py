@@ -1,4 +1,4 @@
-"""The ps ranks' heap (mpisync.ps.heap): large blocks served from the heap and kept there."""
+"""The ps ranks' heap (mpisync.runtime.heap): large blocks served from the heap and kept there."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ from mpi_helpers import assert_init_refuses_switch
 # the heap's top, and arena, where they were).
 PROBE = r"""
 import ctypes, json, os, torch
-from mpisync.ps import heap
+from mpisync.runtime import heap
 
 def resident():
     with open("/proc/self/statm") as f:
@@ -80,8 +80,68 @@ def test_the_users_own_malloc_settings_win(glibc, users):
     assert not got["kept"] and not got["again"], got
 
 
+# A worker's setting: a 4 MB block (a step's pooled sums or their gradient) made and freed
+# three times is never mapped and stays the heap's; a 64 MB one is mapped and goes back to
+# the kernel when freed, as without the setting.
+STEPS = r"""
+import ctypes, json, os, torch
+from mpisync.runtime import heap
+
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+kept = heap.keep_steps()
+mapped, held = [], []
+for _ in range(3):
+    before = libc.mallinfo2().hblks
+    t = torch.ones(1024 * 1024)
+    mapped.append(libc.mallinfo2().hblks - before)
+    del t
+    held.append(libc.mallinfo2().arena)
+before = libc.mallinfo2().hblks
+big = torch.ones(16 * 1024 * 1024)
+large = libc.mallinfo2().hblks - before
+with_big = resident()
+del big
+print(json.dumps({"kept": kept, "in_force": heap.in_force(), "mapped": mapped,
+                  "held": held, "large": large, "gone": with_big - resident()}))
+"""
+
+
+def _steps(**env) -> dict:
+    run = subprocess.run([sys.executable, "-c", STEPS], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, **env), check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_workers_heap_keeps_a_steps_blocks_and_maps_large_ones(glibc):
+    got = _steps(MPISYNC_KEEP_HEAP="")
+    assert got["kept"] and got["in_force"] == "steps", got
+    assert got["mapped"] == [0, 0, 0], got               # never a fresh mapping
+    assert min(got["held"]) >= 4 * 1024 * 1024, got        # freed, still the heap's
+    assert got["large"] == 1 and got["gone"] >= 60 * 1024 * 1024, got   # as glibc does
+
+
+@pytest.mark.parametrize("env", [{"MPISYNC_KEEP_HEAP": "0"},
+                                 {"MPISYNC_KEEP_HEAP": "", "MALLOC_TRIM_THRESHOLD_": "1"}],
+                         ids=["off", "users-own"])
+def test_a_workers_heap_left_alone(glibc, env):
+    got = _steps(**env)
+    assert not got["kept"] and got["in_force"] is None, got
+    assert got["mapped"][0] == 1, got                      # glibc maps a first 4 MB block
+
+
 def test_keep_heap_refuses_a_malformed_switch(glibc):
-    run = subprocess.run([sys.executable, "-c", "from mpisync.ps import heap; heap.keep()"],
+    run = subprocess.run([sys.executable, "-c", "from mpisync.runtime import heap; heap.keep()"],
                          capture_output=True, text=True, timeout=120, check=False,
                          env=dict(os.environ, MPISYNC_KEEP_HEAP="yes"))
     assert run.returncode != 0
@@ -101,7 +161,7 @@ def test_init_refuses_a_malformed_switch_on_every_rank(glibc):
 PLACE = r"""
 import json, os, torch
 from mpisync.native import kernels
-from mpisync.ps import heap
+from mpisync.runtime import heap
 from mpisync.ps.rowunits import place as _place
 
 def resident():

@@ -1,4 +1,4 @@
-"""A ps rank's heap: the optimizer's large temporaries reused, not mapped anew each step.
+"""Each rank's heap: a step's large temporaries reused, not mapped anew each step.
 
 torch's CPU tensors come from ``malloc``. glibc serves a block above its mmap threshold
 (128 KiB to 32 MiB, raised as it sees large frees) with a fresh ``mmap`` and returns it to
@@ -7,15 +7,23 @@ threshold is free there. An optimizer that makes a bucket-sized temporary every 
 (Adam's and AdamW's ``denom``, Adagrad's and RMSprop's square roots, a weight-decayed
 gradient) then pays a page fault per 4 KiB page of it, every step (several times the
 step's own time: the figures are in ``docs/benchmarks.md``, "Figures behind choices in
-the code"). A ps rank
-runs nothing but mpisync's loop while it serves, so there mpisync tells glibc to serve
-every block from the heap and to keep what was freed (jemalloc and tcmalloc behave so by
-default); when ``serve()`` returns, the freed memory goes back to the kernel
-(``malloc_trim``). The same setting serves the table shards' messages (a lookup, a push,
-a reply: 1-3 MB each, every step). ``MPISYNC_KEEP_HEAP=0`` leaves glibc's defaults alone,
-and so do malloc settings of the user's own (``MALLOC_*_`` variables, ``GLIBC_TUNABLES``
-naming malloc). Other C libraries are left as they are. This module is the one place
-that sets glibc's malloc options.
+the code").
+
+A ps rank runs nothing but mpisync's loop while it serves, so there mpisync tells glibc
+to serve every block from the heap and to keep what was freed (``keep``; jemalloc and
+tcmalloc behave so by default); when ``serve()`` returns, the freed memory goes back to
+the kernel (``release``). The same setting serves the table shards' messages (a lookup,
+a push, a reply: 1-3 MB each, every step).
+
+A worker runs the user's program too, so it gets less (``keep_steps``, from
+``mpisync.init()``): blocks under 32 MiB from the heap and up to 256 MiB of freed memory
+kept at its top, so that a step's temporaries (pooled sums, their gradients, the
+messages: about 1-4 MB each) find their pages again; larger blocks are mapped and given
+back as glibc does.
+
+``MPISYNC_KEEP_HEAP=0`` leaves glibc's defaults alone, and so do malloc settings of the
+user's own (``MALLOC_*_`` variables, ``GLIBC_TUNABLES`` naming malloc). Other C libraries
+are left as they are. This module is the one place that sets glibc's malloc options.
 """
 from __future__ import annotations
 
@@ -24,14 +32,17 @@ import os
 
 from .. import environ as env
 
-__all__ = ["keep", "release", "wanted"]
+__all__ = ["in_force", "keep", "keep_steps", "release", "wanted"]
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
 _KEEP_BYTES = (1 << 31) - 1      # the most mallopt takes: free memory kept at the heap's top
+STEP_BLOCKS = 32 << 20           # a worker's blocks under this come from the heap (glibc's most)
+STEP_KEEP = 256 << 20            # and this much freed memory stays at the heap's top
 
-_state = {"kept": False}
+_state = {"kept": False, "steps": False}
 
 
 def _glibc():
@@ -77,6 +88,27 @@ def keep() -> bool:
     _state["kept"] = bool(libc.mallopt(_M_MMAP_MAX, 0)) & bool(
         libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
     return _state["kept"]
+
+
+def keep_steps() -> bool:
+    """A worker's setting: blocks under ``STEP_BLOCKS`` from the heap, and up to
+    ``STEP_KEEP`` of freed memory kept at its top (glibc, unless ``MPISYNC_KEEP_HEAP=0`` or
+    the user's own malloc settings); whether it is in force now (or ``keep()``'s)."""
+    if _state["kept"] or _state["steps"]:
+        return True
+    if not wanted() or _users_own():
+        return False
+    libc = _glibc()
+    if libc is None:
+        return False
+    _state["steps"] = bool(libc.mallopt(_M_MMAP_THRESHOLD, STEP_BLOCKS)) & bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, STEP_KEEP))
+    return _state["steps"]
+
+
+def in_force() -> str | None:
+    """The setting in force: ``"kept"`` (``keep``), ``"steps"`` (``keep_steps``) or None."""
+    return "kept" if _state["kept"] else "steps" if _state["steps"] else None
 
 
 def release() -> None:
