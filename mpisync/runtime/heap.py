@@ -19,7 +19,9 @@ A worker runs the user's program too, so it gets less (``keep_steps``, from
 ``mpisync.init()``): blocks under 32 MiB from the heap and up to 256 MiB of freed memory
 kept at its top, so that a step's temporaries (pooled sums, their gradients, the
 messages: about 1-4 MB each) find their pages again; larger blocks are mapped and given
-back as glibc does.
+back as glibc does. Freed memory below a live block, or in a thread's arena, is not
+bounded by that, so a worker gives the heap's free pages back every ``TIDY_EVERY``
+seconds, while it waits for a step's token (``tidy``).
 
 ``MPISYNC_KEEP_HEAP=0`` leaves glibc's defaults alone, and so do malloc settings of the
 user's own (``MALLOC_*_`` variables, ``GLIBC_TUNABLES`` naming malloc). Other C libraries
@@ -29,10 +31,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 from .. import environ as env
 
-__all__ = ["in_force", "keep", "keep_steps", "release", "wanted"]
+__all__ = ["TIDY_EVERY", "in_force", "keep", "keep_steps", "release", "tidy", "wanted"]
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -41,8 +44,9 @@ _M_MMAP_MAX = -4
 _KEEP_BYTES = (1 << 31) - 1      # the most mallopt takes: free memory kept at the heap's top
 STEP_BLOCKS = 32 << 20           # a worker's blocks under this come from the heap (glibc's most)
 STEP_KEEP = 256 << 20            # and this much freed memory stays at the heap's top
+TIDY_EVERY = 10.0                # seconds between two of a worker's ``tidy()``
 
-_state = {"kept": False, "steps": False}
+_state = {"kept": False, "steps": False, "tidied": float("-inf")}
 
 
 def _glibc():
@@ -104,6 +108,25 @@ def keep_steps() -> bool:
     _state["steps"] = bool(libc.mallopt(_M_MMAP_THRESHOLD, STEP_BLOCKS)) & bool(
         libc.mallopt(_M_TRIM_THRESHOLD, STEP_KEEP))
     return _state["steps"]
+
+
+def tidy(now: float | None = None) -> bool:
+    """Under ``keep_steps``: the heap's free pages back to the kernel (``malloc_trim``, every
+    arena, the pages between live blocks too), at the first call and then at most once
+    every ``TIDY_EVERY`` seconds (``now``: ``time.monotonic()``); whether it did. A worker
+    calls it while it waits for its step's token, so that memory freed by the program
+    (a dataset loaded in pieces, an evaluation's temporaries) is not kept for long, and a
+    step's own temporaries take fresh pages once in that time at most."""
+    if not _state["steps"]:
+        return False
+    now = time.monotonic() if now is None else now
+    if now - _state["tidied"] < TIDY_EVERY:
+        return False
+    _state["tidied"] = now
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+    return True
 
 
 def in_force() -> str | None:

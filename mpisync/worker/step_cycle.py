@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..protocol.wire import FLAG_SCHEDULED, Kind
+from ..runtime import heap
 from .refusals import check_held, check_settings
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class StepCycle:
             clock.pushed()
         if local is not None:              # while the ps ranks apply theirs
             local.step(self.dense.hyper_out, self.groups(), self.global_step)
+        heap.tidy()                        # now and then, while the ps ranks step
         taken = self.receive()
         if clock is not None:
             clock.end()

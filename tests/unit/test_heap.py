@@ -82,9 +82,10 @@ def test_the_users_own_malloc_settings_win(glibc, users):
 
 # A worker's setting: a 4 MB block (a step's pooled sums or their gradient) made and freed
 # three times is never mapped and stays the heap's; a 64 MB one is mapped and goes back to
-# the kernel when freed, as without the setting.
+# the kernel when freed, as without the setting; 96 MB freed in blocks the heap served,
+# below a live block, go back at the next tidy(), and tidy() acts once in TIDY_EVERY.
 STEPS = r"""
-import ctypes, json, os, torch
+import ctypes, json, os, time, torch
 from mpisync.runtime import heap
 
 def resident():
@@ -111,8 +112,16 @@ big = torch.ones(16 * 1024 * 1024)
 large = libc.mallinfo2().hblks - before
 with_big = resident()
 del big
+pieces = [torch.ones(2 * 1024 * 1024) for _ in range(12)]   # 96 MB in 8 MB blocks
+above = torch.ones(256 * 1024)                             # a live block above them
+del pieces
+before = resident()
+first = heap.tidy()
+freed = before - resident()
 print(json.dumps({"kept": kept, "in_force": heap.in_force(), "mapped": mapped,
-                  "held": held, "large": large, "gone": with_big - resident()}))
+                  "held": held, "large": large, "gone": with_big - resident(),
+                  "first": first, "freed": freed, "again": heap.tidy(),
+                  "later": heap.tidy(time.monotonic() + heap.TIDY_EVERY)}))
 """
 
 
@@ -129,6 +138,9 @@ def test_a_workers_heap_keeps_a_steps_blocks_and_maps_large_ones(glibc):
     assert got["mapped"] == [0, 0, 0], got               # never a fresh mapping
     assert min(got["held"]) >= 4 * 1024 * 1024, got        # freed, still the heap's
     assert got["large"] == 1 and got["gone"] >= 60 * 1024 * 1024, got   # as glibc does
+    # tidy(): freed blocks below a live one go back to the kernel, once in TIDY_EVERY
+    assert got["first"] and got["freed"] >= 90 * 1024 * 1024, got
+    assert not got["again"] and got["later"], got
 
 
 @pytest.mark.parametrize("env", [{"MPISYNC_KEEP_HEAP": "0"},
@@ -136,7 +148,7 @@ def test_a_workers_heap_keeps_a_steps_blocks_and_maps_large_ones(glibc):
                          ids=["off", "users-own"])
 def test_a_workers_heap_left_alone(glibc, env):
     got = _steps(**env)
-    assert not got["kept"] and got["in_force"] is None, got
+    assert not got["kept"] and got["in_force"] is None and not got["first"], got
     assert got["mapped"][0] == 1, got                      # glibc maps a first 4 MB block
 
 
