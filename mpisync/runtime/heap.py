@@ -77,37 +77,37 @@ def _users_own() -> bool:
         "malloc" in os.environ.get("GLIBC_TUNABLES", "")
 
 
-def keep() -> bool:
-    """Serve every block from the heap and keep freed memory there (glibc, unless
-    ``MPISYNC_KEEP_HEAP=0`` or the user's own malloc settings); whether the setting is in
-    force now."""
-    if _state["kept"]:
+def _set(name: str, settings: tuple[tuple[int, int], ...]) -> bool:
+    """glibc's ``mallopt`` with each ``(parameter, value)``, noted as ``name`` in force
+    where every one took (unless ``MPISYNC_KEEP_HEAP=0`` or the user's own malloc
+    settings); whether it is in force now."""
+    if _state[name]:
         return True
     if not wanted() or _users_own():
         return False
     libc = _glibc()
     if libc is None:
         return False
-    # mallopt answers 1 on success; a refused setting leaves glibc's as it was
-    _state["kept"] = bool(libc.mallopt(_M_MMAP_MAX, 0)) & bool(
-        libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
-    return _state["kept"]
+    # mallopt answers 1 on success; a refused setting leaves glibc's as it was (each one
+    # is tried, whatever the others answered)
+    took = [bool(libc.mallopt(k, v)) for k, v in settings]
+    _state[name] = all(took)
+    return _state[name]
+
+
+def keep() -> bool:
+    """Serve every block from the heap and keep freed memory there (glibc, unless
+    ``MPISYNC_KEEP_HEAP=0`` or the user's own malloc settings); whether the setting is in
+    force now."""
+    return _set("kept", ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _KEEP_BYTES)))
 
 
 def keep_steps() -> bool:
     """A worker's setting: blocks under ``STEP_BLOCKS`` from the heap, and up to
     ``STEP_KEEP`` of freed memory kept at its top (glibc, unless ``MPISYNC_KEEP_HEAP=0`` or
     the user's own malloc settings); whether it is in force now (or ``keep()``'s)."""
-    if _state["kept"] or _state["steps"]:
-        return True
-    if not wanted() or _users_own():
-        return False
-    libc = _glibc()
-    if libc is None:
-        return False
-    _state["steps"] = bool(libc.mallopt(_M_MMAP_THRESHOLD, STEP_BLOCKS)) & bool(
-        libc.mallopt(_M_TRIM_THRESHOLD, STEP_KEEP))
-    return _state["steps"]
+    return _state["kept"] or _set("steps", ((_M_MMAP_THRESHOLD, STEP_BLOCKS),
+                                            (_M_TRIM_THRESHOLD, STEP_KEEP)))
 
 
 def tidy(now: float | None = None) -> bool:

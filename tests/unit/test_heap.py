@@ -15,8 +15,8 @@ from mpi_helpers import assert_init_refuses_switch
 # heap holds (arena); the resident set (Linux's /proc/self/statm) what release() gave back
 # (malloc_trim returns free pages inside the heap too, where a block above them keeps
 # the heap's top, and arena, where they were).
-PROBE = r"""
-import ctypes, json, os, torch
+PRELUDE = r"""
+import ctypes, json, os, time, torch
 from mpisync.runtime import heap
 
 def resident():
@@ -30,6 +30,8 @@ class MallInfo2(ctypes.Structure):
 
 libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = MallInfo2
+"""
+PROBE = PRELUDE + r"""
 kept = heap.keep()
 mapped, held = [], []
 for _ in range(3):
@@ -84,21 +86,7 @@ def test_the_users_own_malloc_settings_win(glibc, users):
 # three times is never mapped and stays the heap's; a 64 MB one is mapped and goes back to
 # the kernel when freed, as without the setting; 96 MB freed in blocks the heap served,
 # below a live block, go back at the next tidy(), and tidy() acts once in TIDY_EVERY.
-STEPS = r"""
-import ctypes, json, os, time, torch
-from mpisync.runtime import heap
-
-def resident():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = MallInfo2
+STEPS = PRELUDE + r"""
 kept = heap.keep_steps()
 mapped, held = [], []
 for _ in range(3):
