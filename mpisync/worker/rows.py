@@ -28,6 +28,10 @@ class _Table:
         self.info = table_info(param)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # (unique ids, rows leaf)
         self.pooled: list = []               # exchange.Pooled: bags pooled at the owners
+        # whether the table holds a gradient between steps as a parameter does in torch:
+        # from a push with its gradient until zero_grad(set_to_none=True); meanwhile its
+        # gradient is zero, not None, and the step takes it (its shards step)
+        self.kept = False
         self.cls = type(param)
         if self.info is None and type(param) is torch.nn.Parameter:
             param.__class__ = TrackedParameter   # p.data writes count as writes too
@@ -165,6 +169,7 @@ class RowsChannel:
     # -- the step -------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool) -> None:
         for table in self.tables:
+            table.kept = table.kept and not set_to_none
             if table.info is None:
                 table.param.grad = None      # a sparse gradient: None and zero add up the same
                 continue
@@ -211,10 +216,12 @@ class RowsChannel:
             if table.info is None and (table.param._version != table.version
                                        or rebound(table.param)):
                 self._write_whole(table)
-        # the tables with a gradient in this push (by rows, or by bags pooled at the owners):
-        # the shards of one without rows here still step (an Adagrad's step count, Adam's
-        # moments), as the whole table does in one process
-        had = [any(p.leaf.grad is not None for p in table.pooled) for table in self.tables]
+        # the tables with a gradient in this push (by rows, or by bags pooled at the owners,
+        # or zeroed since the last: left out of this forward after zero_grad(set_to_none=
+        # False)): the shards of one without rows here still step (an Adagrad's step count,
+        # Adam's moments), as the whole table does in one process
+        had = [table.kept or any(p.leaf.grad is not None for p in table.pooled)
+               for table in self.tables]
         per_table = []
         for i, table in enumerate(self.tables):
             got = self._gradient(table)
@@ -225,6 +232,8 @@ class RowsChannel:
             ids, grad = got
             order, counts, local = split(table.spec, ids)
             per_table.append((torch.split(local, counts), torch.split(grad[order], counts)))
+        for table, got in zip(self.tables, had):
+            table.kept = got
         empty = torch.empty(0, dtype=torch.int64)
         sections = pooled_sections(self)
         reuse = not self.sends          # the last push's buffers: every send of them is done

@@ -46,6 +46,7 @@ class Case:
     device: str | None = None         # the model and the ids there, the table's device=
     scribble: bool = False            # the batch's ids overwritten after the forward, as a
                                       # loader that reuses its buffer does
+    skip: bool = False                # the table left out of the forward of steps 1, 4, ...
 
 
 CASES = [
@@ -76,6 +77,15 @@ CASES = [
     Case("resident-adam-idle-shard", optimizer="adam", strategy="div", shards=7),
     Case("resident-bag-pooled-idle-shard", kind="bag", optimizer="adagrad", pool=True,
          strategy="div", shards=7),
+    # the table left out of some steps' forward: after zero_grad(set_to_none=False) its
+    # gradient is zero, not None, so torch steps it (Adagrad's step count, Adam's moments)
+    Case("resident-adagrad-skipped-zeros", optimizer="adagrad", zero="zeros", skip=True),
+    Case("resident-adam-skipped-zeros", optimizer="adam", zero="zeros", skip=True),
+    Case("resident-adam-skipped", optimizer="adam", skip=True),
+    Case("resident-bag-pooled-skipped-zeros", kind="bag", optimizer="adagrad", pool=True,
+         zero="zeros", skip=True),
+    Case("sparse-adagrad-skipped-zeros", kind="sparse", optimizer="adagrad", shards=2,
+         zero="zeros", skip=True),
     Case("resident-adagrad-device", optimizer="adagrad", device="cpu"),
     Case("resident-bag-device", kind="bag", optimizer="adagrad", device="cpu"),
 ]
@@ -120,8 +130,11 @@ class Net(torch.nn.Module):
         self.head = torch.nn.Linear(width, CLASSES)
         self.head.requires_grad_(head)
 
-    def forward(self, ids):
-        e = self.emb(ids)
+    def forward(self, ids, skip: bool = False):
+        if skip:                           # the table left out of this forward
+            e = torch.zeros(len(ids), *(() if self.bag else (FIELDS,)), DIM, device=ids.device)
+        else:
+            e = self.emb(ids)
         return self.head(e if self.bag else e.flatten(1))
 
 
@@ -187,6 +200,11 @@ def after_step(case: Case, m: Net, t: int) -> None:
         m.emb.weight.data.clamp_(-0.5, 0.5)       # on every worker, as a restore would
 
 
+def skipped(case: Case, t: int) -> bool:
+    """Whether step ``t`` leaves the table out of its forward."""
+    return case.skip and t % 3 == 1
+
+
 def reference(case: Case) -> dict:
     m = build(case, plain=True)
     opt = make_optimizer(case, m)
@@ -195,7 +213,7 @@ def reference(case: Case) -> dict:
     rows = WORKERS * BATCH
     for t in range(case.steps):
         opt.zero_grad(set_to_none=case.zero == "none")
-        torch.nn.functional.cross_entropy(m(ids[t * rows:(t + 1) * rows]),
+        torch.nn.functional.cross_entropy(m(ids[t * rows:(t + 1) * rows], skipped(case, t)),
                                           y[t * rows:(t + 1) * rows]).backward()
         opt.step()
         if sched is not None:
@@ -225,7 +243,7 @@ def train(cluster, case: Case, extra: dict) -> dict:
         lo = t * rows + w * BATCH
         opt.zero_grad(set_to_none=case.zero == "none")
         batch = ids[lo:lo + BATCH].clone() if case.scribble else ids[lo:lo + BATCH]
-        out = m(batch)
+        out = m(batch, skipped(case, t))
         if case.scribble:       # the push still sends the gradient of the ids looked up
             batch.fill_(0)
         torch.nn.functional.cross_entropy(out, y[lo:lo + BATCH]).backward()
