@@ -120,7 +120,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "way to test that path)."),
     Variable("MPISYNC_KEEP_HEAP", "switch", True,
              "A serving ps rank keeps freed memory in glibc's heap instead of unmapping "
-             "it; a worker, its blocks under 32 MiB (given back every 10 s)."),
+             "it; a worker with an open optimizer, its blocks under 32 MiB (up to 256 MiB)."),
     Variable("MPISYNC_BULK", "switch", True,
              "A worker reads every parameter's version and gradient in one compiled call."),
     Variable("MPISYNC_ROW_KERNELS", "switch", True,

@@ -14,6 +14,7 @@ from .protocol.multi import JointOptimizer, inners, join_state_dicts, joint_prob
 from .protocol.spec import Options
 from .ps.steplog import log_path
 from .resumestate import warn_if_restarts_start_over
+from .runtime import heap
 from .runtime.progress import SETUP_TIMEOUT, Poller, spin_seconds
 from .worker.hooks import TorchHooks
 from .worker.parts import WorkerParts
@@ -263,6 +264,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 # step and are in checkpoints (a later SyncReplicasOptimizer takes them over)
                 inner._mpisync_schedules = parts.schedules  # type: ignore[attr-defined]
             cluster.optimizers.append(self)
+            # until close(): a step's temporaries take no fresh pages
+            self._heap = heap.keep_steps()
             with self._poller.patience(SETUP_TIMEOUT):
                 self._cycle.receive(count=False)
             self._rows.forget_initial()
@@ -523,6 +526,9 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         try:
             self._cycle.close()
             self.closed = True
+            if getattr(self, "_heap", False):
+                self._heap = False
+                heap.let_go()
         finally:
             self._hooks.remove()
         if error:

@@ -22,7 +22,7 @@ from mpi4py import MPI
 from . import environ as env
 from .errors import ConfigError, MismatchError, StallError, WorldTooSmallError
 from .protocol.wire import WIRE_VERSION, Tag
-from .runtime import heap, lazydynamo, stopping
+from .runtime import lazydynamo, stopping
 from .runtime.agreement import agree, first_problem
 from .runtime.exits import (
     FINALIZE_GRACE,
@@ -460,7 +460,6 @@ def init(num_ps: int | None = None, comm: MPI.Comm | None = None,
     cluster.cuda_aware = cuda_aware
     if not cluster.is_ps:
         cluster.device = worker_device(cluster.workers_only)
-        heap.keep_steps()            # a step's temporaries: no fresh pages each step
     _current = cluster
     if survive:           # runs after the worker left the job, before MPI finalizes
         atexit.register(exit_status, _current)

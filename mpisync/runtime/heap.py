@@ -15,13 +15,14 @@ tcmalloc behave so by default); when ``serve()`` returns, the freed memory goes 
 the kernel (``release``). The same setting serves the table shards' messages (a lookup,
 a push, a reply: 1-3 MB each, every step).
 
-A worker runs the user's program too, so it gets less (``keep_steps``, from
-``mpisync.init()``): blocks under 32 MiB from the heap and up to 256 MiB of freed memory
-kept at its top, so that a step's temporaries (pooled sums, their gradients, the
-messages: about 1-4 MB each) find their pages again; larger blocks are mapped and given
-back as glibc does. Freed memory below a live block, or in a thread's arena, is not
-bounded by that, so a worker gives the heap's free pages back every ``TIDY_EVERY``
-seconds, while it waits for a step's token (``tidy``).
+A worker runs the user's program too, so it gets less, and only while an optimizer is
+open on it (``keep_steps`` when one is made, ``let_go`` when the last closes): blocks
+under 32 MiB from the heap and up to 256 MiB of freed memory kept at its top, so that a
+step's temporaries (pooled sums, their gradients, the messages: about 1-4 MB each) find
+their pages again; larger blocks are mapped and given back as glibc does. At its first
+step a worker gives the heap's free pages back (``tidy``): what the program freed before
+training is not kept. When the last optimizer closes, the free pages go back again and
+the heap's top keeps no more than glibc keeps at most by itself.
 
 ``MPISYNC_KEEP_HEAP=0`` leaves glibc's defaults alone, and so do malloc settings of the
 user's own (``MALLOC_*_`` variables, ``GLIBC_TUNABLES`` naming malloc). Other C libraries
@@ -31,11 +32,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-import time
 
 from .. import environ as env
 
-__all__ = ["TIDY_EVERY", "in_force", "keep", "keep_steps", "release", "tidy", "wanted"]
+__all__ = ["STEP_BLOCKS", "STEP_KEEP", "in_force", "keep", "keep_steps", "let_go", "release",
+           "tidy", "wanted"]
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -43,10 +44,11 @@ _M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
 _KEEP_BYTES = (1 << 31) - 1      # the most mallopt takes: free memory kept at the heap's top
 STEP_BLOCKS = 32 << 20           # a worker's blocks under this come from the heap (glibc's most)
-STEP_KEEP = 256 << 20            # and this much freed memory stays at the heap's top
-TIDY_EVERY = 10.0                # seconds between two of a worker's ``tidy()``
+STEP_KEEP = 256 << 20            # and this much freed memory stays in it
 
-_state = {"kept": False, "steps": False, "tidied": float("-inf")}
+
+# kept: keep() is in force; steps: the optimizers open on this worker under keep_steps()
+_state: dict = {"kept": False, "steps": 0, "tidied": False}
 
 
 def _glibc():
@@ -77,12 +79,9 @@ def _users_own() -> bool:
         "malloc" in os.environ.get("GLIBC_TUNABLES", "")
 
 
-def _set(name: str, settings: tuple[tuple[int, int], ...]) -> bool:
-    """glibc's ``mallopt`` with each ``(parameter, value)``, noted as ``name`` in force
-    where every one took (unless ``MPISYNC_KEEP_HEAP=0`` or the user's own malloc
-    settings); whether it is in force now."""
-    if _state[name]:
-        return True
+def _set(settings: tuple[tuple[int, int], ...]) -> bool:
+    """glibc's ``mallopt`` with each ``(parameter, value)`` (unless ``MPISYNC_KEEP_HEAP=0``
+    or the user's own malloc settings); whether every one took."""
     if not wanted() or _users_own():
         return False
     libc = _glibc()
@@ -91,38 +90,57 @@ def _set(name: str, settings: tuple[tuple[int, int], ...]) -> bool:
     # mallopt answers 1 on success; a refused setting leaves glibc's as it was (each one
     # is tried, whatever the others answered)
     took = [bool(libc.mallopt(k, v)) for k, v in settings]
-    _state[name] = all(took)
-    return _state[name]
+    return all(took)
 
 
 def keep() -> bool:
     """Serve every block from the heap and keep freed memory there (glibc, unless
     ``MPISYNC_KEEP_HEAP=0`` or the user's own malloc settings); whether the setting is in
     force now."""
-    return _set("kept", ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _KEEP_BYTES)))
+    if not _state["kept"]:
+        _state["kept"] = _set(((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _KEEP_BYTES)))
+    return _state["kept"]
 
 
 def keep_steps() -> bool:
-    """A worker's setting: blocks under ``STEP_BLOCKS`` from the heap, and up to
-    ``STEP_KEEP`` of freed memory kept at its top (glibc, unless ``MPISYNC_KEEP_HEAP=0`` or
-    the user's own malloc settings); whether it is in force now (or ``keep()``'s)."""
-    return _state["kept"] or _set("steps", ((_M_MMAP_THRESHOLD, STEP_BLOCKS),
-                                            (_M_TRIM_THRESHOLD, STEP_KEEP)))
+    """A worker's optimizer opens: from the first, blocks under ``STEP_BLOCKS`` come from
+    the heap and up to ``STEP_KEEP`` of freed memory stays at its top (glibc, unless
+    ``MPISYNC_KEEP_HEAP=0`` or the user's own malloc settings), until the last one closes
+    (``let_go``); whether it is in force now (or ``keep()``'s)."""
+    if _state["kept"]:
+        return True
+    if _state["steps"] or _set(((_M_MMAP_THRESHOLD, STEP_BLOCKS),
+                                (_M_TRIM_THRESHOLD, STEP_KEEP))):
+        _state["steps"] += 1
+        return True
+    return False
 
 
-def tidy(now: float | None = None) -> bool:
-    """Under ``keep_steps``: the heap's free pages back to the kernel (``malloc_trim``, every
-    arena, the pages between live blocks too), at the first call and then at most once
-    every ``TIDY_EVERY`` seconds (``now``: ``time.monotonic()``); whether it did. A worker
-    calls it while it waits for its step's token, so that memory freed by the program
-    (a dataset loaded in pieces, an evaluation's temporaries) is not kept for long, and a
-    step's own temporaries take fresh pages once in that time at most."""
+def let_go() -> None:
+    """A worker's optimizer closed (after ``keep_steps``): when it was the last, the heap's
+    free memory goes back to the kernel (``malloc_trim``) and its top keeps no more than
+    glibc keeps at most by itself (twice ``STEP_BLOCKS``) from then on."""
     if not _state["steps"]:
+        return
+    _state["steps"] -= 1
+    libc = _glibc()
+    if _state["steps"] == 0 and libc is not None:
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * STEP_BLOCKS)
+        libc.malloc_trim(0)
+        _state["tidied"] = False
+
+
+def tidy() -> bool:
+    """Under ``keep_steps``, at a worker's first step since: the heap's free pages back to
+    the kernel (``malloc_trim``: every arena, the pages between live blocks too); whether
+    it did. What the program freed before training (a dataset loaded in pieces, under
+    32 MiB each, that glibc would have mapped and unmapped where no free of such a block
+    had raised its threshold yet) is then not kept for the rest of the run. Later, the
+    heap behaves as glibc's own once it has raised its threshold: it keeps what is freed
+    between live blocks, and up to ``STEP_KEEP`` at its top."""
+    if not _state["steps"] or _state["tidied"]:
         return False
-    now = time.monotonic() if now is None else now
-    if now - _state["tidied"] < TIDY_EVERY:
-        return False
-    _state["tidied"] = now
+    _state["tidied"] = True
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)

@@ -77,7 +77,7 @@ class StepCycle:
             clock.pushed()
         if local is not None:              # while the ps ranks apply theirs
             local.step(self.dense.hyper_out, self.groups(), self.global_step)
-        heap.tidy()                        # now and then, while the ps ranks step
+        heap.tidy()                        # the first step: what set-up freed goes back
         taken = self.receive()
         if clock is not None:
             clock.end()

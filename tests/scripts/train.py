@@ -112,13 +112,14 @@ def distributed(args, cluster) -> dict:
         torch.save({"params": dict(net.named_parameters()), "state": state,
                     "averages": opt.averages() if args.ema is not None else None}, args.dump)
     stats = opt.stats
+    held = heap.in_force()
     opt.close()
     return {"global_step": opt.global_step, "plan": opt.plan.digest(),
                 "lr": opt.param_groups[0]["lr"], "elapsed": elapsed,
                 "applied": stats["gradients_applied"], "dropped": stats["gradients_dropped"],
                 "averaged_ok": averaged_ok, "staged": len(opt._dense.staging.params),
                 "checksum": float(sum(p.detach().double().sum() for p in net.parameters())),
-                "heap": heap.in_force()}
+                "heap": held, "heap_after": heap.in_force()}
 
 
 def cases(specs: list[str], cluster) -> None:

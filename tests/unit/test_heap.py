@@ -84,8 +84,9 @@ def test_the_users_own_malloc_settings_win(glibc, users):
 
 # A worker's setting: a 4 MB block (a step's pooled sums or their gradient) made and freed
 # three times is never mapped and stays the heap's; a 64 MB one is mapped and goes back to
-# the kernel when freed, as without the setting; 96 MB freed in blocks the heap served,
-# below a live block, go back at the next tidy(), and tidy() acts once in TIDY_EVERY.
+# the kernel when freed, as without the setting; 96 MB freed before the first step go
+# back at its tidy(), the only one; 96 MB freed later go back when the last optimizer
+# closes (let_go).
 STEPS = PRELUDE + r"""
 kept = heap.keep_steps()
 mapped, held = [], []
@@ -100,16 +101,23 @@ big = torch.ones(16 * 1024 * 1024)
 large = libc.mallinfo2().hblks - before
 with_big = resident()
 del big
-pieces = [torch.ones(2 * 1024 * 1024) for _ in range(12)]   # 96 MB in 8 MB blocks
-above = torch.ones(256 * 1024)                             # a live block above them
-del pieces
+pieces = [torch.ones(2 * 1024 * 1024) for _ in range(12)]   # 96 MB in 8 MB blocks, freed
+del pieces                                                 # before the first step
 before = resident()
 first = heap.tidy()
 freed = before - resident()
-print(json.dumps({"kept": kept, "in_force": heap.in_force(), "mapped": mapped,
-                  "held": held, "large": large, "gone": with_big - resident(),
-                  "first": first, "freed": freed, "again": heap.tidy(),
-                  "later": heap.tidy(time.monotonic() + heap.TIDY_EVERY)}))
+again = heap.tidy()                 # the first step's only
+top = [torch.ones(2 * 1024 * 1024) for _ in range(12)]      # 96 MB freed while training
+del top
+second = heap.keep_steps()          # a second optimizer opens, then both close
+heap.let_go()
+still = heap.in_force()
+before = resident()
+heap.let_go()
+print(json.dumps({"kept": kept, "in_force": still, "mapped": mapped, "held": held,
+                  "large": large, "gone": with_big - resident(), "first": first,
+                  "freed": freed, "again": again, "second": second,
+                  "let_go": before - resident(), "after": heap.in_force()}))
 """
 
 
@@ -126,9 +134,12 @@ def test_a_workers_heap_keeps_a_steps_blocks_and_maps_large_ones(glibc):
     assert got["mapped"] == [0, 0, 0], got               # never a fresh mapping
     assert min(got["held"]) >= 4 * 1024 * 1024, got        # freed, still the heap's
     assert got["large"] == 1 and got["gone"] >= 60 * 1024 * 1024, got   # as glibc does
-    # tidy(): freed blocks below a live one go back to the kernel, once in TIDY_EVERY
+    # tidy(): at the first step, what was freed before goes back to the kernel; once
     assert got["first"] and got["freed"] >= 90 * 1024 * 1024, got
-    assert not got["again"] and got["later"], got
+    assert not got["again"], got
+    # the last optimizer's close (let_go): the heap's free memory goes back, the setting ends
+    assert got["second"] and got["in_force"] == "steps" and got["after"] is None, got
+    assert got["let_go"] >= 90 * 1024 * 1024, got
 
 
 @pytest.mark.parametrize("env", [{"MPISYNC_KEEP_HEAP": "0"},
@@ -137,6 +148,7 @@ def test_a_workers_heap_keeps_a_steps_blocks_and_maps_large_ones(glibc):
 def test_a_workers_heap_left_alone(glibc, env):
     got = _steps(**env)
     assert not got["kept"] and got["in_force"] is None and not got["first"], got
+    assert got["after"] is None and not got["second"], got
     assert got["mapped"][0] == 1, got                      # glibc maps a first 4 MB block
 
 
