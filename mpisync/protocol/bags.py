@@ -165,11 +165,12 @@ def rows_bytes(num_unique: int, row_bytes: int) -> int:
 def pooled_bytes(num_ids: int, num_bags: int, row_bytes: int, weight_bytes: int,
                  num_ps: int) -> int:
     """Bytes one worker moves for a forward pooled at the owners, roughly: each id (and
-    weight) out at the lookup and again with the push, with the bags' ``num_bags + 1``
-    offsets to each of ``num_ps`` ps ranks (a forward's bags come in order), and one
-    ``num_bags`` x row block back from and out to each."""
-    return num_ids * (8 + weight_bytes) * 2 + num_ps * ((num_bags + 1) * 8 + num_bags *
-                                                        row_bytes) * 2
+    weight) out once, at the lookup, with the bags' ``num_bags + 1`` offsets to each of
+    ``num_ps`` ps ranks (a forward's bags come in order; the push names the lookup, as it
+    does after one forward a step), and one ``num_bags`` x row block back from and out to
+    each."""
+    return num_ids * (8 + weight_bytes) + num_ps * ((num_bags + 1) * 8 + 2 * num_bags *
+                                                    row_bytes)
 
 
 def fewest_unique_to_pool(num_ids: int, num_bags: int, row_bytes: int, weight_bytes: int,
@@ -185,7 +186,7 @@ def pooling_pays(num_ids: int, num_unique: int, num_bags: int, row_bytes: int,
                  weight_bytes: int, num_ps: int) -> bool:
     """``pool_on_ps="auto"``: whether pooling at the owners moves fewer bytes than rows.
 
-    Per id, pooling sends its int64 id (and weight) twice, and per bag its offset and its
+    Per id, pooling sends its int64 id (and weight) once, and per bag its offset and its
     pooled row to and from each of ``num_ps`` ps ranks; the rows path sends each unique id
     and its row twice (264 bytes each way for 64 float32). For 64 float32 on one ps rank
     and ids that rarely repeat, pooling pays from a little over one id a bag; ids repeated

@@ -6,6 +6,11 @@ the bag of each, their weights; the ps sums its rows per bag). The pooled parts 
 table share one block in the reply: ``num_bags`` rows, the sum over that ps's shards. A
 push carries the same pooled parts after its rows message, and one block per table: the
 gradient of each bag's sum; the ps turns it into the gradient of each row on arrival.
+
+A push whose pooled parts are those of the worker's last lookup to that ps rank (one
+forward a step, the usual case) names that lookup instead (``AS_LOOKUP``, the lookup's
+sequence number): the ps rank kept its parts, checked, when it answered it, so the ids,
+bags and weights travel once a step and are checked once.
 """
 from __future__ import annotations
 
@@ -19,12 +24,14 @@ import torch
 from ..native import kernels
 from .wire import ROWS_HEAD, RowsField, pad8, rows_counts
 
-__all__ = ["EXCHANGE", "POOLED", "Part", "answer", "bag_grads", "block_order", "gather_rows",
+__all__ = ["AS_LOOKUP", "EXCHANGE", "POOLED", "Part", "answer", "as_lookup_nbytes",
+           "bag_grads", "block_order", "gather_rows", "lookup_seq", "pack_as_lookup",
            "pack_parts", "parts_nbytes", "reply_nbytes", "row_grads", "rows_of",
            "rows_section_nbytes", "unpack_parts"]
 
 EXCHANGE = -2   # RowsField.MARK of a lookup in this layout (a rows lookup, ``pack_rows``, -1)
 POOLED = -3     # RowsField.MARK of a push's pooled section, after its rows message
+AS_LOOKUP = -4  # ... of one whose parts are those of the lookup of its SEQ: blocks alone
 HEAD = RowsField.COUNT    # int64 words: [mark, 0, parts] (RowsField), then per part:
 PER_PART = 3              # [count, num_bags, flags]
 WEIGHTED = 1              # flags: the part has weights
@@ -71,10 +78,11 @@ def parts_nbytes(parts: list[Part | None], blocks: list[torch.Tensor]) -> int:
 
 
 def pack_parts(mark: int, parts: list[Part | None], blocks: list[torch.Tensor],
-               into: np.ndarray | None = None, start: int = 0) -> np.ndarray:
-    """One message: ``[mark, 0, n]``, per part ``[count, num_bags (-1: rows), flags]``
+               into: np.ndarray | None = None, start: int = 0, seq: int = 0) -> np.ndarray:
+    """One message: ``[mark, seq, n]``, per part ``[count, num_bags (-1: rows), flags]``
     (``WEIGHTED``, ``AS_OFFSETS``), then each part's ids, bags (``Part.wire_bags``) and
-    weights (8-byte padded), then ``blocks`` (each padded).
+    weights (8-byte padded), then ``blocks`` (each padded). ``seq``: a lookup's number
+    among the worker's lookups to that ps rank, which a push may name (``AS_LOOKUP``).
 
     ``into``: a byte buffer to write it into from ``start`` (``into[:start]`` is left as
     it is; the result is ``into[:start + size]``); default a new one.
@@ -84,18 +92,9 @@ def pack_parts(mark: int, parts: list[Part | None], blocks: list[torch.Tensor],
         into, start = np.empty(size, np.uint8), 0
     buf = into[start:start + size]
     words = buf[:8 * (HEAD + PER_PART * len(parts))].view(np.int64)
-    words[RowsField.MARK], words[RowsField.SEQ] = mark, 0
+    words[RowsField.MARK], words[RowsField.SEQ] = mark, seq
     words[RowsField.PARTS] = len(parts)
-    out = torch.from_numpy(buf)
     at = len(words) * 8
-
-    def put(t: torch.Tensor) -> None:
-        nonlocal at
-        nbytes = t.numel() * t.element_size()
-        out[at:at + nbytes].view(t.dtype).view(t.shape).copy_(t)
-        buf[at + nbytes:at + pad8(nbytes)] = 0
-        at += pad8(nbytes)
-
     for n, p in enumerate(parts):
         if p is None:
             words[HEAD + PER_PART * n:HEAD + PER_PART * (n + 1)] = (0, -1, 0)
@@ -104,12 +103,40 @@ def pack_parts(mark: int, parts: list[Part | None], blocks: list[torch.Tensor],
         words[HEAD + PER_PART * n:HEAD + PER_PART * (n + 1)] = (
             len(p.ids), p.num_bags if p.pooled else -1,
             (WEIGHTED if p.weights is not None else 0) | flag)
-        for t in (p.ids, bags, p.weights):
-            if t is not None:
-                put(t.reshape(-1))
-    for b in blocks:
-        put(b)
+        at = _put_all(buf, at, [t.reshape(-1) for t in (p.ids, bags, p.weights)
+                                if t is not None])
+    _put_all(buf, at, blocks)
     return into[:start + size]
+
+
+def pack_as_lookup(seq: int, num_parts: int, blocks: list[torch.Tensor], into: np.ndarray,
+                   start: int) -> np.ndarray:
+    """A push's pooled section that names the lookup ``seq`` for its parts (of
+    ``num_parts``): ``[AS_LOOKUP, seq, num_parts]``, then ``blocks`` (each padded), written
+    into ``into`` from ``start``; the result is ``into[:start + size]``."""
+    size = as_lookup_nbytes(blocks)
+    words = into[start:start + 8 * HEAD].view(np.int64)
+    words[RowsField.MARK], words[RowsField.SEQ] = AS_LOOKUP, seq
+    words[RowsField.PARTS] = num_parts
+    _put_all(into[start:start + size], 8 * HEAD, blocks)
+    return into[:start + size]
+
+
+def as_lookup_nbytes(blocks: list[torch.Tensor]) -> int:
+    """The bytes of ``pack_as_lookup`` with ``blocks``."""
+    return 8 * HEAD + sum(pad8(b.numel() * b.element_size()) for b in blocks)
+
+
+def _put_all(buf: np.ndarray, at: int, tensors: list[torch.Tensor]) -> int:
+    """Each tensor's bytes into ``buf`` from ``at`` on, each padded to 8 with zeros; the
+    offset after the last."""
+    out = torch.from_numpy(buf)
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        out[at:at + nbytes].view(t.dtype).view(t.shape).copy_(t)
+        buf[at + nbytes:at + pad8(nbytes)] = 0
+        at += pad8(nbytes)
+    return at
 
 
 def unpack_parts(buf: np.ndarray, dtypes: list[torch.dtype], start: int = 0
@@ -193,8 +220,8 @@ def _check(p: Part, rows: int, what: str) -> None:
 
 
 def answer(buf: np.ndarray, params: list[torch.Tensor], groups: list[int],
-           read: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None
-           ) -> np.ndarray:
+           read: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+           kept: list | None = None) -> np.ndarray:
     """The ps's reply to a lookup: each rows part's rows, each table's pooled sums.
 
     ``params[n]`` is the shard of part ``n`` (local rows), ``groups[n]`` its table. The
@@ -205,6 +232,8 @@ def answer(buf: np.ndarray, params: list[torch.Tensor], groups: list[int],
     ``n``'s ids come from it (a hash shard: its ids are any int64, a lookup sights them),
     never pooled.
 
+    ``kept``: where the lookup's ``[seq, pooled parts]`` go, for ``bag_grads``.
+
     Raises:
         ValueError: a malformed lookup.
     """
@@ -212,18 +241,9 @@ def answer(buf: np.ndarray, params: list[torch.Tensor], groups: list[int],
     _, parts, at = unpack_parts(buf, [p.dtype for p in params])
     if at != buf.nbytes:
         raise ValueError(f"a lookup of {buf.nbytes} bytes, expected {at}")
-    bags: dict[int, int] = {}
-    for n, (p, param, g) in enumerate(zip(parts, params, groups)):
-        if p is None:
-            continue
-        if n in read:
-            if p.pooled:
-                raise ValueError("a lookup of bags pooled from a hash shard")
-            continue
-        _check(p, param.shape[0], "a lookup")
-        if p.pooled and bags.setdefault(g, p.num_bags) != p.num_bags:
-            raise ValueError(f"a lookup whose parts of one table have {bags[g]} and "
-                             f"{p.num_bags} bags")
+    _check_lookup(parts, params, groups, read)
+    if kept is not None:     # the pooled parts, checked, for a push that names them
+        kept[:] = [lookup_seq(buf), [p if p is not None and p.pooled else None for p in parts]]
     reply = np.empty(reply_nbytes(parts, groups, [_row_bytes(p) for p in params]), np.uint8)
     out, at, blocks = torch.from_numpy(reply), 0, {}
     for u, (p, param, g) in enumerate(zip(parts, params, groups)):
@@ -246,6 +266,24 @@ def answer(buf: np.ndarray, params: list[torch.Tensor], groups: list[int],
         blocks[g] = view.zero_()
         _add_bags(p, rows, view)
     return reply
+
+
+def _check_lookup(parts: list[Part | None], params: list[torch.Tensor], groups: list[int],
+                  read: Mapping) -> None:
+    """A lookup's parts lie in their shards, no hash shard's is pooled, and the pooled
+    parts of one table have one number of bags (else ValueError)."""
+    bags: dict[int, int] = {}
+    for n, (p, param, g) in enumerate(zip(parts, params, groups)):
+        if p is None:
+            continue
+        if n in read:
+            if p.pooled:
+                raise ValueError("a lookup of bags pooled from a hash shard")
+            continue
+        _check(p, param.shape[0], "a lookup")
+        if p.pooled and bags.setdefault(g, p.num_bags) != p.num_bags:
+            raise ValueError(f"a lookup whose parts of one table have {bags[g]} and "
+                             f"{p.num_bags} bags")
 
 
 def _row_bytes(param: torch.Tensor) -> int:
@@ -283,16 +321,34 @@ def rows_section_nbytes(buf: np.ndarray, kinds: list[tuple[torch.dtype, tuple[in
     return size
 
 
-def bag_grads(buf: np.ndarray, start: int, params: list[torch.Tensor], groups: list[int]
-              ) -> list[tuple[Part, torch.Tensor] | None]:
+def lookup_seq(buf: np.ndarray, start: int = 0) -> int:
+    """The sequence number in the header of a lookup or pooled section at ``start``."""
+    return int(buf[start:start + 8 * HEAD].view(np.int64)[RowsField.SEQ])
+
+
+def bag_grads(buf: np.ndarray, start: int, params: list[torch.Tensor], groups: list[int],
+              last: list | None = None) -> list[tuple[Part, torch.Tensor] | None]:
     """A push's pooled section (from ``start``), checked: per part, the part and its
     table's bag gradients (``num_bags`` rows), views into ``buf``; None for no pooled part.
+    A section that names a lookup (``AS_LOOKUP``) takes its parts from ``last``, the
+    ``[seq, parts]`` that ``answer(kept=)`` kept of the sender's last lookup, checked then.
 
     Raises:
-        ValueError: a malformed section.
+        ValueError: a malformed section, or one that names another lookup than ``last``.
     """
-    mark, parts, at = unpack_parts(buf, [p.dtype for p in params], start)
-    if mark != POOLED:
+    if buf.nbytes >= start + 8 * HEAD and \
+            int(buf[start:start + 8].view(np.int64)[0]) == AS_LOOKUP:
+        seq, n = lookup_seq(buf, start), int(buf[start:start + 8 * HEAD].view(np.int64)[
+            RowsField.PARTS])
+        if not last or last[0] != seq or n != len(params):
+            raise ValueError(f"a push whose pooled parts are those of its lookup {seq} "
+                             f"({n} parts), but its last lookup here was "
+                             f"{last[0] if last else None} ({len(params)} parts)")
+        mark, parts, at, checked = AS_LOOKUP, last[1], start + 8 * HEAD, True
+    else:
+        mark, parts, at = unpack_parts(buf, [p.dtype for p in params], start)
+        checked = False
+    if mark not in (POOLED, AS_LOOKUP):
         raise ValueError(f"a push's pooled section marked {mark}, expected {POOLED}")
     grads: dict[int, torch.Tensor] = {}
     t = torch.from_numpy(buf)
@@ -300,7 +356,7 @@ def bag_grads(buf: np.ndarray, start: int, params: list[torch.Tensor], groups: l
         n = next(n for n, (p, h) in enumerate(zip(parts, groups)) if h == g and p is not None
                  and p.pooled)
         shape = (parts[n].num_bags, *params[n].shape[1:])
-        nbytes = int(np.prod(shape, dtype=np.int64)) * params[n].element_size()
+        nbytes = math.prod(shape) * params[n].element_size()
         if at + nbytes > buf.nbytes:
             raise ValueError(f"a push of {buf.nbytes} bytes, too short for its pooled gradients")
         grads[g] = t[at:at + nbytes].view(params[n].dtype).view(shape)
@@ -312,7 +368,8 @@ def bag_grads(buf: np.ndarray, start: int, params: list[torch.Tensor], groups: l
         if p is None or not p.pooled:
             out.append(None)
             continue
-        _check(p, param.shape[0], "a push")
+        if not checked:
+            _check(p, param.shape[0], "a push")
         if grads[g].shape[0] != p.num_bags:
             raise ValueError(f"a push whose parts of one table have {grads[g].shape[0]} and "
                              f"{p.num_bags} bags")
@@ -341,14 +398,15 @@ def rows_of(p: Part, grads: torch.Tensor, num_rows: int, scratch=None
 
 
 def row_grads(buf: np.ndarray, start: int, params: list[torch.Tensor], groups: list[int],
-              scratches: list | None = None
+              scratches: list | None = None, last: list | None = None
               ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """A push's pooled section (from ``start``): per part, (unique local ids, row gradients)
-    (``bag_grads`` then ``rows_of``; ``scratches``: each part's ``rowopt.RowScratch``).
+    (``bag_grads``, with ``last``, then ``rows_of``; ``scratches``: each part's
+    ``rowopt.RowScratch``).
 
     Raises:
         ValueError: a malformed section.
     """
     return [None if got is None else
             rows_of(*got, params[n].shape[0], None if scratches is None else scratches[n])
-            for n, got in enumerate(bag_grads(buf, start, params, groups))]
+            for n, got in enumerate(bag_grads(buf, start, params, groups, last))]

@@ -52,8 +52,9 @@ __all__ = [
 
 #: The version of the message layouts below: every rank of a job must use the same one
 #: (``mpisync.init`` checks). Change it with any change to a layout or a message's meaning.
-WIRE_VERSION = 4       # 2: Kind.UPDATE (opt.update()); 3: pushes in buckets, 16-bit wire;
-                       # 4: pooled bags as offsets, a rows part of no gradient counted -1
+WIRE_VERSION = 5       # 2: Kind.UPDATE (opt.update()); 3: pushes in buckets, 16-bit wire;
+                       # 4: pooled bags as offsets, a rows part of no gradient counted -1;
+                       # 5: a push's pooled section may name the lookup of its parts
 ALIGN = 64
 
 
@@ -131,7 +132,7 @@ class RowsField:
 
     STEP = 0        # the step (a rows lookup: -1)
     MARK = 0        # ... or, in ``pooled``'s messages, their negative mark in the same word
-    SEQ = 1         # the sender's sequence number (``pooled``: 0)
+    SEQ = 1         # the sender's sequence number (``pooled``: a lookup's, which a push names)
     PARTS = 2       # the number of parts, whose counts follow
     COUNT = 3
 

@@ -83,6 +83,9 @@ class RowShards:
         self.discard = [0] * self.W
         self.unseen: list[list[list[np.ndarray]]] = [[[] for _ in self.units]
                                                      for _ in range(self.W)]
+        # each worker's last pooled lookup here, [seq, its pooled parts] (checked): what a
+        # push that names it pools (``pooled.bag_grads``)
+        self.last_lookup: list[list] = [[] for _ in range(self.W)]
         self.changed: list[list] = [[None] * len(self.units) for _ in range(self.W)]
         self.full = [True] * self.W        # every worker gets whole shards first
         self.sends: list[tuple[MPI.Request, object]] = []
@@ -210,7 +213,8 @@ class RowShards:
             rows = unpack_rows(buf[:end], self.kinds, with_ids=True)[2]
             bags = [None] * len(rows)
             if end < buf.nbytes:             # bags pooled here: their gradients, checked
-                bags = pooled.bag_grads(buf, end, [u.param for u in self.units], self.groups)
+                bags = pooled.bag_grads(buf, end, [u.param for u in self.units], self.groups,
+                                        self.last_lookup[w])
         except ValueError as exc:
             raise ProtocolError(f"{self.label}: worker {w} sent table rows: {exc}") from None
         parts = Taken((ids, values, bag) if not zeros else without_zeros(ids, values, zeros)
@@ -278,7 +282,8 @@ class RowShards:
     def _answer_exchange(self, buf: np.ndarray, rank: int) -> np.ndarray:
         """The reply to a lookup of several tables, rows and bags pooled here
         (``mpisync.protocol.pooled``)."""
-        unseen = self.unseen[self.worker_ranks.index(rank)]
+        w = self.worker_ranks.index(rank)
+        unseen = self.unseen[w]
 
         def sighted(n: int, u) -> Callable[[torch.Tensor], torch.Tensor]:
             def read(ids: torch.Tensor) -> torch.Tensor:
@@ -290,7 +295,8 @@ class RowShards:
 
         read = {n: sighted(n, u) for n, u in enumerate(self.units) if u.hashed is not None}
         try:
-            return pooled.answer(buf, [u.param for u in self.units], self.groups, read)
+            return pooled.answer(buf, [u.param for u in self.units], self.groups, read,
+                                 self.last_lookup[w])
         except ValueError as exc:
             raise ProtocolError(f"{self.label}: worker rank {rank} sent a lookup: {exc}"
                                 ) from None

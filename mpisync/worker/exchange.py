@@ -13,10 +13,20 @@ from mpi4py import MPI
 
 from ..native import kernels
 from ..protocol.bags import Bags
-from ..protocol.pooled import EXCHANGE, Part, block_order, pack_parts, parts_nbytes, reply_nbytes
+from ..protocol.pooled import (
+    EXCHANGE,
+    POOLED,
+    Part,
+    as_lookup_nbytes,
+    block_order,
+    pack_as_lookup,
+    pack_parts,
+    parts_nbytes,
+    reply_nbytes,
+)
 from ..protocol.wire import Tag, pad8
 
-__all__ = ["Request", "exchange", "pooled_sections", "split"]
+__all__ = ["Request", "Section", "exchange", "pooled_sections", "split"]
 
 
 @dataclass
@@ -37,6 +47,27 @@ class Pooled:
     parts: list[Part | None]
     num_bags: int
     leaf: torch.Tensor
+
+
+@dataclass
+class Section:
+    """What a push to one ps rank adds for the bags pooled there: its parts and gradient
+    blocks, or (``seq`` not None) the blocks alone, naming the lookup ``seq`` whose parts
+    they are (``pooled.AS_LOOKUP``: the ps rank kept them)."""
+
+    parts: list[Part | None]
+    blocks: list[torch.Tensor]
+    seq: int | None = None
+
+    def nbytes(self) -> int:
+        return parts_nbytes(self.parts, self.blocks) if self.seq is None else \
+            as_lookup_nbytes(self.blocks)
+
+    def pack(self, into, start: int):
+        """Written into ``into`` after its first ``start`` bytes: ``into[:start + nbytes]``."""
+        if self.seq is None:
+            return pack_parts(POOLED, self.parts, self.blocks, into, start)
+        return pack_as_lookup(self.seq, len(self.parts), self.blocks, into, start)
 
 
 def split(t, ids: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor]:
@@ -100,8 +131,11 @@ def exchange(channel, requests: list[Request]) -> list[torch.Tensor]:
             continue
         row_bytes = [tables[i].spec.row_bytes for i, _ in shards]
         # buffers kept from call to call: both are done with when this call returns
+        channel.exchanged[j] = (channel.exchanged[j][0] + 1,
+                                [p if p is not None and p.pooled else None for p in parts])
         msg = pack_parts(EXCHANGE, parts, [],
-                         channel.buffer(("lookup", j), parts_nbytes(parts, [])))
+                         channel.buffer(("lookup", j), parts_nbytes(parts, [])),
+                         seq=channel.exchanged[j][0])
         size = reply_nbytes(parts, groups_on[j], row_bytes)
         reply = channel.buffer(("reply", j), size)[:size]
         rank = channel.cluster.ps_rank(j)
@@ -178,17 +212,20 @@ def _merge(table) -> tuple[list[Part | None], torch.Tensor] | None:
     return parts, torch.cat([p.leaf.grad for p in got])
 
 
-def pooled_sections(channel) -> list[tuple[list[Part | None], list[torch.Tensor]] | None]:
-    """Per ps rank, what this push's pooled section holds: its parts and gradient blocks
-    (``pack_parts(POOLED, *section)``), or None (no pooled gradient for it)."""
+def pooled_sections(channel) -> list[Section | None]:
+    """Per ps rank, what this push's pooled section holds, or None (no pooled gradient for
+    it). Where its parts are the very pooled parts of the last lookup to that ps rank (one
+    forward since the last push, the usual case), the section names that lookup."""
     merged = {i: m for i, table in enumerate(channel.tables)
               if table.pooled and (m := _merge(table)) is not None}
-    out: list[tuple[list[Part | None], list[torch.Tensor]] | None] = []
-    for shards in channel.on_ps:
+    out: list[Section | None] = []
+    for j, shards in enumerate(channel.on_ps):
         parts = [merged[i][0][k] if i in merged else None for i, k in shards]
         if not any(p is not None for p in parts):
             out.append(None)
             continue
         order = block_order(parts, [i for i, _ in shards])
-        out.append((parts, [merged[i][1] for i in order]))
+        seq, sent = channel.exchanged[j]
+        same = len(sent) == len(parts) and all(a is b for a, b in zip(parts, sent))
+        out.append(Section(parts, [merged[i][1] for i in order], seq if same else None))
     return out

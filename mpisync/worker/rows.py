@@ -8,7 +8,6 @@ import torch
 from mpi4py import MPI
 
 from ..errors import ProtocolError
-from ..protocol.pooled import POOLED, pack_parts, parts_nbytes
 from ..protocol.spec import JobSpec
 from ..protocol.tables import TableSpec, table_info
 from ..protocol.wire import Tag, pack_rows, pad8, unpack_rows
@@ -68,6 +67,9 @@ class RowsChannel:
                               if any(not spec.tables[i].resident for i, _ in shards)]
         self.sends: list[tuple[MPI.Request, np.ndarray]] = []
         self.buffers: dict = {}              # message buffers, by (kind, ps)
+        # per ps rank: the number of the last lookup of bags pooled there (``exchange``),
+        # and its pooled parts, which a push of just those names instead of sending them
+        self.exchanged: list[tuple[int, list]] = [(0, []) for _ in range(spec.num_ps)]
         self.bytes_per_ps = [0] * spec.num_ps
         # lookups since the last push, and those of the step before it: messages, bytes
         # sent and received per ps rank
@@ -247,11 +249,12 @@ class RowsChannel:
                 got = per_table[i]
                 parts.append((empty, self._no_rows(i)) if got is None else (got[0][k], got[1][k]))
             msg = pack_rows(step, seq, parts, [not had[i] for i, _ in shards])
-            if sections[j] is not None:     # the bags pooled at the owners follow
-                size = msg.nbytes + parts_nbytes(*sections[j])
+            section = sections[j]
+            if section is not None:     # the bags pooled at the owners follow
+                size = msg.nbytes + section.nbytes()
                 into = self.buffer(("push", j), size) if reuse else np.empty(size, np.uint8)
                 into[:msg.nbytes] = msg
-                msg = pack_parts(POOLED, *sections[j], into, msg.nbytes)
+                msg = section.pack(into, msg.nbytes)
             self.bytes_per_ps[j] = msg.nbytes
             self.sends.append((self.comm.Isend([msg, MPI.BYTE], dest=self.cluster.ps_rank(j),
                                                tag=self.tags[Tag.SPARSE]), msg))

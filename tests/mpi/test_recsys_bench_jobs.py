@@ -35,11 +35,12 @@ def test_mpisync_pooled_run_counts_its_bytes():
     # the library's default, "auto", pools bags of 20 ids that rarely repeat
     assert got["global_step"] == 4 and got["pool_on_ps"] == "auto" and got["pooled"], got
     moved = got["bytes_per_step"]
-    # 64 bags of 20 ids: each id out twice with the bags' 65 offsets (the bags come in
-    # order), 64 pooled rows back and out; the header, 8 words
+    # 64 bags of 20 ids: each id out once, at the lookup, with the bags' 65 offsets (the
+    # bags come in order); 64 pooled rows back; the push names the lookup (3 words) before
+    # the 64 gradient rows, after a rows message of no rows (the header and a count)
     ids_out = 8 * 64 * 20 + 8 * 65
     assert moved["lookup_received"] == 64 * 256, got
     assert moved["lookup_sent"] == ids_out + 8 * 6, got
-    assert moved["pushed"] >= ids_out + 64 * 256, got
+    assert 64 * 256 + 8 * 3 < moved["pushed"] <= 64 * 256 + 8 * 3 + 256, got
     # the rows path sends 8 + 264 bytes a unique id (lookup, push): pooled, a third at most
     assert 3 * moved["worker_sent"] < 272 * got["unique_ids_per_step"], got

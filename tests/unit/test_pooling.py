@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 from mpi_helpers import SCRIPTS
@@ -22,6 +23,9 @@ from mpisync.protocol.pooled import (
     POOLED,
     Part,
     answer,
+    as_lookup_nbytes,
+    bag_grads,
+    pack_as_lookup,
     pack_parts,
     parts_nbytes,
     row_grads,
@@ -101,6 +105,38 @@ def _pooled_at(weight: torch.Tensor, kw: dict, input, offsets, psw, shards: int,
                 assert torch.equal(g[0], torch.unique(g[0]))    # unique local ids
                 dense[partition.unmap_ids(k, g[0], ROWS, shards, strategy)] += g[1]
     return out.detach(), dense, grad_out
+
+
+@pytest.mark.parametrize("name", [c[0] for c in _inputs()])
+def test_a_push_that_names_its_lookup_pools_as_one_that_sends_its_parts(name):
+    """The ps keeps a lookup's pooled parts, checked (``answer(kept=)``); a push that names
+    that lookup (``AS_LOOKUP``) gives the same rows, bitwise, in fewer bytes; one that names
+    another lookup, or none kept, or another number of parts, is refused."""
+    _, kw, input, offsets, psw = next(c for c in _inputs() if c[0] == name)
+    bags = bags_of(input, offsets, psw, mode=kw["mode"],
+                   include_last_offset=kw.get("include_last_offset", False),
+                   padding_idx=kw.get("padding_idx"), dtype=torch.float32)
+    params = [torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(2)),
+              torch.randn(4, DIM)]
+    parts = [Part(bags.ids, bags.bag, bags.weights, bags.num_bags) if len(bags.ids) else None,
+             Part(torch.tensor([1, 3]))]                  # a rows part: not the push's
+    kept: list = []
+    answer(pack_parts(EXCHANGE, parts, [], seq=7), params, [0, 1], kept=kept)
+    assert kept[0] == 7 and kept[1][1] is None
+    grads = torch.randn(bags.num_bags, DIM, generator=torch.Generator().manual_seed(3))
+    full = pack_parts(POOLED, [parts[0], None], [grads] if parts[0] is not None else [])
+    blocks = [grads] if parts[0] is not None else []
+    named = pack_as_lookup(7, 2, blocks, np.empty(as_lookup_nbytes(blocks), np.uint8), 0)
+    want = row_grads(full, 0, params, [0, 1])
+    got = row_grads(named, 0, params, [0, 1], last=kept)
+    assert [g is None for g in got] == [w is None for w in want] == [parts[0] is None, True]
+    if parts[0] is not None:
+        assert torch.equal(got[0][0], want[0][0]) and torch.equal(got[0][1], want[0][1])
+        assert named.nbytes < full.nbytes - 8 * len(bags.ids)
+    for last, seq, n in ((kept, 8, 2), ([], 7, 2), (kept, 7, 3)):
+        wrong = pack_as_lookup(seq, n, blocks, np.empty(as_lookup_nbytes(blocks), np.uint8), 0)
+        with pytest.raises(ValueError, match=f"those of its lookup {seq}"):
+            bag_grads(wrong, 0, params, [0, 1], last)
 
 
 @pytest.mark.parametrize("strategy, shards", [("mod", 3), ("div", 4)])

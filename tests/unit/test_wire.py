@@ -121,7 +121,7 @@ def test_control_messages_round_trip():
     assert msg.nbytes == 8 * control.words
 
 
-# -- header fields by name: the bytes on the wire (WIRE_VERSION 4) ---------------------------
+# -- header fields by name: the bytes on the wire (WIRE_VERSION 5) ---------------------------
 def _positions(cls) -> dict[str, int]:
     return {k: v for k, v in vars(cls).items() if k.isupper()}
 
