@@ -27,10 +27,6 @@ class _Table:
         self.info = table_info(param)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # (unique ids, rows leaf)
         self.pooled: list = []               # exchange.Pooled: bags pooled at the owners
-        # whether the table holds a gradient between steps as a parameter does in torch:
-        # from a push with its gradient until zero_grad(set_to_none=True); meanwhile its
-        # gradient is zero, not None, and the step takes it (its shards step)
-        self.kept = False
         self.cls = type(param)
         if self.info is None and type(param) is torch.nn.Parameter:
             param.__class__ = TrackedParameter   # p.data writes count as writes too
@@ -171,9 +167,13 @@ class RowsChannel:
     # -- the step -------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool) -> None:
         for table in self.tables:
-            table.kept = table.kept and not set_to_none
+            # as torch: None, or zero where there is one (the step then takes the table with
+            # a gradient of no rows: ``push``)
+            if set_to_none or table.param.grad is None:
+                table.param.grad = None
+            else:
+                table.param.grad.zero_()
             if table.info is None:
-                table.param.grad = None      # a sparse gradient: None and zero add up the same
                 continue
             leaves = [p.leaf for p in table.pooled]
             for rows in [rows for _, rows in table.pending] + leaves:
@@ -218,12 +218,13 @@ class RowsChannel:
             if table.info is None and (table.param._version != table.version
                                        or rebound(table.param)):
                 self._write_whole(table)
-        # the tables with a gradient in this push (by rows, or by bags pooled at the owners,
-        # or zeroed since the last: left out of this forward after zero_grad(set_to_none=
-        # False)): the shards of one without rows here still step (an Adagrad's step count,
-        # Adam's moments), as the whole table does in one process
-        had = [table.kept or any(p.leaf.grad is not None for p in table.pooled)
-               for table in self.tables]
+        # the tables with a gradient in this push (by rows, by bags pooled at the owners, or
+        # a gradient zeroed since the last: a table left out of this forward whose .grad
+        # was zeroed, not set to None, by zero_grad(set_to_none=False), of the optimizer or
+        # the model): the shards of one without rows here still step (an Adagrad's step
+        # count, Adam's moments), as the whole table does in one process
+        had = [table.info is not None and table.param.grad is not None
+               or any(p.leaf.grad is not None for p in table.pooled) for table in self.tables]
         per_table = []
         for i, table in enumerate(self.tables):
             got = self._gradient(table)
@@ -235,7 +236,11 @@ class RowsChannel:
             order, counts, local = split(table.spec, ids)
             per_table.append((torch.split(local, counts), torch.split(grad[order], counts)))
         for table, got in zip(self.tables, had):
-            table.kept = got
+            if got and table.info is not None and table.param.grad is None:
+                # the stand-in holds a gradient now, as the table's weight would in torch:
+                # empty, as the stand-in is; zero_grad() sets it to None or leaves it
+                table.param.grad = torch.zeros(table.param.shape, dtype=table.param.dtype,
+                                               device=table.param.device)
         empty = torch.empty(0, dtype=torch.int64)
         sections = pooled_sections(self)
         reuse = not self.sends          # the last push's buffers: every send of them is done

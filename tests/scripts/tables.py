@@ -36,7 +36,8 @@ class Case:
     optimizer: str = "sgd"      # "sgd" | "adagrad" | "sparse_adam" | "adam" | "rowwise*"
     strategy: str = "mod"
     shards: int = 3
-    zero: str = "none"
+    zero: str = "none"                # "none" | "zeros" (the optimizer's zero_grad), "model"
+                                      # (model.zero_grad(): None), "model-zeros"
     write: bool = False               # clamp the table in place after step 2 (sparse only)
     mode: str = "sum"                 # of the bags
     padding: int | None = None
@@ -82,6 +83,9 @@ CASES = [
     Case("resident-adagrad-skipped-zeros", optimizer="adagrad", zero="zeros", skip=True),
     Case("resident-adam-skipped-zeros", optimizer="adam", zero="zeros", skip=True),
     Case("resident-adam-skipped", optimizer="adam", skip=True),
+    Case("resident-adam-skipped-model-zero", optimizer="adam", zero="model", skip=True),
+    Case("resident-bag-pooled-skipped-model-zeros", kind="bag", optimizer="adagrad",
+         pool=True, zero="model-zeros", skip=True),
     Case("resident-bag-pooled-skipped-zeros", kind="bag", optimizer="adagrad", pool=True,
          zero="zeros", skip=True),
     Case("sparse-adagrad-skipped-zeros", kind="sparse", optimizer="adagrad", shards=2,
@@ -200,6 +204,14 @@ def after_step(case: Case, m: Net, t: int) -> None:
         m.emb.weight.data.clamp_(-0.5, 0.5)       # on every worker, as a restore would
 
 
+def zero_grad(case: Case, m: Net, opt) -> None:
+    """The gradients reset as the case says: by the optimizer or by the model."""
+    if case.zero.startswith("model"):
+        m.zero_grad(set_to_none=case.zero == "model")
+    else:
+        opt.zero_grad(set_to_none=case.zero == "none")
+
+
 def skipped(case: Case, t: int) -> bool:
     """Whether step ``t`` leaves the table out of its forward."""
     return case.skip and t % 3 == 1
@@ -212,7 +224,7 @@ def reference(case: Case) -> dict:
     ids, y = data(case.steps)
     rows = WORKERS * BATCH
     for t in range(case.steps):
-        opt.zero_grad(set_to_none=case.zero == "none")
+        zero_grad(case, m, opt)
         torch.nn.functional.cross_entropy(m(ids[t * rows:(t + 1) * rows], skipped(case, t)),
                                           y[t * rows:(t + 1) * rows]).backward()
         opt.step()
@@ -241,7 +253,7 @@ def train(cluster, case: Case, extra: dict) -> dict:
     rows = WORKERS * BATCH
     for t in range(case.steps):
         lo = t * rows + w * BATCH
-        opt.zero_grad(set_to_none=case.zero == "none")
+        zero_grad(case, m, opt)
         batch = ids[lo:lo + BATCH].clone() if case.scribble else ids[lo:lo + BATCH]
         out = m(batch, skipped(case, t))
         if case.scribble:       # the push still sends the gradient of the ids looked up
