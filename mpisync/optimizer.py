@@ -264,8 +264,6 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 # step and are in checkpoints (a later SyncReplicasOptimizer takes them over)
                 inner._mpisync_schedules = parts.schedules  # type: ignore[attr-defined]
             cluster.optimizers.append(self)
-            # until close(): a step's temporaries take no fresh pages
-            self._heap = heap.keep_steps()
             with self._poller.patience(SETUP_TIMEOUT):
                 self._cycle.receive(count=False)
             self._rows.forget_initial()
@@ -526,8 +524,8 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
         try:
             self._cycle.close()
             self.closed = True
-            if getattr(self, "_heap", False):
-                self._heap = False
+            if self._cycle.heap_held:      # kept from its first step (``StepCycle.run``)
+                self._cycle.heap_held = False
                 heap.let_go()
         finally:
             self._hooks.remove()

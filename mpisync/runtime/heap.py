@@ -15,14 +15,14 @@ tcmalloc behave so by default); when ``serve()`` returns, the freed memory goes 
 the kernel (``release``). The same setting serves the table shards' messages (a lookup,
 a push, a reply: 1-3 MB each, every step).
 
-A worker runs the user's program too, so it gets less, and only while an optimizer is
-open on it (``keep_steps`` when one is made, ``let_go`` when the last closes): blocks
+A worker runs the user's program too, so it gets less, and only while an optimizer
+trains on it (``keep_steps`` at its first step, ``let_go`` when the last closes): blocks
 under 32 MiB from the heap and up to 256 MiB of freed memory kept at its top, so that a
 step's temporaries (pooled sums, their gradients, the messages: about 1-4 MB each) find
 their pages again; larger blocks are mapped and given back as glibc does. At its first
 step a worker gives the heap's free pages back (``tidy``): what the program freed before
-training is not kept. When the last optimizer closes, the free pages go back again and
-the heap's top keeps no more than glibc keeps at most by itself.
+training is not kept. When the last optimizer closes, the heap takes glibc's first
+thresholds.
 
 ``MPISYNC_KEEP_HEAP=0`` leaves glibc's defaults alone, and so do malloc settings of the
 user's own (``MALLOC_*_`` variables, ``GLIBC_TUNABLES`` naming malloc). Other C libraries
@@ -45,6 +45,7 @@ _M_MMAP_MAX = -4
 _KEEP_BYTES = (1 << 31) - 1      # the most mallopt takes: free memory kept at the heap's top
 STEP_BLOCKS = 32 << 20           # a worker's blocks under this come from the heap (glibc's most)
 STEP_KEEP = 256 << 20            # and this much freed memory stays in it
+_FIRST = 128 << 10               # glibc's mmap and trim thresholds before any large free
 
 
 # kept: keep() is in force; steps: the optimizers open on this worker under keep_steps()
@@ -103,10 +104,10 @@ def keep() -> bool:
 
 
 def keep_steps() -> bool:
-    """A worker's optimizer opens: from the first, blocks under ``STEP_BLOCKS`` come from
-    the heap and up to ``STEP_KEEP`` of freed memory stays at its top (glibc, unless
-    ``MPISYNC_KEEP_HEAP=0`` or the user's own malloc settings), until the last one closes
-    (``let_go``); whether it is in force now (or ``keep()``'s)."""
+    """A worker's optimizer takes its first step: from the first one's, blocks under
+    ``STEP_BLOCKS`` come from the heap and up to ``STEP_KEEP`` of freed memory stays at
+    its top (glibc, unless ``MPISYNC_KEEP_HEAP=0`` or the user's own malloc settings),
+    until the last one closes (``let_go``); whether it is in force now (or ``keep()``'s)."""
     if _state["kept"]:
         return True
     if _state["steps"] or _set(((_M_MMAP_THRESHOLD, STEP_BLOCKS),
@@ -117,16 +118,18 @@ def keep_steps() -> bool:
 
 
 def let_go() -> None:
-    """A worker's optimizer closed (after ``keep_steps``): when it was the last, the heap's
-    free memory goes back to the kernel (``malloc_trim``) and its top keeps no more than
-    glibc keeps at most by itself (twice ``STEP_BLOCKS``) from then on."""
+    """A worker's optimizer closed (after ``keep_steps``): when it was the last, the heap
+    takes glibc's first thresholds (128 KiB: larger blocks mapped and given back when
+    freed, more than that free at the top given back at the next free), so that what a
+    program does after training (a checkpoint loaded shard by shard, an evaluation) holds
+    what it uses, and reuses what training left in the heap."""
     if not _state["steps"]:
         return
     _state["steps"] -= 1
     libc = _glibc()
     if _state["steps"] == 0 and libc is not None:
-        libc.mallopt(_M_TRIM_THRESHOLD, 2 * STEP_BLOCKS)
-        libc.malloc_trim(0)
+        libc.mallopt(_M_MMAP_THRESHOLD, _FIRST)
+        libc.mallopt(_M_TRIM_THRESHOLD, _FIRST)
         _state["tidied"] = False
 
 

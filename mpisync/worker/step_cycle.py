@@ -49,6 +49,7 @@ class StepCycle:
         self.wait_s = 0.0
         self.hash_stats: dict | None = None
         self.final: dict | None = None
+        self.heap_held = False      # keep_steps() from the first step until close()
 
     def zero_grad(self, set_to_none: bool) -> None:
         """``optimizer.zero_grad(set_to_none)`` for every channel's gradients."""
@@ -77,7 +78,9 @@ class StepCycle:
             clock.pushed()
         if local is not None:              # while the ps ranks apply theirs
             local.step(self.dense.hyper_out, self.groups(), self.global_step)
-        heap.tidy()                        # the first step: what set-up freed goes back
+        if not self.heap_held:              # the first step: a step's temporaries kept from
+            self.heap_held = heap.keep_steps()  # now on, what set-up freed given back
+            heap.tidy()
         taken = self.receive()
         if clock is not None:
             clock.end()
