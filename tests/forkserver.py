@@ -77,8 +77,15 @@ def client(socket_dir: str, argv: list[str]) -> None:
     _send(sock, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(),
                  "targets": targets}, targets)
     pid = _receive(sock)[0]["pid"]
+
+    def forward(signum: int, _frame) -> None:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:      # the rank ended meanwhile: its end is on its way
+            pass
+
     for signum in FORWARDED:
-        signal.signal(signum, lambda s, _f: os.kill(pid, s))
+        signal.signal(signum, forward)
     try:
         end = _receive(sock)[0]
     except (EOFError, ConnectionError):
