@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from ..native import kernels
-from .wire import ROWS_HEAD, RowsField, pad8, rows_counts
+from .rowsmsg import rows_counts
+from .wire import ROWS_HEAD, RowsField, pad8
 
 __all__ = ["AS_LOOKUP", "EXCHANGE", "POOLED", "Part", "answer", "as_lookup_nbytes",
            "bag_grads", "block_order", "gather_rows", "lookup_seq", "pack_as_lookup",
@@ -312,7 +313,7 @@ def _add_bags(p: Part, rows: torch.Tensor, out: torch.Tensor) -> None:
 
 def rows_section_nbytes(buf: np.ndarray, kinds: list[tuple[torch.dtype, tuple[int, ...]]]
                         ) -> int:
-    """Where a rows message (``wire.pack_rows``, ids and values) ends inside ``buf``."""
+    """Where a rows message (``rowsmsg.pack_rows``, ids and values) ends inside ``buf``."""
     n = len(kinds)
     counts = [max(c, 0) for c in rows_counts(buf, n)]
     size = 8 * (ROWS_HEAD + n) + 8 * sum(counts)

@@ -14,17 +14,9 @@ from ..errors import ProtocolError
 from ..native import kernels
 from ..observe import timeline
 from ..protocol import pooled
+from ..protocol.rowsmsg import absent_parts, pack_rows, unpack_rows
 from ..protocol.spec import JobSpec
-from ..protocol.wire import (
-    ROWS_HEAD,
-    RowsField,
-    Tag,
-    absent_parts,
-    pack_rows,
-    pad8,
-    rows_mark,
-    unpack_rows,
-)
+from ..protocol.wire import ROWS_HEAD, RowsField, Tag, pad8, rows_mark
 from ..runtime import heap
 from ..runtime.progress import Poller
 from ..tables.rowopt import RowScratch, apply_rows, handles_rows, merge_rows

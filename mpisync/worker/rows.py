@@ -8,9 +8,10 @@ import torch
 from mpi4py import MPI
 
 from ..errors import ProtocolError
+from ..protocol.rowsmsg import pack_rows, unpack_rows
 from ..protocol.spec import JobSpec
 from ..protocol.tables import TableSpec, table_info
-from ..protocol.wire import Tag, pack_rows, pad8, unpack_rows
+from ..protocol.wire import Tag, pad8
 from ..runtime.progress import Poller
 from .exchange import Request, exchange, pooled_sections, split
 from .tracking import TrackedParameter, rebound

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from shared_recsys import ROOT, SMALL, run
 
-from mpisync.protocol.wire import pack_rows
+from mpisync.protocol.rowsmsg import pack_rows
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import recsys_bench

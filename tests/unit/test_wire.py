@@ -9,6 +9,7 @@ import torch
 
 from mpisync.protocol import pooled
 from mpisync.protocol.hyper import HyperCodec
+from mpisync.protocol.rowsmsg import absent_parts, pack_rows, unpack_rows
 from mpisync.protocol.wire import (
     ALIGN,
     FLAG_ASSIGN,
@@ -32,15 +33,12 @@ from mpisync.protocol.wire import (
     Tag,
     TimingWord,
     TokenField,
-    absent_parts,
     build_layouts,
     hyper_views,
     hyper_words,
-    pack_rows,
     rows_mark,
     tensor_view,
     timing_view,
-    unpack_rows,
 )
 
 
