@@ -27,7 +27,7 @@ from .wire import ROWS_HEAD, RowsField, pad8
 
 __all__ = ["AS_LOOKUP", "EXCHANGE", "POOLED", "Part", "answer", "as_lookup_nbytes",
            "bag_grads", "block_order", "gather_rows", "lookup_seq", "pack_as_lookup",
-           "pack_parts", "parts_nbytes", "reply_nbytes", "row_grads", "rows_of",
+           "pack_parts", "parts_nbytes", "pooled_only", "reply_nbytes", "row_grads", "rows_of",
            "rows_section_nbytes", "unpack_parts"]
 
 EXCHANGE = -2   # RowsField.MARK of a lookup in this layout (a rows lookup, ``pack_rows``, -1)
@@ -121,6 +121,12 @@ def pack_as_lookup(seq: int, num_parts: int, blocks: list[torch.Tensor], into: n
     words[RowsField.PARTS] = num_parts
     _put_all(into[start:start + size], 8 * HEAD, blocks)
     return into[:start + size]
+
+
+def pooled_only(parts: list[Part | None]) -> list[Part | None]:
+    """A lookup's pooled parts, the others None: what a push that names the lookup
+    (``pack_as_lookup``) stands for, kept alike by the worker and the ps."""
+    return [p if p is not None and p.pooled else None for p in parts]
 
 
 def as_lookup_nbytes(blocks: list[torch.Tensor]) -> int:
@@ -244,7 +250,7 @@ def answer(buf: np.ndarray, params: list[torch.Tensor], groups: list[int],
         raise ValueError(f"a lookup of {buf.nbytes} bytes, expected {at}")
     _check_lookup(parts, params, groups, read)
     if kept is not None:     # the pooled parts, checked, for a push that names them
-        kept[:] = [lookup_seq(buf), [p if p is not None and p.pooled else None for p in parts]]
+        kept[:] = [lookup_seq(buf), pooled_only(parts)]
     reply = np.empty(reply_nbytes(parts, groups, [_row_bytes(p) for p in params]), np.uint8)
     out, at, blocks = torch.from_numpy(reply), 0, {}
     for u, (p, param, g) in enumerate(zip(parts, params, groups)):

@@ -22,6 +22,7 @@ from ..protocol.pooled import (
     pack_as_lookup,
     pack_parts,
     parts_nbytes,
+    pooled_only,
     reply_nbytes,
 )
 from ..protocol.wire import Tag, pad8
@@ -131,8 +132,7 @@ def exchange(channel, requests: list[Request]) -> list[torch.Tensor]:
             continue
         row_bytes = [tables[i].spec.row_bytes for i, _ in shards]
         # buffers kept from call to call: both are done with when this call returns
-        channel.exchanged[j] = (channel.exchanged[j][0] + 1,
-                                [p if p is not None and p.pooled else None for p in parts])
+        channel.exchanged[j] = (channel.exchanged[j][0] + 1, pooled_only(parts))
         msg = pack_parts(EXCHANGE, parts, [],
                          channel.buffer(("lookup", j), parts_nbytes(parts, [])),
                          seq=channel.exchanged[j][0])
