@@ -343,6 +343,10 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not self.stopped:
             self._cycle.run()
+            # the torch optimizers given stepped too: a scheduler built over one of them
+            # then does not warn that its step() came first (torch's lr_scheduler checks)
+            for inner in {id(o): o for o in (self.wrapped, *inners(self.wrapped))}.values():
+                inner._opt_called = True   # type: ignore[attr-defined]
             if not self._stepped:
                 self._stepped = True
                 warn_if_restarts_start_over(self)

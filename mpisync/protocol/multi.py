@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..native import torchstep
+from .tables import table_info
 
 __all__ = ["JointOptimizer", "JointRecipe", "inner_of", "inners", "join_state_dicts",
            "joint_problem", "sole_holder", "split_state_dict"]
@@ -37,8 +38,8 @@ def joint_problem(optimizers: Any, named_parameters: Sequence[tuple[str, torch.T
     """What is wrong with a list of optimizers to join, or None.
 
     Refused: an empty list, an entry that is not a ``torch.optim.Optimizer``, one parameter
-    in two optimizers (or twice in one), and a trainable parameter of ``named_parameters``
-    that no optimizer holds (each is named).
+    in two optimizers (or twice in one), and a trainable parameter or a table (frozen too)
+    of ``named_parameters`` that no optimizer holds (each is named).
     """
     if not isinstance(optimizers, (list, tuple)):
         return f"expected a list of torch optimizers, got {type(optimizers).__name__}"
@@ -60,11 +61,25 @@ def joint_problem(optimizers: Any, named_parameters: Sequence[tuple[str, torch.T
                     return (f"parameter {name!r} is in optimizers[{held[id(p)]}] and in "
                             f"optimizers[{i}]; each parameter belongs to one optimizer")
                 held[id(p)] = i
+    return _held_by_none(len(optimizers), named_parameters, held)
+
+
+def _held_by_none(count: int, named_parameters: Sequence[tuple[str, torch.Tensor]],
+                  held: dict[int, int]) -> str | None:
+    """The first trainable parameter, or table (frozen too), that none of ``count``
+    optimizers holds, named, or None."""
     for name, p in named_parameters:
-        if id(p) not in held and p.requires_grad:
-            return (f"parameter {name!r} of named_parameters is in none of the "
-                    f"{len(optimizers)} optimizers; give it to one of them (or set "
-                    f"requires_grad=False to keep it frozen)")
+        if id(p) in held:
+            continue
+        if table_info(p) is not None:       # frozen or not: its rows need an optimizer's ps
+            return (f"table {name!r} of named_parameters is in none of the {count} "
+                    f"optimizers; a table lives on the ps ranks of the optimizer that holds "
+                    f"it: give it to one of them (with requires_grad=False it is looked up "
+                    f"and never stepped)")
+        if p.requires_grad:
+            return (f"parameter {name!r} of named_parameters is in none of the {count} "
+                    f"optimizers; give it to one of them (or set requires_grad=False to keep "
+                    f"it frozen)")
     return None
 
 

@@ -75,7 +75,9 @@ def live_table(info: _Info, what: str) -> _Info:
                                f"the ps ranks' service")
         raise RuntimeError(f"{info.label}: {what} was called before a "
                            f"SyncReplicasOptimizer holding its weight was created; its "
-                           f"table lives on the ps ranks from then on")
+                           f"table lives on the ps ranks from then on (one whose torch "
+                           f"optimizer holds the weight: a frozen table too, which "
+                           f"requires_grad=False keeps from being stepped)")
     return info
 
 

@@ -170,8 +170,11 @@ def exchange(channel, requests: list[Request]) -> list[torch.Tensor]:
 
 
 def _keep(channel, requests: list[Request], outs: list[torch.Tensor], split: dict) -> None:
-    """The outputs become leaves whose gradients the next push sends."""
+    """The outputs become leaves whose gradients the next push sends (not those of a
+    table whose weight has ``requires_grad=False``: frozen, as torch leaves it)."""
     for r, out in zip(requests, outs):
+        if not channel.tables[r.index].param.requires_grad:
+            continue
         out.requires_grad_(True)
         if channel.on_grad is not None:
             out.register_post_accumulate_grad_hook(channel.on_grad)

@@ -138,7 +138,7 @@ class RowsChannel:
             for (i, k), (_, values) in zip(shards, parts):
                 if i == index and counts[k]:
                     out[positions[k]] = values
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and table.param.requires_grad:   # frozen: as torch's
             out.requires_grad_(True)
             if self.on_grad is not None:
                 out.register_post_accumulate_grad_hook(self.on_grad)

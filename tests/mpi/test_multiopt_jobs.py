@@ -46,6 +46,7 @@ def test_equals_plain_torch(job, name):
             assert close(got["values"][key], value), (name, w, key)
         assert got["lrs"] == [0.05 * 0.5 ** ((t + 1) // 2) for t in range(STEPS)]
         assert got["counts"] == [len(sd["param_groups"]) for sd in want["state"]]
+        assert got["scheduler_warnings"] == [], (name, w)   # each optimizer's step() ran
         assert got["reloaded"], (name, w)
         assert got["reloaded_apart"], (name, w)
 

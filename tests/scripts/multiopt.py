@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
 from common import emit, run
@@ -151,15 +152,18 @@ def train(cluster, name: str, path: str) -> dict:
     ck = None if name == "adam+sgd" else mpisync.Checkpointer(path, m, opt, full_every=2)
     scheds = scheds or schedulers(opts)
     lrs = []
-    for t in range(STEPS):
-        if t == SAVE and ck is None:
-            mpisync.save(path, m, opt, extra=[s.state_dict() for s in scheds])
-        elif t in (SAVE - 1, SAVE) and ck is not None:
-            ck.save()
-        train_step(name, t, m, opt, scheds, rows)
-        lrs.append(opts[0].param_groups[0]["lr"])
+    with warnings.catch_warnings(record=True) as caught:   # torch's, of a scheduler's order
+        warnings.simplefilter("always")
+        for t in range(STEPS):
+            if t == SAVE and ck is None:
+                mpisync.save(path, m, opt, extra=[s.state_dict() for s in scheds])
+            elif t in (SAVE - 1, SAVE) and ck is not None:
+                ck.save()
+            train_step(name, t, m, opt, scheds, rows)
+            lrs.append(opts[0].param_groups[0]["lr"])
     state = opt.state_dict(tables=False)
-    out = {"values": values(m, opt), "lrs": lrs, "counts": state["mpisync"]["optimizers"],
+    out = {"values": values(m, opt), "lrs": lrs,
+           "scheduler_warnings": [str(c.message) for c in caught if "lr_scheduler" in str(c.message)], "counts": state["mpisync"]["optimizers"],
            "state": {str(i): {k: v.tolist() if torch.is_tensor(v) else v for k, v in s.items()}
                      for i, s in state["state"].items()},
            "groups": [{k: v for k, v in g.items() if k in ("lr", "momentum", "params")}

@@ -48,6 +48,7 @@ class Case:
     scribble: bool = False            # the batch's ids overwritten after the forward, as a
                                       # loader that reuses its buffer does
     skip: bool = False                # the table left out of the forward of steps 1, 4, ...
+    freeze: int | None = None         # the table's weight requires_grad=False from this step
 
 
 CASES = [
@@ -90,6 +91,13 @@ CASES = [
          zero="zeros", skip=True),
     Case("sparse-adagrad-skipped-zeros", kind="sparse", optimizer="adagrad", shards=2,
          zero="zeros", skip=True),
+    # a frozen table (requires_grad=False) in the optimizer: torch never steps it from the
+    # start; frozen later, a gradient set to None is skipped, a zeroed one still steps
+    Case("resident-adam-frozen", optimizer="adam", freeze=0),
+    Case("resident-rowwise-frozen-later", optimizer="rowwise", freeze=3),
+    Case("resident-bag-pooled-adam-frozen-later-zeros", kind="bag", optimizer="adam", pool=True,
+         zero="zeros", freeze=3),
+    Case("sparse-adagrad-frozen-later", kind="sparse", optimizer="adagrad", shards=2, freeze=3),
     Case("resident-adagrad-device", optimizer="adagrad", device="cpu"),
     Case("resident-bag-device", kind="bag", optimizer="adagrad", device="cpu"),
 ]
@@ -212,6 +220,12 @@ def zero_grad(case: Case, m: Net, opt) -> None:
         opt.zero_grad(set_to_none=case.zero == "none")
 
 
+def freeze(case: Case, m: Net, t: int) -> None:
+    """At the case's step, the table's weight leaves autograd, as torch users freeze it."""
+    if case.freeze == t:
+        m.emb.weight.requires_grad_(False)
+
+
 def skipped(case: Case, t: int) -> bool:
     """Whether step ``t`` leaves the table out of its forward."""
     return case.skip and t % 3 == 1
@@ -224,6 +238,7 @@ def reference(case: Case) -> dict:
     ids, y = data(case.steps)
     rows = WORKERS * BATCH
     for t in range(case.steps):
+        freeze(case, m, t)
         zero_grad(case, m, opt)
         torch.nn.functional.cross_entropy(m(ids[t * rows:(t + 1) * rows], skipped(case, t)),
                                           y[t * rows:(t + 1) * rows]).backward()
@@ -253,6 +268,7 @@ def train(cluster, case: Case, extra: dict) -> dict:
     rows = WORKERS * BATCH
     for t in range(case.steps):
         lo = t * rows + w * BATCH
+        freeze(case, m, t)
         zero_grad(case, m, opt)
         batch = ids[lo:lo + BATCH].clone() if case.scribble else ids[lo:lo + BATCH]
         out = m(batch, skipped(case, t))

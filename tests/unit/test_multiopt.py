@@ -11,6 +11,7 @@ import pickle
 import pytest
 import torch
 
+import mpisync
 from mpisync.protocol.multi import (
     JointOptimizer,
     JointRecipe,
@@ -162,6 +163,23 @@ def test_a_parameter_in_two_optimizers_or_in_none_is_refused_by_name():
     m[2].requires_grad_(False)
     assert joint_problem([a], named) is None          # frozen parameters may stay out
     assert joint_problem([a, b], named) is None
+
+
+def test_a_table_in_no_optimizer_is_refused_frozen_or_not():
+    """A table lives on the ps ranks of the optimizer that holds it: one held by none
+    (frozen too, unlike a dense parameter) could not be looked up."""
+    table = mpisync.EmbeddingBag(10, 4, mode="sum")
+    head = torch.nn.Linear(4, 1)
+    named = [("table.weight", table.weight), *head.named_parameters()]
+    dense = torch.optim.SGD(head.parameters(), lr=0.1)
+    expected = ("table 'table.weight' of named_parameters is in none of the 1 optimizers; a "
+                "table lives on the ps ranks of the optimizer that holds it: give it to one "
+                "of them (with requires_grad=False it is looked up and never stepped)")
+    assert joint_problem([dense], named) == expected
+    table.weight.requires_grad_(False)
+    assert joint_problem([dense], named) == expected
+    held = torch.optim.Adagrad(table.parameters(), lr=0.1)   # frozen and held: accepted
+    assert joint_problem([dense, held], named) is None
 
 
 def test_a_sync_replicas_optimizer_in_the_list_is_refused():
