@@ -343,10 +343,12 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not self.stopped:
             self._cycle.run()
-            # the torch optimizers given stepped too: a scheduler built over one of them
-            # then does not warn that its step() came first (torch's lr_scheduler checks)
+            # the torch optimizers given stepped too: as torch's schedulers' wrapper of
+            # their step() would note it, so a scheduler over one of them does not warn
+            # that its own step() came first
             for inner in {id(o): o for o in (self.wrapped, *inners(self.wrapped))}.values():
-                inner._opt_called = True   # type: ignore[attr-defined]
+                if hasattr(inner.step, "_wrapped_by_lr_sched"):
+                    inner._opt_called = True   # type: ignore[attr-defined]
             if not self._stepped:
                 self._stepped = True
                 warn_if_restarts_start_over(self)

@@ -72,13 +72,13 @@ def _held_by_none(count: int, named_parameters: Sequence[tuple[str, torch.Tensor
         if id(p) in held:
             continue
         if table_info(p) is not None:       # frozen or not: its rows need an optimizer's ps
-            return (f"table {name!r} of named_parameters is in none of the {count} "
-                    f"optimizers; a table lives on the ps ranks of the optimizer that holds "
+            return (f"table {name!r} of named_parameters is in no optimizer of the "
+                    f"list ({count} given); a table lives on the ps ranks of the optimizer that holds "
                     f"it: give it to one of them (with requires_grad=False it is looked up "
                     f"and never stepped)")
         if p.requires_grad:
-            return (f"parameter {name!r} of named_parameters is in none of the {count} "
-                    f"optimizers; give it to one of them (or set requires_grad=False to keep "
+            return (f"parameter {name!r} of named_parameters is in no optimizer of the "
+                    f"list ({count} given); give it to one of them (or set requires_grad=False to keep "
                     f"it frozen)")
     return None
 
@@ -124,6 +124,8 @@ class JointOptimizer(torch.optim.Optimizer):
 
     Attributes:
         optimizers: the inner optimizers, in the order given.
+        defaults: the hyper-parameters that every inner optimizer has, with the first's
+            values (``add_param_group`` is refused on a joint optimizer).
         param_groups: their groups, concatenated in that order (the same dicts).
         state: their state, read and written through this one mapping.
 
@@ -135,6 +137,11 @@ class JointOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
         self.optimizers = list(optimizers)
         torch.optim.Optimizer.__init__(self, [torch.zeros(0)], {})
+        # the hyper-parameters every inner optimizer has (the first one's values): what
+        # schedulers look up (OneCycleLR's and CyclicLR's momentum or betas)
+        first, *others = self.optimizers
+        self.defaults = {k: v for k, v in first.defaults.items()
+                         if all(k in o.defaults for o in others)}
         self.param_groups: list[dict] = []
         self.state = _JointState(self)      # type: ignore[assignment]
         self._owner: dict[int, torch.optim.Optimizer] = {}

@@ -100,6 +100,9 @@ class TableInfo:
         # ... and its transport (a worker's RowsChannel: worker/ is not imported here)
         self.channel: Any = None
         self.label = "this worker"
+        # its name in the named_parameters of a SyncReplicasOptimizer whose torch optimizer
+        # does not hold it (the error of a lookup while no optimizer serves it says so)
+        self.left_out: str | None = None
 
     def describe(self) -> str:
         return (f"{self.num_rows} x {self.dim} {self.dtype}, partition_strategy "

@@ -73,10 +73,18 @@ def live_table(info: _Info, what: str) -> _Info:
             raise RuntimeError(f"{info.label}: {what} {info.name!r} was called after its "
                                f"SyncReplicasOptimizer was closed; its table is gone with "
                                f"the ps ranks' service")
+        if info.left_out is not None:
+            raise RuntimeError(f"{info.label}: {what} {info.left_out!r} is in none of the "
+                               f"param groups of the torch optimizer given to this worker's "
+                               f"SyncReplicasOptimizer, and no other one holds it, so no ps "
+                               f"rank holds its table: give its weight to the torch "
+                               f"optimizer of a SyncReplicasOptimizer before its first "
+                               f"lookup (a frozen table too: requires_grad=False keeps it "
+                               f"from being stepped)")
         raise RuntimeError(f"{info.label}: {what} was called before a "
                            f"SyncReplicasOptimizer holding its weight was created; its "
-                           f"table lives on the ps ranks from then on (one whose torch "
-                           f"optimizer holds the weight: a frozen table too, which "
+                           f"table lives on the ps ranks from then on (its torch optimizer "
+                           f"must hold the weight: a frozen table too, which "
                            f"requires_grad=False keeps from being stepped)")
     return info
 

@@ -77,6 +77,10 @@ class RowsChannel:
             if table.info is not None:
                 table.info.name, table.info.channel, table.info.label = (
                     table.spec.name, self, self.label)
+        for name, p in params.items():     # tables its optimizer leaves out: said at lookup
+            info = table_info(p)
+            if info is not None and info.channel is None:
+                info.left_out, info.label = name, self.label
 
     @property
     def active(self) -> bool:

@@ -83,5 +83,5 @@ def test_a_parameter_no_optimizer_holds_is_refused_on_every_worker(job):
         assert got["error"] is not None, w
         assert got["error"].startswith(f"ConfigError: worker {w} "), got["error"]
         assert "worker 1 (rank 1): parameter 'second.weight' of named_parameters is in " \
-               "none of the 1 optimizers" in got["error"], (w, got["error"])
+               "no optimizer of the list (1 given)" in got["error"], (w, got["error"])
     assert sorted(job["refused"]) == list(range(WORKERS))

@@ -155,7 +155,7 @@ def errors():
 def test_every_bad_input_case_ran_on_every_worker(errors):
     run, by_case, _ = errors
     assert sorted(by_case) == sorted([*tables_errors.BAD_IDS, *tables_errors.BAD_SET_UP,
-                                      "retry"]), run.describe()
+                                      "left_out", "retry"]), run.describe()
     for name, records in by_case.items():
         assert sorted(records) == [0, 1], (name, run.describe())
         # each worker went on training after the error, to the last step
@@ -216,6 +216,16 @@ def test_bad_set_up_is_refused_on_every_rank(errors, case, cause, told):
             assert record["error"].startswith(f"ConfigError: worker {w} (rank {w}"), record
     if told:
         assert_every_rank_says(said, pattern, labels(2, 1)[2:])
+
+
+def test_a_table_the_optimizer_does_not_hold_is_refused_at_lookup_saying_what_to_do(errors):
+    run, by_case, _ = errors
+    assert sorted(by_case["left_out"]) == [0, 1], run.describe()
+    for w, record in by_case["left_out"].items():
+        assert re.match(rf"RuntimeError: worker {w} \(rank {w}[^)]*\): mpisync\.Embedding "
+                        r"'emb\.weight' is in none of the param groups of the torch optimizer "
+                        r"given to this worker's SyncReplicasOptimizer, .*give its weight to "
+                        r"the torch optimizer", record["error"]), (w, record)
 
 
 def test_a_worker_that_catches_a_set_up_error_can_set_up_again(errors):

@@ -3,7 +3,7 @@
 Each case is refused on every worker, which catches the error, records it (a RESULT
 record per case and worker) and goes on: bad ids at the third step of training (then the
 step is made with good ids), a bad set-up (then the optimizer is set up again as it should
-be, and trains). The last case, ``uncaught``, ends the job: worker 1 gives an id out of
+be, and trains), a table the optimizer does not hold looked up. The last case, ``uncaught``, ends the job: worker 1 gives an id out of
 range at its third step and does not catch the IndexError, and every rank stops, naming
 it. ``--cases a,b`` runs those only (default: all, in this order).
 """
@@ -77,6 +77,22 @@ def case_set_up(case: str):
     return run_case
 
 
+def case_left_out(w: int) -> list[dict]:
+    """A table whose weight the torch optimizer does not hold: its lookup is refused,
+    naming it and what to do; then the optimizer set up as it should be, and trains."""
+    model = torch.nn.Module()
+    model.emb = mpisync.Embedding(ROWS, DIM)
+    model.scale = torch.nn.Parameter(torch.tensor(1.0))
+    opt = mpisync.SyncReplicasOptimizer(torch.optim.SGD([model.scale], lr=0.1),
+                                        named_parameters=model.named_parameters())
+    error = attempt(lambda: model.emb(torch.arange(5)))
+    opt.close()
+    model, opt = build(w)
+    train(model, opt, w)
+    opt.close()
+    return [{"case": "left_out", "error": error, "global_step": opt.global_step}]
+
+
 def case_retry(w: int) -> list[dict]:
     """A worker that catches a set-up error can set up again, without the partitioner."""
     try:
@@ -100,7 +116,7 @@ def case_uncaught(w: int) -> list[dict]:
 
 
 CASES = {"bad_ids": case_bad_ids, **{c: case_set_up(c) for c in BAD_SET_UP},
-         "retry": case_retry, "uncaught": case_uncaught}
+         "left_out": case_left_out, "retry": case_retry, "uncaught": case_uncaught}
 
 
 def main() -> None:

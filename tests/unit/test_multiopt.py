@@ -158,7 +158,7 @@ def test_a_parameter_in_two_optimizers_or_in_none_is_refused_by_name():
         "parameter '0.bias' is in optimizers[0] and in optimizers[2]; each parameter "
         "belongs to one optimizer")
     assert joint_problem([a], named) == (
-        "parameter '2.weight' of named_parameters is in none of the 1 optimizers; give it "
+        "parameter '2.weight' of named_parameters is in no optimizer of the list (1 given); give it "
         "to one of them (or set requires_grad=False to keep it frozen)")
     m[2].requires_grad_(False)
     assert joint_problem([a], named) is None          # frozen parameters may stay out
@@ -172,7 +172,7 @@ def test_a_table_in_no_optimizer_is_refused_frozen_or_not():
     head = torch.nn.Linear(4, 1)
     named = [("table.weight", table.weight), *head.named_parameters()]
     dense = torch.optim.SGD(head.parameters(), lr=0.1)
-    expected = ("table 'table.weight' of named_parameters is in none of the 1 optimizers; a "
+    expected = ("table 'table.weight' of named_parameters is in no optimizer of the list (1 given); a "
                 "table lives on the ps ranks of the optimizer that holds it: give it to one "
                 "of them (with requires_grad=False it is looked up and never stepped)")
     assert joint_problem([dense], named) == expected
@@ -180,6 +180,33 @@ def test_a_table_in_no_optimizer_is_refused_frozen_or_not():
     assert joint_problem([dense], named) == expected
     held = torch.optim.Adagrad(table.parameters(), lr=0.1)   # frozen and held: accepted
     assert joint_problem([dense, held], named) is None
+
+
+def test_a_scheduler_over_the_joint_optimizer_finds_the_hyper_parameters_they_share():
+    """OneCycleLR looks for momentum (or betas) in ``defaults``: over two SGDs with
+    momentum it cycles both, as one scheduler on each would; over Adam and SGD, which share
+    neither, torch refuses it as it refuses an optimizer without either."""
+    def sgds(m):
+        return [torch.optim.SGD(m[0].parameters(), lr=0.1, momentum=0.9),
+                torch.optim.SGD(m[2].parameters(), lr=0.05, momentum=0.8)]
+
+    m = model()
+    joint = JointOptimizer(sgds(m))
+    assert joint.defaults["momentum"] == 0.9 and "lr" in joint.defaults
+    alone = sgds(model())
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.3, total_steps=10)
+              for o in (joint, *alone)]
+    for _ in range(4):
+        for o in (joint, *alone):
+            o.step()
+        for sc in scheds:
+            sc.step()
+        assert [(g["lr"], g["momentum"]) for g in joint.param_groups] == \
+            [(g["lr"], g["momentum"]) for o in alone for g in o.param_groups]
+    assert "momentum" not in JointOptimizer(optimizers(model())).defaults
+    with pytest.raises(ValueError, match="momentum or beta1"):
+        torch.optim.lr_scheduler.OneCycleLR(JointOptimizer(optimizers(model())), max_lr=0.3,
+                                            total_steps=10)
 
 
 def test_a_sync_replicas_optimizer_in_the_list_is_refused():
