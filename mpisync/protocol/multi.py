@@ -72,14 +72,14 @@ def _held_by_none(count: int, named_parameters: Sequence[tuple[str, torch.Tensor
         if id(p) in held:
             continue
         if table_info(p) is not None:       # frozen or not: its rows need an optimizer's ps
-            return (f"table {name!r} of named_parameters is in no optimizer of the "
-                    f"list ({count} given); a table lives on the ps ranks of the optimizer that holds "
-                    f"it: give it to one of them (with requires_grad=False it is looked up "
-                    f"and never stepped)")
+            return (f"table {name!r} of named_parameters is in no optimizer of the list "
+                    f"({count} given); a table lives on the ps ranks of the optimizer that "
+                    f"holds it: give it to one of them (with requires_grad=False it is looked "
+                    f"up and never stepped)")
         if p.requires_grad:
-            return (f"parameter {name!r} of named_parameters is in no optimizer of the "
-                    f"list ({count} given); give it to one of them (or set requires_grad=False to keep "
-                    f"it frozen)")
+            return (f"parameter {name!r} of named_parameters is in no optimizer of the list "
+                    f"({count} given); give it to one of them (or set requires_grad=False to "
+                    f"keep it frozen)")
     return None
 
 
