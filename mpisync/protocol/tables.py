@@ -85,6 +85,11 @@ class TableSpec:
 class TableInfo:
     """What an ``mpisync.Embedding`` knows of its table before and after set-up."""
 
+    # its name in the named_parameters of a SyncReplicasOptimizer whose torch optimizer
+    # does not hold it (the error of a lookup while no optimizer serves it says so); on
+    # the class too, for tables pickled before it existed
+    left_out: str | None = None
+
     def __init__(self, num_rows: int, dim: int, partitioner, strategy: str,
                  weight: torch.Tensor | None, seed: int, padding_idx: int | None,
                  dtype: torch.dtype):
@@ -100,9 +105,6 @@ class TableInfo:
         # ... and its transport (a worker's RowsChannel: worker/ is not imported here)
         self.channel: Any = None
         self.label = "this worker"
-        # its name in the named_parameters of a SyncReplicasOptimizer whose torch optimizer
-        # does not hold it (the error of a lookup while no optimizer serves it says so)
-        self.left_out: str | None = None
 
     def describe(self) -> str:
         return (f"{self.num_rows} x {self.dim} {self.dtype}, partition_strategy "
