@@ -17,7 +17,7 @@ import torch
 from mpi_helpers import SCRIPTS, run_mpi
 
 sys.path.insert(0, str(SCRIPTS))
-from multiopt import CASES, STEPS, WORKERS, reference
+from multiopt import CASES, STEPS, WORKERS, build, late_scheduler_warnings, reference
 
 from mpisync.protocol.multi import join_state_dicts
 
@@ -85,3 +85,19 @@ def test_a_parameter_no_optimizer_holds_is_refused_on_every_worker(job):
         assert "worker 1 (rank 1): parameter 'second.weight' of named_parameters is in " \
                "no optimizer of the list (1 given)" in got["error"], (w, got["error"])
     assert sorted(job["refused"]) == list(range(WORKERS))
+
+
+def test_a_scheduler_stepped_before_the_optimizer_warns_as_in_torch(job):
+    """Built late over one joined optimizer: torch's warning once, when stepped before
+    the next ``opt.step()``; none after it (the same counts as in one process)."""
+    m, opts = build("adam+sgd", plain=True)
+
+    def step(t):
+        for o in opts:
+            o.step()
+
+    want = late_scheduler_warnings(m, opts[1], step)
+    assert want == [1, 0]
+    for w, got in job["late"].items():
+        assert got["warned"] == want, w
+    assert sorted(job["late"]) == list(range(WORKERS))

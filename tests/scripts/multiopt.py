@@ -212,6 +212,37 @@ def refused(cluster) -> dict:
     return {"error": None}
 
 
+def late_scheduler(cluster) -> dict:
+    """Torch's warning of a scheduler stepped before the optimizer, where torch gives it:
+    a scheduler built over the second optimizer after two steps and stepped before the
+    next ``opt.step()`` warns once (in one process too: ``late_scheduler_warnings``);
+    stepped after it, it does not."""
+    m, opts = build("adam+sgd", plain=False)
+    opt = mpisync.SyncReplicasOptimizer(opts, named_parameters=m.named_parameters(),
+                                        cluster=cluster)
+    rows = slice(cluster.worker_index * BATCH, (cluster.worker_index + 1) * BATCH)
+    warned = late_scheduler_warnings(m, opts[1], lambda t: train_step("adam+sgd", t, m, opt,
+                                                                     [], rows))
+    opt.close()
+    return {"warned": warned}
+
+
+def late_scheduler_warnings(m, second, step) -> list[int]:
+    """How many scheduler warnings ``sched.step()`` gave, before and after the third step."""
+    step(0)
+    step(1)
+    sched = torch.optim.lr_scheduler.StepLR(second, step_size=2, gamma=0.5)
+    counts = []
+    for t in (2, 3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if t == 3:
+                step(t)
+            sched.step()
+        counts.append(sum("lr_scheduler" in str(c.message) for c in caught))
+    return counts
+
+
 def _same(x, y) -> bool:
     if torch.is_tensor(x):
         return torch.equal(x, y)
@@ -223,6 +254,7 @@ def _same(x, y) -> bool:
 def worker(cluster):
     directory = sys.argv[1]
     emit(role="worker", worker=cluster.worker_index, case="refused", **refused(cluster))
+    emit(role="worker", worker=cluster.worker_index, case="late", **late_scheduler(cluster))
     for name in sys.argv[2:]:
         emit(role="worker", worker=cluster.worker_index, case=name,
              **train(cluster, name, os.path.join(directory, name if name != "adam+sgd" else f"{name}.pt")))
