@@ -119,11 +119,11 @@ def draw(rng: np.random.Generator, rows: int, batch: int) -> tuple[np.ndarray, n
 def rows_bytes(unique_ids: np.ndarray, num_ps: int, row_bytes: int = DIM * 4) -> dict:
     """The bytes of one step's rows messages between one worker and the ps ranks.
 
-    From the layout of ``mpisync.protocol.rowsmsg.pack_rows`` (a header of ``3 + parts`` int64 words,
-    int64 ids, values padded to 8 bytes), one table in ``num_ps`` ``"mod"`` shards, one per
-    ps rank: to each ps holding some of the batch's ``u`` unique ids, a lookup request
-    (``u`` ids) and its reply (``u`` rows); with the push, a rows message (``u`` ids and
-    their gradient rows; counted by ``opt.stats["bytes_per_ps"]``).
+    From the layout of ``mpisync.protocol.rowsmsg.pack_rows`` (a header of ``3 + parts``
+    int64 words, int64 ids, values padded to 8 bytes), one table in ``num_ps`` ``"mod"``
+    shards, one per ps rank: to each ps holding some of the batch's ``u`` unique ids, a
+    lookup request (``u`` ids) and its reply (``u`` rows); with the push, a rows message
+    (``u`` ids and their gradient rows; counted by ``opt.stats["bytes_per_ps"]``).
     """
     head = 8 * (3 + 1)
     per_ps = np.bincount(unique_ids % num_ps, minlength=num_ps)

@@ -231,6 +231,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
                 optimizer = JointOptimizer(optimizer)
         optimizer = cast(torch.optim.Optimizer, optimizer)   # a list only where refused
         self.wrapped = optimizer             # the torch optimizer given (same param groups)
+        self._given = inners(optimizer)      # it, or the optimizers joined in it
         options = Options(replicas_to_aggregate, total_num_replicas, num_tokens, placement,
                           reduction, deterministic, ema_decay, ema_num_updates, asynchronous,
                           max_staleness, buffers, schedule, partitioner, sparse_reduction,
@@ -346,7 +347,7 @@ class SyncReplicasOptimizer(torch.optim.Optimizer):
             # the torch optimizers given stepped too: as torch's schedulers' wrapper of
             # their step() would note it, so a scheduler over one of them does not warn
             # that its own step() came first
-            for inner in {id(o): o for o in (self.wrapped, *inners(self.wrapped))}.values():
+            for inner in self._given:
                 if hasattr(inner.step, "_wrapped_by_lr_sched"):
                     inner._opt_called = True   # type: ignore[attr-defined]
             if not self._stepped:

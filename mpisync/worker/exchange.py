@@ -164,21 +164,20 @@ def exchange(channel, requests: list[Request]) -> list[torch.Tensor]:
                 nbytes = p.num_bags * t.row_bytes
                 out += view[at:at + nbytes].view(t.dtype).view(-1, *t.row_shape)
                 at += pad8(nbytes)
-    if torch.is_grad_enabled():
-        _keep(channel, requests, outs, split)
+    _keep(channel, requests, outs, split)
     return outs
 
 
 def _keep(channel, requests: list[Request], outs: list[torch.Tensor], split: dict) -> None:
-    """The outputs become leaves whose gradients the next push sends (not those of a
-    table whose weight has ``requires_grad=False``: frozen, as torch leaves it)."""
+    """The outputs of the tables that take a gradient now (``_Table.takes_grad``) become
+    leaves whose gradients the next push sends."""
     for r, out in zip(requests, outs):
-        if not channel.tables[r.index].param.requires_grad:
+        table = channel.tables[r.index]
+        if not table.takes_grad():
             continue
         out.requires_grad_(True)
         if channel.on_grad is not None:
             out.register_post_accumulate_grad_hook(channel.on_grad)
-        table = channel.tables[r.index]
         if r.bags is None:
             table.pending.append((r.unique, out))
         else:

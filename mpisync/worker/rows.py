@@ -33,6 +33,11 @@ class _Table:
             param.__class__ = TrackedParameter   # p.data writes count as writes too
         self.version = param._version        # a sparse weight: what the ps ranks hold
 
+    def takes_grad(self) -> bool:
+        """Whether a lookup now collects a gradient for the next push: grad enabled and
+        the weight not frozen (``requires_grad=False``), as torch's ``nn.Embedding``."""
+        return torch.is_grad_enabled() and self.param.requires_grad
+
 
 class RowsChannel:
     """Tables of one optimizer: ``mpisync.Embedding`` tables and sparse ``nn.Embedding`` weights.
@@ -142,7 +147,7 @@ class RowsChannel:
             for (i, k), (_, values) in zip(shards, parts):
                 if i == index and counts[k]:
                     out[positions[k]] = values
-        if torch.is_grad_enabled() and table.param.requires_grad:   # frozen: as torch's
+        if table.takes_grad():
             out.requires_grad_(True)
             if self.on_grad is not None:
                 out.register_post_accumulate_grad_hook(self.on_grad)

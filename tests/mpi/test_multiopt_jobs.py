@@ -90,13 +90,13 @@ def test_a_parameter_no_optimizer_holds_is_refused_on_every_worker(job):
 def test_a_scheduler_stepped_before_the_optimizer_warns_as_in_torch(job):
     """Built late over one joined optimizer: torch's warning once, when stepped before
     the next ``opt.step()``; none after it (the same counts as in one process)."""
-    m, opts = build("adam+sgd", plain=True)
+    _, opts = build("adam+sgd", plain=True)
 
     def step(t):
         for o in opts:
             o.step()
 
-    want = late_scheduler_warnings(m, opts[1], step)
+    want = late_scheduler_warnings(opts[1], step)
     assert want == [1, 0]
     for w, got in job["late"].items():
         assert got["warned"] == want, w

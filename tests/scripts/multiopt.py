@@ -162,8 +162,9 @@ def train(cluster, name: str, path: str) -> dict:
             train_step(name, t, m, opt, scheds, rows)
             lrs.append(opts[0].param_groups[0]["lr"])
     state = opt.state_dict(tables=False)
-    out = {"values": values(m, opt), "lrs": lrs,
-           "scheduler_warnings": [str(c.message) for c in caught if "lr_scheduler" in str(c.message)], "counts": state["mpisync"]["optimizers"],
+    out = {"values": values(m, opt), "lrs": lrs, "counts": state["mpisync"]["optimizers"],
+           "scheduler_warnings": [str(c.message) for c in caught
+                                  if "lr_scheduler" in str(c.message)],
            "state": {str(i): {k: v.tolist() if torch.is_tensor(v) else v for k, v in s.items()}
                      for i, s in state["state"].items()},
            "groups": [{k: v for k, v in g.items() if k in ("lr", "momentum", "params")}
@@ -221,13 +222,13 @@ def late_scheduler(cluster) -> dict:
     opt = mpisync.SyncReplicasOptimizer(opts, named_parameters=m.named_parameters(),
                                         cluster=cluster)
     rows = slice(cluster.worker_index * BATCH, (cluster.worker_index + 1) * BATCH)
-    warned = late_scheduler_warnings(m, opts[1], lambda t: train_step("adam+sgd", t, m, opt,
-                                                                     [], rows))
+    warned = late_scheduler_warnings(opts[1],
+                                     lambda t: train_step("adam+sgd", t, m, opt, [], rows))
     opt.close()
     return {"warned": warned}
 
 
-def late_scheduler_warnings(m, second, step) -> list[int]:
+def late_scheduler_warnings(second, step) -> list[int]:
     """How many scheduler warnings ``sched.step()`` gave, before and after the third step."""
     step(0)
     step(1)

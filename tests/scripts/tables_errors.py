@@ -3,9 +3,10 @@
 Each case is refused on every worker, which catches the error, records it (a RESULT
 record per case and worker) and goes on: bad ids at the third step of training (then the
 step is made with good ids), a bad set-up (then the optimizer is set up again as it should
-be, and trains), a table the optimizer does not hold looked up. The last case, ``uncaught``, ends the job: worker 1 gives an id out of
-range at its third step and does not catch the IndexError, and every rank stops, naming
-it. ``--cases a,b`` runs those only (default: all, in this order).
+be, and trains), a table the optimizer does not hold looked up. The last case,
+``uncaught``, ends the job: worker 1 gives an id out of range at its third step and does
+not catch the IndexError, and every rank stops, naming it. ``--cases a,b`` runs those
+only (default: all, in this order).
 """
 from __future__ import annotations
 

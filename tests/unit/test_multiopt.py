@@ -158,8 +158,8 @@ def test_a_parameter_in_two_optimizers_or_in_none_is_refused_by_name():
         "parameter '0.bias' is in optimizers[0] and in optimizers[2]; each parameter "
         "belongs to one optimizer")
     assert joint_problem([a], named) == (
-        "parameter '2.weight' of named_parameters is in no optimizer of the list (1 given); give it "
-        "to one of them (or set requires_grad=False to keep it frozen)")
+        "parameter '2.weight' of named_parameters is in no optimizer of the list (1 given); "
+        "give it to one of them (or set requires_grad=False to keep it frozen)")
     m[2].requires_grad_(False)
     assert joint_problem([a], named) is None          # frozen parameters may stay out
     assert joint_problem([a, b], named) is None
@@ -172,9 +172,9 @@ def test_a_table_in_no_optimizer_is_refused_frozen_or_not():
     head = torch.nn.Linear(4, 1)
     named = [("table.weight", table.weight), *head.named_parameters()]
     dense = torch.optim.SGD(head.parameters(), lr=0.1)
-    expected = ("table 'table.weight' of named_parameters is in no optimizer of the list (1 given); a "
-                "table lives on the ps ranks of the optimizer that holds it: give it to one "
-                "of them (with requires_grad=False it is looked up and never stepped)")
+    expected = ("table 'table.weight' of named_parameters is in no optimizer of the list (1 "
+                "given); a table lives on the ps ranks of the optimizer that holds it: give it "
+                "to one of them (with requires_grad=False it is looked up and never stepped)")
     assert joint_problem([dense], named) == expected
     table.weight.requires_grad_(False)
     assert joint_problem([dense], named) == expected
